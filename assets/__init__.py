@@ -1,0 +1,1 @@
+"""Thin ``@asset`` functions grouped by stage; collected by ``factory/definitions.py``."""

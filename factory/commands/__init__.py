@@ -1,0 +1,1 @@
+"""Subcommands of the ``factory`` CLI, one module each, each with ``register(subparsers)``."""

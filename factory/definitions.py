@@ -1,0 +1,50 @@
+"""The one composition root: every asset, check, sensor, job, schedule and resource.
+
+Assets and checks are collected from the modules of the ``assets`` package; sensors, jobs and
+schedules from the ``SENSORS``/``JOBS``/``SCHEDULES`` lists of the modules of ``sensors``.
+``workspace.yaml`` loads ``defs`` from here, so ``dagster dev`` / ``factory ui`` show the graph.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+from typing import Any
+
+import dagster as dg
+
+import assets
+import sensors
+from resources.lake import LakeResource
+
+
+def _modules(package: ModuleType) -> list[ModuleType]:
+    return [importlib.import_module(f"{package.__name__}.{m.name}")
+            for m in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name)]
+
+
+def _collect(name: str) -> list[Any]:
+    return [item for module in _modules(sensors) for item in getattr(module, name, [])]
+
+
+def build_resources() -> dict[str, Any]:
+    """Resource instances by key: the embedded defaults."""
+    return {
+        "lake": LakeResource(),
+    }
+
+
+def build_definitions() -> dg.Definitions:
+    asset_modules = _modules(assets)
+    return dg.Definitions(
+        assets=dg.load_assets_from_modules(asset_modules),
+        asset_checks=dg.load_asset_checks_from_modules(asset_modules),
+        sensors=_collect("SENSORS"),
+        jobs=_collect("JOBS"),
+        schedules=_collect("SCHEDULES"),
+        resources=build_resources(),
+    )
+
+
+defs = build_definitions()

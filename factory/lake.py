@@ -1,0 +1,437 @@
+"""The lake: Iceberg tables through a pyiceberg catalog, queried with DuckDB, with lineage.
+
+Embedded default: pyiceberg's SQL catalog on SQLite plus a local warehouse under
+``$FACTORY_HOME``. With ``FACTORY_CATALOG=<name>`` set, the catalog is pyiceberg's own
+``load_catalog(<name>)`` (``~/.pyiceberg.yaml`` or ``PYICEBERG_CATALOG__<NAME>__*`` variables), so a
+REST, Glue or Hive catalog on object storage needs no code change.
+
+Every write goes through ``LakeSession`` (or ``Lake.append`` with a ``Lineage``) and records, in
+the Iceberg snapshot summary, the Dagster run id, the asset key, the code version and the
+snapshot ids of every table read before it. ``walk_lineage`` follows that chain back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.exceptions import (
+    CommitFailedException,
+    NamespaceAlreadyExistsError,
+    NoSuchTableError,
+    TableAlreadyExistsError,
+)
+from pyiceberg.table import Table
+
+from factory.errors import QueryError, SnapshotNotFoundError
+from factory.settings import Settings, get_settings
+from factory.tables import NAMESPACE, TABLES, schema_of
+
+# Keys written into each snapshot summary.
+RUN_ID = "factory.run_id"
+ASSET_KEY = "factory.asset_key"
+CODE_VERSION = "factory.code_version"
+READS = "factory.reads"
+
+# A commit that loses a race is retried after reloading the table. 60 tries with capped jittered
+# backoff outlast two writers hammering one table (measured: 37 of 80 commits conflicted).
+_MAX_COMMIT_TRIES = 60
+
+
+@cache
+def code_version() -> str:
+    """The git sha of the checkout the factory runs from, or the package version outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=5, check=True)
+        sha = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        from factory import __version__
+
+        return __version__
+
+
+@dataclass
+class Lineage:
+    """Who is writing (run and asset) and which table snapshots it read."""
+
+    run_id: str
+    asset_key: str
+    reads: dict[str, int] = field(default_factory=dict)
+
+    def record_read(self, table: str, snapshot_id: int | None) -> None:
+        if snapshot_id is not None:
+            self.reads[table] = snapshot_id
+
+    def snapshot_properties(self) -> dict[str, str]:
+        return {
+            RUN_ID: self.run_id,
+            ASSET_KEY: self.asset_key,
+            CODE_VERSION: code_version(),
+            READS: json.dumps(self.reads, sort_keys=True),
+        }
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """A commit conflict, or SQLite busy under concurrent writers: both succeed on retry."""
+    if isinstance(exc, CommitFailedException):
+        return True
+    text = str(exc).lower()
+    return "database is locked" in text or "database table is locked" in text
+
+
+def _retry(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    delay = 0.01
+    for attempt in range(_MAX_COMMIT_TRIES):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if not _is_transient(exc) or attempt == _MAX_COMMIT_TRIES - 1:
+                raise
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 0.5)
+    raise AssertionError("unreachable")
+
+
+def to_arrow(name: str, data: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Shape rows or an Arrow table to the declared schema of ``name`` (missing columns null)."""
+    schema = schema_of(name)
+    if not isinstance(data, pa.Table):
+        return pa.Table.from_pylist(list(data), schema=schema)
+    unknown = set(data.column_names) - set(schema.names)
+    if unknown:
+        raise ValueError(f"table {name!r} has no column(s) {sorted(unknown)}")
+    columns = [
+        data.column(f.name).cast(f.type) if f.name in data.column_names
+        else pa.nulls(data.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+class Lake:
+    """The factory's tables. Cheap to construct; safe to use from several threads/processes."""
+
+    def __init__(self, settings: Settings | None = None, catalog: Catalog | None = None) -> None:
+        self.settings = (settings or get_settings()).ensure()
+        self._catalog = catalog
+        self._lock = threading.Lock()
+        self._ready: set[str] = set()
+
+    # -- catalog and tables ------------------------------------------------------------------
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:
+            name = os.environ.get("FACTORY_CATALOG")
+            if name:
+                self._catalog = load_catalog(name)
+            else:
+                from pyiceberg.catalog.sql import SqlCatalog
+
+                self._catalog = SqlCatalog(
+                    "factory",
+                    uri=f"sqlite:///{self.settings.catalog_db}",
+                    warehouse=self.settings.warehouse.as_uri(),
+                )
+            try:
+                _retry(self._catalog.create_namespace, NAMESPACE)
+            except NamespaceAlreadyExistsError:
+                pass
+        return self._catalog
+
+    def table(self, name: str) -> Table:
+        """Load table ``name``, creating it or evolving its schema to the declaration."""
+        schema = schema_of(name)
+        ident = (NAMESPACE, name)
+        try:
+            tbl = _retry(self.catalog.load_table, ident)
+        except NoSuchTableError:
+            try:
+                tbl = _retry(self.catalog.create_table, ident, schema=schema)
+            except TableAlreadyExistsError:
+                tbl = _retry(self.catalog.load_table, ident)
+        if name not in self._ready:
+            have = set(tbl.schema().column_names)
+            if any(f.name not in have for f in schema):
+                def evolve() -> None:
+                    fresh = self.catalog.load_table(ident)
+                    with fresh.update_schema() as update:
+                        update.union_by_name(schema)
+                _retry(evolve)
+                tbl = self.catalog.load_table(ident)
+            self._ready.add(name)
+        return tbl
+
+    def exists(self, name: str) -> bool:
+        return bool(self.catalog.table_exists((NAMESPACE, name)))
+
+    def existing_tables(self) -> list[str]:
+        return sorted(t for t in TABLES if self.exists(t))
+
+    def snapshot_id(self, name: str) -> int | None:
+        if not self.exists(name):
+            return None
+        snap = self.table(name).current_snapshot()
+        return snap.snapshot_id if snap else None
+
+    # -- reads ---------------------------------------------------------------------------------
+    def read(self, name: str, *, snapshot_id: int | None = None, row_filter: str | None = None,
+             columns: Sequence[str] | None = None, lineage: Lineage | None = None) -> pa.Table:
+        """Scan ``name`` at ``snapshot_id`` (default current) into Arrow, recording the read."""
+        tbl = self.table(name)
+        if snapshot_id is None:
+            snap = tbl.current_snapshot()
+            snapshot_id = snap.snapshot_id if snap else None
+        elif tbl.snapshot_by_id(snapshot_id) is None:
+            raise SnapshotNotFoundError(f"table {name!r} has no snapshot {snapshot_id}")
+        if lineage is not None:
+            lineage.record_read(name, snapshot_id)
+        if snapshot_id is None:
+            empty = schema_of(name)
+            return empty.empty_table() if columns is None else empty.empty_table().select(columns)
+        kwargs: dict[str, Any] = {"snapshot_id": snapshot_id}
+        if row_filter:
+            kwargs["row_filter"] = row_filter
+        if columns:
+            kwargs["selected_fields"] = tuple(columns)
+        return tbl.scan(**kwargs).to_arrow()
+
+    # -- writes --------------------------------------------------------------------------------
+    def append(self, name: str, data: pa.Table | Sequence[Mapping[str, Any]], *,
+               lineage: Lineage | None = None) -> int | None:
+        """Append rows; retried on commit conflicts so concurrent writers lose nothing.
+
+        Returns the new snapshot id (None when there was nothing to write).
+        """
+        arrow = to_arrow(name, data)
+        if arrow.num_rows == 0:
+            return None
+        props = lineage.snapshot_properties() if lineage else {}
+
+        def commit() -> int:
+            tbl = self.catalog.load_table((NAMESPACE, name))
+            tbl.append(arrow, snapshot_properties=props)
+            snap = tbl.current_snapshot()
+            assert snap is not None
+            return snap.snapshot_id
+
+        self.table(name)
+        return int(_retry(commit))
+
+    def overwrite(self, name: str, data: pa.Table | Sequence[Mapping[str, Any]], *,
+                  where: str | None = None, lineage: Lineage | None = None) -> int | None:
+        """Replace the rows matching ``where`` (all rows if None) with ``data``."""
+        arrow = to_arrow(name, data)
+        props = lineage.snapshot_properties() if lineage else {}
+
+        def commit() -> int | None:
+            tbl = self.catalog.load_table((NAMESPACE, name))
+            if where is None:
+                tbl.overwrite(arrow, snapshot_properties=props)
+            else:
+                tbl.overwrite(arrow, overwrite_filter=where, snapshot_properties=props)
+            snap = tbl.current_snapshot()
+            return snap.snapshot_id if snap else None
+
+        self.table(name)
+        return _retry(commit)  # type: ignore[no-any-return]
+
+    def session(self, *, run_id: str, asset_key: str) -> LakeSession:
+        return LakeSession(self, Lineage(run_id=run_id, asset_key=asset_key))
+
+    def buffered(self, name: str, *, lineage: Lineage | None = None, max_rows: int = 5000,
+                 max_delay_s: float = 1.0) -> BufferedAppender:
+        return BufferedAppender(self, name, lineage=lineage, max_rows=max_rows,
+                                max_delay_s=max_delay_s)
+
+    # -- SQL -----------------------------------------------------------------------------------
+    def sql(self, query: str, params: Sequence[Any] | Mapping[str, Any] | None = None,
+            *, lineage: Lineage | None = None) -> pa.Table:
+        """Run DuckDB SQL with every lake table visible by its bare name at its current snapshot.
+
+        Only the tables the query names are scanned. Values go in ``params`` (bind parameters).
+        """
+        import duckdb
+
+        con = duckdb.connect()
+        try:
+            for name in self.existing_tables():
+                if re.search(rf"\b{re.escape(name)}\b", query, flags=re.IGNORECASE):
+                    con.register(name, self.read(name, lineage=lineage))
+            try:
+                rel = con.sql(query, params=params) if params is not None else con.sql(query)
+                arrow = rel.to_arrow_table() if rel is not None else pa.table({})
+            except duckdb.Error as exc:
+                first = str(exc).strip().splitlines()[0]
+                raise QueryError(f"SQL error: {first}") from None
+            return arrow
+        finally:
+            con.close()
+
+    # -- introspection -------------------------------------------------------------------------
+    def describe(self) -> list[dict[str, Any]]:
+        """One row per existing table: name, rows, current snapshot, last writer."""
+        out = []
+        for name in self.existing_tables():
+            snap = self.table(name).current_snapshot()
+            props = dict(snap.summary.additional_properties) if snap and snap.summary else {}
+            out.append({
+                "table": name,
+                "rows": int(props.get("total-records", 0)),
+                "snapshot_id": snap.snapshot_id if snap else None,
+                "committed_at": _iso(snap.timestamp_ms) if snap else None,
+                "last_writer": props.get(ASSET_KEY, ""),
+                "run_id": props.get(RUN_ID, ""),
+            })
+        return out
+
+    def snapshot_info(self, name: str, snapshot_id: int | None = None) -> dict[str, Any]:
+        """The lineage properties of one snapshot of ``name`` (default: current)."""
+        tbl = self.table(name)
+        snap = tbl.current_snapshot() if snapshot_id is None else tbl.snapshot_by_id(snapshot_id)
+        if snap is None:
+            what = "no snapshots yet" if snapshot_id is None else f"no snapshot {snapshot_id}"
+            raise SnapshotNotFoundError(f"table {name!r} has {what}")
+        props = dict(snap.summary.additional_properties) if snap.summary else {}
+        ancestors = 0
+        parent = snap.parent_snapshot_id
+        while parent is not None:
+            ancestors += 1
+            prev = tbl.snapshot_by_id(parent)
+            parent = prev.parent_snapshot_id if prev else None
+        return {
+            "table": name,
+            "snapshot_id": snap.snapshot_id,
+            "committed_at": _iso(snap.timestamp_ms),
+            "operation": str(snap.summary.operation.value) if snap.summary else "",
+            "rows": int(props.get("total-records", 0)),
+            "run_id": props.get(RUN_ID, ""),
+            "asset_key": props.get(ASSET_KEY, ""),
+            "code_version": props.get(CODE_VERSION, ""),
+            "reads": json.loads(props.get(READS, "{}")),
+            "earlier_snapshots": ancestors,
+        }
+
+
+def walk_lineage(lake: Lake, name: str, snapshot_id: int | None = None,
+                 _seen: set[tuple[str, int]] | None = None) -> dict[str, Any]:
+    """The lineage tree of ``name@snapshot_id``: each node with the nodes it read."""
+    seen = _seen if _seen is not None else set()
+    node = lake.snapshot_info(name, snapshot_id)
+    key = (name, node["snapshot_id"])
+    node["upstream"] = []
+    if key in seen:
+        node["cycle"] = True
+        return node
+    seen.add(key)
+    for table, snap in sorted(node["reads"].items()):
+        try:
+            node["upstream"].append(walk_lineage(lake, table, int(snap), seen))
+        except SnapshotNotFoundError:
+            node["upstream"].append({"table": table, "snapshot_id": snap, "missing": True,
+                                     "upstream": []})
+    return node
+
+
+def _iso(ms: int) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="seconds")
+
+
+class LakeSession:
+    """A lake bound to one writer (a Dagster run and asset): reads recorded, writes stamped."""
+
+    def __init__(self, lake: Lake, lineage: Lineage) -> None:
+        self.lake = lake
+        self.lineage = lineage
+        self.writes: dict[str, int] = {}
+
+    def read(self, name: str, **kwargs: Any) -> pa.Table:
+        return self.lake.read(name, lineage=self.lineage, **kwargs)
+
+    def sql(self, query: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> pa.Table:
+        return self.lake.sql(query, params, lineage=self.lineage)
+
+    def append(self, name: str, data: pa.Table | Sequence[Mapping[str, Any]]) -> int | None:
+        snap = self.lake.append(name, data, lineage=self.lineage)
+        if snap is not None:
+            self.writes[name] = snap
+        return snap
+
+    def overwrite(self, name: str, data: pa.Table | Sequence[Mapping[str, Any]],
+                  where: str | None = None) -> int | None:
+        snap = self.lake.overwrite(name, data, where=where, lineage=self.lineage)
+        if snap is not None:
+            self.writes[name] = snap
+        return snap
+
+    def metadata(self) -> dict[str, Any]:
+        """Lineage for the Dagster materialization metadata (plain JSON-able values)."""
+        return {
+            "dagster_run_id": self.lineage.run_id,
+            "code_version": code_version(),
+            "read_snapshots": dict(self.lineage.reads),
+            "written_snapshots": dict(self.writes),
+        }
+
+
+class BufferedAppender:
+    """Batches small frequent writes: flushes at ``max_rows`` rows or ``max_delay_s`` seconds.
+
+    Commit cost grows with snapshot count (38 ms -> 134 ms over 100 appends here), so one commit
+    per batch instead of per row keeps writers fast and the snapshot history short.
+    """
+
+    def __init__(self, lake: Lake, name: str, *, lineage: Lineage | None, max_rows: int,
+                 max_delay_s: float) -> None:
+        self.lake, self.name, self.lineage = lake, name, lineage
+        self.max_rows, self.max_delay_s = max_rows, max_delay_s
+        self._rows: list[Mapping[str, Any]] = []
+        self._first_at: float | None = None
+        self._lock = threading.Lock()
+        self.snapshots: list[int] = []
+
+    def add(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        with self._lock:
+            for row in rows:
+                if self._first_at is None:
+                    self._first_at = time.monotonic()
+                self._rows.append(row)
+            due = len(self._rows) >= self.max_rows or (
+                self._first_at is not None
+                and time.monotonic() - self._first_at >= self.max_delay_s)
+        if due:
+            self.flush()
+
+    def flush(self) -> int | None:
+        with self._lock:
+            rows, self._rows, self._first_at = self._rows, [], None
+            if not rows:
+                return None
+            snap = self.lake.append(self.name, rows, lineage=self.lineage)
+            if snap is not None:
+                self.snapshots.append(snap)
+            return snap
+
+    def __enter__(self) -> BufferedAppender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.flush()

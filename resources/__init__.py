@@ -1,0 +1,1 @@
+"""Dagster ConfigurableResources: each external system behind an interface with a local default."""

@@ -1,0 +1,1 @@
+"""Sensors, schedules and jobs; each module lists its own in ``SENSORS``, ``JOBS``, ``SCHEDULES``."""

@@ -1,0 +1,49 @@
+"""Shared fixtures: a fresh ``$FACTORY_HOME`` per test, and base models built once per session.
+
+Models are cached in ``$FACTORY_TEST_MODELS`` (default ``.cache/test-models`` in the checkout,
+ignored by git) so repeated runs skip the ~20 s GGUF dequantization.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _models_cache() -> Path:
+    path = Path(os.environ.get("FACTORY_TEST_MODELS") or ROOT / ".cache" / "test-models")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture()
+def factory_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh, empty factory: ``FACTORY_HOME`` and ``DAGSTER_HOME`` under a tmp dir."""
+    home = tmp_path / "factory-home"
+    home.mkdir()
+    monkeypatch.setenv("FACTORY_HOME", str(home))
+    monkeypatch.setenv("FACTORY_MODELS_DIR", str(_models_cache()))
+    monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))
+    (home / "dagster").mkdir()
+    yield home
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a plain HF directory (built once, cached across runs)."""
+    from trainer.base_models import SMOLLM2_NAME, build_smollm2
+
+    return build_smollm2(_models_cache() / SMOLLM2_NAME)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """A random-init 2-layer Llama with SmolLM2's tokenizer (3.2M parameters)."""
+    from trainer.base_models import TINY_NAME, build_tiny_llama
+
+    return build_tiny_llama(_models_cache() / TINY_NAME)
