@@ -27,12 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.exceptions import (
-    CommitFailedException,
-    NamespaceAlreadyExistsError,
-    NoSuchTableError,
-    TableAlreadyExistsError,
-)
+from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.table import Table
 
 from factory.errors import QueryError, SnapshotNotFoundError
@@ -151,8 +146,11 @@ class Lake:
                 )
             try:
                 _retry(self._catalog.create_namespace, NAMESPACE)
-            except NamespaceAlreadyExistsError:
-                pass
+            except Exception:
+                # Lost a creation race (SQLite reports it as an IntegrityError, not
+                # NamespaceAlreadyExistsError): fine as long as the namespace is there now.
+                if (NAMESPACE,) not in self._catalog.list_namespaces():
+                    raise
         return self._catalog
 
     def table(self, name: str) -> Table:
@@ -164,8 +162,13 @@ class Lake:
         except NoSuchTableError:
             try:
                 tbl = _retry(self.catalog.create_table, ident, schema=schema)
-            except TableAlreadyExistsError:
-                tbl = _retry(self.catalog.load_table, ident)
+            except Exception as exc:
+                # A concurrent creator won (TableAlreadyExistsError, or IntegrityError from
+                # SQLite): load theirs; anything else is a real failure.
+                try:
+                    tbl = _retry(self.catalog.load_table, ident)
+                except NoSuchTableError:
+                    raise exc from None
         if name not in self._ready:
             have = set(tbl.schema().column_names)
             if any(f.name not in have for f in schema):

@@ -26,6 +26,10 @@ class LakeResource(dg.ConfigurableResource):  # type: ignore[type-arg]
 
     def session(self, context: Any) -> LakeSession:
         """A session stamped with the run id and the asset key being materialized."""
-        key = "/".join(context.asset_key.path) if getattr(context, "has_assets_def", True) \
-            and getattr(context, "asset_key", None) is not None else context.op.name
-        return self.lake().session(run_id=context.run_id, asset_key=key)
+        if getattr(context, "has_assets_def", False) and len(context.assets_def.keys) == 1:
+            key = context.asset_key.to_user_string()
+        elif getattr(context, "has_assets_def", False):
+            key = ",".join(sorted(k.to_user_string() for k in context.selected_asset_keys))
+        else:
+            key = context.op.name
+        return self.lake().session(run_id=context.run.run_id, asset_key=key)

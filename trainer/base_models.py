@@ -70,10 +70,10 @@ def build_smollm2(dest: Path, *, force: bool = False) -> Path:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
                                                      dtype=torch.float32)
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.to(torch.bfloat16)
+        model.to(torch.bfloat16)  # type: ignore[arg-type]
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         return {"name": SMOLLM2_NAME, "source": str(src),

@@ -1,0 +1,134 @@
+"""The lake on the real SQLite catalog: create on first use, evolve, append safely, query."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from factory import tables
+from factory.errors import QueryError, SnapshotNotFoundError, UnknownTableError
+from factory.lake import ASSET_KEY, READS, RUN_ID, Lake, walk_lineage
+
+
+def _trace(i: int) -> dict[str, object]:
+    return {"raw_trace_id": f"id-{i}", "source": "upload", "format": "openai",
+            "payload": json.dumps({"i": i}), "tags": {"project": "p"}}
+
+
+def test_table_created_on_first_use_in_factory_namespace(factory_home: Path) -> None:
+    lake = Lake()
+    assert lake.existing_tables() == []
+    lake.append("raw_traces", [_trace(1)])
+    assert lake.existing_tables() == ["raw_traces"]
+    assert lake.catalog.table_exists(("factory", "raw_traces"))
+    assert (factory_home / "catalog.db").is_file()
+
+
+def test_unknown_table_is_a_clear_error(factory_home: Path) -> None:
+    with pytest.raises(UnknownTableError, match="unknown table 'nope'.*raw_traces"):
+        Lake().append("nope", [{"a": 1}])
+
+
+def test_append_rejects_undeclared_columns(factory_home: Path) -> None:
+    with pytest.raises(ValueError, match="no column"):
+        Lake().append("raw_traces", pa.table({"raw_trace_id": ["a"], "bogus": [1]}))
+
+
+def test_schema_evolution_adds_columns_and_keeps_rows(factory_home: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    lake = Lake()
+    lake.append("raw_traces", [_trace(1)])
+    grown = tables.TABLES["raw_traces"].append(pa.field("latency_ms", pa.float64()))
+    monkeypatch.setitem(tables.TABLES, "raw_traces", grown)
+    fresh = Lake()
+    fresh.append("raw_traces", [{**_trace(2), "latency_ms": 12.5}])
+    rows = sorted(fresh.read("raw_traces").to_pylist(), key=lambda r: r["raw_trace_id"])
+    assert [r["raw_trace_id"] for r in rows] == ["id-1", "id-2"]
+    assert [r["latency_ms"] for r in rows] == [None, 12.5]
+    assert "latency_ms" in fresh.table("raw_traces").schema().column_names
+
+
+def test_sql_sees_tables_by_bare_name_with_bind_parameters(factory_home: Path) -> None:
+    lake = Lake()
+    lake.append("raw_traces", [_trace(i) for i in range(5)])
+    got = lake.sql("select count(*) as n from raw_traces where raw_trace_id <> ?", ["id-0"])
+    assert got.to_pylist() == [{"n": 4}]
+    assert lake.sql("select tags['project'] as p from raw_traces limit 1").to_pylist() == [
+        {"p": "p"}]
+
+
+def test_bad_sql_is_a_query_error(factory_home: Path) -> None:
+    with pytest.raises(QueryError, match="SQL error"):
+        Lake().sql("select * from nowhere_at_all")
+
+
+def test_time_travel_and_missing_snapshot(factory_home: Path) -> None:
+    lake = Lake()
+    first = lake.append("raw_traces", [_trace(1)])
+    lake.append("raw_traces", [_trace(2)])
+    assert lake.read("raw_traces", snapshot_id=first).num_rows == 1
+    assert lake.read("raw_traces").num_rows == 2
+    with pytest.raises(SnapshotNotFoundError):
+        lake.read("raw_traces", snapshot_id=12345)
+
+
+def test_overwrite_replaces_only_matching_rows(factory_home: Path) -> None:
+    lake = Lake()
+    lake.append("raw_traces", [_trace(1), {**_trace(2), "source": "proxy"}])
+    lake.overwrite("raw_traces", [{**_trace(3), "source": "proxy"}], where="source = 'proxy'")
+    ids = sorted(r["raw_trace_id"] for r in lake.read("raw_traces").to_pylist())
+    assert ids == ["id-1", "id-3"]
+
+
+def test_writes_carry_lineage_in_snapshot_summary(factory_home: Path) -> None:
+    lake = Lake()
+    session = lake.session(run_id="run-a", asset_key="raw_traces")
+    up = session.append("raw_traces", [_trace(1)])
+    down = lake.session(run_id="run-b", asset_key="samples")
+    down.read("raw_traces")
+    snap = down.append("samples", [{"sample_id": "s1", "raw_trace_id": "id-1"}])
+    props = lake.table("samples").snapshot_by_id(snap).summary.additional_properties
+    assert props[RUN_ID] == "run-b"
+    assert props[ASSET_KEY] == "samples"
+    assert json.loads(props[READS]) == {"raw_traces": up}
+    tree = walk_lineage(lake, "samples")
+    assert tree["upstream"][0]["table"] == "raw_traces"
+    assert tree["upstream"][0]["snapshot_id"] == up
+    assert tree["upstream"][0]["run_id"] == "run-a"
+    assert down.metadata()["read_snapshots"] == {"raw_traces": up}
+
+
+def test_buffered_appender_batches_small_writes(factory_home: Path) -> None:
+    lake = Lake()
+    with lake.buffered("raw_traces", max_rows=10, max_delay_s=3600) as buf:
+        for i in range(25):
+            buf.add([_trace(i)])
+    assert len(buf.snapshots) == 3  # 10 + 10 + the last 5 on close
+    assert lake.read("raw_traces").num_rows == 25
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from factory.lake import Lake, Lineage
+    who = sys.argv[1]
+    lake = Lake()
+    for b in range(50):
+        rows = [{"raw_trace_id": f"{who}-{b}-{i}", "source": "upload"} for i in range(3)]
+        lake.append("raw_traces", rows, lineage=Lineage(run_id=who, asset_key="raw_traces"))
+""")
+
+
+@pytest.mark.slow
+def test_two_processes_appending_concurrently_lose_nothing(factory_home: Path) -> None:
+    # No table yet: the writers also race to create the namespace and the table.
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, who]) for who in ("a", "b")]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    ids = Lake().read("raw_traces", columns=["raw_trace_id"]).column(0).to_pylist()
+    assert len(ids) == 300
+    assert set(ids) == {f"{w}-{b}-{i}" for w in "ab" for b in range(50) for i in range(3)}
