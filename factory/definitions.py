@@ -16,6 +16,8 @@ import dagster as dg
 
 import assets
 import sensors
+from resources.inference import InferenceResource
+from resources.judge import JudgeResource
 from resources.lake import LakeResource
 
 
@@ -32,6 +34,8 @@ def build_resources() -> dict[str, Any]:
     """Resource instances by key: the embedded defaults."""
     return {
         "lake": LakeResource(),
+        "judge": JudgeResource(),
+        "inference": InferenceResource(),
     }
 
 

@@ -102,7 +102,98 @@ TABLES: dict[str, pa.Schema] = {
         ("reason", pa.string()),
         ("detail", pa.string()),
     ]),
+    # Control plane (factory/control). Runs and segments are append-only: latest row per id wins.
+    "training_runs": pa.schema([
+        ("run_id", pa.string()),
+        ("experiment", pa.string()),
+        ("kind", pa.string()),            # train | eval
+        ("priority", pa.int32()),         # lower runs first
+        ("status", pa.string()),          # queued | running | finished | failed | cancelled
+        ("job", pa.string()),             # the trainer Job as JSON (current learning rate)
+        ("num_recoveries", pa.int32()),
+        ("learning_rate", pa.float64()),  # after any NaN backoff
+        ("reason", pa.string()),
+        ("submitted_at", _TS),
+        ("updated_at", _TS),
+        ("not_before", _TS),              # recovery backoff: no relaunch before this
+    ]),
+    "training_segments": pa.schema([
+        ("segment_id", pa.string()),
+        ("run_id", pa.string()),
+        ("seq", pa.int32()),              # 0, 1, ... within the run
+        ("provider", pa.string()),
+        ("handle", pa.string()),          # provider handle as JSON (sandbox id, pod, pid)
+        ("status", pa.string()),          # launched | running | ended
+        ("launched_at", _TS),
+        ("deadline", _TS),                # hard wall-clock limit of the sandbox, if any
+        ("resume_from", pa.string()),
+        ("resume_step", pa.int64()),
+        ("first_step", pa.int64()),
+        ("last_step", pa.int64()),
+        ("end_reason", pa.string()),      # finished | rollover | preempted | killed | failed |
+                                          # nan | heartbeat | stopped
+        ("ended_at", _TS),
+        ("learning_rate", pa.float64()),
+        ("updated_at", _TS),
+    ]),
+    "training_events": pa.schema([
+        ("event_id", pa.string()),
+        ("run_id", pa.string()),
+        ("segment_id", pa.string()),      # the control plane's segment (from URL or file)
+        ("trainer_segment", pa.string()),
+        ("type", pa.string()),
+        ("seq", pa.int64()),
+        ("step", pa.int64()),
+        ("event_time", _TS),
+        ("received_at", _TS),
+        ("source", pa.string()),          # webhook | events_file
+        ("key_id", pa.string()),
+        ("payload", pa.string()),         # the event as JSON
+    ]),
+    "checkpoints": pa.schema([
+        ("run_id", pa.string()),
+        ("experiment", pa.string()),
+        ("step", pa.int64()),
+        ("path", pa.string()),            # inference-ready adapter directory
+        ("manifest_sha256", pa.string()),
+        ("verified", pa.bool_()),
+        ("received_at", _TS),
+        ("event_id", pa.string()),
+    ]),
+    "scheduler_assignments": pa.schema([
+        ("job_id", pa.string()),
+        ("kind", pa.string()),
+        ("priority", pa.int32()),
+        ("provider", pa.string()),        # null while it waits
+        ("status", pa.string()),          # assigned | waiting
+        ("backfilled", pa.bool_()),
+        ("submitted_at", _TS),
+        ("decided_at", _TS),
+        ("wait_s", pa.float64()),
+        ("reason", pa.string()),
+    ]),
     # One row per experiment (per version: its snapshots), read by the planner.
+    # Planner (factory/planner): one row per planning of a run; latest row per run_key wins.
+    "training_plans": pa.schema([
+        ("run_key", pa.string()),          # <experiment> or <experiment>/k=v/k=v
+        ("experiment", pa.string()),
+        ("recipe", pa.string()),
+        ("point", pa.string()),            # JSON sweep point
+        ("experiment_sha", pa.string()),   # sha256 of the experiment file
+        ("dataset_version", pa.string()),  # of the dataset_profile row planned from
+        ("created_at", _TS),
+        ("gpu", pa.string()),
+        ("num_devices", pa.int32()),
+        ("max_seq_len", pa.int32()),
+        ("micro_batch_size", pa.int32()),
+        ("grad_accum_steps", pa.int32()),
+        ("learning_rate", pa.float64()),
+        ("lora_rank", pa.int32()),
+        ("peak_memory_gib", pa.float64()),
+        ("estimated_hours", pa.float64()),
+        ("train_config", pa.string()),     # JSON: trainer TrainConfig keyword arguments
+        ("plan", pa.string()),             # JSON: Plan.to_dict() (values, reasons, memory)
+    ]),
     "dataset_profile": pa.schema([
         ("experiment", pa.string()),
         ("dataset_version", pa.string()),  # content hash of the train/eval sample ids
@@ -136,6 +227,61 @@ TABLES: dict[str, pa.Schema] = {
         ("languages", pa.string()),        # JSON {code: share of train samples}
         ("size_bytes", pa.int64()),
         ("drops_by_reason", pa.string()),  # JSON {reason: rows}
+    ]),
+    # Evals (factory/evals): one row per rubric version of an experiment.
+    "rubrics": pa.schema([
+        ("experiment", pa.string()),
+        ("version", pa.string()),          # hash of the criteria
+        ("source", pa.string()),           # auto | auto+llm | inline
+        ("num_examples", pa.int32()),
+        ("rubric", pa.string()),           # JSON {"criteria": [...]}
+        ("created_at", _TS),
+    ]),
+    # One row per (run, step, sample): base model = step 0, reference answers = step null.
+    "eval_scores": pa.schema([
+        ("run_id", pa.string()),
+        ("experiment", pa.string()),
+        ("step", pa.int64()),
+        ("kind", pa.string()),             # base | checkpoint | reference
+        ("checkpoint_path", pa.string()),
+        ("rubric_version", pa.string()),
+        ("sample_id", pa.string()),
+        ("response", pa.string()),
+        ("score", pa.float64()),           # 0..1; null when the judge failed
+        ("status", pa.string()),           # ok | failed
+        ("judge", pa.string()),
+        ("criteria", pa.string()),         # JSON {name: {score, assessment}}
+        ("assessment", pa.string()),
+        ("error", pa.string()),
+        ("finish_reason", pa.string()),
+        ("num_completion_tokens", pa.int32()),
+        ("evaluated_at", _TS),
+    ]),
+    # Each best_checkpoint materialization (latest row per experiment wins).
+    "best_checkpoints": pa.schema([
+        ("experiment", pa.string()),
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("path", pa.string()),
+        ("rubric_version", pa.string()),
+        ("mean_score", pa.float64()),
+        ("ci_low", pa.float64()),
+        ("ci_high", pa.float64()),
+        ("num_samples", pa.int64()),
+        ("base_score", pa.float64()),
+        ("reference_score", pa.float64()),
+        ("selected_at", _TS),
+    ]),
+    # Overfitting signals for the control plane (the score fell after its peak).
+    "early_stops": pa.schema([
+        ("run_id", pa.string()),
+        ("experiment", pa.string()),
+        ("peak_step", pa.int64()),
+        ("peak_score", pa.float64()),
+        ("last_step", pa.int64()),
+        ("last_score", pa.float64()),
+        ("reason", pa.string()),
+        ("created_at", _TS),
     ]),
 }
 

@@ -1,0 +1,254 @@
+"""``rubric``, ``checkpoint_evals`` and ``best_checkpoint``: the model judged on its task.
+
+- ``rubric`` (per experiment): inferred from the eval set's reference answers (plus judge-written
+  criteria with an LLM judge), or the experiment file's inline rubric; a row in ``rubrics``.
+- ``checkpoint_evals`` (one partition per checkpoint, ``<run_id>:<step>``, requested by the
+  checkpoint sensor): boots the inference server for the base model with the checkpoint's
+  adapter, answers the eval set, judges every answer into ``eval_scores``; the first eval of a
+  run also scores the base model (step 0) and the reference answers (step null). The
+  train/serve equivalence check runs on a few samples as a blocking asset check, and an
+  overfitting signal goes to ``early_stops``.
+- ``best_checkpoint`` (per experiment): highest mean score with a bootstrap interval, ties to
+  the earlier step; a row in ``best_checkpoints``.
+"""
+
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+
+import dagster as dg
+
+from factory.evals.equivalence import check_equivalence
+from factory.evals.report import plot_png, read_curves
+from factory.evals.rubric import Rubric
+from factory.evals.runner import (
+    build_rubric,
+    generate_answers,
+    items_from_samples,
+    score_reference,
+)
+from factory.evals.selection import detect_overfitting, select_best, summarize
+from factory.experiments import load_experiment
+from factory.settings import get_settings
+from resources.inference import InferenceResource
+from resources.judge import JudgeResource
+from resources.lake import LakeResource
+
+EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
+CHECKPOINTS = dg.DynamicPartitionsDefinition(name="checkpoints")
+_KEY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127}):(\d+)$")
+NUM_EQUIVALENCE_SAMPLES = 2
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _eval_rows(session, experiment):  # type: ignore[no-untyped-def]
+    rows = session.sql("SELECT sample_id, messages, tools FROM dataset_eval "
+                       "WHERE experiment = ? ORDER BY sample_id", [experiment.name]).to_pylist()
+    if experiment.eval.max_samples:
+        rows = rows[:experiment.eval.max_samples]
+    if not rows:
+        raise dg.Failure(f"experiment {experiment.name!r} has no eval samples; materialize "
+                         "its dataset first")
+    return rows
+
+
+@dg.asset(
+    partitions_def=EXPERIMENTS,
+    deps=["dataset"],
+    group_name="evals",
+    kinds={"iceberg", "python"},
+    description="The experiment's rubric: code-checkable criteria inferred from the eval set's "
+                "reference answers (JSON keys/types, tool-call schemas, length, language, "
+                "format) plus reference similarity, and judge-written criteria when an LLM "
+                "judge is configured; or the experiment file's inline rubric. Table rubrics.",
+    code_version="1",
+)
+def rubric(context: dg.AssetExecutionContext, lake: LakeResource,  # type: ignore[no-untyped-def]
+           judge: JudgeResource):
+    experiment = load_experiment(context.partition_key)
+    session = lake.session(context)
+    spec = experiment.eval.rubric
+    if isinstance(spec, dict):
+        result = Rubric.from_dict(spec, source="inline")
+    elif spec == "auto":
+        items = items_from_samples(_eval_rows(session, experiment))
+        result = build_rubric(items, judge=judge.judge())
+    else:
+        raise dg.Failure(f"eval.rubric {spec!r}: named rubrics are not supported; use 'auto' "
+                         "or an inline mapping")
+    session.append("rubrics", [{
+        "experiment": experiment.name, "version": result.version, "source": result.source,
+        "num_examples": result.num_examples, "rubric": result.to_json(),
+        "created_at": _now()}])
+    return dg.MaterializeResult(metadata={
+        "version": result.version, "source": result.source,
+        "criteria": dg.MetadataValue.json(result.to_dict()["criteria"]), **session.metadata()})
+
+
+def _latest_rubric(session, experiment: str) -> Rubric:  # type: ignore[no-untyped-def]
+    rows = session.sql("SELECT rubric FROM rubrics WHERE experiment = ? "
+                       "ORDER BY created_at DESC LIMIT 1", [experiment]).to_pylist()
+    if not rows:
+        raise dg.Failure(f"experiment {experiment!r} has no rubric; materialize `rubric` first")
+    return Rubric.from_dict(json.loads(rows[0]["rubric"]))
+
+
+@dg.asset(
+    partitions_def=CHECKPOINTS,
+    deps=["rubric"],
+    group_name="evals",
+    kinds={"iceberg", "python"},
+    description="One checkpoint judged on the eval set: answers from the inference server "
+                "(base + the checkpoint's adapter) scored against the rubric, per sample, into "
+                "eval_scores; the run's first eval also scores the base model (step 0) and the "
+                "reference answers. Blocking check: train/serve log-prob equivalence.",
+    check_specs=[dg.AssetCheckSpec(
+        "train_serve_equivalence", asset="checkpoint_evals", blocking=True,
+        description="the server's token log-probs for the checkpoint equal the trainer's on "
+                    "a few eval samples (catches chat-template and tokenizer mismatches)")],
+    code_version="1",
+)
+def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyped-def]
+                     lake: LakeResource, judge: JudgeResource, inference: InferenceResource):
+    m = _KEY.match(context.partition_key)
+    if not m:
+        raise dg.Failure(f"partition {context.partition_key!r}: expected '<run_id>:<step>'")
+    run_id, step = m.group(1), int(m.group(2))
+    session = lake.session(context)
+    found = session.sql("SELECT experiment, path, verified FROM checkpoints WHERE run_id = ? "
+                        "AND step = ? ORDER BY verified DESC LIMIT 1", [run_id, step]).to_pylist()
+    if not found or not found[0]["verified"]:
+        raise dg.Failure(f"checkpoint {run_id}:{step} is not in `checkpoints` as verified")
+    ckpt = found[0]
+    experiment = load_experiment(ckpt["experiment"])
+    rubric_ = _latest_rubric(session, experiment.name)
+    rows = _eval_rows(session, experiment)
+    items = items_from_samples(rows)
+    the_judge = judge.judge()
+    base_model = json.loads((Path(ckpt["path"]) / "adapter_config.json").read_text())[
+        "base_model_name_or_path"]
+    done = {r["kind"] for r in session.sql(
+        "SELECT DISTINCT kind FROM eval_scores WHERE run_id = ? AND rubric_version = ?",
+        [run_id, rubric_.version]).to_pylist()} if _has_scores(session) else set()
+
+    def record(kind: str, at_step: int | None, path: str | None, answers, scored):  # type: ignore[no-untyped-def]
+        out = []
+        for item, gen, row in zip(items, answers, scored, strict=True):
+            out.append({
+                "run_id": run_id, "experiment": experiment.name, "step": at_step, "kind": kind,
+                "checkpoint_path": path, "rubric_version": rubric_.version,
+                "sample_id": item.sample_id,
+                "response": gen.text if hasattr(gen, "text") else None,
+                "score": row.score, "status": row.status, "judge": row.judge,
+                "criteria": json.dumps(row.criteria), "assessment": row.assessment,
+                "error": row.error, "finish_reason": getattr(gen, "finish_reason", None),
+                "num_completion_tokens": getattr(gen, "num_completion_tokens", None),
+                "evaluated_at": _now()})
+        session.append("eval_scores", out)
+        return [r.score for r in scored]
+
+    adapter = f"{run_id}-step-{step}"
+    with inference.server(base_model, {adapter: ckpt["path"]}) as server:
+        client = server.client()
+        if "base" not in done:
+            answers = generate_answers(client, "base", items, max_tokens=inference.max_tokens,
+                                       concurrency=inference.concurrency)
+            record("base", 0, None, answers, the_judge.score(rubric_, items,
+                                                             [a.answer for a in answers]))
+        answers = generate_answers(client, adapter, items, max_tokens=inference.max_tokens,
+                                   concurrency=inference.concurrency)
+        scores = record("checkpoint", step, ckpt["path"], answers,
+                        the_judge.score(rubric_, items, [a.answer for a in answers]))
+        sample_rows = [{"messages": r["messages"], "tools": r["tools"]}
+                       for r in rows[:NUM_EQUIVALENCE_SAMPLES]]
+        equivalence = check_equivalence(client, adapter, ckpt["path"], sample_rows,
+                                        base_model=base_model,
+                                        atol=1e-3 if inference.backend == "transformers"
+                                        else 0.1)
+    if "reference" not in done:
+        refs = score_reference(the_judge, rubric_, items)
+        record("reference", None, None, [i.reference for i in items], refs)
+    summary = summarize(step, scores)
+    curves = read_curves(session, run_id)
+    stop = detect_overfitting(curves.scores)
+    if stop is not None:
+        session.append("early_stops", [{
+            "run_id": run_id, "experiment": experiment.name, "peak_step": stop.peak_step,
+            "peak_score": stop.peak_score, "last_step": stop.last_step,
+            "last_score": stop.last_score, "reason": stop.reason, "created_at": _now()}])
+    png = plot_png(curves, get_settings().home / "reports" / run_id / "curve.png")
+    yield dg.MaterializeResult(metadata={
+        "run_id": run_id, "step": step, "mean_score": summary.mean,
+        "ci_low": summary.ci_low, "ci_high": summary.ci_high,
+        "num_failed": summary.num_failed, "judge": the_judge.name,
+        "rubric_version": rubric_.version, "early_stop": stop.reason if stop else "",
+        "curve": dg.MetadataValue.path(str(png)), **session.metadata()})
+    yield dg.AssetCheckResult(check_name="train_serve_equivalence", passed=equivalence.passed,
+                              metadata={"max_abs_diff": equivalence.max_abs_diff,
+                                        "num_tokens": equivalence.num_tokens,
+                                        "problems": "\n".join(equivalence.problems)})
+
+
+def _has_scores(session) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        session.sql("SELECT 1 FROM eval_scores LIMIT 1")
+    except Exception:  # first eval ever: the table does not exist yet
+        return False
+    return True
+
+
+@dg.asset(
+    partitions_def=EXPERIMENTS,
+    deps=["checkpoint_evals"],
+    group_name="evals",
+    kinds={"iceberg", "python"},
+    description="The checkpoint to deploy: highest mean rubric score over the experiment's "
+                "runs (bootstrap interval; ties to the earlier step). Table best_checkpoints.",
+    code_version="1",
+)
+def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untyped-def]
+                    lake: LakeResource):
+    experiment = load_experiment(context.partition_key)
+    session = lake.session(context)
+    rubric_ = _latest_rubric(session, experiment.name)
+    rows = session.sql(
+        "SELECT run_id, step, kind, checkpoint_path, score FROM eval_scores "
+        "WHERE experiment = ? AND rubric_version = ?",
+        [experiment.name, rubric_.version]).to_pylist()
+    by_run: dict[str, dict[int, list[float | None]]] = {}
+    paths: dict[tuple[str, int], str] = {}
+    base: list[float | None] = []
+    ref: list[float | None] = []
+    for r in rows:
+        if r["kind"] == "checkpoint":
+            by_run.setdefault(r["run_id"], {}).setdefault(r["step"], []).append(r["score"])
+            paths[(r["run_id"], r["step"])] = r["checkpoint_path"]
+        elif r["kind"] == "base":
+            base.append(r["score"])
+        else:
+            ref.append(r["score"])
+    if not by_run:
+        raise dg.Failure(f"experiment {experiment.name!r} has no evaluated checkpoints")
+    best_run, best = None, None
+    for run_id in sorted(by_run):
+        cand = select_best(by_run[run_id])
+        if best is None or cand.mean > best.mean + 1e-12 or (
+                abs(cand.mean - best.mean) <= 1e-12 and cand.step < best.step):
+            best_run, best = run_id, cand
+    assert best is not None and best_run is not None
+    base_mean = summarize(0, base).mean if any(s is not None for s in base) else None
+    ref_mean = summarize(0, ref).mean if any(s is not None for s in ref) else None
+    session.append("best_checkpoints", [{
+        "experiment": experiment.name, "run_id": best_run, "step": best.step,
+        "path": paths[(best_run, best.step)], "rubric_version": rubric_.version,
+        "mean_score": best.mean, "ci_low": best.ci_low, "ci_high": best.ci_high,
+        "num_samples": best.num_samples, "base_score": base_mean, "reference_score": ref_mean,
+        "selected_at": _now()}])
+    return dg.MaterializeResult(metadata={
+        "run_id": best_run, "step": best.step, "mean_score": best.mean,
+        "ci": f"[{best.ci_low:.3f}, {best.ci_high:.3f}]",
+        "base_score": base_mean, "reference_score": ref_mean, **session.metadata()})

@@ -1,0 +1,27 @@
+"""Evals: rubrics from the data, judges (LLM and embedded), checkpoint selection by task score,
+overfitting detection, and the train/serve equivalence check."""
+
+from factory.evals.equivalence import EquivalenceError, EquivalenceResult, check_equivalence
+from factory.evals.judges import (
+    EmbeddedJudge,
+    EvalItem,
+    JudgeOutputError,
+    LLMJudge,
+    ScoreRow,
+    answer_from_message,
+)
+from factory.evals.rubric import Answer, Criterion, Rubric, infer_rubric
+from factory.evals.runner import (
+    Generated,
+    build_rubric,
+    generate_answers,
+    items_from_samples,
+    score_reference,
+)
+from factory.evals.selection import EarlyStop, StepScore, detect_overfitting, select_best, summarize
+
+__all__ = ["Answer", "Criterion", "EarlyStop", "EmbeddedJudge", "EquivalenceError",
+           "EquivalenceResult", "EvalItem", "Generated", "JudgeOutputError", "LLMJudge",
+           "Rubric", "ScoreRow", "StepScore", "answer_from_message", "build_rubric",
+           "check_equivalence", "detect_overfitting", "generate_answers", "infer_rubric",
+           "items_from_samples", "score_reference", "select_best", "summarize"]

@@ -1,0 +1,95 @@
+"""Score-and-loss curves of a run, from the lake: PNG (matplotlib) and a self-contained HTML.
+
+Scores come from ``eval_scores`` (mean per step; the base model at step 0 and the reference
+answers as a horizontal line); the loss curve from the ``trainer_state.json`` of the run's
+newest checkpoint listed in ``checkpoints`` (it holds the whole loss history).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class RunCurves:
+    """Everything a run's report plots."""
+
+    run_id: str
+    """The run."""
+    scores: list[tuple[int, float]] = field(default_factory=list)
+    """(step, mean score) of the base model (step 0) and each checkpoint."""
+    reference: float | None = None
+    """Mean score of the reference answers."""
+    loss: list[tuple[int, float]] = field(default_factory=list)
+    """(step, training loss)."""
+
+
+def read_curves(lake: Any, run_id: str) -> RunCurves:
+    """Curves of ``run_id`` (``lake``: a Lake or LakeSession)."""
+    t = lake.sql("SELECT kind, step, avg(score) AS mean FROM eval_scores "
+                 "WHERE run_id = ? AND status = 'ok' GROUP BY kind, step ORDER BY step",
+                 [run_id]).to_pylist()
+    curves = RunCurves(run_id=run_id)
+    for r in t:
+        if r["kind"] == "reference":
+            curves.reference = float(r["mean"])
+        else:
+            curves.scores.append((int(r["step"]), float(r["mean"])))
+    try:
+        paths = lake.sql("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step DESC "
+                         "LIMIT 1", [run_id]).to_pylist()
+    except Exception:  # the checkpoints table may not exist yet: a report without loss
+        paths = []
+    if paths:
+        state = Path(paths[0]["path"]) / "trainer_state.json"
+        if state.is_file():
+            hist = json.loads(state.read_text()).get("loss_history", [])
+            curves.loss = [(int(s), float(v)) for s, v in hist if v is not None]
+    return curves
+
+
+def plot_png(curves: RunCurves, dest: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if curves.scores:
+        ax.plot(*zip(*curves.scores, strict=True), marker="o", color="tab:blue",
+                label="rubric score")
+    if curves.reference is not None:
+        ax.axhline(curves.reference, color="tab:green", linestyle="--", label="reference")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean rubric score (0-1)")
+    ax.set_ylim(0, 1.05)
+    if curves.loss:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*curves.loss, strict=True), color="tab:red", alpha=0.6, label="loss")
+        ax2.set_ylabel("training loss")
+        ax2.legend(loc="upper right")
+    ax.legend(loc="upper left")
+    ax.set_title(f"run {curves.run_id}")
+    fig.tight_layout()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(dest, dpi=100)
+    plt.close(fig)
+    return dest
+
+
+def write_html(curves: RunCurves, png: Path, dest: Path) -> Path:
+    img = base64.b64encode(png.read_bytes()).decode()
+    rows = "".join(f"<tr><td>{s}</td><td>{v:.3f}</td></tr>" for s, v in curves.scores)
+    ref = f"{curves.reference:.3f}" if curves.reference is not None else "n/a"
+    dest.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>run "
+        f"{html.escape(curves.run_id)}</title></head><body><h1>run "
+        f"{html.escape(curves.run_id)}</h1><img src='data:image/png;base64,{img}'>"
+        f"<p>reference answers: {ref}</p><table border='1'><tr><th>step</th>"
+        f"<th>mean score</th></tr>{rows}</table></body></html>")
+    return dest

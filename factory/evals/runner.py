@@ -1,0 +1,111 @@
+"""From eval samples to scored answers: prompts out of canonical samples, answers from a server,
+scores from a judge. Used by the ``checkpoint_evals`` asset, the demo and the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from factory.evals.judges import EvalItem, LLMJudge, ScoreRow, answer_from_message
+from factory.evals.rubric import Answer, Criterion, Rubric, infer_rubric
+
+
+def _loads(v: Any) -> Any:
+    return json.loads(v) if isinstance(v, str | bytes) else v
+
+
+def to_openai_messages(messages: Any) -> list[dict[str, Any]]:
+    """Canonical messages to OpenAI chat format (tool calls nested under ``function``)."""
+    out = []
+    for m in _loads(messages):
+        msg: dict[str, Any] = {"role": m["role"], "content": m.get("content")}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [
+                c if "function" in c else
+                {"id": c.get("id"), "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in m["tool_calls"]]
+        if m.get("tool_call_id"):
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def to_openai_tools(tools: Any) -> list[dict[str, Any]]:
+    return [t if "function" in t else {"type": "function", "function": t}
+            for t in (_loads(tools) or [])]
+
+
+def items_from_samples(rows: Sequence[dict[str, Any]]) -> list[EvalItem]:
+    """Eval items from canonical sample rows (``sample_id``, ``messages``, ``tools``): the
+    prompt is everything before the last assistant turn, the reference is that turn."""
+    items = []
+    for row in rows:
+        messages = _loads(row["messages"])
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
+                   default=None)
+        if last is None or last == 0:
+            raise ValueError(f"sample {row.get('sample_id')}: no assistant turn to compare with")
+        items.append(EvalItem(sample_id=str(row["sample_id"]),
+                              messages=to_openai_messages(messages[:last]),
+                              tools=to_openai_tools(row.get("tools")),
+                              reference=answer_from_message(messages[last])))
+    return items
+
+
+def build_rubric(items: Sequence[EvalItem], *, judge: Any = None,
+                 max_examples: int = 200) -> Rubric:
+    """Code-checkable criteria inferred from the references; with an ``LLMJudge``, plus the
+    task-specific criteria it writes from a handful of examples."""
+    sample = list(items)[:max_examples]
+    rubric = infer_rubric([i.reference for i in sample], tools=[i.tools for i in sample])
+    if isinstance(judge, LLMJudge):
+        extra = judge.propose_criteria(sample)
+        taken = {c.name for c in rubric.criteria}
+        added = tuple(Criterion(name=c["name"], description=c["description"], check="llm",
+                                weight=c["weight"]) for c in extra if c["name"] not in taken)
+        rubric = Rubric(criteria=rubric.criteria + added, source="auto+llm",
+                        num_examples=rubric.num_examples)
+    return rubric
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generated:
+    """One model answer."""
+
+    sample_id: str
+    """Which sample."""
+    text: str
+    """The raw response text (content; tool calls rendered after it)."""
+    answer: Answer
+    """What the judge looks at."""
+    finish_reason: str
+    """``stop``, ``length`` or ``tool_calls``."""
+    num_completion_tokens: int
+    """Tokens generated."""
+
+
+def generate_answers(client: Any, model: str, items: Sequence[EvalItem], *,
+                     max_tokens: int = 256, concurrency: int = 8) -> list[Generated]:
+    """Ask ``model`` on the server behind ``client`` (``InferenceClient``) for every item."""
+    responses = client.chat_many(model, [{"messages": i.messages, "tools": i.tools}
+                                         for i in items],
+                                 max_tokens=max_tokens, concurrency=concurrency)
+    out = []
+    for item, r in zip(items, responses, strict=True):
+        choice = r["choices"][0]
+        answer = answer_from_message(choice["message"])
+        text = answer.text + "".join(f"\n{n}({a})" for n, a in answer.tool_calls)
+        out.append(Generated(sample_id=item.sample_id, text=text, answer=answer,
+                             finish_reason=choice.get("finish_reason") or "stop",
+                             num_completion_tokens=int(r.get("usage", {})
+                                                       .get("completion_tokens", 0))))
+    return out
+
+
+def score_reference(judge: Any, rubric: Rubric, items: Sequence[EvalItem]) -> list[ScoreRow]:
+    """The reference answers judged against their own rubric: the bar a checkpoint must beat."""
+    return list(judge.score(rubric, items, [i.reference for i in items]))

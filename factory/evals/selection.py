@@ -1,0 +1,112 @@
+"""Choosing the checkpoint to deploy by task score, and noticing when training starts to hurt.
+
+- ``summarize``: mean score of one checkpoint with a percentile-bootstrap interval (seeded, so
+  the same scores always give the same interval). Failed judge rows (score None) are left out
+  and counted, never averaged in as zeros.
+- ``select_best``: the checkpoint with the highest mean; equal means go to the earlier step
+  (fewer steps: less drift from the base, and it was there first).
+- ``detect_overfitting``: after the best score so far, the last ``patience`` evals are all
+  more than ``margin`` below it -> an ``EarlyStop`` for the control plane.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepScore:
+    """One checkpoint's score."""
+
+    step: int
+    """Optimizer step (0: the base model)."""
+    mean: float
+    """Mean sample score, 0..1."""
+    ci_low: float
+    """Lower end of the bootstrap interval."""
+    ci_high: float
+    """Upper end of the bootstrap interval."""
+    num_samples: int
+    """Samples scored."""
+    num_failed: int = 0
+    """Samples the judge failed on (not in the mean)."""
+
+
+def summarize(step: int, scores: Sequence[float | None], *, num_resamples: int = 1000,
+              level: float = 0.95, seed: int = 0) -> StepScore:
+    ok = [float(s) for s in scores if s is not None]
+    failed = len(scores) - len(ok)
+    if not ok:
+        raise ValueError(f"step {step}: no successfully judged samples ({failed} failed)")
+    mean = sum(ok) / len(ok)
+    rng = random.Random(seed)
+    n = len(ok)
+    means = sorted(sum(ok[rng.randrange(n)] for _ in range(n)) / n
+                   for _ in range(num_resamples))
+    lo = means[int((1 - level) / 2 * (num_resamples - 1))]
+    hi = means[int(round((1 + level) / 2 * (num_resamples - 1)))]
+    return StepScore(step=step, mean=mean, ci_low=lo, ci_high=hi, num_samples=n,
+                     num_failed=failed)
+
+
+def select_best(by_step: Mapping[int, Sequence[float | None]], **kwargs: float) -> StepScore:
+    """Highest mean score; ties go to the earlier step."""
+    if not by_step:
+        raise ValueError("select_best: no scored checkpoints")
+    summaries = [summarize(step, scores, **kwargs)  # type: ignore[arg-type]
+                 for step, scores in sorted(by_step.items())]
+    # Means computed from the same sample scores in a different order can differ in the last
+    # bits; treat those as ties.
+    best = summaries[0]
+    for s in summaries[1:]:
+        if s.mean > best.mean + 1e-12:
+            best = s
+    return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class EarlyStop:
+    """Training has gone past its best checkpoint."""
+
+    peak_step: int
+    """Step of the best score so far."""
+    peak_score: float
+    """That score."""
+    last_step: int
+    """Latest evaluated step."""
+    last_score: float
+    """Its score."""
+    reason: str
+    """One sentence for people and logs."""
+
+
+def detect_overfitting(curve: Sequence[tuple[int, float]], *, margin: float = 0.02,
+                       patience: int = 2) -> EarlyStop | None:
+    """``curve``: (step, mean score) pairs. Stop when the last ``patience`` evals after the peak
+    are each more than ``margin`` below it."""
+    if patience < 1:
+        raise ValueError(f"patience: must be >= 1, got {patience}")
+    if margin < 0:
+        raise ValueError(f"margin: must be >= 0, got {margin}")
+    points = sorted(curve)
+    if len(points) < patience + 1:
+        return None
+    peak_i = 0
+    for i, (_, score) in enumerate(points):
+        if score > points[peak_i][1] + 1e-12:
+            peak_i = i
+    after = points[peak_i + 1:]
+    if len(after) < patience:
+        return None
+    tail = after[-patience:]
+    peak_step, peak = points[peak_i]
+    if all(score < peak - margin for _, score in tail):
+        last_step, last = points[-1]
+        return EarlyStop(peak_step=peak_step, peak_score=peak, last_step=last_step,
+                         last_score=last,
+                         reason=f"score fell from {peak:.3f} at step {peak_step} to "
+                                f"{last:.3f} at step {last_step}: {patience} evals in a row "
+                                f"more than {margin} below the peak")
+    return None

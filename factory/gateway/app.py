@@ -1,0 +1,562 @@
+"""The gateway's ASGI application: auth, the provider proxy routes, OTLP, health and metrics.
+
+Written directly against ASGI (no router or request objects) because every microsecond here is
+added to a frontier model's latency. The hot path parses only what it must: it validates the
+request JSON and reads the model name, forwards the original bytes, relays streamed bytes as they
+arrive, and writes the capture with one ``write(2)`` into the spool; response bodies and streams
+are parsed later by the flusher, off the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+import orjson
+
+from factory.gateway.config import PROVIDERS, GatewayConfig
+from factory.gateway.errors import error_body
+from factory.gateway.flusher import Flusher
+from factory.gateway.keys import KeyStore, keys_path
+from factory.gateway.metrics import Metrics
+from factory.gateway.routes import RoutingTable
+from factory.gateway.spool import SpoolWriter, encode, oldest_pending_age_s, pending_files
+from factory.gateway.upstream import (
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from factory.settings import Settings, get_settings
+
+log = logging.getLogger("factory.gateway")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_JSON = [(b"content-type", b"application/json")]
+# Never forwarded upstream: hop-by-hop headers, our own headers, and framing we set ourselves.
+_DROP_REQUEST = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"te",
+                           b"transfer-encoding", b"upgrade", b"trailer", b"accept-encoding",
+                           b"proxy-authorization", b"proxy-connection"})
+_DROP_RESPONSE = frozenset({b"content-length", b"transfer-encoding", b"connection",
+                            b"keep-alive"})
+_AUTH_HEADERS = frozenset({b"authorization", b"x-api-key", b"x-goog-api-key"})
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+_GEMINI_PREFIX = "/v1beta/models/"
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _upstream_url(base: str, path: str, query: bytes) -> str:
+    base = base.rstrip("/")
+    if base.endswith("/v1") and path.startswith("/v1/"):
+        base = base[:-3]  # OpenAI-style base URLs carry /v1; our paths do too
+    url = base + path
+    return f"{url}?{query.decode('latin-1')}" if query else url
+
+
+def parse_tags(value: str) -> dict[str, str]:
+    """``k=v,k=v`` -> dict; ValueError naming the bad item."""
+    tags: dict[str, str] = {}
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"X-Factory-Tags item {item!r} is not key=value")
+        tags[key.strip()] = val.strip()
+    return tags
+
+
+class Gateway:
+    """The ASGI app. ``start()``/``stop()`` run from the ASGI lifespan (or by hand in tests)."""
+
+    def __init__(self, config: GatewayConfig, *, settings: Settings | None = None,
+                 routes: RoutingTable | None = None, keys: KeyStore | None = None,
+                 lake_factory: Callable[[], Any] | None = None,
+                 ingest: Callable[[Any, list[Any]], Any] | None = None) -> None:
+        self.config = config
+        self.settings = (settings or get_settings()).ensure()
+        self.metrics = Metrics()
+        self.keys = keys or KeyStore(keys_path(self.settings))
+        self.routes = routes or RoutingTable()
+        self.spool = SpoolWriter(self.settings.spool, group_commit_ms=config.group_commit_ms,
+                                 segment_max_age_s=config.segment_max_age_s,
+                                 segment_max_bytes=config.segment_max_bytes)
+
+        def default_lake() -> Any:
+            from factory.lake import Lake
+
+            return Lake(self.settings)
+
+        self._lake_factory = lake_factory or default_lake
+        self.flusher = Flusher(self.settings.spool, lake_factory=self._lake_factory,
+                               ingest=ingest, interval_s=config.flush_interval_s,
+                               max_records=config.flush_max_records,
+                               retry_max_s=config.flush_retry_max_s) if config.flush else None
+        self._bases = {p: config.base_url(p) for p in PROVIDERS}
+        self.client: UpstreamPool | None = None
+        self._started = False
+        self._initial_pending = 0
+        self._register_gauges()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._started:
+            return
+        self.spool.start()
+        self._initial_pending = sum(_count_frames(p) for p in pending_files(self.settings.spool)
+                                    if p.suffix == ".seg")
+        if self.flusher is not None:
+            self.flusher.start()
+        self.routes.start(self._lake_factory, self.config.routes_poll_s)
+        self.client = UpstreamPool(timeout_s=self.config.upstream_timeout_s,
+                                   connect_timeout_s=self.config.upstream_connect_timeout_s,
+                                   max_idle_per_origin=self.config.max_upstream_connections)
+        self._started = True
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        if self.client is not None:
+            self.client.close()
+        self.routes.stop()
+        self.spool.stop()  # seals the active segment so the final flush sees it
+        if self.flusher is not None:
+            await asyncio.to_thread(self.flusher.stop)
+
+    def _register_gauges(self) -> None:
+        m = self.metrics
+        m.gauge("factory_gateway_spool_depth", "Captures spooled and not yet committed.",
+                self.spool_depth)
+        m.gauge("factory_gateway_spool_bytes", "Bytes in spool segments awaiting the lake.",
+                lambda: float(sum(p.stat().st_size for p in pending_files(self.settings.spool))))
+        m.gauge("factory_gateway_flush_lag_seconds",
+                "Age of the oldest capture not yet committed to the lake.",
+                lambda: oldest_pending_age_s(self.settings.spool))
+        m.gauge("factory_gateway_captures_committed_total",
+                "Captures committed to the lake by this process.",
+                lambda: float(self.flusher.num_committed if self.flusher else 0))
+        m.gauge("factory_gateway_flush_failures_total",
+                "Lake commits that failed (the batch stays spooled and is retried).",
+                lambda: float(self.flusher.num_failures if self.flusher else 0))
+
+    def spool_depth(self) -> float:
+        committed = self.flusher.num_committed if self.flusher else 0
+        return float(max(0, self._initial_pending + self.spool.num_written - committed))
+
+    # -- ASGI ------------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    self.start()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path == "/healthz":
+            await self._healthz(send)
+            return
+        provider, route, model, action = "openai", "", None, ""
+        if path == "/v1/chat/completions":
+            route = "chat.completions"
+        elif path == "/v1/messages":
+            provider, route = "anthropic", "messages"
+        elif path.startswith(_GEMINI_PREFIX):
+            model, _, action = path[len(_GEMINI_PREFIX):].rpartition(":")
+            if action in ("generateContent", "streamGenerateContent") and model:
+                provider, route = "gemini", action
+        elif path in ("/v1/models", "/v1/traces", "/metrics"):
+            route = path.rsplit("/", 1)[1]
+        if not route:
+            await _reply(send, 404, error_body(provider, 404, f"no route {method} {path}"))
+            return
+        expected = "GET" if route in ("models", "metrics") else "POST"
+        if method != expected:
+            await _reply(send, 405, error_body(provider, 405,
+                                               f"{path} accepts {expected}, not {method}"))
+            return
+        headers = dict(scope["headers"])
+        denied = self._check_access(scope, headers)
+        if denied is not None:
+            status, message = denied
+            await _reply(send, status, error_body(provider, status, message))
+            return
+        if route == "metrics":
+            await _reply(send, 200, self.metrics.render(),
+                         [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
+        elif route == "models":
+            await self._models(scope, headers, send)
+        elif route == "traces":
+            await self._traces(scope, headers, receive, send)
+        else:
+            await self._proxy(scope, headers, receive, send, provider, route, model)
+
+    def _check_access(self, scope: Scope, headers: dict[bytes, bytes]) -> tuple[int, str] | None:
+        verdict = self.keys.check(headers.get(b"x-factory-key"))
+        if verdict is None:
+            client = scope.get("client")
+            if client is None or client[0] not in _LOOPBACK:
+                return 403, ("the gateway has no factory keys yet, so it serves only 127.0.0.1; "
+                             "create one with `factory keys create` and send it in X-Factory-Key")
+            return None
+        if not verdict:
+            return 401, "missing or invalid X-Factory-Key"
+        return None
+
+    # -- the proxy -------------------------------------------------------------------------------
+    async def _proxy(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive,
+                     send: Send, provider: str, route: str, model: str | None) -> None:
+        started = time.perf_counter()
+        try:
+            body = await _read_body(receive, headers, self.config.max_body_bytes)
+        except _BodyTooLarge:
+            await self._fail(send, provider, route, started, 413,
+                             f"request body over the gateway limit of "
+                             f"{self.config.max_body_bytes} bytes")
+            return
+        except _ClientGone:
+            return
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            await self._fail(send, provider, route, started, 400,
+                             f"request body is not valid JSON: {exc}")
+            return
+        if not isinstance(request, dict):
+            await self._fail(send, provider, route, started, 400,
+                             "request body must be a JSON object")
+            return
+        try:
+            project, tags = _metadata(headers)
+        except ValueError as exc:
+            await self._fail(send, provider, route, started, 400, str(exc))
+            return
+        query: bytes = scope["query_string"]
+        stream_kind: str | None = None
+        if provider == "gemini":
+            if route == "streamGenerateContent":
+                alt = dict(parse_qsl(query.decode("latin-1"))).get("alt") if query else None
+                stream_kind = "sse" if alt == "sse" else "json"
+        else:
+            model = request.get("model") if isinstance(request.get("model"), str) else None
+            if request.get("stream") is True:
+                stream_kind = "sse"
+
+        path: str = scope["path"]
+        upstream_body = body
+        base = self._bases[provider]
+        target = self.routes.get(model) if model else None
+        if target is not None:
+            if target.provider != provider:
+                await self._fail(send, provider, route, started, 400,
+                                 f"model {model!r} is served through the {target.provider} API, "
+                                 f"not {provider}'s")
+                return
+            base = target.base_url
+            if target.version:
+                tags = {**tags, "route_version": target.version}
+            if target.deployment:
+                if provider == "gemini":
+                    path = f"{_GEMINI_PREFIX}{target.deployment}:{route}"
+                else:
+                    upstream_body = orjson.dumps({**request, "model": target.deployment})
+
+        forward = [(k, v) for k, v in headers.items()
+                   if k not in _DROP_REQUEST and not k.startswith(b"x-factory-")]
+        injected = self.config.api_key(provider)
+        if injected:
+            forward = [(k, v) for k, v in forward if k not in _AUTH_HEADERS]
+            forward.append(_auth_header(provider, injected))
+            if query and provider == "gemini":
+                query = urlencode([(k, v) for k, v in parse_qsl(query.decode("latin-1"))
+                                   if k != "key"]).encode("latin-1")
+        forward.append((b"accept-encoding", b"identity"))
+        url = _upstream_url(base, path, query)
+
+        capture = {"k": "c", "id": str(uuid.uuid4()), "provider": provider,
+                   "endpoint": scope["path"], "status": 0, "partial": False,
+                   "stream": stream_kind, "at": time.time(), "rl": len(body),
+                   "project": project, "tags": tags}
+        assert self.client is not None, "gateway used before start()"
+        up_started = time.perf_counter()
+        try:
+            upstream = await self.client.request("POST", url, forward, upstream_body)
+        except UpstreamTimeout as exc:
+            await self._upstream_failed(send, capture, body, provider, route, started, 504,
+                                        str(exc))
+            return
+        except UpstreamError as exc:
+            await self._upstream_failed(send, capture, body, provider, route, started, 502,
+                                        str(exc))
+            return
+        capture["status"] = upstream.status
+        encoding = upstream.header(b"content-encoding")
+        if encoding and encoding.lower() != b"identity":
+            capture["ce"] = encoding.decode("latin-1")  # the flusher decodes it for capture
+        out_headers = [(k, v) for k, v in upstream.headers if k not in _DROP_RESPONSE]
+        content_type = (upstream.header(b"content-type") or b"").decode("latin-1")
+        if stream_kind and upstream.status < 400 and (
+                stream_kind == "json" or "event-stream" in content_type):
+            await self._relay_stream(upstream, out_headers, capture, body, receive, send,
+                                     provider, route, started, up_started)
+            return
+        if stream_kind and "event-stream" not in content_type:
+            capture["stream"] = None  # an error answer to a streaming call is one JSON body
+        try:
+            data = await upstream.read()
+        except UpstreamTimeout:
+            await self._upstream_failed(send, capture, body, provider, route, started, 504,
+                                        "upstream stopped answering mid-response")
+            return
+        except UpstreamError as exc:
+            await self._upstream_failed(send, capture, body, provider, route, started, 502,
+                                        str(exc))
+            return
+        up_seconds = time.perf_counter() - up_started
+        self._spool(capture, body, data)
+        out_headers.append((b"content-length", str(len(data)).encode()))
+        await send({"type": "http.response.start", "status": upstream.status,
+                    "headers": out_headers})
+        await send({"type": "http.response.body", "body": data})
+        self.metrics.request(provider, route, upstream.status,
+                             time.perf_counter() - started, up_seconds)
+
+    async def _relay_stream(self, upstream: UpstreamResponse,
+                            out_headers: list[tuple[bytes, bytes]],
+                            capture: dict[str, Any], body: bytes, receive: Receive, send: Send,
+                            provider: str, route: str, started: float,
+                            up_started: float) -> None:
+        chunks: list[bytes] = []
+        await send({"type": "http.response.start", "status": upstream.status,
+                    "headers": out_headers})
+
+        async def relay() -> None:
+            async for chunk in upstream.chunks():
+                chunks.append(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        relay_task = asyncio.ensure_future(relay())
+        watcher = asyncio.ensure_future(receive())  # resolves on http.disconnect
+        try:
+            await asyncio.wait((relay_task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            client_gone = watcher.done() and not relay_task.done()
+            for task in (relay_task, watcher):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(relay_task, watcher, return_exceptions=True)
+            upstream.release()
+        if client_gone:
+            capture["partial"] = True
+            capture["error"] = "client disconnected mid-stream"
+        elif relay_task.exception() is not None:
+            exc = relay_task.exception()
+            capture["partial"] = True
+            capture["error"] = f"upstream stream failed: {type(exc).__name__}"
+        up_seconds = time.perf_counter() - up_started
+        self._spool(capture, body, b"".join(chunks))
+        if not client_gone:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.metrics.request(provider, route, upstream.status,
+                             time.perf_counter() - started, up_seconds)
+
+    def _spool(self, header: dict[str, Any], request: bytes, response: bytes) -> None:
+        try:
+            self.spool.append(encode(header, request, response))
+            self.metrics.captures_spooled += 1
+        except OSError as exc:
+            self.metrics.captures_dropped += 1
+            log.error("capture %s dropped: the spool refused it: %s", header.get("id"), exc)
+
+    async def _upstream_failed(self, send: Send, capture: dict[str, Any], body: bytes,
+                               provider: str, route: str, started: float, status: int,
+                               message: str) -> None:
+        capture["status"] = status
+        capture["stream"] = None
+        capture["error"] = message
+        answer = error_body(provider, status, message)
+        self._spool(capture, body, answer)
+        await self._fail(send, provider, route, started, status, message, answer)
+
+    async def _fail(self, send: Send, provider: str, route: str, started: float, status: int,
+                    message: str, answer: bytes | None = None) -> None:
+        await _reply(send, status, answer or error_body(provider, status, message))
+        self.metrics.request(provider, route, status, time.perf_counter() - started, None)
+
+    # -- other routes ----------------------------------------------------------------------------
+    async def _models(self, scope: Scope, headers: dict[bytes, bytes], send: Send) -> None:
+        started = time.perf_counter()
+        forward = [(k, v) for k, v in headers.items()
+                   if k not in _DROP_REQUEST and not k.startswith(b"x-factory-")]
+        key = self.config.api_key("openai")
+        if key:
+            forward = [(k, v) for k, v in forward if k not in _AUTH_HEADERS]
+            forward.append(_auth_header("openai", key))
+        url = _upstream_url(self._bases["openai"], "/v1/models", scope["query_string"])
+        assert self.client is not None, "gateway used before start()"
+        forward.append((b"accept-encoding", b"identity"))
+        try:
+            upstream = await self.client.request("GET", url, forward)
+            data = await upstream.read()
+        except UpstreamTimeout as exc:
+            await self._fail(send, "openai", "models", started, 504, str(exc))
+            return
+        except UpstreamError as exc:
+            await self._fail(send, "openai", "models", started, 502, str(exc))
+            return
+        out = [(k, v) for k, v in upstream.headers if k not in _DROP_RESPONSE]
+        out.append((b"content-length", str(len(data)).encode()))
+        await send({"type": "http.response.start", "status": upstream.status,
+                    "headers": out})
+        await send({"type": "http.response.body", "body": data})
+        self.metrics.request("openai", "models", upstream.status,
+                             time.perf_counter() - started, None)
+
+    async def _traces(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive,
+                      send: Send) -> None:
+        started = time.perf_counter()
+        try:
+            body = await _read_body(receive, headers, self.config.max_body_bytes)
+        except _BodyTooLarge:
+            await self._fail(send, "otel", "traces", started, 413,
+                             f"OTLP body over the limit of {self.config.max_body_bytes} bytes")
+            return
+        except _ClientGone:
+            return
+        content_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0]
+        content_type = content_type.strip().lower()
+        if content_type not in ("application/json", "application/x-protobuf"):
+            await self._fail(send, "otel", "traces", started, 415,
+                             "OTLP/HTTP needs Content-Type application/x-protobuf or "
+                             f"application/json, got {content_type or 'none'!r}")
+            return
+        encoding = headers.get(b"content-encoding")
+        try:
+            project, tags = _metadata(headers)
+            from factory.normalize.otlp import split_otlp
+
+            records = split_otlp(body, content_type,
+                                 encoding.decode("latin-1") if encoding else None)
+        except (ValueError, OSError, EOFError) as exc:
+            await self._fail(send, "otel", "traces", started, 400, f"bad OTLP payload: {exc}")
+            return
+        except Exception as exc:  # protobuf's DecodeError has no common base with ValueError
+            if type(exc).__name__ != "DecodeError":
+                raise
+            await self._fail(send, "otel", "traces", started, 400, f"bad OTLP protobuf: {exc}")
+            return
+        now = time.time()
+        for record in records:
+            header = {"k": "otel", "at": now, "project": project, "tags": tags}
+            self._spool(header, b"", orjson.dumps(record))
+        answer = b"{}" if content_type == "application/json" else b""
+        await _reply(send, 200, answer, [(b"content-type", content_type.encode())])
+        self.metrics.request("otel", "traces", 200, time.perf_counter() - started, None)
+
+    async def _healthz(self, send: Send) -> None:
+        flusher = self.flusher
+        body = {"status": "ok", "spool_depth": int(self.spool_depth()),
+                "lake": ("unknown" if flusher is None or flusher.last_success_at is None
+                         and flusher.last_error is None
+                         else "error" if flusher.last_error else "ok")}
+        if flusher is not None and flusher.last_error:
+            body["lake_error"] = flusher.last_error
+        await _reply(send, 200, orjson.dumps(body))
+
+
+def _auth_header(provider: str, key: str) -> tuple[bytes, bytes]:
+    if provider == "anthropic":
+        return b"x-api-key", key.encode()
+    if provider == "gemini":
+        return b"x-goog-api-key", key.encode()
+    return b"authorization", b"Bearer " + key.encode()
+
+
+def _metadata(headers: dict[bytes, bytes]) -> tuple[str | None, dict[str, str]]:
+    raw_project = headers.get(b"x-factory-project")
+    raw_tags = headers.get(b"x-factory-tags")
+    project = raw_project.decode("utf-8", errors="replace").strip() or None \
+        if raw_project else None
+    tags = parse_tags(raw_tags.decode("utf-8", errors="replace")) if raw_tags else {}
+    return project, tags
+
+
+async def _read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
+    declared = headers.get(b"content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise _BodyTooLarge
+        except ValueError:
+            raise _BodyTooLarge from None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _reply(send: Send, status: int, body: bytes,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    out = list(headers or _JSON)
+    out.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": out})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _count_frames(path: Any) -> int:
+    """Records in a segment, walking frame headers only."""
+    import struct
+
+    num = 0
+    with open(path, "rb") as f:
+        while True:
+            head = f.read(12)
+            if len(head) < 12:
+                return num
+            magic, length, _ = struct.unpack("<4sII", head)
+            if magic != b"FSP1":
+                return num
+            f.seek(length, 1)
+            num += 1

@@ -1,0 +1,258 @@
+"""The background flusher: sealed spool segments -> ``raw_traces`` / ``samples`` in the lake.
+
+Runs in its own thread so lake commits never touch the request path. A batch is whole segments
+(up to ``flush_max_records`` captures), decoded into the capture records the ingest normalizers
+accept and committed with ``factory.ingest.ingest_records``; the segments are deleted only after
+that returned. Each capture's ``raw_trace_id`` is derived from its ``capture_id``, and ingest skips
+ids already in ``raw_traces``, so a batch replayed after a crash between commit and delete is
+captured exactly once. While the lake is unavailable (catalog locked, unreachable, any error on
+commit) the batch is retried with back-off and the spool keeps growing.
+
+Only one process flushes a spool folder at a time (an ``flock`` on ``flush.lock``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from factory.gateway.spool import SpoolEntry, read_segment, sealed_segments
+
+log = logging.getLogger("factory.gateway")
+
+IngestFn = Callable[[Any, list[Any]], Any]
+
+
+def capture_raw_trace_id(capture_id: str) -> str:
+    """Deterministic id of a proxy capture in ``raw_traces``."""
+    return hashlib.sha256(f"proxy:{capture_id}".encode()).hexdigest()
+
+
+def parse_sse(data: bytes) -> list[Any]:
+    """The JSON ``data:`` payloads of an SSE stream, in order (``[DONE]`` and comments skipped;
+    a torn last event of a partial stream is dropped)."""
+    events: list[Any] = []
+    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    for block in text.split("\n\n"):
+        lines = [line[5:].removeprefix(" ") for line in block.split("\n")
+                 if line.startswith("data:")]
+        if not lines:
+            continue
+        joined = "\n".join(lines)
+        if joined.strip() == "[DONE]":
+            continue
+        try:
+            events.append(orjson.loads(joined))
+        except orjson.JSONDecodeError:
+            continue
+    return events
+
+
+def parse_json_array_stream(data: bytes) -> list[Any]:
+    """The objects of a streamed JSON array (Gemini without ``alt=sse``), complete or cut short."""
+    try:
+        value = orjson.loads(data)
+        return value if isinstance(value, list) else [value]
+    except orjson.JSONDecodeError:
+        pass
+    import json
+
+    decoder = json.JSONDecoder()
+    text = data.decode("utf-8", errors="replace")
+    items: list[Any] = []
+    pos = 0
+    while pos < len(text):
+        while pos < len(text) and text[pos] in "[,] \r\n\t":
+            pos += 1
+        if pos >= len(text):
+            break
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        items.append(obj)
+    return items
+
+
+def _json_or_text(data: bytes) -> Any:
+    if not data:
+        return None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data.decode("utf-8", errors="replace")
+
+
+def capture_payload(entry: SpoolEntry) -> dict[str, Any]:
+    """The capture record for ingest, from a spooled capture (bodies parsed here, not on the
+    request path)."""
+    h = entry.header
+    req_len = h["rl"]
+    request = orjson.loads(entry.body[:req_len])
+    response_bytes = entry.body[req_len:]
+    encoding = (h.get("ce") or "").lower()
+    if encoding in ("gzip", "x-gzip", "deflate"):
+        import zlib
+
+        try:
+            response_bytes = zlib.decompressobj(47 if "gzip" in encoding else 15).decompress(
+                response_bytes)
+        except zlib.error:
+            pass  # kept as received; ingest rejects it with the reason
+    payload: dict[str, Any] = {"capture_id": h["id"], "provider": h["provider"],
+                               "endpoint": h["endpoint"], "request": request}
+    stream = h.get("stream")
+    if stream == "sse":
+        payload["stream"] = parse_sse(response_bytes)
+    elif stream == "json":
+        payload["stream"] = parse_json_array_stream(response_bytes)
+    else:
+        payload["response"] = _json_or_text(response_bytes)
+    payload["status"] = h["status"]
+    payload["partial"] = h["partial"]
+    if h.get("error"):
+        payload["error"] = h["error"]
+    return payload
+
+
+def to_raw_record(entry: SpoolEntry) -> Any:
+    from factory.ingest import RawRecord
+
+    h = entry.header
+    received = datetime.fromtimestamp(h["at"], tz=UTC)
+    tags = dict(h.get("tags") or {})
+    if h["k"] == "otel":
+        return RawRecord(payload=orjson.loads(entry.body), source="otel", received_at=received,
+                         tags=tags, project=h.get("project"), raw_trace_id=None,
+                         format_hint="otlp")
+    return RawRecord(payload=capture_payload(entry), source="proxy", received_at=received,
+                     tags=tags, project=h.get("project"),
+                     raw_trace_id=capture_raw_trace_id(h["id"]))
+
+
+def _default_ingest(lake: Any, records: list[Any]) -> Any:
+    from factory.ingest import ingest_records
+
+    return ingest_records(lake, records)
+
+
+class Flusher:
+    """Drains sealed segments into the lake; retries with back-off while the lake is down."""
+
+    def __init__(self, directory: Path, *, lake_factory: Callable[[], Any],
+                 ingest: IngestFn | None = None, interval_s: float = 0.5,
+                 max_records: int = 20_000, retry_max_s: float = 10.0) -> None:
+        self.dir = directory
+        self.lake_factory = lake_factory
+        self.ingest = ingest if ingest is not None else _default_ingest
+        self.interval_s = interval_s
+        self.max_records = max_records
+        self.retry_max_s = retry_max_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock_fd = -1
+        self._lake: Any = None
+        self.num_committed = 0
+        """Captures committed to the lake by this process."""
+        self.num_failures = 0
+        """Batches refused by the lake (each retried later)."""
+        self.num_corrupt_segments = 0
+        self.last_success_at: float | None = None
+        self.last_error: str | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gateway-flusher", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, final_flush_s: float = 5.0) -> None:
+        """Stop; one last drain attempt bounded by ``final_flush_s`` (what is left stays spooled
+        for the next start)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=final_flush_s + 30)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _acquire(self) -> bool:
+        if self._lock_fd >= 0:
+            return True
+        fd = os.open(self.dir / "flush.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _run(self) -> None:
+        delay = self.interval_s
+        while True:
+            stopping = self._stop.is_set()  # once set: one last pass, then return
+            try:
+                if self._acquire():
+                    committed = self.flush_once()
+                    delay = self.interval_s
+                    if committed and not stopping:
+                        continue  # more may be waiting: drain without sleeping
+            except Exception as exc:
+                self.num_failures += 1
+                self.last_error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+                self._lake = None  # a fresh catalog connection on the next try
+                log.warning("flusher: lake commit failed, captures stay spooled: %s",
+                            self.last_error)
+                delay = min(max(delay * 2, 0.2), self.retry_max_s)
+            if stopping:
+                return
+            self._stop.wait(delay)
+
+    def flush_once(self) -> int | None:
+        """Commit one batch of sealed segments; returns captures committed (0: nothing to do).
+
+        Raises whatever the lake raised; the segments then stay for the next try.
+        """
+        segments = sealed_segments(self.dir)
+        if not segments:
+            return 0
+        batch: list[SpoolEntry] = []
+        used: list[Path] = []
+        corrupt: list[Path] = []
+        records: list[Any] = []
+        for seg in segments:
+            entries, intact = read_segment(seg)
+            for entry in entries:
+                try:
+                    records.append(to_raw_record(entry))
+                except (ValueError, KeyError, TypeError) as exc:
+                    intact = False
+                    log.error("spool: undecodable record in %s: %s", seg.name, exc)
+            batch.extend(entries)
+            (used if intact else corrupt).append(seg)
+            if len(batch) >= self.max_records:
+                break
+        if records:
+            if self._lake is None:
+                self._lake = self.lake_factory()
+            self.ingest(self._lake, records)
+        for seg in used:
+            seg.unlink()
+        for seg in corrupt:
+            self.num_corrupt_segments += 1
+            os.replace(seg, seg.with_suffix(".corrupt"))
+            log.error("spool: segment %s has a torn or corrupt record; its intact records were "
+                      "committed, the file is kept as .corrupt", seg.name)
+        self.num_committed += len(records)
+        self.last_success_at = time.time()
+        self.last_error = None
+        return len(records)

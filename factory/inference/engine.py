@@ -1,0 +1,416 @@
+"""The CPU inference engine: one transformers base model, any number of PEFT LoRA adapters.
+
+Prompts are rendered with the chat template of the tokenizer that belongs to the model asked
+for: an adapter directory written by the trainer carries its tokenizer and the trainer's
+``CHAT_TEMPLATE`` (the Jinja twin of ``trainer.chat.render``), and the base model is served with
+that same template unless told otherwise. This is what vLLM does too (``--chat-template``), and
+it is why a checkpoint with a wrong template shows up in the train/serve equivalence check
+instead of silently serving a different prompt than the one trained on.
+
+Generation is a hand-written KV-cached loop over a left-padded batch (greedy, or sampled when a
+request sets ``temperature > 0``), so one pass serves several requests, streams tokens as they
+come, and reads each token's log-probability at no extra cost. Requests for the same model are
+batched together by ``BatchScheduler``; the model itself is used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.chat import CHAT_TEMPLATE
+
+TokenCallback = Callable[[int, str], None]
+"""Called with (token id, text delta) for every generated token of one request."""
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (unknown model, bad adapter, prompt too long)."""
+
+
+@dataclass(kw_only=True)
+class GenerationRequest:
+    """One completion to generate."""
+
+    model: str
+    """Served model name: the base model's or a loaded adapter's."""
+    prompt_ids: list[int]
+    """Token ids of the rendered prompt."""
+    max_tokens: int = 256
+    """Most new tokens."""
+    temperature: float = 0.0
+    """0 is greedy; above 0 samples from the tempered distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (only when sampling)."""
+    seed: int | None = None
+    """Seed of this request's sampling generator."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the completion (not included in it)."""
+    top_logprobs: int | None = None
+    """None: no log-probs; k >= 0: the chosen token's log-prob plus the k most likely."""
+    on_token: TokenCallback | None = None
+    """Streaming callback."""
+
+
+@dataclass(kw_only=True)
+class GenerationResult:
+    """What one request produced."""
+
+    text: str
+    """Completion text (stop string and end-of-turn token excluded)."""
+    token_ids: list[int]
+    """Generated token ids, including a final end-of-turn token if one was produced."""
+    finish_reason: str
+    """``stop`` (end-of-turn token or stop string) or ``length``."""
+    num_prompt_tokens: int
+    """Prompt length in tokens."""
+    logprobs: list[dict[str, Any]] | None = None
+    """Per generated token: ``token``, ``logprob``, ``bytes``, ``top_logprobs`` (OpenAI shape)."""
+
+
+def _load_tokenizer(path: str | Path, template: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if template is not None:
+        tok.chat_template = template
+    elif not getattr(tok, "chat_template", None):
+        tok.chat_template = CHAT_TEMPLATE
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+class Engine:
+    """A base model with hot-loadable LoRA adapters.
+
+    ``base_chat_template``: ``"trainer"`` (default) serves the base model with the trainer's
+    ChatML template, ``"tokenizer"`` with the template the base tokenizer ships, or a Jinja
+    string. Adapters always use the template saved in their directory when there is one.
+    """
+
+    def __init__(self, model: str | Path, *, served_model_name: str | None = None,
+                 dtype: str = "float32", max_model_len: int = 4096,
+                 base_chat_template: str = "trainer") -> None:
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: must be float32 or bfloat16, got {dtype!r}")
+        self.model_path = str(model)
+        self.served_model_name = served_model_name or self.model_path
+        self.max_model_len = max_model_len
+        template = {"trainer": CHAT_TEMPLATE, "tokenizer": None}.get(base_chat_template,
+                                                                     base_chat_template)
+        self.tokenizer = _load_tokenizer(model, template)
+        self.dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        self.base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        self.base.eval()
+        self.model: Any = self.base
+        self.adapters: dict[str, str] = {}
+        self.adapter_tokenizers: dict[str, Any] = {}
+        self.lock = threading.RLock()
+
+    # --- models -------------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return [self.served_model_name, *self.adapters]
+
+    def tokenizer_for(self, model: str) -> Any:
+        if model == self.served_model_name:
+            return self.tokenizer
+        if model in self.adapters:
+            return self.adapter_tokenizers[model]
+        raise EngineError(f"The model `{model}` does not exist.")
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load a PEFT adapter directory under ``name`` (vLLM's ``load_lora_adapter``)."""
+        from peft import PeftModel
+
+        if not name:
+            raise EngineError("lora_name: must be non-empty")
+        if name == self.served_model_name or name in self.adapters:
+            raise EngineError(f"The lora adapter '{name}' has already been loaded.")
+        p = Path(path)
+        if not (p / "adapter_config.json").is_file():
+            raise EngineError(f"lora_path: {path} has no adapter_config.json")
+        tok = (_load_tokenizer(p, None) if (p / "tokenizer_config.json").is_file()
+               else self.tokenizer)
+        if len(tok) != len(self.tokenizer):
+            raise EngineError(f"lora_path: {path} has a tokenizer of {len(tok)} tokens, the "
+                              f"base model has {len(self.tokenizer)}")
+        with self.lock, warnings.catch_warnings():
+            # peft 0.21 probes transformers' deprecated `is_gradient_checkpointing`.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            try:
+                if self.model is self.base:
+                    self.model = PeftModel.from_pretrained(self.base, str(p), adapter_name=name,
+                                                           is_trainable=False)
+                else:
+                    self.model.load_adapter(str(p), adapter_name=name, is_trainable=False)
+            except (ValueError, KeyError, RuntimeError, OSError) as e:
+                raise EngineError(f"lora_path: cannot load {path}: {e}") from None
+            self.model.eval()
+            self.adapters[name] = str(p)
+            self.adapter_tokenizers[name] = tok
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise EngineError(f"The lora adapter '{name}' cannot be found.")
+        with self.lock:
+            if len(self.adapters) == 1:
+                self.base = self.model.unload()  # strips the LoRA layers; base weights untouched
+                self.model = self.base
+            else:
+                if self.model.active_adapter == name:
+                    self.model.set_adapter(next(a for a in self.adapters if a != name))
+                self.model.delete_adapter(name)
+            del self.adapters[name]
+            del self.adapter_tokenizers[name]
+
+    def _forward_model(self, model: str) -> Any:
+        """Context manager that makes ``self.model`` compute as ``model``."""
+        import contextlib
+
+        if model == self.served_model_name:
+            return self.model.disable_adapter() if self.adapters else contextlib.nullcontext()
+        if model not in self.adapters:
+            raise EngineError(f"The model `{model}` does not exist.")
+        self.model.set_adapter(model)
+        return contextlib.nullcontext()
+
+    # --- prompts ------------------------------------------------------------------------------
+
+    def render(self, model: str, messages: list[dict[str, Any]], tools: list[Any] | None = None,
+               *, add_generation_prompt: bool = True) -> str:
+        tok = self.tokenizer_for(model)
+        try:
+            text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja raises many types; the message is what the user needs
+            raise EngineError(f"messages: the chat template cannot render them: {e}") from None
+        return str(text)
+
+    def encode(self, model: str, text: str) -> list[int]:
+        ids = list(self.tokenizer_for(model)(text, add_special_tokens=False)["input_ids"])
+        if len(ids) >= self.max_model_len:
+            raise EngineError(f"This model's maximum context length is {self.max_model_len} "
+                              f"tokens; the prompt has {len(ids)}.")
+        return ids
+
+    def stop_token_ids(self, model: str) -> set[int]:
+        tok = self.tokenizer_for(model)
+        ids = {tok.eos_token_id}
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != tok.unk_token_id:
+            ids.add(im_end)
+        return {i for i in ids if i is not None}
+
+    # --- scoring ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, model: str, token_ids: list[int]) -> list[float | None]:
+        """Log-probability of each token given the ones before it (None for the first)."""
+        if not token_ids:
+            raise EngineError("nothing to score")
+        with self.lock, self._forward_model(model):
+            ids = torch.tensor([token_ids])
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
+        return [None, *lp.tolist()]
+
+    # --- generation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Run ``requests`` (all for the same model) as one left-padded batch."""
+        if not requests:
+            return []
+        model = requests[0].model
+        assert all(r.model == model for r in requests), "a batch serves one model"
+        tok = self.tokenizer_for(model)
+        stops = self.stop_token_ids(model)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        n = len(requests)
+        longest = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((n, longest), pad, dtype=torch.long)
+        mask = torch.zeros((n, longest), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, longest - len(r.prompt_ids):] = 1
+        gens = [torch.Generator().manual_seed(r.seed if r.seed is not None else 0)
+                for r in requests]
+        out_ids: list[list[int]] = [[] for _ in requests]
+        texts = [""] * n
+        emitted = [0] * n
+        finish: list[str | None] = [None] * n
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in requests]
+        budget = [min(r.max_tokens, self.max_model_len - len(r.prompt_ids)) for r in requests]
+        for i in range(n):
+            if budget[i] <= 0:
+                finish[i] = "length"
+        with self.lock, self._forward_model(model):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1].float()
+            while any(f is None for f in finish):
+                next_ids = torch.empty(n, dtype=torch.long)
+                want_lp = any(r.top_logprobs is not None for r in requests)
+                lsm = torch.log_softmax(logits, dim=-1) if want_lp else None
+                for i, r in enumerate(requests):
+                    if r.temperature > 0:
+                        next_ids[i] = _sample(logits[i], r.temperature, r.top_p, gens[i])
+                    else:
+                        next_ids[i] = int(logits[i].argmax())
+                for i, r in enumerate(requests):
+                    if finish[i] is not None:
+                        continue
+                    t = int(next_ids[i])
+                    out_ids[i].append(t)
+                    if r.top_logprobs is not None:
+                        assert lsm is not None
+                        logprobs[i].append(_logprob_entry(tok, lsm[i], t, r.top_logprobs))
+                    if t in stops:
+                        finish[i] = "stop"
+                        continue
+                    text = tok.decode(out_ids[i], skip_special_tokens=False)
+                    cut = _first_stop(text, r.stop)
+                    if cut is not None:
+                        text, finish[i] = text[:cut], "stop"
+                    elif len(out_ids[i]) >= budget[i]:
+                        finish[i] = "length"
+                    texts[i] = text
+                    # Hold back a trailing partial UTF-8 character (and text a stop string
+                    # might still claim) until the next token completes it.
+                    safe = len(text) if finish[i] else _safe_prefix(text, r.stop)
+                    if r.on_token is not None and safe > emitted[i]:
+                        r.on_token(t, text[emitted[i]:safe])
+                        emitted[i] = safe
+                    elif r.on_token is not None and finish[i] is None:
+                        r.on_token(t, "")
+                if all(f is not None for f in finish):
+                    break
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+                positions = positions[:, -1:] + 1
+                out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
+                                 position_ids=positions, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits = out.logits[:, -1].float()
+        results = []
+        for i, r in enumerate(requests):
+            if r.on_token is not None and len(texts[i]) > emitted[i]:
+                r.on_token(out_ids[i][-1] if out_ids[i] else -1, texts[i][emitted[i]:])
+            results.append(GenerationResult(
+                text=texts[i], token_ids=out_ids[i], finish_reason=finish[i] or "length",
+                num_prompt_tokens=len(r.prompt_ids),
+                logprobs=logprobs[i] if r.top_logprobs is not None else None))
+        return results
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float,
+            gen: torch.Generator) -> int:
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+        sorted_p = sorted_p * keep
+        return int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _token_entry(tok: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    text = tok.decode([token_id], skip_special_tokens=False)
+    return {"token": text, "logprob": logprob if math.isfinite(logprob) else -9999.0,
+            "bytes": list(text.encode("utf-8"))}
+
+
+def _logprob_entry(tok: Any, lsm: torch.Tensor, token_id: int, k: int) -> dict[str, Any]:
+    entry = _token_entry(tok, token_id, float(lsm[token_id]))
+    entry["top_logprobs"] = []
+    if k > 0:
+        values, idx = torch.topk(lsm, k)
+        entry["top_logprobs"] = [_token_entry(tok, int(j), float(v))
+                                 for v, j in zip(values, idx, strict=True)]
+    return entry
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    found = [text.find(s) for s in stops if s and s in text]
+    return min(found) if found else None
+
+
+def _safe_prefix(text: str, stops: list[str]) -> int:
+    end = len(text)
+    if text.endswith("\ufffd"):
+        end -= 1
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end -= k
+                break
+    return end
+
+
+class BatchScheduler:
+    """Collects requests from many callers and runs them in batches on one worker thread.
+
+    A caller gets a ``concurrent.futures.Future``. The worker takes the oldest waiting request,
+    and every other waiting request for the same model up to ``max_batch_size``; requests that
+    arrive while a batch runs wait for the next one (static batching: simple, and on 2 CPU
+    cores the batch is compute-bound anyway).
+    """
+
+    def __init__(self, engine: Engine, *, max_batch_size: int = 8) -> None:
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self._pending: list[tuple[GenerationRequest, Any]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="batch-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> Any:
+        from concurrent.futures import Future
+
+        fut: Future[GenerationResult] = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("scheduler is closed")
+            self._pending.append((request, fut))
+            self._cv.notify()
+        return fut
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._pending:
+                    return
+                model = self._pending[0][0].model
+                batch = [p for p in self._pending if p[0].model == model][:self.max_batch_size]
+                for p in batch:
+                    self._pending.remove(p)
+            try:
+                results = self.engine.generate([r for r, _ in batch])
+            except Exception as e:  # delivered to every caller of the batch, which reports it
+                for _, fut in batch:
+                    fut.set_exception(e)
+                continue
+            for (_, fut), res in zip(batch, results, strict=True):
+                fut.set_result(res)

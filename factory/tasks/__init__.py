@@ -1,0 +1,18 @@
+"""Embedded tasks shipped as deterministic data generators (demo traffic with reference answers).
+
+``support_extract``: pull ``{"name", "email", "company", "intent"}`` out of a short support
+message as compact JSON. SmolLM2-135M does not do this reliably out of the box (it chats, invents
+keys, or misses the intent label), and a short LoRA run learns it, which makes it the task the
+demo and the evals tests use to show a fine-tune beating its base model.
+"""
+
+from factory.tasks.support_extract import (
+    INTENTS,
+    SYSTEM_PROMPT,
+    field_accuracy,
+    generate_conversations,
+    generate_records,
+)
+
+__all__ = ["INTENTS", "SYSTEM_PROMPT", "field_accuracy", "generate_conversations",
+           "generate_records"]

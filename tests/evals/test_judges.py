@@ -1,0 +1,144 @@
+"""Rubric inference, the embedded judge, and the LLM judge against a judge server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from factory.evals import (
+    Answer,
+    EmbeddedJudge,
+    LLMJudge,
+    Rubric,
+    build_rubric,
+    infer_rubric,
+    items_from_samples,
+    score_reference,
+)
+from factory.tasks import generate_conversations
+
+
+def _rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    return [{"sample_id": f"s{i}", "tools": "[]",
+             "messages": json.dumps([{"role": m["role"],
+                                      "content": [{"type": "text", "text": m["content"]}]}
+                                     for m in c["messages"]])}
+            for i, c in enumerate(generate_conversations(n, seed))]
+
+
+def test_rubric_inferred_from_references() -> None:
+    items = items_from_samples(_rows(30))
+    rubric = build_rubric(items)
+    names = [c.name for c in rubric.criteria]
+    assert names == ["json_valid", "json_schema", "json_fields_match", "length_band",
+                     "single_line", "reference_similarity"]
+    schema = rubric.criteria[1].params
+    assert schema["required"] == ["company", "email", "intent", "name"]
+    assert schema["properties"]["email"] == ["null", "string"]
+    assert Rubric.from_dict(json.loads(rubric.to_json())).version == rubric.version
+    with pytest.raises(ValueError, match="check must be one of"):
+        Rubric.from_dict({"criteria": [{"name": "x", "check": "vibes"}]})
+
+
+def test_tool_call_rubric() -> None:
+    tools = [[{"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]]
+    ref = Answer(text="", tool_calls=(("get_weather", '{"city":"Paris"}'),))
+    rubric = infer_rubric([ref], tools=tools)
+    crit = rubric.criteria[0]
+    from factory.evals.rubric import check_answer
+
+    assert crit.check == "tool_calls"
+    assert check_answer(crit, ref, ref)[0] == 1.0
+    bad = Answer(text="", tool_calls=(("get_weather", '{"town":1}'),))
+    score, why = check_answer(crit, bad, ref)
+    assert score == 0.0 and "city" in why
+
+
+def test_embedded_judge_ranks_good_above_bad() -> None:
+    items = items_from_samples(_rows(6, seed=2))
+    rubric = build_rubric(items)
+    judge = EmbeddedJudge()
+    ref_rows = score_reference(judge, rubric, items)
+    assert all(r.score == pytest.approx(1.0, abs=1e-6) for r in ref_rows)
+    assert {r.judge for r in ref_rows} == {"embedded:all-MiniLM-L6-v2"}
+    chatty = [Answer(text="Sure! The sender seems to want help with their account.")] * 6
+    rows = judge.score(rubric, items, chatty)
+    assert all(r.status == "ok" and r.score is not None and r.score < 0.35 for r in rows)
+    assert "json_valid" in rows[0].assessment
+
+
+class _JudgeHandler(BaseHTTPRequestHandler):
+    calls: list[dict[str, Any]] = []
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).calls.append(body)
+        user = body["messages"][1]["content"]
+        if "BROKEN" in user:
+            content = "I think it is a 7/10."  # never the JSON asked for
+        else:
+            names = [ln[2:].split(":")[0] for ln in user.split("## Criteria\n")[1].splitlines()]
+            good = "refund" in user.split("## Answer to judge")[1]
+            content = json.dumps({"criteria": [
+                {"name": n, "score": 9 if good else 2, "assessment": "judged by the stub"}
+                for n in names]})
+        reply = json.dumps({"choices": [{"message": {"role": "assistant",
+                                                     "content": content}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+
+@pytest.fixture()
+def judge_server() -> Iterator[str]:
+    _JudgeHandler.calls = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _JudgeHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_llm_judge_scores_retries_and_fails_loudly(judge_server: str) -> None:
+    items = items_from_samples(_rows(3, seed=4))
+    rubric = infer_rubric([i.reference for i in items])
+    judge = LLMJudge(base_url=judge_server, model="judge-1", max_retries=2, retry_backoff_s=0)
+    answers = [Answer(text='{"name":null,"email":null,"company":null,"intent":"refund"}'),
+               Answer(text="no idea"),
+               Answer(text="BROKEN output that makes the stub misbehave")]
+    rows = judge.score(rubric, items, answers)
+    assert [r.status for r in rows] == ["ok", "ok", "failed"]
+    assert all(r.judge == "llm:judge-1" for r in rows)
+    sim = rows[0].criteria["reference_similarity"]
+    assert sim == {"score": pytest.approx(8 / 9), "assessment": "judged by the stub"}
+    assert rows[1].criteria["reference_similarity"]["score"] == pytest.approx(1 / 9)
+    assert rows[0].score is not None and rows[1].score is not None
+    assert rows[0].score > rows[1].score
+    failed = rows[2]
+    assert failed.score is None  # never a silent zero
+    assert failed.error is not None and "malformed judge output" in failed.error
+    assert failed.num_attempts == 3
+    broken_calls = [c for c in _JudgeHandler.calls if "BROKEN" in c["messages"][1]["content"]]
+    assert len(broken_calls) == 3  # first try + 2 retries
+    assert "invalid" in broken_calls[-1]["messages"][-1]["content"]
+
+
+def test_llm_judge_unreachable_is_a_failed_row() -> None:
+    items = items_from_samples(_rows(1))
+    rubric = infer_rubric([i.reference for i in items])
+    judge = LLMJudge(base_url="http://127.0.0.1:9/v1", model="m", max_retries=1,
+                     retry_backoff_s=0, timeout_s=2)
+    [row] = judge.score(rubric, items, [items[0].reference])
+    assert row.status == "failed" and row.score is None and "judge call failed" in str(row.error)

@@ -1,0 +1,61 @@
+"""Fixtures for the gateway tests: a stand-in upstream and a gateway, both on 127.0.0.1 in threads
+(the load tests start them as subprocesses instead)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from factory.gateway import Gateway, GatewayConfig, ServerThread
+from factory.gateway.standin import StandIn
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ServerThread]:
+    with ServerThread(StandIn(slow_s=2.0)) as srv:
+        yield srv
+
+
+def make_config(upstream: ServerThread, **overrides: Any) -> GatewayConfig:
+    values: dict[str, Any] = {
+        "port": 0, "openai_base_url": upstream.url + "/v1", "anthropic_base_url": upstream.url,
+        "gemini_base_url": upstream.url, "upstream_timeout_s": 0.5, "flush_interval_s": 0.05,
+        "segment_max_age_s": 0.05, "routes_poll_s": 0.1, "flush_retry_max_s": 0.2}
+    values.update(overrides)
+    return GatewayConfig(**values)
+
+
+class Collected(list):
+    """An ingest stand-in for tests that check captures, not the lake: keeps the records."""
+
+    def __call__(self, lake: Any, records: list[Any]) -> None:
+        self.extend(records)
+
+
+@pytest.fixture()
+def collected() -> Collected:
+    return Collected()
+
+
+@pytest.fixture()
+def gateway(factory_home: Path, upstream: ServerThread,
+            collected: Collected) -> Iterator[ServerThread]:
+    """A gateway whose flusher hands captures to ``collected`` (no lake)."""
+    app = Gateway(make_config(upstream), lake_factory=lambda: None, ingest=collected)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or check}")
+        time.sleep(0.05)

@@ -1,0 +1,137 @@
+"""The spool and flusher: framing, torn tails, crash recovery, retry while the lake is down,
+exactly-once ids; and the routing table in the lake."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from factory.gateway import Gateway, Route, ServerThread, register_route, unregister_route
+from factory.gateway.flusher import (
+    Flusher,
+    capture_raw_trace_id,
+    parse_json_array_stream,
+    parse_sse,
+)
+from factory.gateway.routes import RoutingTable, load_routes
+from factory.gateway.spool import SpoolWriter, encode, read_segment, sealed_segments
+from factory.lake import Lake
+from tests.gateway.conftest import Collected, make_config, wait_until
+
+
+def _capture(i: int) -> bytes:
+    req = b'{"model":"m","messages":[{"role":"user","content":"c%d"}]}' % i
+    header = {"k": "c", "id": f"id-{i}", "provider": "openai", "endpoint": "/v1/chat/completions",
+              "status": 200, "partial": False, "stream": None, "at": 1.0, "rl": len(req),
+              "project": None, "tags": {}}
+    return encode(header, req, b'{"choices":[]}')
+
+
+def test_segment_roundtrip_and_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "a.seg"
+    path.write_bytes(_capture(1) + _capture(2))
+    entries, intact = read_segment(path)
+    assert intact and [e.header["id"] for e in entries] == ["id-1", "id-2"]
+    path.write_bytes(_capture(1) + _capture(2)[:-3])
+    entries, intact = read_segment(path)
+    assert not intact and len(entries) == 1
+
+
+def test_writer_recovers_segments_of_dead_processes(tmp_path: Path) -> None:
+    dead = tmp_path / f"{1:020d}-999999999-000001.open"  # no such pid
+    dead.write_bytes(_capture(1))
+    writer = SpoolWriter(tmp_path, segment_max_age_s=0.05)
+    writer.start()
+    writer.append(_capture(2))
+    writer.stop()
+    segs = sealed_segments(tmp_path)
+    ids = sorted(e.header["id"] for s in segs for e in read_segment(s)[0])
+    assert ids == ["id-1", "id-2"] and not list(tmp_path.glob("*.open"))
+
+
+def test_flusher_keeps_segments_while_lake_fails_then_drains(tmp_path: Path) -> None:
+    (tmp_path / f"{1:020d}-1-000001.seg").write_bytes(_capture(1) + _capture(2))
+    calls: list[int] = []
+    kept = Collected()
+
+    def flaky(lake: Any, records: list[Any]) -> None:
+        calls.append(len(records))
+        if len(calls) < 3:
+            raise OSError("catalog unreachable")
+        kept(lake, records)
+
+    flusher = Flusher(tmp_path, lake_factory=lambda: None, ingest=flaky)
+    for _ in range(2):
+        with pytest.raises(OSError):
+            flusher.flush_once()
+        assert len(sealed_segments(tmp_path)) == 1  # nothing deleted on failure
+    assert flusher.flush_once() == 2
+    assert sealed_segments(tmp_path) == []
+    ids = [r.raw_trace_id for r in kept]
+    assert ids == [capture_raw_trace_id("id-1"), capture_raw_trace_id("id-2")]
+    assert capture_raw_trace_id("id-1") == capture_raw_trace_id("id-1")  # replay-stable
+
+
+def test_stream_parsers_handle_cut_streams() -> None:
+    sse = b'event: x\ndata: {"a":1}\n\ndata: {"a":2}\n\ndata: [DONE]\n\n'
+    assert parse_sse(sse) == [{"a": 1}, {"a": 2}]
+    assert parse_sse(b'data: {"a":1}\n\ndata: {"a"') == [{"a": 1}]
+    assert parse_json_array_stream(b'[{"a":1}\r\n,{"a":2}]') == [{"a": 1}, {"a": 2}]
+    assert parse_json_array_stream(b'[{"a":1}\r\n,{"a":') == [{"a": 1}]
+
+
+def test_gateway_drains_after_lake_outage(factory_home: Path, upstream: ServerThread) -> None:
+    down = {"on": True}
+    kept = Collected()
+
+    def ingest(lake: Any, records: list[Any]) -> None:
+        if down["on"]:
+            raise RuntimeError("database is locked")
+        kept(lake, records)
+
+    app = Gateway(make_config(upstream), lake_factory=lambda: None, ingest=ingest)
+    with ServerThread(app) as srv:
+        for i in range(20):
+            r = httpx.post(srv.url + "/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": str(i)}]})
+            assert r.status_code == 200
+        wait_until(lambda: app.flusher.num_failures >= 2, what="failed flushes")
+        assert app.spool_depth() == 20 and kept == []
+        assert httpx.get(srv.url + "/healthz").json()["lake"] == "error"
+        down["on"] = False
+        wait_until(lambda: len(kept) == 20, what="the drain")
+        wait_until(lambda: app.spool_depth() == 0, what="an empty spool")
+    assert len({r.raw_trace_id for r in kept}) == 20
+
+
+def test_routing_table_in_the_lake_sends_a_model_elsewhere(factory_home: Path,
+                                                           upstream: ServerThread) -> None:
+    lake = Lake()
+    with pytest.raises(ValueError, match="provider"):
+        Route(model="x", provider="cohere", base_url="http://a")
+    register_route(Route(model="factory/exp1", provider="openai", base_url=upstream.url + "/v1",
+                         deployment="served-exp1", version="v3"), lake=lake)
+    assert load_routes(lake)["factory/exp1"].deployment == "served-exp1"
+    app = Gateway(make_config(upstream, openai_base_url="http://127.0.0.1:9"))
+    with ServerThread(app) as srv:
+        wait_until(lambda: app.routes.get("factory/exp1"), what="the route")
+        body = {"model": "factory/exp1", "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["model"] == "served-exp1"
+        r = httpx.post(srv.url + "/v1/messages", json={**body, "max_tokens": 5})
+        assert r.status_code == 400 and "openai API" in r.json()["error"]["message"]
+        unregister_route("factory/exp1", lake=lake)
+        wait_until(lambda: app.routes.get("factory/exp1") is None, what="the removal")
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 502  # back to the default upstream, which is down
+        wait_until(lambda: lake.exists("raw_traces") and lake.read("raw_traces").num_rows == 2,
+                   what="captures")
+    tags = [dict(t) for t in lake.read("raw_traces").column("tags").to_pylist()]
+    assert {"route_version": "v3"} in tags
+    table = RoutingTable()
+    assert table.refresh(lake) and not table.refresh(lake)  # unchanged snapshot: no re-read
+    assert os.environ["FACTORY_HOME"] == str(factory_home)

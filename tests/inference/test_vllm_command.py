@@ -1,0 +1,39 @@
+"""The ``vllm serve`` argv, exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from factory.inference import ServeSizing, cpu_serve_command, lora_rank_bucket, vllm_serve_command
+
+
+def test_vllm_serve_argv() -> None:
+    sizing = ServeSizing(gpu_memory_utilization=0.85, max_num_seqs=32, tensor_parallel_size=2,
+                         max_model_len=2048, max_lora_rank=16, max_loras=2)
+    cmd = vllm_serve_command(sizing, "/models/smollm2", {"demo-step-40": "/ckpt/step-40"},
+                             served_model_name="base", host="0.0.0.0", port=8123)
+    assert cmd == ["vllm", "serve", "/models/smollm2", "--host", "0.0.0.0", "--port", "8123",
+                   "--served-model-name", "base", "--dtype", "auto", "--max-model-len", "2048",
+                   "--gpu-memory-utilization", "0.85", "--max-num-seqs", "32",
+                   "--tensor-parallel-size", "2", "--enable-lora", "--max-lora-rank", "16",
+                   "--max-loras", "2", "--lora-modules", "demo-step-40=/ckpt/step-40"]
+
+
+def test_no_adapters_and_chat_template() -> None:
+    cmd = vllm_serve_command(ServeSizing(), "m", chat_template="/t.jinja")
+    assert "--lora-modules" not in cmd and cmd[-2:] == ["--chat-template", "/t.jinja"]
+    assert "--enable-lora" in cmd  # adapters can still be hot-loaded later
+
+
+@pytest.mark.parametrize(("field", "value"), [("gpu_memory_utilization", 1.5),
+                                              ("max_num_seqs", 0), ("max_lora_rank", 12)])
+def test_bad_sizing_is_refused(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        vllm_serve_command(ServeSizing(**{field: value}), "m")  # type: ignore[arg-type]
+
+
+def test_rank_bucket_and_cpu_argv() -> None:
+    assert [lora_rank_bucket(r) for r in (4, 8, 9, 64)] == [8, 8, 16, 64]
+    cmd = cpu_serve_command("m", {"a": "/p"}, served_model_name="base", port=9)
+    assert cmd[1:4] == ["-m", "factory.inference", "m"]
+    assert cmd[-2:] == ["--lora-modules", "a=/p"]
