@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,41 @@ def to_raw_record(entry: SpoolEntry) -> Any:
                      raw_trace_id=capture_raw_trace_id(h["id"]))
 
 
+def merge_otel_records(records: list[Any]) -> list[Any]:
+    """Merge the OTLP records of one trace that arrived in several exports of this batch.
+
+    Exporters batch spans by time, not by trace, so one agent run often spans several
+    ``POST /v1/traces``; merged, prefix-dropping sees the whole run and yields one sample.
+    Spans of one trace that land in different flush batches are still ingested apart.
+    """
+    from factory.normalize.otlp import merge_traces
+
+    groups: dict[str, list[Any]] = {}
+    out: list[Any] = []
+    for rec in records:
+        trace = rec.payload.get("otlp_trace") if rec.source == "otel" and isinstance(
+            rec.payload, dict) else None
+        if isinstance(trace, dict) and trace.get("trace_id"):
+            group = groups.setdefault(str(trace["trace_id"]), [])
+            if not group:
+                out.append(group)
+            group.append(rec)
+        else:
+            out.append(rec)
+    merged: list[Any] = []
+    for item in out:
+        if not isinstance(item, list):
+            merged.append(item)
+        elif len(item) == 1:
+            merged.append(item[0])
+        else:
+            first = item[0]
+            payload = merge_traces([r.payload for r in item])[0]
+            merged.append(replace(first, payload=payload,
+                                  received_at=min(r.received_at for r in item)))
+    return merged
+
+
 def _default_ingest(lake: Any, records: list[Any]) -> Any:
     from factory.ingest import ingest_records
 
@@ -241,6 +277,7 @@ class Flusher:
             (used if intact else corrupt).append(seg)
             if len(batch) >= self.max_records:
                 break
+        records = merge_otel_records(records)
         if records:
             if self._lake is None:
                 self._lake = self.lake_factory()

@@ -1,0 +1,236 @@
+"""Ingest benchmark: samples/s, peak RSS and the ratio to parse-only, in one run.
+
+    .venv/bin/python bench/ingest.py --records 200000
+    .venv/bin/python bench/ingest.py --records 20000,200000   # memory flat as the file grows?
+
+Generates a JSONL file of mixed realistic records (OpenAI calls with tools and streams,
+Anthropic calls with thinking and tool use, Gemini calls, ShareGPT and fine-tuning lines, a few
+small images and ~2% broken lines), then times (1) reading and ``orjson.loads`` of every line and
+(2) ``factory ingest`` of the same file into a fresh ``FACTORY_HOME``, each in its own process so
+peak RSS is that phase's own. Prints one JSON line per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+_VOCABULARY = ("the of and to in is for on with as by at from that this be are it an or was "
+               "data model city weather price order user report result query table file error "
+               "value time number list search page update create delete account email summary")
+WORDS = tuple(_VOCABULARY.split())
+
+
+def _text(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def _tool(rng: random.Random) -> dict[str, Any]:
+    name = rng.choice(["get_weather", "search_docs", "lookup_order", "run_sql", "send_email"])
+    return {"name": name, "description": _text(rng, 5, 15),
+            "parameters": {"type": "object", "properties": {
+                "q": {"type": "string", "description": _text(rng, 3, 8)},
+                "limit": {"type": "integer"}}, "required": ["q"]}}
+
+
+def _png(rng: random.Random) -> str:
+    sys.path.insert(0, str(ROOT))
+    from tests.ingest.conversations import png_bytes
+
+    return base64.b64encode(png_bytes(8, 8, seed=rng.randrange(256))).decode()
+
+
+def _openai(rng: random.Random) -> dict[str, Any]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": _text(rng, 10, 60)}]
+    tools = [_tool(rng) for _ in range(rng.randint(0, 3))]
+    for _ in range(rng.randint(1, 4)):
+        msgs.append({"role": "user", "content": _text(rng, 5, 120)})
+        if tools and rng.random() < 0.5:
+            t = rng.choice(tools)
+            cid = f"call_{rng.getrandbits(48):x}"
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": cid, "type": "function", "function": {
+                    "name": t["name"], "arguments": json.dumps({"q": _text(rng, 2, 6)})}}]})
+            msgs.append({"role": "tool", "tool_call_id": cid,
+                         "content": json.dumps({"rows": [_text(rng, 2, 8) for _ in range(3)]})})
+        msgs.append({"role": "assistant", "content": _text(rng, 20, 200)})
+    final = msgs.pop()
+    req = {"model": "gpt-4o-mini", "messages": msgs,
+           "tools": [{"type": "function", "function": t} for t in tools] or None}
+    if rng.random() < 0.2:
+        words = final["content"].split(" ")
+        chunks = [{"object": "chat.completion.chunk", "model": "gpt-4o-mini",
+                   "choices": [{"index": 0, "delta": {"content": w + " "}}]} for w in words]
+        return {"capture_id": str(rng.getrandbits(64)), "provider": "openai",
+                "endpoint": "/v1/chat/completions", "request": req, "stream": chunks,
+                "status": 200, "partial": False}
+    return {"capture_id": str(rng.getrandbits(64)), "provider": "openai",
+            "endpoint": "/v1/chat/completions", "request": req, "status": 200, "partial": False,
+            "response": {"model": "gpt-4o-mini", "created": 1767225600,
+                         "choices": [{"index": 0, "message": final, "finish_reason": "stop"}]}}
+
+
+def _anthropic(rng: random.Random) -> dict[str, Any]:
+    tools = [_tool(rng) for _ in range(rng.randint(0, 2))]
+    msgs: list[dict[str, Any]] = []
+    for _ in range(rng.randint(1, 3)):
+        content: list[dict[str, Any]] = [{"type": "text", "text": _text(rng, 5, 120)}]
+        if rng.random() < 0.01:
+            content.append({"type": "image", "source": {"type": "base64",
+                                                        "media_type": "image/png",
+                                                        "data": _png(rng)}})
+        msgs.append({"role": "user", "content": content})
+        if tools and rng.random() < 0.5:
+            tid = f"toolu_{rng.getrandbits(48):x}"
+            msgs.append({"role": "assistant", "content": [
+                {"type": "thinking", "thinking": _text(rng, 10, 40), "signature": "x" * 40},
+                {"type": "tool_use", "id": tid, "name": tools[0]["name"],
+                 "input": {"q": _text(rng, 2, 5)}}]})
+            msgs.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": tid, "content": _text(rng, 10, 60)}]})
+        msgs.append({"role": "assistant", "content": [{"type": "text",
+                                                       "text": _text(rng, 20, 200)}]})
+    final = msgs.pop()
+    return {"request": {"model": "claude-sonnet-4-5", "max_tokens": 1024,
+                        "system": _text(rng, 10, 60), "messages": msgs,
+                        "tools": [{"name": t["name"], "description": t["description"],
+                                   "input_schema": t["parameters"]} for t in tools]},
+            "response": {"type": "message", "role": "assistant", "model": "claude-sonnet-4-5",
+                         "content": final["content"]}}
+
+
+def _gemini(rng: random.Random) -> dict[str, Any]:
+    contents = []
+    for _ in range(rng.randint(1, 3)):
+        contents.append({"role": "user", "parts": [{"text": _text(rng, 5, 120)}]})
+        contents.append({"role": "model", "parts": [{"text": _text(rng, 20, 200)}]})
+    final = contents.pop()
+    return {"provider": "gemini", "endpoint": "/v1beta/models/gemini-2.5-flash:generateContent",
+            "request": {"contents": contents,
+                        "systemInstruction": {"parts": [{"text": _text(rng, 10, 40)}]}},
+            "response": {"candidates": [{"content": final, "finishReason": "STOP"}],
+                         "modelVersion": "gemini-2.5-flash"}, "status": 200}
+
+
+def _sharegpt(rng: random.Random) -> dict[str, Any]:
+    turns = []
+    for _ in range(rng.randint(1, 4)):
+        turns += [{"from": "human", "value": _text(rng, 5, 120)},
+                  {"from": "gpt", "value": _text(rng, 20, 200)}]
+    return {"conversations": turns}
+
+
+def _finetune(rng: random.Random) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": _text(rng, 5, 30)},
+                         {"role": "user", "content": _text(rng, 5, 120)},
+                         {"role": "assistant", "content": _text(rng, 20, 200)}]}
+
+
+def generate(path: Path, num_records: int, seed: int = 0) -> None:
+    """Write ``num_records`` lines, streaming (the generator holds one record at a time)."""
+    rng = random.Random(seed)
+    makers = [(_openai, 0.35), (_anthropic, 0.25), (_gemini, 0.15), (_sharegpt, 0.1),
+              (_finetune, 0.13)]
+    with open(path, "w", encoding="utf-8") as fh:
+        for _ in range(num_records):
+            r = rng.random()
+            line = None
+            for make, p in makers:
+                if r < p:
+                    line = json.dumps(make(rng), ensure_ascii=False)
+                    break
+                r -= p
+            if line is None:  # ~2% broken: truncated JSON or a non-chat object
+                line = (json.dumps(_finetune(rng))[:-7] if rng.random() < 0.5
+                        else json.dumps({"event": "click", "n": rng.random()}))
+            fh.write(line + "\n")
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def phase_parse(path: Path) -> dict[str, Any]:
+    import orjson
+
+    start = time.perf_counter()
+    n = 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            try:
+                orjson.loads(line)
+            except orjson.JSONDecodeError:
+                pass
+            n += 1
+    return {"seconds": time.perf_counter() - start, "records": n, "peak_rss_mb": _peak_rss_mb()}
+
+
+def phase_ingest(path: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT))
+    from factory.ingest import ingest_paths
+    from factory.lake import Lake
+
+    lake = Lake()
+    lake.table("raw_traces"), lake.table("samples"), lake.table("rejected_traces")
+    base_rss = _peak_rss_mb()
+    start = time.perf_counter()
+    summary = ingest_paths(lake, [path])
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, **summary.as_dict(), "num_samples": summary.num_samples,
+            "rss_before_mb": base_rss, "peak_rss_mb": _peak_rss_mb()}
+
+
+def _child(phase: str, path: Path, home: Path) -> dict[str, Any]:
+    env = {**os.environ, "FACTORY_HOME": str(home)}
+    out = subprocess.run([sys.executable, __file__, "--phase", phase, "--file", str(path)],
+                         env=env, capture_output=True, text=True, check=True)
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", default="200000",
+                        help="records per run; a comma list runs several sizes")
+    parser.add_argument("--phase", choices=["parse", "ingest"], help=argparse.SUPPRESS)
+    parser.add_argument("--file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase:
+        fn = phase_parse if args.phase == "parse" else phase_ingest
+        print(json.dumps(fn(Path(args.file))))
+        return 0
+    for size in [int(s) for s in args.records.split(",")]:
+        with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
+            path = Path(tmp) / "records.jsonl"
+            generate(path, size)
+            parse = _child("parse", path, Path(tmp) / "home-parse")
+            ingest = _child("ingest", path, Path(tmp) / "home")
+            print(json.dumps({
+                "records": size,
+                "file_mb": round(path.stat().st_size / 2**20, 1),
+                "parse_only_s": round(parse["seconds"], 2),
+                "ingest_s": round(ingest["seconds"], 2),
+                "samples_per_s": round(ingest["num_samples"] / ingest["seconds"]),
+                "records_per_s": round(size / ingest["seconds"]),
+                "ratio_to_parse_only": round(ingest["seconds"] / parse["seconds"], 1),
+                "peak_rss_mb": round(ingest["peak_rss_mb"]),
+                "rss_before_ingest_mb": round(ingest["rss_before_mb"]),
+                "summary": {k: ingest[k] for k in ("read", "ingested", "rejected",
+                                                   "duplicates", "num_samples")},
+            }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

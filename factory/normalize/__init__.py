@@ -1,0 +1,14 @@
+"""Normalization: every provider format into canonical samples (``canonical-sample.md``).
+
+``normalize_record(payload, format)`` is pure: it returns the canonical conversations of one
+record or raises ``NormalizeError`` naming the field and what was wrong. ``detect_format`` picks
+the format of a record when none is forced.
+"""
+
+from __future__ import annotations
+
+from factory.normalize.canon import NormalizeError, canonical_json, sample_id
+from factory.normalize.detect import FORMATS, detect_format, normalize_record
+
+__all__ = ["FORMATS", "NormalizeError", "canonical_json", "detect_format", "normalize_record",
+           "sample_id"]

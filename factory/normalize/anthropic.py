@@ -1,0 +1,242 @@
+"""Anthropic Messages into canonical conversations.
+
+Top-level ``system`` (string or text blocks); ``text``, ``image`` (base64 and url sources),
+``tool_use``, ``tool_result`` (string or block content) and ``thinking`` blocks (signatures and
+redacted thinking dropped). Tool results nested in a user turn become their own ``tool``
+messages, ahead of the turn's remaining content. Streams of SSE event objects are reassembled.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from factory.normalize.canon import (
+    NormalizeError,
+    append_response,
+    expect_dict,
+    expect_list,
+    finish,
+    text_part,
+    tool_call,
+    tool_def,
+    tool_message,
+    tool_result_parts,
+)
+from factory.normalize.images import inline_image, url_image
+
+PROVIDER = "anthropic"
+
+
+def normalize(payload: Any) -> list[dict[str, Any]]:
+    """A ``{system?, messages, tools?}`` line whose conversation already holds the reply."""
+    body = expect_dict(payload, "record")
+    if "messages" not in body:
+        raise NormalizeError("messages: missing (an Anthropic record needs a messages array)")
+    blobs: dict[str, bytes] = {}
+    messages = convert_request(body, blobs, "record")
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    return [finish(messages, convert_tools(body, "record"), provider=PROVIDER, model=model,
+                   blobs=blobs)]
+
+
+def normalize_call(request: Any, response: Any, stream: list[Any] | None,
+                   endpoint: str | None = None) -> list[dict[str, Any]]:
+    req = expect_dict(request, "request")
+    blobs: dict[str, bytes] = {}
+    messages = convert_request(req, blobs, "request")
+    tools = convert_tools(req, "request")
+    where = "response"
+    if stream is not None:
+        response, where = reassemble_stream(stream), "stream"
+    resp = expect_dict(response, where)
+    if resp.get("type") == "error":
+        raise NormalizeError(f"{where}.type: the upstream call returned an error")
+    role = resp.get("role", "assistant")
+    if role != "assistant":
+        raise NormalizeError(f"{where}.role: expected 'assistant', got {role!r}")
+    reply = _turn("assistant", resp.get("content"), f"{where}.content", blobs)
+    assert len(reply) == 1
+    model = resp.get("model") or req.get("model")
+    convo = append_response(messages, reply[0])
+    return [finish(convo, tools, provider=PROVIDER, model=model if isinstance(model, str) else None,
+                   blobs=blobs)]
+
+
+def convert_tools(body: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    if body.get("tools") is None:
+        return []
+    out = []
+    for i, tool in enumerate(expect_list(body["tools"], f"{where}.tools")):
+        at = f"{where}.tools[{i}]"
+        tool = expect_dict(tool, at)
+        out.append(tool_def(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+                            at))
+    return out
+
+
+def convert_request(body: dict[str, Any], blobs: dict[str, bytes],
+                    where: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        if isinstance(system, str):
+            parts = [{"type": "text", "text": system}]
+        else:
+            parts = []
+            for k, block in enumerate(expect_list(system, f"{where}.system")):
+                block = expect_dict(block, f"{where}.system[{k}]")
+                if block.get("type") != "text":
+                    raise NormalizeError(f"{where}.system[{k}].type: expected 'text', got "
+                                         f"{block.get('type')!r}")
+                parts.append(text_part(block.get("text"), f"{where}.system[{k}].text"))
+        out.append({"role": "system", "content": parts})
+    for i, msg in enumerate(expect_list(body.get("messages"), f"{where}.messages")):
+        at = f"{where}.messages[{i}]"
+        msg = expect_dict(msg, at)
+        role = msg.get("role")
+        if role not in ("user", "assistant"):
+            raise NormalizeError(f"{at}.role: unknown role {role!r} (Anthropic has user and "
+                                 f"assistant)")
+        out += _turn(role, msg.get("content"), f"{at}.content", blobs)
+    return out
+
+
+def _turn(role: str, content: Any, where: str, blobs: dict[str, bytes]) -> list[dict[str, Any]]:
+    """One Anthropic turn: its tool results as tool messages, then the rest as one message."""
+    if isinstance(content, str):
+        return [{"role": role, "content": [{"type": "text", "text": content}]}]
+    tools: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for k, block in enumerate(expect_list(content, where)):
+        at = f"{where}[{k}]"
+        block = expect_dict(block, at)
+        btype = block.get("type")
+        if btype == "text":
+            parts.append(text_part(block.get("text"), f"{at}.text"))
+        elif btype == "image":
+            parts.append(_image(block.get("source"), f"{at}.source", blobs))
+        elif btype == "thinking":
+            if role != "assistant":
+                raise NormalizeError(f"{at}.type: thinking blocks belong to assistant turns")
+            parts.append({"type": "reasoning",
+                          "text": text_part(block.get("thinking"), f"{at}.thinking")["text"]})
+        elif btype == "redacted_thinking":
+            continue
+        elif btype == "tool_use":
+            if role != "assistant":
+                raise NormalizeError(f"{at}.type: tool_use blocks belong to assistant turns")
+            if not isinstance(block.get("input", {}), dict):
+                raise NormalizeError(f"{at}.input: expected an object")
+            calls.append(tool_call(block.get("id"), block.get("name"), block.get("input"), at))
+        elif btype == "tool_result":
+            if role != "user":
+                raise NormalizeError(f"{at}.type: tool_result blocks belong to user turns")
+            if not block.get("tool_use_id") or not isinstance(block.get("tool_use_id"), str):
+                raise NormalizeError(f"{at}.tool_use_id: expected a non-empty string")
+            tools.append(tool_message(block["tool_use_id"], None,
+                                      _result(block.get("content"), f"{at}.content", blobs)))
+        else:
+            raise NormalizeError(f"{at}.type: unsupported content block type {btype!r}")
+    out = list(tools)
+    if parts or calls or not tools:
+        msg: dict[str, Any] = {"role": role, "content": parts}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _result(content: Any, where: str, blobs: dict[str, bytes]) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return tool_result_parts(content)
+    parts = []
+    for k, block in enumerate(expect_list(content, where)):
+        at = f"{where}[{k}]"
+        block = expect_dict(block, at)
+        if block.get("type") == "text":
+            parts += tool_result_parts(text_part(block.get("text"), f"{at}.text")["text"])
+        elif block.get("type") == "image":
+            parts.append(_image(block.get("source"), f"{at}.source", blobs))
+        else:
+            raise NormalizeError(f"{at}.type: unsupported tool_result block type "
+                                 f"{block.get('type')!r}")
+    return parts
+
+
+def _image(source: Any, where: str, blobs: dict[str, bytes]) -> dict[str, Any]:
+    source = expect_dict(source, where)
+    stype = source.get("type")
+    if stype == "base64":
+        media = source.get("media_type")
+        if not isinstance(media, str) or not media:
+            raise NormalizeError(f"{where}.media_type: expected an image media type")
+        return inline_image(source.get("data"), media, f"{where}.data", blobs)
+    if stype == "url":
+        return url_image(source.get("url"), None, f"{where}.url", blobs)
+    raise NormalizeError(f"{where}.type: unsupported image source {stype!r} (base64 or url)")
+
+
+def reassemble_stream(events: list[Any]) -> dict[str, Any]:
+    """SSE event objects (``message_start`` ... ``message_stop``) into one message."""
+    message: dict[str, Any] | None = None
+    blocks: dict[int, dict[str, Any]] = {}
+    partial_json: dict[int, list[str]] = {}
+    for i, event in enumerate(events):
+        at = f"stream[{i}]"
+        event = expect_dict(event, at)
+        if "type" not in event and isinstance(event.get("data"), dict):
+            event = event["data"]  # an {"event": ..., "data": ...} SSE frame
+        etype = event.get("type")
+        if etype == "message_start":
+            message = dict(expect_dict(event.get("message"), f"{at}.message"))
+        elif etype == "content_block_start":
+            index = _index(event, at)
+            blocks[index] = dict(expect_dict(event.get("content_block"), f"{at}.content_block"))
+        elif etype == "content_block_delta":
+            index = _index(event, at)
+            if index not in blocks:
+                raise NormalizeError(f"{at}.index: delta for block {index} that never started")
+            block = blocks[index]
+            delta = expect_dict(event.get("delta"), f"{at}.delta")
+            dtype = delta.get("type")
+            if dtype == "text_delta":
+                block["text"] = block.get("text", "") + text_part(delta.get("text"),
+                                                                  f"{at}.delta.text")["text"]
+            elif dtype == "thinking_delta":
+                block["thinking"] = block.get("thinking", "") + text_part(
+                    delta.get("thinking"), f"{at}.delta.thinking")["text"]
+            elif dtype == "input_json_delta":
+                partial_json.setdefault(index, []).append(
+                    text_part(delta.get("partial_json"), f"{at}.delta.partial_json")["text"])
+            elif dtype in ("signature_delta", "citations_delta"):
+                continue
+            else:
+                raise NormalizeError(f"{at}.delta.type: unknown delta type {dtype!r}")
+        elif etype == "error":
+            raise NormalizeError(f"{at}.type: the stream reported an error")
+        elif etype in ("content_block_stop", "message_delta", "message_stop", "ping"):
+            continue
+        else:
+            raise NormalizeError(f"{at}.type: unknown stream event {etype!r}")
+    if message is None:
+        raise NormalizeError("stream: no message_start event")
+    for index, pieces in partial_json.items():
+        text = "".join(pieces)
+        try:
+            blocks[index]["input"] = json.loads(text) if text else {}
+        except ValueError:
+            raise NormalizeError(f"stream: tool_use block {index}: streamed input is not valid "
+                                 f"JSON") from None
+    message["content"] = [blocks[k] for k in sorted(blocks)]
+    return message
+
+
+def _index(event: dict[str, Any], at: str) -> int:
+    index = event.get("index")
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise NormalizeError(f"{at}.index: expected an integer")
+    return index

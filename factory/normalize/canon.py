@@ -1,0 +1,290 @@
+"""Canonical JSON, ids and the finishing pass shared by every normalizer.
+
+The contract is ``shared/docs/canonical-sample.md``: every normalizer builds provider-neutral
+messages with provisional tool-call ids, then ``finish`` renumbers the ids, drops empty text
+parts, checks the shape and computes the ``sample_id``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import orjson
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True,
+                            allow_nan=False)
+# Lower-cased only when the whole value is one of these (Gemini's OpenAPI enum spelling).
+_SCHEMA_TYPES = frozenset({"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "NULL"})
+
+
+class NormalizeError(ValueError):
+    """A record no normalizer can turn into a sample; the message names the field and the fault."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def canonical_json(value: Any) -> str:
+    """Compact, sorted-key JSON with non-ASCII kept (the identity serialization)."""
+    try:
+        return _ENCODER.encode(value)
+    except (TypeError, ValueError) as exc:
+        raise NormalizeError(f"value is not JSON-serializable: {exc}") from None
+
+
+def canonical_json_strings(value: Any) -> str:
+    """``canonical_json`` for values without floats, through orjson (about 10x faster).
+
+    With no floats, orjson's sorted compact output is byte-identical to ``json.dumps`` with
+    ``sort_keys`` and ``ensure_ascii=False`` (same escapes; UTF-8 byte order is code point
+    order); canonical messages hold only strings, so they qualify. Anything orjson refuses
+    (lone surrogates, integers past 64 bits) falls back to the reference encoder.
+    """
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode("utf-8")
+    except (TypeError, orjson.JSONEncodeError):
+        return canonical_json(value)
+
+
+def content_hash(value: Any) -> str:
+    """A stable sha256 of a JSON value (key order and whitespace ignored): raw_trace_id."""
+    try:
+        data = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        data = canonical_json(value).encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def sample_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """Hex SHA-256 of the canonical JSON of ``{"messages", "tools"}``."""
+    return sha256_hex(canonical_json({"messages": messages, "tools": tools}))
+
+
+def canon_json_text(value: Any) -> str:
+    """A tool argument or result as text: JSON objects/arrays (or strings holding one) canonical.
+
+    Any other string is kept exactly as it came; other JSON values are serialized canonically.
+    """
+    if isinstance(value, str):
+        stripped = value.lstrip()
+        if stripped[:1] in ("{", "["):
+            try:
+                parsed = json.loads(value)
+            except (ValueError, RecursionError):
+                return value
+            if isinstance(parsed, dict | list):
+                try:
+                    return _ENCODER.encode(parsed)
+                except (TypeError, ValueError):
+                    return value
+        return value
+    return canonical_json(value)
+
+
+def lower_schema_types(schema: Any) -> Any:
+    """JSON Schema with OpenAPI upper-case ``type`` names (``OBJECT``) lower-cased, recursively."""
+    if isinstance(schema, dict):
+        out: dict[str, Any] = {}
+        for key, value in schema.items():
+            if key == "type" and isinstance(value, str) and value in _SCHEMA_TYPES:
+                out[key] = value.lower()
+            elif key == "type" and isinstance(value, list):
+                out[key] = [v.lower() if isinstance(v, str) and v in _SCHEMA_TYPES else v
+                            for v in value]
+            elif key in ("enum", "const", "default", "example", "examples"):
+                out[key] = value  # user data, not schema
+            else:
+                out[key] = lower_schema_types(value)
+        return out
+    if isinstance(schema, list):
+        return [lower_schema_types(v) for v in schema]
+    return schema
+
+
+def tool_def(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
+    """One canonical tool: exactly ``name``, ``description`` and ``parameters``."""
+    if not isinstance(name, str) or not name:
+        raise NormalizeError(f"{where}.name: expected a non-empty string, got {_kind(name)}")
+    if description is None:
+        description = ""
+    if not isinstance(description, str):
+        raise NormalizeError(f"{where}.description: expected a string, got {_kind(description)}")
+    if parameters is None:
+        parameters = {}
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters)
+        except ValueError:
+            raise NormalizeError(f"{where}.parameters: a string that is not JSON") from None
+    if not isinstance(parameters, dict):
+        raise NormalizeError(f"{where}.parameters: expected a JSON Schema object, "
+                             f"got {_kind(parameters)}")
+    return {"name": name, "description": description, "parameters": lower_schema_types(parameters)}
+
+
+def text_part(text: Any, where: str) -> dict[str, Any]:
+    if not isinstance(text, str):
+        raise NormalizeError(f"{where}: expected a string, got {_kind(text)}")
+    return {"type": "text", "text": text}
+
+
+def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict[str, Any]:
+    """A provisional tool call; ``finish`` renumbers its id."""
+    if not isinstance(name, str) or not name:
+        raise NormalizeError(f"{where}.name: expected a non-empty string, got {_kind(name)}")
+    if call_id is not None and not isinstance(call_id, str | int):
+        raise NormalizeError(f"{where}.id: expected a string, got {_kind(call_id)}")
+    if arguments is None:
+        arguments = {}
+    return {"id": None if call_id in (None, "") else str(call_id), "name": name,
+            "arguments": canon_json_text(arguments)}
+
+
+def tool_message(call_id: Any, name: str | None, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A provisional tool result; ``name`` helps match providers that give no ids."""
+    msg: dict[str, Any] = {"role": "tool", "tool_call_id": None if call_id in (None, "")
+                           else str(call_id), "content": parts}
+    if name:
+        msg["_name"] = name
+    return msg
+
+
+def tool_result_parts(value: Any) -> list[dict[str, Any]]:
+    """A tool result given as one value: a single (canonical where JSON) text part."""
+    return [{"type": "text", "text": canon_json_text(value)}]
+
+
+def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
+           provider: str | None, model: str | None, blobs: dict[str, bytes] | None = None,
+           created_at: Any = None, where: str = "messages") -> dict[str, Any]:
+    """Renumber tool-call ids, drop empty text, check the shape; the canonical conversation."""
+    if not messages:
+        raise NormalizeError(f"{where}: the conversation is empty")
+    out: list[dict[str, Any]] = []
+    id_map: dict[str, str] = {}
+    pending: list[tuple[str, str]] = []  # (canonical id, name) of calls not yet answered
+    num_calls = 0
+    for i, msg in enumerate(messages):
+        role = msg["role"]
+        if role not in ROLES:
+            raise NormalizeError(f"{where}[{i}].role: unknown role {role!r}")
+        content = [p for p in msg["content"] if not (p["type"] == "text" and p["text"] == "")]
+        new: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and msg.get("tool_calls"):
+            calls = []
+            for call in msg["tool_calls"]:
+                new_id = f"call_{num_calls}"
+                num_calls += 1
+                if call["id"] is not None:
+                    id_map[call["id"]] = new_id
+                pending.append((new_id, call["name"]))
+                calls.append({"id": new_id, "name": call["name"], "arguments": call["arguments"]})
+            new["tool_calls"] = calls
+        elif role == "tool":
+            pid, name = msg.get("tool_call_id"), msg.get("_name")
+            cid = id_map.get(pid) if pid is not None else None
+            if cid is None:
+                match = [c for c, n in pending if n == name] if name else []
+                if match:
+                    cid = match[0]
+                elif pid is None and pending and not name:
+                    cid = pending[0][0]
+                else:
+                    cid = f"call_{num_calls}"
+                    num_calls += 1
+                    if pid is not None:
+                        id_map[pid] = cid
+            pending = [(c, n) for c, n in pending if c != cid]
+            new["tool_call_id"] = cid
+        out.append(new)
+    if not any(m["role"] == "assistant" for m in out):
+        raise NormalizeError(f"{where}: no assistant turn (nothing to learn from)")
+    messages_json, tools_json = canonical_json_strings(out), canonical_json(tools)
+    return {
+        "messages": out,
+        "tools": tools,
+        "messages_json": messages_json,
+        "tools_json": tools_json,
+        # Same bytes as canonical_json({"messages": ..., "tools": ...}): keys sort that way.
+        "sample_id": sha256_hex('{"messages":' + messages_json + ',"tools":' + tools_json + "}"),
+        "provider": provider,
+        "model": model,
+        "created_at": created_at,
+        "blobs": dict(blobs or {}),
+    }
+
+
+def expect_dict(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise NormalizeError(f"{where}: expected an object, got {_kind(value)}")
+    return value
+
+
+def expect_list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise NormalizeError(f"{where}: expected an array, got {_kind(value)}")
+    return value
+
+
+def opt_str(value: Any, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise NormalizeError(f"{where}: expected a string, got {_kind(value)}")
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string" if value else "an empty string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+kind = _kind
+
+
+def append_response(messages: list[dict[str, Any]], reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's conversation with the response's assistant turn appended.
+
+    A request that ends in an assistant turn (an Anthropic prefill) is continued, not repeated:
+    the reply's parts join it, adjacent text merged.
+    """
+    if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+        last = messages[-1]
+        content = list(last["content"])
+        for part in reply["content"]:
+            if content and part["type"] == "text" and content[-1]["type"] == "text":
+                content[-1] = {"type": "text", "text": content[-1]["text"] + part["text"]}
+            else:
+                content.append(part)
+        merged = {"role": "assistant", "content": content}
+        if reply.get("tool_calls"):
+            merged["tool_calls"] = reply["tool_calls"]
+        return [*messages[:-1], merged]
+    return [*messages, reply]
+
+
+def unix_time(value: Any) -> Any:
+    """A UTC datetime from unix seconds (int/float), else None."""
+    from datetime import UTC, datetime
+
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e11:
+        return datetime.fromtimestamp(value, tz=UTC)
+    return None

@@ -1,0 +1,274 @@
+"""OpenAI Chat Completions into canonical conversations.
+
+Accepts fine-tuning lines (``{"messages", "tools"}``) and logged calls (request plus a response
+or a list of streamed ``chat.completion.chunk`` objects, reassembled here). Handles string and
+part-list content, ``image_url`` (data and http URLs), ``tool_calls`` and ``tool`` messages,
+the legacy ``functions``/``function_call``/``function`` role, ``refusal`` and the
+``reasoning_content`` some OpenAI-compatible servers add.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from factory.normalize.canon import (
+    NormalizeError,
+    append_response,
+    expect_dict,
+    expect_list,
+    finish,
+    kind,
+    text_part,
+    tool_call,
+    tool_def,
+    tool_message,
+    tool_result_parts,
+    unix_time,
+)
+from factory.normalize.images import url_image
+
+PROVIDER = "openai"
+_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool", "function": "tool"}
+
+
+def normalize(payload: Any) -> list[dict[str, Any]]:
+    """A fine-tuning line or a bare request body that already ends with the assistant turn."""
+    body = expect_dict(payload, "record")
+    if "messages" not in body:
+        raise NormalizeError("messages: missing (an OpenAI record needs a messages array)")
+    blobs: dict[str, bytes] = {}
+    messages = convert_messages(body["messages"], blobs)
+    tools = convert_tools(body)
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    return [finish(messages, tools, provider=PROVIDER, model=model, blobs=blobs)]
+
+
+def normalize_call(request: Any, response: Any, stream: list[Any] | None,
+                   endpoint: str | None = None) -> list[dict[str, Any]]:
+    """A logged call: the request's conversation plus each returned choice."""
+    req = expect_dict(request, "request")
+    blobs: dict[str, bytes] = {}
+    messages = convert_messages(req.get("messages"), blobs, where="request.messages")
+    tools = convert_tools(req, where="request")
+    if stream is not None:
+        response = reassemble_stream(stream)
+        where = "stream"
+    else:
+        where = "response"
+    resp = expect_dict(response, where)
+    if "error" in resp and "choices" not in resp:
+        raise NormalizeError(f"{where}.error: the upstream call failed")
+    choices = expect_list(resp.get("choices"), f"{where}.choices")
+    if not choices:
+        raise NormalizeError(f"{where}.choices: empty (no completion returned)")
+    model = resp.get("model") or req.get("model")
+    model = model if isinstance(model, str) else None
+    created = unix_time(resp.get("created"))
+    out = []
+    for i, choice in enumerate(choices):
+        choice = expect_dict(choice, f"{where}.choices[{i}]")
+        msg = expect_dict(choice.get("message"), f"{where}.choices[{i}].message")
+        role = msg.get("role", "assistant")
+        if role != "assistant":
+            raise NormalizeError(f"{where}.choices[{i}].message.role: expected 'assistant', "
+                                 f"got {role!r}")
+        reply = _message(msg, "assistant", f"{where}.choices[{i}].message", blobs)
+        convo = append_response(messages, reply)
+        out.append(finish(convo, tools, provider=PROVIDER, model=model, blobs=blobs,
+                          created_at=created))
+    return out
+
+
+def convert_tools(body: dict[str, Any], where: str = "record") -> list[dict[str, Any]]:
+    tools: list[dict[str, Any]] = []
+    if body.get("tools") is not None:
+        for i, tool in enumerate(expect_list(body["tools"], f"{where}.tools")):
+            at = f"{where}.tools[{i}]"
+            tool = expect_dict(tool, at)
+            kind_ = tool.get("type", "function")
+            if kind_ != "function":
+                raise NormalizeError(f"{at}.type: {kind_!r} tools are not supported "
+                                     f"(only function tools)")
+            fn = expect_dict(tool.get("function"), f"{at}.function")
+            tools.append(tool_def(fn.get("name"), fn.get("description"), fn.get("parameters"),
+                                  f"{at}.function"))
+    if body.get("functions") is not None:
+        for i, fn in enumerate(expect_list(body["functions"], f"{where}.functions")):
+            at = f"{where}.functions[{i}]"
+            fn = expect_dict(fn, at)
+            tools.append(tool_def(fn.get("name"), fn.get("description"), fn.get("parameters"),
+                                  at))
+    return tools
+
+
+def convert_messages(raw: Any, blobs: dict[str, bytes],
+                     where: str = "messages") -> list[dict[str, Any]]:
+    items = expect_list(raw, where)
+    out = []
+    for i, msg in enumerate(items):
+        at = f"{where}[{i}]"
+        msg = expect_dict(msg, at)
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in _ROLE:
+            raise NormalizeError(f"{at}.role: unknown role {role!r}")
+        out.append(_message(msg, role, at, blobs))
+    return out
+
+
+def _message(msg: dict[str, Any], role: str, at: str, blobs: dict[str, bytes]) -> dict[str, Any]:
+    canon_role = _ROLE[role]
+    if canon_role == "tool":
+        parts = _content(msg.get("content"), f"{at}.content", blobs, tool=True)
+        name = msg.get("name") if isinstance(msg.get("name"), str) else None
+        if role == "tool" and msg.get("tool_call_id") is None and name is None:
+            raise NormalizeError(f"{at}.tool_call_id: missing on a tool message")
+        return tool_message(msg.get("tool_call_id"), name, parts)
+    parts = []
+    if canon_role == "assistant":
+        reasoning = msg.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            parts.append({"type": "reasoning", "text": reasoning})
+    parts += _content(msg.get("content"), f"{at}.content", blobs)
+    new: dict[str, Any] = {"role": canon_role, "content": parts}
+    if canon_role != "assistant":
+        return new
+    refusal = msg.get("refusal")
+    if refusal is not None:
+        parts.append(text_part(refusal, f"{at}.refusal"))
+    calls = []
+    if msg.get("tool_calls") is not None:
+        for j, call in enumerate(expect_list(msg["tool_calls"], f"{at}.tool_calls")):
+            cat = f"{at}.tool_calls[{j}]"
+            call = expect_dict(call, cat)
+            if call.get("type", "function") != "function":
+                raise NormalizeError(f"{cat}.type: {call.get('type')!r} calls are not supported")
+            fn = expect_dict(call.get("function"), f"{cat}.function")
+            calls.append(tool_call(call.get("id"), fn.get("name"),
+                                   _arguments(fn.get("arguments"), f"{cat}.function.arguments"),
+                                   f"{cat}.function"))
+    if msg.get("function_call") is not None:
+        fn = expect_dict(msg["function_call"], f"{at}.function_call")
+        calls.append(tool_call(None, fn.get("name"),
+                               _arguments(fn.get("arguments"), f"{at}.function_call.arguments"),
+                               f"{at}.function_call"))
+    if calls:
+        new["tool_calls"] = calls
+    return new
+
+
+def _arguments(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, str | dict | list):
+        return value
+    raise NormalizeError(f"{where}: expected a JSON string, got {kind(value)}")
+
+
+def _content(content: Any, where: str, blobs: dict[str, bytes],
+             tool: bool = False) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return tool_result_parts(content) if tool else [{"type": "text", "text": content}]
+    parts = []
+    for k, part in enumerate(expect_list(content, where)):
+        at = f"{where}[{k}]"
+        part = expect_dict(part, at)
+        ptype = part.get("type")
+        if ptype == "text":
+            text = text_part(part.get("text"), f"{at}.text")
+            parts.append(tool_result_parts(text["text"])[0] if tool else text)
+        elif ptype == "refusal":
+            parts.append(text_part(part.get("refusal"), f"{at}.refusal"))
+        elif ptype == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            parts.append(url_image(url, None, f"{at}.image_url.url", blobs))
+        else:
+            raise NormalizeError(f"{at}.type: unsupported content part type {ptype!r}")
+    return parts
+
+
+_DELTA_TEXT = (("content", "content"), ("refusal", "refusal"), ("reasoning_content", "reasoning"))
+
+
+def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
+    """Streamed ``chat.completion.chunk`` objects into one ``chat.completion`` response."""
+    choices: dict[int, dict[str, Any]] = {}
+    model = created = None
+    for i, chunk in enumerate(chunks):
+        if chunk == "[DONE]":
+            continue
+        at = f"stream[{i}]"
+        chunk = expect_dict(chunk, at)
+        if "error" in chunk and not chunk.get("choices"):
+            raise NormalizeError(f"{at}.error: the stream reported an error")
+        model = model or chunk.get("model")
+        created = created or chunk.get("created")
+        for j, choice in enumerate(expect_list(chunk.get("choices", []), f"{at}.choices")):
+            cat = f"{at}.choices[{j}]"
+            choice = expect_dict(choice, cat)
+            index = choice.get("index", 0)
+            if not isinstance(index, int):
+                raise NormalizeError(f"{cat}.index: expected an integer, got {kind(index)}")
+            acc = choices.setdefault(index, {"content": [], "refusal": [], "reasoning": [],
+                                             "calls": {}, "function_call": None})
+            delta = expect_dict(choice.get("delta", {}), f"{cat}.delta")
+            for key, dest in _DELTA_TEXT:
+                piece = delta.get(key)
+                if piece is not None:
+                    if not isinstance(piece, str):
+                        raise NormalizeError(f"{cat}.delta.{key}: expected a string, got "
+                                             f"{kind(piece)}")
+                    acc[dest].append(piece)
+            if "tool_calls" not in delta and "function_call" not in delta:
+                continue
+            for k, call in enumerate(expect_list(delta.get("tool_calls") or [],
+                                                 f"{cat}.delta.tool_calls")):
+                kat = f"{cat}.delta.tool_calls[{k}]"
+                call = expect_dict(call, kat)
+                cindex = call.get("index", k)
+                if not isinstance(cindex, int):
+                    raise NormalizeError(f"{kat}.index: expected an integer")
+                slot = acc["calls"].setdefault(cindex, {"id": None, "name": "", "args": []})
+                _merge_call(slot, call, kat)
+            if delta.get("function_call") is not None:
+                if acc["function_call"] is None:
+                    acc["function_call"] = {"id": None, "name": "", "args": []}
+                _merge_call(acc["function_call"], {"function": delta["function_call"]},
+                            f"{cat}.delta")
+    out = []
+    for index in sorted(choices):
+        acc = choices[index]
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": "".join(acc["content"]) if acc["content"] else None}
+        if acc["refusal"]:
+            msg["refusal"] = "".join(acc["refusal"])
+        if acc["reasoning"]:
+            msg["reasoning_content"] = "".join(acc["reasoning"])
+        if acc["calls"]:
+            msg["tool_calls"] = [
+                {"id": slot["id"], "type": "function",
+                 "function": {"name": slot["name"], "arguments": "".join(slot["args"])}}
+                for _, slot in sorted(acc["calls"].items())]
+        if acc["function_call"] is not None:
+            fc = acc["function_call"]
+            msg["function_call"] = {"name": fc["name"], "arguments": "".join(fc["args"])}
+        out.append({"index": index, "message": msg})
+    return {"choices": out, "model": model, "created": created}
+
+
+def _merge_call(slot: dict[str, Any], call: dict[str, Any], at: str) -> None:
+    if call.get("id"):
+        slot["id"] = slot["id"] or call["id"]
+    fn = call.get("function") or {}
+    fn = expect_dict(fn, f"{at}.function")
+    name = fn.get("name")
+    if name:
+        if not isinstance(name, str):
+            raise NormalizeError(f"{at}.function.name: expected a string, got {kind(name)}")
+        # Some compatible servers repeat the full name in every chunk; OpenAI sends it once.
+        if not slot["name"].endswith(name):
+            slot["name"] += name
+    args = fn.get("arguments")
+    if args is not None:
+        slot["args"].append(text_part(args, f"{at}.function.arguments")["text"])
