@@ -19,6 +19,7 @@ import re
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -245,10 +246,14 @@ class Lake:
 
         def commit() -> int | None:
             tbl = self.catalog.load_table((NAMESPACE, name))
-            if where is None:
-                tbl.overwrite(arrow, snapshot_properties=props)
-            else:
-                tbl.overwrite(arrow, overwrite_filter=where, snapshot_properties=props)
+            with warnings.catch_warnings():
+                # An overwrite whose filter matches nothing (the first version of a partition)
+                # is normal here, not a mistake worth a warning.
+                warnings.filterwarnings("ignore", "Delete operation did not match any records")
+                if where is None:
+                    tbl.overwrite(arrow, snapshot_properties=props)
+                else:
+                    tbl.overwrite(arrow, overwrite_filter=where, snapshot_properties=props)
             snap = tbl.current_snapshot()
             return snap.snapshot_id if snap else None
 

@@ -272,6 +272,27 @@ TABLES: dict[str, pa.Schema] = {
         ("reference_score", pa.float64()),
         ("selected_at", _TS),
     ]),
+    # Deployments (factory/deploy): append-only, the latest row per (name, version) wins.
+    "deployments": pa.schema([
+        ("name", pa.string()),             # the experiment; clients call factory/<name>
+        ("version", pa.string()),          # v1, v2, ... (a rollback reuses its version's tag)
+        ("checkpoint", pa.string()),       # adapter directory served
+        ("run_id", pa.string()),           # the training run of the checkpoint, when known
+        ("step", pa.int64()),
+        ("base_model", pa.string()),
+        ("adapter", pa.string()),          # the name the server knows the adapter by
+        ("route_model", pa.string()),      # the stable model name in the gateway
+        ("endpoint", pa.string()),         # the server's OpenAI base URL
+        ("backend", pa.string()),          # transformers | vllm
+        ("status", pa.string()),           # starting | live | draining | stopped | failed
+        ("pid", pa.int64()),               # the server's process (and process group) id
+        ("port", pa.int32()),
+        ("log_path", pa.string()),
+        ("reason", pa.string()),
+        ("started_at", _TS),
+        ("stopped_at", _TS),
+        ("updated_at", _TS),
+    ]),
     # Overfitting signals for the control plane (the score fell after its peak).
     "early_stops": pa.schema([
         ("run_id", pa.string()),

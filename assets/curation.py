@@ -1,0 +1,114 @@
+"""``dataset`` and ``dataset_profile``: an experiment's samples made into train/eval sets.
+
+Partitioned per experiment with the dynamic partitions ``experiments`` (the partition key is
+the experiment name; ``factory dataset NAME`` and the experiments sensor add keys). The three
+checks are blocking: when one fails, ``dataset_profile`` (and all that reads it) does not run.
+"""
+
+import json
+
+import dagster as dg
+
+from factory.curation.config import CurationConfig
+from factory.curation.pipeline import curate
+from factory.curation.profile import build_profile
+from factory.curation.store import (
+    empty_assistant_turns,
+    read_dataset,
+    select_samples,
+    tokenizer_dir_for,
+    train_eval_overlap,
+    write_dataset,
+    write_profile,
+)
+from factory.curation.tokens import ChatTemplateCounter
+from factory.experiments import load_experiment
+from resources.lake import LakeResource
+
+EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
+
+_CHECKS = [
+    dg.AssetCheckSpec("no_empty_assistant_turns", asset="dataset", blocking=True,
+                      description="every assistant turn has text or tool calls"),
+    dg.AssetCheckSpec("no_train_eval_overlap", asset="dataset", blocking=True,
+                      description="train and eval share no sample and no split group "
+                                  "(related samples and near-duplicates share a group)"),
+    dg.AssetCheckSpec("eval_not_empty", asset="dataset", blocking=True,
+                      description="the eval set has at least one sample"),
+]
+
+
+@dg.asset(
+    partitions_def=EXPERIMENTS,
+    group_name="curation",
+    kinds={"iceberg", "python"},
+    description="The experiment's samples (data.where) split by stable hash with related "
+                "samples together, then cleaned on both sides (empty, too long, duplicates, "
+                "near-duplicates, train decontamination, detectors, judge). Tables "
+                "dataset_train, dataset_eval, dataset_drops; trace-pattern report in metadata.",
+    check_specs=_CHECKS,
+    code_version="1",
+)
+def dataset(context: dg.AssetExecutionContext, lake: LakeResource):  # type: ignore[no-untyped-def]
+    experiment = load_experiment(context.partition_key)
+    config = CurationConfig.from_data_spec(experiment.data)
+    if config.judge_threshold is not None:
+        raise dg.Failure(f"experiment {experiment.name!r} sets data.judge_threshold, but no "
+                         "judge is wired into curation yet; remove it or set it to null")
+    session = lake.session(context)
+    samples, snapshot = select_samples(session, experiment.data.where)
+    counter = ChatTemplateCounter(tokenizer_dir_for(experiment.recipe))
+    result = curate(samples, config, counter)
+    write_dataset(session, experiment.name, result)
+    train, ev, _ = read_dataset(session, experiment.name)
+
+    yield dg.MaterializeResult(metadata={
+        "experiment": experiment.name,
+        "num_selected": result.num_selected,
+        "num_train": train.num_rows,
+        "num_eval": ev.num_rows,
+        "drops_by_reason": dg.MetadataValue.json(result.drops_by_reason()),
+        "samples_snapshot_id": snapshot,
+        "report": dg.MetadataValue.md(result.report),
+        **session.metadata(),
+    })
+    empty = empty_assistant_turns(train, ev)
+    yield dg.AssetCheckResult(check_name="no_empty_assistant_turns", passed=not empty,
+                              metadata={"num_bad": len(empty), "examples": empty[:5]})
+    overlap = train_eval_overlap(train, ev)
+    yield dg.AssetCheckResult(
+        check_name="no_train_eval_overlap",
+        passed=not overlap["sample_id"] and not overlap["split_group"],
+        metadata={"shared_samples": len(overlap["sample_id"]),
+                  "shared_groups": len(overlap["split_group"]),
+                  "examples": (overlap["sample_id"] + overlap["split_group"])[:5]})
+    yield dg.AssetCheckResult(check_name="eval_not_empty", passed=ev.num_rows > 0,
+                              metadata={"num_eval": ev.num_rows})
+
+
+@dg.asset(
+    partitions_def=EXPERIMENTS,
+    deps=[dataset],
+    group_name="curation",
+    kinds={"iceberg", "python"},
+    description="Profile of the experiment's dataset for the planner: prompt/completion token "
+                "percentiles, turns, share with images and tool calls, languages, size.",
+    code_version="1",
+)
+def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.MaterializeResult:
+    experiment = load_experiment(context.partition_key)
+    config = CurationConfig.from_data_spec(experiment.data)
+    session = lake.session(context)
+    train, ev, drops = read_dataset(session, experiment.name)
+    profile = build_profile(train, ev, drops.to_pylist(),
+                            num_selected=train.num_rows + ev.num_rows + drops.num_rows)
+    tokenizer = tokenizer_dir_for(experiment.recipe).name
+    # The samples snapshot the dataset was built from, from the dataset's own lineage.
+    reads = session.lake.snapshot_info("dataset_train").get("reads", {})
+    write_profile(session, experiment.name, profile, config=config, tokenizer=tokenizer,
+                  samples_snapshot_id=reads.get("samples"), engine="embedded")
+    return dg.MaterializeResult(metadata={
+        **{k: v for k, v in profile.items() if k not in ("languages", "drops_by_reason")},
+        "languages": dg.MetadataValue.json(json.loads(profile["languages"])),
+        **session.metadata(),
+    })

@@ -1,0 +1,54 @@
+"""``factory dataset EXPERIMENT``: build the experiment's train/eval sets and profile via Dagster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from factory.errors import FactoryError
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("dataset", help="materialize an experiment's dataset and dataset_profile "
+                                       "(the run a click in the UI makes)")
+    p.add_argument("experiment", help="experiment name (experiments folder) or YAML path")
+    p.set_defaults(func=_dataset)
+
+
+def _dataset(args: argparse.Namespace) -> int:
+    from factory.curation.config import check_experiment_name
+    from factory.experiments import load_experiment
+    from factory.lake import Lake
+    from factory.runner import instance, materialize
+
+    experiment = load_experiment(args.experiment)
+    name = check_experiment_name(experiment.name)
+    inst = instance()
+    if not inst.has_dynamic_partition("experiments", name):
+        inst.add_dynamic_partitions("experiments", [name])
+    result = materialize(["dataset", "dataset_profile"], partition_key=name,
+                         raise_on_error=False)
+    failed = [e.asset_check_evaluation_data.check_name
+              for e in result.all_events
+              if e.event_type_value == "ASSET_CHECK_EVALUATION"
+              and not e.asset_check_evaluation_data.passed]
+    if not result.success:
+        errors = [e.event_specific_data.error.message.strip().splitlines()[0]
+                  for e in result.all_events if e.event_type_value == "STEP_FAILURE"
+                  and getattr(e.event_specific_data, "error", None)]
+        why = f"failed checks: {', '.join(failed)}" if failed else "; ".join(errors) or "failed"
+        raise FactoryError(f"dataset for {name!r}: {why} (see the run in `factory ui`)")
+    lake = Lake()
+    flt = f"experiment = '{name}'"
+    drops = lake.read("dataset_drops", row_filter=flt, columns=["reason"]).column("reason")
+    by_reason: dict[str, int] = {}
+    for reason in drops.to_pylist():
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    print(json.dumps({
+        "experiment": name,
+        "train": lake.read("dataset_train", row_filter=flt, columns=["sample_id"]).num_rows,
+        "eval": lake.read("dataset_eval", row_filter=flt, columns=["sample_id"]).num_rows,
+        "drops": dict(sorted(by_reason.items())),
+    }))
+    return 0

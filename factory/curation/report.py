@@ -1,0 +1,68 @@
+"""The trace-pattern report: what was wrong with the traffic, with counts and examples (Markdown)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from typing import Any
+
+import pyarrow as pa
+
+from factory.curation.config import CurationConfig
+
+_EXAMPLES = 3
+
+
+def _pattern(detail: str) -> str:
+    """Group details into patterns: numbers and quoted values replaced."""
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "…", detail)
+    return re.sub(r"\d+(\.\d+)?", "N", text)[:100]
+
+
+def pattern_report(features: pa.Table, decisions: Any, config: CurationConfig, *,
+                   num_selected: int) -> str:
+    """Markdown: drops by step/reason with examples, then detector patterns over all samples."""
+    drops = decisions.drops
+    lines = ["# Trace-pattern report", "",
+             f"{num_selected} rows selected, {len(drops)} dropped, "
+             f"{len(decisions.kept_rows)} kept.", "", "## Drops by step", "",
+             "| step | reason | rows | examples |", "|---|---|---|---|"]
+    by_reason: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for d in drops:
+        by_reason[(d["step"], d["reason"])].append(d)
+    for (step, reason), ds in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        ex = "; ".join(f"`{d['sample_id'][:12]}` {d['detail'] or ''}".strip()
+                       for d in ds[:_EXAMPLES])
+        lines.append(f"| {step} | {reason} | {len(ds)} | {_cell(ex)} |")
+    f = features.select(["sample_id", "refusal", "truncated", "tool_schema",
+                         "agent_loop"]).to_pydict()
+    lines += ["", "## Patterns found (distinct samples, before the drop policy)", ""]
+    any_found = False
+    for name in ("refusal", "truncated", "tool_schema", "agent_loop"):
+        hits = [(sid, d) for sid, d in zip(f["sample_id"], f[name], strict=True) if d]
+        if not hits:
+            continue
+        any_found = True
+        policy = "dropped" if name in config.drop else "flagged, kept"
+        lines.append(f"### {name}: {len(hits)} samples ({policy})")
+        for pat, n in Counter(_pattern(d) for _, d in hits).most_common(5):
+            example = next(sid for sid, d in hits if _pattern(d) == pat)
+            lines.append(f"- {n} × {_cell(pat)} (e.g. `{example[:12]}`)")
+        lines.append("")
+    fmt = [d for d in drops if d["reason"] == "format"]
+    if fmt:
+        any_found = True
+        lines.append(f"### format: {len(fmt)} rows break the JSON their peers answer in")
+        for d in fmt[:_EXAMPLES]:
+            lines.append(f"- `{d['sample_id'][:12]}` {_cell(d['detail'] or '')}")
+        lines.append("")
+    if decisions.flagged_kept:
+        lines.append("Flagged but kept by policy: " + ", ".join(
+            f"{k} {v}" for k, v in sorted(decisions.flagged_kept.items())))
+    if not any_found:
+        lines.append("No refusals, format breaks, truncations or tool failures found.")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")

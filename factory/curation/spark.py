@@ -1,0 +1,239 @@
+"""The Spark engine: the same curation as ``pipeline.curate``, with the heavy work on Spark.
+
+Spark runs the row function (``features.sample_features`` inside ``mapInArrow``: parsing,
+tokenization, MinHash, n-grams, detectors), the LSH bucket self-join with exact Jaccard, the
+train/eval n-gram join and the split hash, and writes the datasets as Parquet that the lake
+commits with pyiceberg ``add_files``. The driver collects compact per-sample facts (ids, flags,
+counts: no text) and the related-pair edges, and runs the same ``decide`` as the embedded
+engine, so both engines give the same datasets (tested).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from factory.curation.config import CurationConfig
+from factory.curation.decide import EVAL, decide, eval_cutoff, split_groups
+from factory.curation.features import FEATURES_SCHEMA, sample_features
+from factory.curation.pipeline import ROW_ORDER, Judge, _judge_input, facts_from
+from factory.curation.profile import build_profile
+from factory.curation.report import pattern_report
+from factory.curation.tokens import ChatTemplateCounter
+
+_FACT_COLUMNS = ["sample_id", "empty_reason", "num_tokens", "num_prompt_tokens", "prefix_key",
+                 "prompt_key", "format_key", "is_json", "json_cut", "refusal", "truncated",
+                 "tool_schema", "agent_loop", "language", "size_bytes"]
+
+
+def local_session(app: str = "factory-curation", cores: int = 2) -> Any:
+    """A local Spark session set up for the lake: UTC, Arrow, microsecond Parquet timestamps."""
+    import os
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    # Python workers must run in this interpreter (our venv), not whatever `python3` is first.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    return (SparkSession.builder.master(f"local[{cores}]").appName(app)
+            .config("spark.sql.session.timeZone", "UTC")
+            .config("spark.sql.shuffle.partitions", str(cores))
+            .config("spark.default.parallelism", str(cores))
+            .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+            .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
+            .config("spark.ui.enabled", "false")
+            .config("spark.driver.memory", "1g")
+            .getOrCreate())
+
+
+@dataclass(kw_only=True)
+class SparkCuration:
+    """A Spark curation result: datasets as DataFrames, the rest as on the embedded engine."""
+
+    train: Any
+    """DataFrame of kept train rows (dataset columns without ``experiment``)."""
+    eval: Any
+    """DataFrame of kept eval rows."""
+    drops: list[dict[str, Any]]
+    """One per dropped row."""
+    report: str
+    """The trace-pattern report (Markdown)."""
+    profile: dict[str, Any]
+    """The ``dataset_profile`` row (without experiment)."""
+    num_selected: int
+    """Rows curation started from."""
+
+
+def _feature_fn(config: CurationConfig, tokenizer_dir: str) -> Callable[[Iterator[Any]],
+                                                                         Iterator[Any]]:
+    """Partition function: Spark rows in, feature tuples out, in Arrow batches of 2,000.
+
+    It runs over the RDD rather than ``mapInArrow``, which needs pandas (not a dependency).
+    """
+    names = [f.name for f in FEATURES_SCHEMA]
+
+    def run(rows: Iterator[Any]) -> Iterator[tuple[Any, ...]]:
+        counter = ChatTemplateCounter(tokenizer_dir)
+        chunk: list[dict[str, Any]] = []
+
+        def flush() -> Iterator[tuple[Any, ...]]:
+            t = pa.Table.from_pylist(chunk, schema=_INPUT)
+            cols = sample_features(t, config, counter).to_pydict()
+            yield from zip(*(cols[n] for n in names), strict=True)
+
+        for row in rows:
+            d = row.asDict()
+            d["tags"] = list((d.get("tags") or {}).items())
+            chunk.append(d)
+            if len(chunk) >= 2000:
+                yield from flush()
+                chunk = []
+        if chunk:
+            yield from flush()
+    return run
+
+
+_INPUT = pa.schema([("sample_id", pa.string()), ("messages", pa.string()),
+                    ("tools", pa.string()), ("tags", pa.map_(pa.string(), pa.string()))])
+
+
+def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir: str, *,
+                 judge: Judge | None = None) -> SparkCuration:
+    """Curate ``samples`` (a Spark DataFrame with the ``samples`` columns) on Spark."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    order = [F.col(c).asc_nulls_first() for c in ROW_ORDER[1:] if c in samples.columns]
+    rows = samples.withColumn("row_rank", F.row_number().over(
+        Window.partitionBy("sample_id").orderBy(*order)) - 1).cache()
+    num_selected = rows.count()
+    distinct = rows.where("row_rank = 0").select("sample_id", "messages", "tools", "tags")
+    features = spark.createDataFrame(
+        distinct.rdd.mapPartitions(_feature_fn(config, tokenizer_dir)),
+        _ddl(FEATURES_SCHEMA)).cache()
+
+    # near-duplicate edges: pairs sharing a band key, verified by exact Jaccard
+    bands = features.select("sample_id", F.posexplode("band_keys").alias("band", "key")) \
+        .where("key != 0")
+    a, b = bands.alias("a"), bands.alias("b")
+    pairs = a.join(b, (F.col("a.band") == F.col("b.band")) & (F.col("a.key") == F.col("b.key"))
+                   & (F.col("a.sample_id") < F.col("b.sample_id"))) \
+        .select(F.col("a.sample_id").alias("x"), F.col("b.sample_id").alias("y")).distinct()
+    sh = features.select("sample_id", "shingles")
+    pairs = pairs.join(sh.withColumnRenamed("sample_id", "x").withColumnRenamed("shingles", "sx"),
+                       "x").join(sh.withColumnRenamed("sample_id", "y")
+                                 .withColumnRenamed("shingles", "sy"), "y")
+    pairs = pairs.select("x", "y", F.size(F.array_intersect("sx", "sy")).alias("inter"),
+                         F.size("sx").alias("nx"), F.size("sy").alias("ny"))
+    edges = []
+    for r in pairs.collect():
+        jac = r["inter"] / (r["nx"] + r["ny"] - r["inter"])
+        if jac >= config.near_dup_threshold:
+            edges.append((r["x"], r["y"], round(jac, 6)))
+    edges.sort()
+
+    facts_table = features.select(*_FACT_COLUMNS).toArrow().sort_by("sample_id")
+    row_table = rows.select("sample_id", "raw_trace_id", "row_rank").toArrow()
+    facts, row_facts = facts_from(facts_table, row_table)
+    groups = split_groups(facts, edges)
+
+    # the split hash in Spark (same integer compare as decide.split_side)
+    related = [(s, g) for s, g in groups.items() if s != g]
+    group_df = spark.createDataFrame(related or [("", "")], "sample_id string, split_group string")
+    sides = features.select("sample_id", "prompt_key", "prompt_ngrams") \
+        .join(group_df, "sample_id", "left") \
+        .withColumn("split_group", F.coalesce("split_group", "sample_id")) \
+        .withColumn("h", F.conv(F.substring(F.sha2(F.concat(F.lit(f"{config.seed}:"),
+                                                             F.col("split_group")), 256), 1, 15),
+                                16, 10).cast("long")) \
+        .withColumn("split", F.when(F.col("h") < F.lit(eval_cutoff(config)), "eval")
+                    .otherwise("train")).cache()
+    ev, tr = sides.where("split = 'eval'"), sides.where("split = 'train'")
+    overlaps: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    hits = tr.where("prompt_key != ''").select("sample_id", "prompt_key").join(
+        ev.select(F.col("sample_id").alias("other"), "prompt_key"), "prompt_key")
+    for r in hits.select("sample_id", "other").collect():
+        overlaps[r["sample_id"]].append(("eval_prompt_match", r["other"]))
+    tr_ng = tr.select("sample_id", F.explode("prompt_ngrams").alias("ng"))
+    ev_ng = ev.select(F.col("sample_id").alias("other"), F.explode("prompt_ngrams").alias("ng"))
+    for r in tr_ng.join(ev_ng, "ng").select("sample_id", "other").distinct().collect():
+        overlaps[r["sample_id"]].append(("eval_ngram_overlap", r["other"]))
+    overlaps = {k: sorted(set(v)) for k, v in overlaps.items()}
+
+    judge_scores = None
+    if judge is not None:
+        def judge_scores(ids: list[str]) -> dict[str, float]:
+            wanted = spark.createDataFrame([(i,) for i in ids] or [("",)], "sample_id string")
+            got = distinct.join(wanted, "sample_id").select("sample_id", "messages", "tools")
+            return {r["sample_id"]: float(judge.score(_judge_input(r)))
+                    for r in got.toArrow().to_pylist()}
+
+    decisions = decide(facts=facts, rows=row_facts, near_edges=edges, overlaps=overlaps,
+                       config=config, judge_scores=judge_scores, groups=groups)
+    kept_ids = sorted(k.rsplit(":", 1)[0] for k in decisions.kept_rows)
+    kept_df = spark.createDataFrame([(s,) for s in kept_ids] or [("",)], "sample_id string")
+    stats = sides.select("sample_id", "split_group", "split").join(
+        features.select("sample_id", "num_tokens", "num_prompt_tokens", "language",
+                        "size_bytes"), "sample_id")
+    kept = rows.where("row_rank = 0").join(kept_df, "sample_id").join(stats, "sample_id") \
+        .withColumn("num_completion_tokens",
+                    (F.col("num_tokens") - F.col("num_prompt_tokens")).cast("int")) \
+        .drop("row_rank")
+    train_df = kept.where("split = 'train'").orderBy("sample_id")
+    eval_df = kept.where(f"split = '{EVAL}'").orderBy("sample_id")
+    prof_cols = ["sample_id", "num_tokens", "num_prompt_tokens", "num_turns", "has_images",
+                 "has_tool_calls", "language", "size_bytes"]
+    profile = build_profile(train_df.select(*prof_cols).toArrow(),
+                            eval_df.select(*prof_cols).toArrow(), decisions.drops,
+                            num_selected=num_selected)
+    report = pattern_report(facts_table, decisions, config, num_selected=num_selected)
+    return SparkCuration(train=train_df.drop("size_bytes"), eval=eval_df.drop("size_bytes"),
+                         drops=decisions.drops, report=report, profile=profile,
+                         num_selected=num_selected)
+
+
+def _ddl(schema: pa.Schema) -> str:
+    """Spark DDL of the features schema."""
+    names = {pa.string(): "string", pa.int32(): "int", pa.int64(): "bigint", pa.bool_(): "boolean",
+             pa.list_(pa.int64()): "array<bigint>"}
+    return ", ".join(f"{f.name} {names[f.type]}" for f in schema)
+
+
+def commit(session: Any, experiment: str, result: SparkCuration, staging: str) -> dict[str, Any]:
+    """Write the datasets as Parquet with Spark and commit them to the lake with ``add_files``.
+
+    The experiment's previous rows are deleted first (``where experiment = '<name>'``), then the
+    new files are added: a version is the pair of snapshots. Drops go through the lake as rows.
+    """
+    from pyspark.sql import functions as F
+
+    from factory.curation.store import experiment_filter
+    from factory.tables import TABLES
+
+    flt = experiment_filter(experiment)
+    snaps: dict[str, Any] = {}
+    for name, df in (("dataset_train", result.train), ("dataset_eval", result.eval)):
+        cols = [f.name for f in TABLES[name]]
+        out = df.withColumn("experiment", F.lit(experiment)).select(*cols)
+        path = f"{staging.rstrip('/')}/{name}/{experiment}-{uuid.uuid4().hex[:12]}"
+        out.coalesce(1).write.mode("error").parquet(path)
+        spark_files = sorted(str(p) for p in Path(path).glob("*.parquet"))
+        table = session.lake.table(name)
+        props = session.lineage.snapshot_properties()
+        with table.transaction() as tx:
+            tx.delete(delete_filter=flt, snapshot_properties=props)
+            if spark_files:
+                tx.add_files(spark_files, snapshot_properties=props)
+        snap = session.lake.table(name).current_snapshot()
+        snaps[name] = snap.snapshot_id if snap else None
+        session.writes[name] = snaps[name]
+    drops = [{"experiment": experiment, **d} for d in result.drops]
+    snaps["dataset_drops"] = session.overwrite("dataset_drops", drops, where=flt)
+    return snaps

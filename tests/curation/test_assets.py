@@ -1,0 +1,77 @@
+"""``dataset`` and ``dataset_profile`` materialized in process on a fresh lake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from factory.curation.synthetic import Planted
+from factory.lake import Lake
+
+pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
+
+
+def _setup(home: Path, monkeypatch: pytest.MonkeyPatch, data: Planted, where: str) -> None:
+    exps = home / "experiments"
+    exps.mkdir()
+    (exps / "support.yaml").write_text(
+        f'name: support\ndata: {{where: "{where}", max_tokens: 512}}\n'
+        "recipe: smollm2-135m-lora\n")
+    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(exps))
+    Lake().append("samples", data.table())
+
+
+def _run(key: str = "support") -> Any:
+    from assets.curation import dataset, dataset_profile
+    from resources.lake import LakeResource
+
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("experiments", [key])
+    return dg.materialize([dataset, dataset_profile], instance=instance, partition_key=key,
+                          resources={"lake": LakeResource()}, raise_on_error=False)
+
+
+def _checks(result: Any) -> dict[str, bool]:
+    return {e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data.passed
+            for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+
+
+def test_materialize_writes_versions_and_is_repeatable(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch, planted_data: Planted) -> None:
+    _setup(factory_home, monkeypatch, planted_data, "tags['project'] = 'support'")
+    first = _run()
+    assert first.success
+    assert _checks(first) == {"no_empty_assistant_turns": True, "no_train_eval_overlap": True,
+                              "eval_not_empty": True}
+    lake = Lake()
+    flt = "experiment = 'support'"
+    before = [lake.read(t, row_filter=flt).sort_by("sample_id")
+              for t in ("dataset_train", "dataset_eval")]
+    drops = lake.read("dataset_drops", row_filter=flt)
+    assert set(drops.column("reason").to_pylist()) >= {"duplicate", "near_duplicate", "refusal"}
+    # the JSON project is outside the selection: no format drops
+    assert "format" not in drops.column("reason").to_pylist()
+    mat = first.asset_materializations_for_node("dataset")[0]
+    assert "Trace-pattern report" in mat.metadata["report"].value
+    assert _run().success
+    after = [lake.read(t, row_filter=flt).sort_by("sample_id")
+             for t in ("dataset_train", "dataset_eval")]
+    assert all(a.equals(b) for a, b in zip(before, after, strict=True))
+    profile = lake.read("dataset_profile").to_pylist()
+    assert len(profile) == 1 and profile[0]["num_train"] == before[0].num_rows
+    assert profile[0]["samples_snapshot_id"] == lake.snapshot_id("samples")
+    assert profile[0]["prompt_tokens_p50"] > 0
+
+
+def test_blocking_check_stops_the_profile(factory_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                          planted_data: Planted) -> None:
+    # one sample selected: it lands in train, the eval set is empty
+    sid = planted_data.rows[0]["sample_id"]
+    _setup(factory_home, monkeypatch, planted_data, f"sample_id = '{sid}'")
+    result = _run()
+    assert not result.success
+    assert _checks(result)["eval_not_empty"] is False
+    assert not Lake().exists("dataset_profile")
