@@ -1,0 +1,65 @@
+"""``factory plan EXPERIMENT``: every planned value of each run with the rule that chose it.
+
+Plans from the experiment's newest ``dataset_profile`` row (or ``--profile FILE.json``, a row as
+JSON, to try a plan before any data exists). A plan that cannot run exits 2 with what to change.
+``--card`` also writes the experiment card to ``docs/experiments/<name>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("plan", help="plan an experiment's runs and explain every value")
+    p.add_argument("experiment", help="experiment name (experiments folder) or YAML path")
+    p.add_argument("--run", help="only the run with this key (default: every sweep point)")
+    p.add_argument("--profile", type=Path,
+                   help="a dataset_profile row as a JSON file, instead of reading the lake")
+    p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    p.add_argument("--card", nargs="?", const=Path("docs/experiments"), type=Path,
+                   metavar="DIR", help="write the experiment card to DIR/<name>.md "
+                                       "(default DIR: docs/experiments)")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from factory.errors import FactoryError
+    from factory.experiments import load_experiment
+    from factory.planner.profile import DatasetProfile, read_profile
+    from factory.planner.render import experiment_card, plan_table
+    from factory.planner.service import plan_runs
+    from factory.recipes import load_recipe
+
+    experiment = load_experiment(args.experiment)
+    recipe = load_recipe(experiment.recipe)
+    if args.profile:
+        try:
+            row = json.loads(args.profile.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise FactoryError(f"--profile {args.profile}: {exc}") from None
+        profile = DatasetProfile.from_row(row)
+    else:
+        from factory.lake import Lake
+
+        profile = read_profile(Lake(), experiment.name)
+    plans = plan_runs(experiment, profile)
+    if args.run:
+        plans = [p for p in plans if p.run_key == args.run]
+        if not plans:
+            raise FactoryError(f"no run {args.run!r} in {experiment.name}")
+    if args.card is not None:
+        args.card.mkdir(parents=True, exist_ok=True)
+        dest = args.card / f"{experiment.name}.md"
+        dest.write_text(experiment_card(experiment, recipe, plans), encoding="utf-8")
+    if args.json:
+        print(json.dumps([p.to_dict() for p in plans], default=str))
+        return 0
+    for plan in plans:
+        print(f"## {plan.run_key}\n")
+        print(plan_table(plan))
+        print()
+    return 0

@@ -1,0 +1,57 @@
+"""The hardware table: accelerator types the planner targets, with memory and bf16 throughput.
+
+Throughput is the dense bf16 peak of the datasheet (no sparsity); the planner assumes a model
+FLOPs utilization of ``MFU`` of it when it estimates step time. The ``CPU`` row describes a
+modest training host (the embedded default) so that CPU plans are reproducible from a commit,
+whatever machine renders them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from factory.errors import FactoryError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator type."""
+
+    name: str
+    """Key in the table (``H100``...)."""
+    memory_gib: float
+    """Memory of one device, GiB."""
+    bf16_tflops: float
+    """Dense bf16 peak throughput of one device, TFLOP/s."""
+    mfu: float
+    """Model FLOPs utilization assumed when estimating step time."""
+    max_devices: int
+    """Devices in one node (the most the planner shards over)."""
+    fused_attention: bool
+    """Whether attention runs as a fused (flash) kernel that keeps no ``seq x seq`` scores."""
+    interconnect: str
+    """How devices talk (informational, shown in plans)."""
+
+
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (
+    Hardware(name="H200", memory_gib=141, bf16_tflops=989, mfu=0.40, max_devices=8,
+             fused_attention=True, interconnect="NVLink"),
+    Hardware(name="H100", memory_gib=80, bf16_tflops=989, mfu=0.40, max_devices=8,
+             fused_attention=True, interconnect="NVLink"),
+    Hardware(name="A100-80G", memory_gib=80, bf16_tflops=312, mfu=0.45, max_devices=8,
+             fused_attention=True, interconnect="NVLink"),
+    Hardware(name="L40S", memory_gib=48, bf16_tflops=362, mfu=0.35, max_devices=8,
+             fused_attention=True, interconnect="PCIe"),
+    Hardware(name="L4", memory_gib=24, bf16_tflops=121, mfu=0.35, max_devices=8,
+             fused_attention=True, interconnect="PCIe"),
+    Hardware(name="CPU", memory_gib=16, bf16_tflops=1.0, mfu=0.25, max_devices=1,
+             fused_attention=False, interconnect="none"),
+)}
+"""Hardware by type."""
+
+
+def get_hardware(name: str) -> Hardware:
+    try:
+        return HARDWARE[name]
+    except KeyError:
+        raise FactoryError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}") from None

@@ -1,0 +1,574 @@
+"""The decision tree: every training and eval value from the data profile, recipe and hardware.
+
+``make_plan`` walks the decisions in dependency order (hardware, precision, sequence length,
+packing, batch, memory fit, schedule, LoRA, cadences, eval sandbox). Each value is a
+``Decision`` carrying the rule that produced it and a reason in words; a value the experiment
+overrides (or a sweep point sets) wins and is marked ``overridden``, with what the planner would
+have picked kept in the reason. Validation (``validate``) runs last and refuses the plan with a
+message that says what to change, before any compute is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from factory.errors import FactoryError
+from factory.experiments import Experiment
+from factory.planner.hardware import Hardware, get_hardware
+from factory.planner.memory import GIB, MemoryEstimate, estimate_memory
+from factory.planner.profile import DatasetProfile
+from factory.recipes import Recipe, load_recipe
+from factory.settings import Settings
+
+MEMORY_HEADROOM = 0.90
+"""Share of a device's memory a plan may use (the rest: fragmentation, CUDA context)."""
+MAX_MICRO_BATCH = 64
+MAX_STEPS = 5000
+"""Cap on optimizer steps of one run (a huge dataset trains on a sample of it)."""
+CHECKPOINT_EVERY_S = 900.0
+"""Target compute between checkpoints: a preemption loses at most ~15 minutes."""
+MAX_WALL_HOURS = 24.0
+"""Sandboxes die after 24 hours: add devices until the estimate fits."""
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+class PlanError(FactoryError):
+    """A plan that cannot run; the message says what to change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """One planned value and why."""
+
+    value: Any
+    """The value used."""
+    rule: str
+    """Id of the rule that produced it (``seq.cover_longest``...), ``override`` if forced."""
+    reason: str
+    """Why, in words, with the numbers that decided it."""
+    overridden: bool = False
+    """True when the experiment (overrides or sweep point) forced the value."""
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """A complete plan for one run of an experiment."""
+
+    experiment: str
+    """Experiment name."""
+    run_key: str
+    """Stable key of this run (``<experiment>`` or ``<experiment>/k=v/...``)."""
+    recipe: str
+    """Recipe name."""
+    base_model: str
+    """Local directory or hub id the trainer loads."""
+    point: dict[str, Any]
+    """The sweep point of this run (empty without a sweep)."""
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    """Plan key -> decision, in decision order."""
+    memory: MemoryEstimate | None = None
+    """Estimated peak memory of one training step on one device."""
+    memory_budget: int = 0
+    """Bytes a device may use."""
+    estimates: dict[str, float] = field(default_factory=dict)
+    """Step time, total steps and wall hours (estimates, for people)."""
+    notes: list[str] = field(default_factory=list)
+    """Warnings that do not block the plan."""
+
+    def __getitem__(self, key: str) -> Any:
+        return self.decisions[key].value
+
+    def train_config(self) -> dict[str, Any]:
+        """The training part: keyword arguments of ``trainer.config.TrainConfig``."""
+        d = self.decisions
+        cfg: dict[str, Any] = {
+            "base_model": self.base_model,
+            "max_seq_len": d["max_seq_len"].value,
+            "packing": d["packing"].value,
+            "micro_batch_size": d["micro_batch_size"].value,
+            "grad_accum_steps": d["grad_accum_steps"].value,
+            "learning_rate": d["learning_rate"].value,
+            "lr_schedule": d["lr_schedule"].value,
+            "warmup_steps": d["warmup_steps"].value,
+            "num_steps": d["num_steps"].value,
+            "num_epochs": None if d["num_steps"].value is not None else d["num_epochs"].value,
+            "weight_decay": d["weight_decay"].value,
+            "max_grad_norm": d["max_grad_norm"].value,
+            "lora_rank": d["lora_rank"].value,
+            "lora_alpha": float(d["lora_alpha"].value),
+            "lora_dropout": d["lora_dropout"].value,
+            "lora_target_modules": list(d["lora_target_modules"].value),
+            "precision": d["precision"].value,
+            "gradient_checkpointing": d["gradient_checkpointing"].value,
+            "frozen_modules": list(d["frozen_modules"].value),
+            "checkpoint_every_steps": d["checkpoint_every_steps"].value,
+            "eval_every_steps": d["eval_every_steps"].value,
+            "seed": d["seed"].value,
+            "use_kernels": d["use_kernels"].value,
+            "num_devices": d["num_devices"].value,
+            "parallelism": d["parallelism"].value,
+        }
+        return cfg
+
+    def eval_sandbox(self) -> dict[str, Any]:
+        """The eval part: how the eval sandbox generates."""
+        keys = ("eval_devices", "eval_gpu_memory_utilization", "eval_max_num_seqs",
+                "eval_batch_size", "eval_max_new_tokens", "eval_judge")
+        return {k.removeprefix("eval_"): self.decisions[k].value for k in keys}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: values, reasons, the trainer config, the eval sandbox, memory."""
+        return {
+            "experiment": self.experiment, "run_key": self.run_key, "recipe": self.recipe,
+            "point": dict(self.point),
+            "values": {k: v.value for k, v in self.decisions.items()},
+            "reasons": {k: {"rule": v.rule, "reason": v.reason, "overridden": v.overridden}
+                        for k, v in self.decisions.items()},
+            "train_config": self.train_config(),
+            "eval_sandbox": self.eval_sandbox(),
+            "memory_gib": self.memory.as_gib() if self.memory else {},
+            "memory_budget_gib": round(self.memory_budget / GIB, 3),
+            "estimates": dict(self.estimates),
+            "notes": list(self.notes),
+        }
+
+
+class _Decider:
+    """Records decisions, letting the experiment's overrides win."""
+
+    def __init__(self, plan: Plan, overrides: Mapping[str, Any], point: Mapping[str, Any]):
+        self.plan = plan
+        self.overrides = dict(overrides)
+        self.point = dict(point)
+
+    def forced(self, key: str) -> bool:
+        return key in self.overrides or key in self.point
+
+    def set(self, key: str, value: Any, rule: str, reason: str) -> Any:
+        if key in self.point or key in self.overrides:
+            where = "sweep point" if key in self.point else "override"
+            forced = self.point[key] if key in self.point else self.overrides[key]
+            decision = Decision(value=forced, rule=where, overridden=True,
+                                reason=f"{where} (the planner would pick {_show(value)}: "
+                                       f"{reason})")
+        else:
+            decision = Decision(value=value, rule=rule, reason=reason)
+        self.plan.decisions[key] = decision
+        return decision.value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _sig(x: float, digits: int = 3) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def make_plan(experiment: Experiment, profile: DatasetProfile, *,
+              point: Mapping[str, Any] | None = None, recipe: Recipe | None = None,
+              settings: Settings | None = None) -> Plan:
+    """Plan one run of ``experiment`` (the sweep ``point``, if any) on the data ``profile``.
+
+    Raises ``PlanError`` when the plan cannot run, saying what to change.
+    """
+    from factory.experiments import run_key
+
+    point = dict(point or {})
+    recipe = recipe or load_recipe(experiment.recipe)
+    arch = recipe.architecture
+    plan = Plan(experiment=experiment.name, run_key=run_key(experiment.name, point),
+                recipe=recipe.name, base_model=recipe.base_model_path(settings), point=point)
+    dec = _Decider(plan, experiment.overrides, point)
+    data = experiment.data
+    _validate_inputs(experiment, profile, recipe, dec)
+
+    # --- hardware and precision -------------------------------------------------------------
+    gpu = dec.set("gpu", recipe.gpu, "hardware.recipe",
+                  f"recipe {recipe.name} targets {recipe.gpu}")
+    hw = get_hardware(gpu)
+    if hw.name == "CPU":
+        dec.set("precision", "bf16-autocast", "precision.cpu_autocast",
+                "CPU: fp32 weights with bf16 compute (about 2.4x the fp32 throughput here)")
+    else:
+        dec.set("precision", "bf16", "precision.gpu_bf16",
+                f"{hw.name}: bf16 base weights (half the memory), fp32 adapters")
+    precision = plan["precision"]
+
+    # --- sequence length and packing --------------------------------------------------------
+    cap = min(data.max_tokens, arch.max_context)
+    longest, p99, p50 = profile.length_max, profile.length_p99, profile.length_p50
+    if longest <= cap:
+        seq = min(_round_up(max(longest, 16), 64), cap)
+        dec.set("max_seq_len", seq, "seq.cover_longest",
+                f"the longest sample has {longest} tokens (p99 {p99}, median {p50}); "
+                f"rounded up to a multiple of 64 so nothing is truncated")
+    else:
+        dec.set("max_seq_len", cap, "seq.cap",
+                f"the longest sample ({longest} tokens) exceeds "
+                f"{'data.max_tokens' if cap == data.max_tokens else 'the model context'} "
+                f"({cap}); longer samples are truncated")
+    seq_len = plan["max_seq_len"]
+    padding = 1.0 - min(p50, seq_len) / seq_len
+    if p50 * 2 <= seq_len:
+        dec.set("packing", True, "packing.mixed_lengths",
+                f"median sample ({p50} tokens) is under half of max_seq_len ({seq_len}): "
+                f"unpacked rows would be ~{padding:.0%} padding")
+    else:
+        dec.set("packing", False, "packing.uniform_lengths",
+                f"median sample ({p50} tokens) fills over half of max_seq_len ({seq_len}): "
+                f"padding is ~{padding:.0%}, packing gains little")
+    packing = plan["packing"]
+
+    # --- dataset size: rows, effective batch, epochs ----------------------------------------
+    n = profile.num_samples
+    num_rows = (max(1, math.ceil(profile.num_tokens / (seq_len * 0.95))) if packing else n)
+    rows_note = (f"{n} samples pack into ~{num_rows} rows of {seq_len} tokens" if packing
+                 else f"{n} samples, one row each")
+    if num_rows < 100:
+        eb, size = 4, "tiny"
+    elif num_rows < 2_000:
+        eb, size = 8, "small"
+    elif num_rows < 20_000:
+        eb, size = 16, "medium"
+    else:
+        eb, size = 32, "large"
+    effective = dec.set("effective_batch_size", eb, f"batch.{size}_dataset",
+                        f"{size} dataset ({rows_note}): {eb} rows per optimizer step keeps "
+                        f"enough steps per epoch to learn and evaluate")
+    if n < 1_000:
+        epochs, erule = 3.0, "tiny"
+    elif n < 10_000:
+        epochs, erule = 2.0, "small"
+    else:
+        epochs, erule = 1.0, "large"
+    dec.set("num_epochs", epochs, f"epochs.{erule}_dataset",
+            f"{n} samples: {epochs:g} pass(es) ({'few samples need repeats' if epochs > 1 else 'enough data for one pass'})")
+
+    # --- LoRA topology ----------------------------------------------------------------------
+    if n >= 50_000:
+        rank = dec.set("lora_rank", recipe.lora_rank * 2, "lora.rank_large_dataset",
+                       f"{n} samples: twice the recipe rank ({recipe.lora_rank}) for capacity")
+    else:
+        rank = dec.set("lora_rank", recipe.lora_rank, "lora.recipe",
+                       f"recipe {recipe.name} rank")
+    ratio = recipe.lora_alpha / recipe.lora_rank
+    dec.set("lora_alpha", _sig(ratio * rank), "lora.alpha_ratio",
+            f"alpha = {ratio:g} x rank, the recipe's ratio (keeps the update scale)")
+    if n < 1_000:
+        dec.set("lora_dropout", max(recipe.lora_dropout, 0.1), "lora.dropout_small_dataset",
+                f"only {n} samples: dropout 0.1 against overfitting")
+    else:
+        dec.set("lora_dropout", recipe.lora_dropout, "lora.recipe",
+                f"recipe {recipe.name} dropout")
+    targets = list(recipe.lora_target_modules)
+    has_mlp = any(t in targets for t in MLP_MODULES)
+    if profile.share_with_tool_calls > 0 and not has_mlp:
+        dec.set("lora_target_modules", targets + list(MLP_MODULES), "lora.mlp_for_tool_calls",
+                f"{profile.share_with_tool_calls:.0%} of samples call tools: structured "
+                "outputs need the MLP adapted too, not only attention")
+    elif n >= 50_000 and not has_mlp:
+        dec.set("lora_target_modules", targets + list(MLP_MODULES), "lora.mlp_large_dataset",
+                f"{n} samples: adapt the MLP too for capacity")
+    else:
+        dec.set("lora_target_modules", targets, "lora.recipe",
+                f"recipe {recipe.name} targets"
+                + (" (attention only: no tool calls, modest data)" if not has_mlp else ""))
+    targets = list(plan["lora_target_modules"])
+    bad = [t for t in targets if t not in arch.linear_modules]
+    if bad:
+        raise PlanError(f"lora_target_modules {bad} are not modules of {recipe.base_model_id}; "
+                        f"choose from {', '.join(arch.linear_modules)}")
+
+    # --- frozen modules ---------------------------------------------------------------------
+    if arch.vision_module and profile.share_with_images == 0:
+        dec.set("frozen_modules", [arch.vision_module], "frozen.vision_language_only",
+                f"no sample has an image: the vision tower ({arch.vision_module}) stays "
+                "frozen and gets no adapter")
+    elif arch.vision_module:
+        dec.set("frozen_modules", [arch.vision_module], "frozen.vision_encoder",
+                f"{profile.share_with_images:.0%} of samples have images: they pass through "
+                f"the frozen vision tower ({arch.vision_module}); LoRA adapts the language "
+                "model")
+    else:
+        dec.set("frozen_modules", [], "frozen.text_model", "text-only model: nothing to freeze")
+
+    # --- memory fit: devices, parallelism, micro-batch, checkpointing -----------------------
+    budget = int(hw.memory_gib * GIB * MEMORY_HEADROOM)
+    plan.memory_budget = budget
+
+    def peak(mb: int, gc: bool, shards: int, cp: int = 1) -> MemoryEstimate:
+        return estimate_memory(arch, micro_batch_size=mb, seq_len=seq_len, lora_rank=rank,
+                               target_modules=targets, precision=precision,
+                               gradient_checkpointing=gc, num_shards=shards,
+                               context_parallel=cp, fused_attention=hw.fused_attention)
+
+    def largest_mb(gc: bool, shards: int, limit: int) -> int:
+        best = 0
+        mb = 1
+        while mb <= limit and peak(mb, gc, shards).total <= budget:
+            best, mb = mb, mb * 2
+        return best
+
+    if dec.forced("num_devices"):
+        device_options = [int({**dec.overrides, **dec.point}["num_devices"])]
+    else:
+        device_options = [d for d in (1, 2, 4, 8) if d <= hw.max_devices]
+    chosen: tuple[int, int, bool, str] | None = None
+    for devices in device_options:
+        per_device = max(1, effective // devices)
+        limit = min(MAX_MICRO_BATCH, per_device)
+        gcs: list[bool] = ([bool({**dec.overrides, **dec.point}["gradient_checkpointing"])]
+                           if dec.forced("gradient_checkpointing") else [False, True])
+        for gc in gcs:
+            mb = largest_mb(gc, devices, limit)
+            if dec.forced("micro_batch_size"):
+                mb = int({**dec.overrides, **dec.point}["micro_batch_size"])
+            if mb == 0:
+                continue
+            if not gc and mb < min(4, limit) and len(gcs) > 1 \
+                    and largest_mb(True, devices, limit) > mb:
+                continue  # checkpointing buys a usefully larger micro-batch
+            chosen = (devices, mb, gc, "")
+            break
+        if chosen:
+            break
+    if chosen is None:
+        devices = device_options[-1]
+        cp_needed = next((cp for cp in (2, 4, 8) if cp <= devices
+                          and peak(1, True, devices, cp).total <= budget), None)
+        need = peak(1, True, devices).total
+        if cp_needed:
+            raise PlanError(
+                f"a {seq_len}-token sequence does not fit one {hw.name} even with gradient "
+                f"checkpointing and {devices} FSDP2 shards ({need / GIB:.1f} GiB > "
+                f"{budget / GIB:.1f} GiB); it needs context parallelism over {cp_needed} "
+                "devices, which the trainer does not implement: lower data.max_tokens, or use "
+                "a larger GPU (overrides: {gpu: H200})")
+        raise PlanError(
+            f"does not fit: one row of {seq_len} tokens needs {need / GIB:.1f} GiB per device "
+            f"on {devices} x {hw.name} ({budget / GIB:.1f} GiB usable) even with gradient "
+            "checkpointing; lower data.max_tokens, pick a smaller recipe, or a larger GPU "
+            "(overrides: {gpu: H200})")
+    devices, mb, gc, _ = chosen
+    weights_one = peak(1, True, 1).weights
+    if devices == 1:
+        dec.set("num_devices", 1, "devices.fits_one", f"fits one {hw.name}")
+    else:
+        dec.set("num_devices", devices, "devices.shard_to_fit",
+                f"base weights ({weights_one / GIB:.1f} GiB) plus a micro-batch do not fit one "
+                f"{hw.name} ({budget / GIB:.0f} GiB usable): FSDP2 over {devices}")
+    dec.set("parallelism", "single" if devices == 1 else "fsdp2",
+            "parallel.single" if devices == 1 else f"parallel.fsdp{recipe.fsdp_version}",
+            "one device" if devices == 1 else
+            f"FSDP{recipe.fsdp_version} (fully_shard) shards the frozen base weights over "
+            f"{devices} devices")
+    gc_reason = (f"without it only micro-batch {largest_mb(False, devices, mb) or 0} fits; "
+                 f"with it {mb}" if gc else
+                 f"micro-batch {mb} fits without recomputation "
+                 f"({peak(mb, False, devices).total / GIB:.1f} of {budget / GIB:.1f} GiB)")
+    dec.set("gradient_checkpointing", gc, "memory.checkpointing" if gc else "memory.no_recompute",
+            gc_reason)
+    dec.set("micro_batch_size", mb, "memory.largest_micro_batch",
+            f"largest power of two up to the per-device batch ({max(1, effective // devices)}) "
+            f"that fits {hw.name} memory")
+    devices, mb, gc = plan["num_devices"], plan["micro_batch_size"], plan["gradient_checkpointing"]
+    plan.memory = peak(mb, gc, devices)
+
+    accum = math.ceil(effective / (mb * devices))
+    dec.set("grad_accum_steps", accum, "batch.accumulate",
+            f"{effective} rows per step / ({mb} per micro-batch x {devices} device(s))")
+    real_batch = mb * devices * plan["grad_accum_steps"]
+
+    # --- learning rate, steps, warmup -------------------------------------------------------
+    lr = recipe.learning_rate * math.sqrt(real_batch / recipe.reference_batch_size) \
+        * math.sqrt(recipe.reference_rank / rank)
+    dec.set("learning_rate", _sig(min(lr, 1e-3)), "lr.scaled",
+            f"recipe {recipe.learning_rate:g} at batch {recipe.reference_batch_size}, rank "
+            f"{recipe.reference_rank}; x sqrt({real_batch}/{recipe.reference_batch_size}) for "
+            f"the batch, x sqrt({recipe.reference_rank}/{rank}) for the rank"
+            + (" (capped at 1e-3)" if lr > 1e-3 else ""))
+    steps_per_epoch = max(1, math.ceil(num_rows / real_batch))
+    total = max(1, math.ceil(steps_per_epoch * plan["num_epochs"]))
+    if total > MAX_STEPS:
+        dec.set("num_steps", MAX_STEPS, "steps.cap",
+                f"{plan['num_epochs']:g} epoch(s) would be {total} steps; capped at {MAX_STEPS}")
+    else:
+        dec.set("num_steps", None, "steps.from_epochs",
+                f"the trainer runs {plan['num_epochs']:g} epoch(s) (~{total} steps of "
+                f"{real_batch} rows)")
+    if plan["num_steps"] is not None:
+        total = plan["num_steps"]
+    warm = math.ceil(0.03 * total) if total >= 10 else 0
+    dec.set("warmup_steps", warm, "warmup.3pct",
+            f"3% of ~{total} steps" if warm else f"only ~{total} steps: no warmup")
+    dec.set("lr_schedule", "cosine", "schedule.cosine", "cosine decay to zero after warmup")
+    dec.set("weight_decay", 0.0, "lora.no_decay", "LoRA adapters start at zero; no decay")
+    dec.set("max_grad_norm", 1.0, "clip.default", "clip gradients at norm 1")
+    dec.set("seed", data.seed, "seed.data", "data.seed of the experiment")
+    dec.set("use_kernels", False, "kernels.opt_in",
+            "Triton kernels are opt-in (set use_kernels: true to use them)")
+
+    # --- time estimate, eval and checkpoint cadence -----------------------------------------
+    fill = 0.95 if packing else 1.0
+    tokens_per_step = real_batch * seq_len * fill
+    params = arch.num_parameters - arch.vision_parameters
+    flops_per_token = (6 if gc else 4) * params \
+        + 12 * arch.num_layers * seq_len * arch.num_heads * arch.head_dim // 2
+    step_s = tokens_per_step * flops_per_token / (hw.bf16_tflops * 1e12 * hw.mfu * devices)
+    plan.estimates = {"step_seconds": round(step_s, 3), "steps": float(total),
+                      "hours": round(step_s * total / 3600, 3),
+                      "tokens_per_step": round(tokens_per_step)}
+    if plan.estimates["hours"] > MAX_WALL_HOURS:
+        plan.notes.append(f"estimated {plan.estimates['hours']:.0f} h exceeds a 24 h sandbox; "
+                          "the run continues from checkpoints across sandboxes")
+    if experiment.eval.every_steps is not None and not dec.forced("eval_every_steps"):
+        plan.decisions["eval_every_steps"] = Decision(
+            value=experiment.eval.every_steps, rule="experiment.eval", overridden=True,
+            reason="eval.every_steps of the experiment file")
+    else:
+        every = max(1, min(steps_per_epoch // recipe.evals_per_epoch, total // 4 or 1))
+        dec.set("eval_every_steps", every, "eval.per_epoch",
+                f"{recipe.evals_per_epoch} evals per epoch of ~{steps_per_epoch} steps "
+                "(at least 4 per run)")
+    ckpt = max(1, min(total, int(CHECKPOINT_EVERY_S // max(step_s, 1e-9))))
+    dec.set("checkpoint_every_steps", ckpt, "ckpt.15min",
+            f"a step takes ~{step_s:.3g} s on {devices} x {hw.name}: every {ckpt} steps a "
+            "preemption loses at most ~15 minutes" + (" (the whole run is shorter)"
+                                                       if ckpt == total else ""))
+
+    _plan_eval(plan, dec, experiment, profile, recipe, hw)
+    _validate_plan(plan, recipe, hw)
+    return plan
+
+
+def _plan_eval(plan: Plan, dec: _Decider, experiment: Experiment, profile: DatasetProfile,
+               recipe: Recipe, hw: Hardware) -> None:
+    arch = recipe.architecture
+    weights = arch.num_parameters * 2
+    if hw.name == "CPU":
+        dec.set("eval_devices", 1, "eval.cpu", "CPU: generation with transformers in process")
+        dec.set("eval_gpu_memory_utilization", 0.5, "eval.cpu_share",
+                "CPU: use at most half of the host memory for generation")
+    else:
+        devices = next((d for d in (1, 2, 4, 8) if weights * 1.3 <= d * hw.memory_gib * GIB
+                        * 0.85), 8)
+        dec.set("eval_devices", devices, "eval.tensor_parallel",
+                f"bf16 weights ({weights / GIB:.1f} GiB) + 30% KV cache margin fit "
+                f"{devices} x {hw.name}")
+        util = 0.9 if hw.memory_gib >= 40 else 0.85
+        dec.set("eval_gpu_memory_utilization", util, "eval.memory_utilization",
+                f"{hw.memory_gib:g} GiB device: {util:.0%} for weights and KV cache"
+                + (" (small card: keep room for activations)" if util < 0.9 else ""))
+    new_tokens = _round_up(max(16, int(profile.completion_tokens_p99 * 1.25)), 16)
+    dec.set("eval_max_new_tokens", new_tokens, "eval.completion_p99",
+            f"1.25 x the p99 completion ({profile.completion_tokens_p99} tokens)")
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
+    per_seq = per_token * (profile.prompt_tokens_p99 + plan["eval_max_new_tokens"])
+    if hw.name == "CPU":
+        seqs = 8
+        dec.set("eval_max_num_seqs", seqs, "eval.cpu_batch", "CPU: 8 sequences at a time")
+    else:
+        free = plan["eval_devices"] * hw.memory_gib * GIB * plan["eval_gpu_memory_utilization"] \
+            - weights
+        seqs = max(1, min(256, int(free // per_seq)))
+        dec.set("eval_max_num_seqs", seqs, "eval.kv_cache",
+                f"KV cache: {free / GIB:.1f} GiB free / {per_seq / 2**20:.1f} MiB per sequence "
+                f"of {profile.prompt_tokens_p99}+{plan['eval_max_new_tokens']} tokens "
+                "(at most 256)")
+    num_eval = profile.num_eval_samples or max(1, round(
+        profile.num_samples * experiment.data.eval_fraction / (1 - experiment.data.eval_fraction)))
+    if experiment.eval.max_samples:
+        num_eval = min(num_eval, experiment.eval.max_samples)
+    batch = min(plan["eval_max_num_seqs"], num_eval)
+    dec.set("eval_batch_size", batch, "eval.batch",
+            f"{num_eval} eval samples, at most {plan['eval_max_num_seqs']} at once")
+    judge = experiment.eval.judge if experiment.eval.judge != "embedded" else recipe.judge_model
+    plan.decisions["eval_judge"] = Decision(
+        value=judge, rule="eval.judge",
+        reason="experiment eval.judge" if experiment.eval.judge != "embedded"
+        else f"recipe {recipe.name} judge")
+
+
+def _validate_inputs(experiment: Experiment, profile: DatasetProfile, recipe: Recipe,
+                     dec: _Decider) -> None:
+    arch = recipe.architecture
+    where = f"experiment {experiment.name} ({experiment.path})"
+    if profile.num_samples <= 0:
+        raise PlanError(f"{where}: the dataset has no train samples; widen data.where "
+                        f"({experiment.data.where!r}) or ingest traffic first")
+    if experiment.data.max_tokens > arch.max_context:
+        raise PlanError(f"{where}: data.max_tokens {experiment.data.max_tokens} exceeds the "
+                        f"{arch.max_context}-token context of {recipe.base_model_id}; set "
+                        f"data.max_tokens to at most {arch.max_context}")
+    seq = {**dec.overrides, **dec.point}.get("max_seq_len")
+    if seq is not None and seq > arch.max_context:
+        raise PlanError(f"{where}: max_seq_len {seq} exceeds the {arch.max_context}-token "
+                        f"context of {recipe.base_model_id}; set it to at most "
+                        f"{arch.max_context}")
+    targets = {**dec.overrides, **dec.point}.get("lora_target_modules")
+    if targets:
+        bad = [t for t in targets if t not in arch.linear_modules]
+        if bad:
+            raise PlanError(f"{where}: lora_target_modules {bad} do not exist in "
+                            f"{recipe.base_model_id}; choose from "
+                            f"{', '.join(arch.linear_modules)}")
+    if profile.share_with_images > 0 and not arch.vision_module:
+        raise PlanError(f"{where}: {profile.share_with_images:.0%} of samples have images but "
+                        f"{recipe.base_model_id} reads no images; use recipe qwen2.5-vl-7b-lora "
+                        "or exclude them with data.where (\"... AND NOT has_images\")")
+    parallelism = {**dec.overrides, **dec.point}.get("parallelism")
+    devices = {**dec.overrides, **dec.point}.get("num_devices")
+    if parallelism == "single" and devices not in (None, 1):
+        raise PlanError(f"{where}: parallelism single runs on one device, num_devices is "
+                        f"{devices}; set parallelism: fsdp2 or num_devices: 1")
+    if parallelism == "fsdp2" and devices == 1:
+        raise PlanError(f"{where}: parallelism fsdp2 needs at least 2 devices; set "
+                        "num_devices: 2 (or more) or parallelism: single")
+
+
+def _validate_plan(plan: Plan, recipe: Recipe, hw: Hardware) -> None:
+    assert plan.memory is not None
+    arch = recipe.architecture
+    if plan.memory.total > plan.memory_budget:
+        need, have = plan.memory.total / GIB, plan.memory_budget / GIB
+        hints = []
+        if not plan["gradient_checkpointing"]:
+            hints.append("gradient_checkpointing: true")
+        if plan["micro_batch_size"] > 1:
+            hints.append(f"micro_batch_size: {max(1, plan['micro_batch_size'] // 2)}")
+        hints.append("a lower data.max_tokens")
+        hints.append("a larger GPU (gpu: H200)")
+        raise PlanError(f"{plan.run_key}: needs {need:.1f} GiB per device, {hw.name} has "
+                        f"{have:.1f} GiB usable ({plan.memory.as_gib()}); try "
+                        + ", or ".join(hints))
+    if plan["parallelism"] == "fsdp2" and plan["num_devices"] < 2:
+        raise PlanError(f"{plan.run_key}: parallelism fsdp2 needs num_devices >= 2")
+    if plan["parallelism"] == "single" and plan["num_devices"] != 1:
+        raise PlanError(f"{plan.run_key}: num_devices {plan['num_devices']} needs "
+                        "parallelism: fsdp2")
+    if plan["num_devices"] > hw.max_devices:
+        raise PlanError(f"{plan.run_key}: {hw.name} nodes have at most {hw.max_devices} "
+                        f"devices; lower num_devices to {hw.max_devices}")
+    if plan["max_seq_len"] > arch.max_context:
+        raise PlanError(f"{plan.run_key}: max_seq_len {plan['max_seq_len']} exceeds the model "
+                        f"context {arch.max_context}")
+    frozen = set(plan["frozen_modules"])
+    if arch.vision_module and arch.vision_module not in frozen:
+        plan.notes.append(f"the vision tower ({arch.vision_module}) is not frozen: it trains "
+                          "no adapter but its activations cost memory")
+    if not recipe.architecture.supports_tools and "tool" in " ".join(
+            d.reason for d in plan.decisions.values()):
+        plan.notes.append(f"{recipe.base_model_id}'s chat template has no tool format; tool "
+                          "calls are rendered as text")

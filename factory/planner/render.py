@@ -1,0 +1,114 @@
+"""Plans and experiments as Markdown: the value + reason table and the experiment card.
+
+The card (what it trains, on which data, with which plan) is shown in the Dagster UI as asset
+metadata and written to ``docs/experiments/<name>.md`` by ``factory plan --write-card``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from factory.experiments import Experiment, sweep_points
+from factory.planner.plan import Plan
+from factory.recipes import Recipe
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+    elif isinstance(value, list | tuple):
+        text = ", ".join(map(str, value)) or "(none)"
+    elif value is None:
+        text = "-"
+    else:
+        text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def plan_table(plan: Plan) -> str:
+    """A Markdown table: key, value, rule, reason; overridden values in bold and marked."""
+    lines = ["| key | value | rule | reason |", "|---|---|---|---|"]
+    for key, d in plan.decisions.items():
+        value = f"**{_cell(d.value)}** (override)" if d.overridden else _cell(d.value)
+        lines.append(f"| {key} | {value} | {d.rule} | {_cell(d.reason)} |")
+    if plan.memory:
+        mem = plan.memory.as_gib()
+        lines.append("")
+        lines.append(f"Estimated peak memory per device: **{mem['total']:.2f} GiB** of "
+                     f"{plan.memory_budget / 2**30:.1f} GiB usable (weights {mem['weights']:.2f}"
+                     f", adapters+grads+optimizer "
+                     f"{mem['adapters'] + mem['gradients'] + mem['optimizer']:.2f}, activations "
+                     f"{mem['activations']:.2f}, logits {mem['logits']:.2f}, overhead "
+                     f"{mem['overhead']:.2f}).")
+    if plan.estimates:
+        e = plan.estimates
+        lines.append(f"Estimated ~{e['steps']:.0f} steps of ~{e['step_seconds']:.3g} s: "
+                     f"~{e['hours']:.3g} h.")
+    for note in plan.notes:
+        lines.append(f"- note: {note}")
+    return "\n".join(lines)
+
+
+def experiment_card(experiment: Experiment, recipe: Recipe, plans: Sequence[Plan],
+                    error: str | None = None) -> str:
+    """The experiment card: what it trains, on which data, with which plan."""
+    data = experiment.data
+    arch = recipe.architecture
+    out = [f"# Experiment `{experiment.name}`", ""]
+    if experiment.raw.get("description"):
+        out += [str(experiment.raw["description"]), ""]
+    out += [
+        f"Source: `{experiment.path.name}` · recipe `{recipe.name}` · "
+        f"schedule `{experiment.schedule or 'none'}` · retrain on new samples: "
+        f"{'yes' if experiment.retrain_on_new_samples else 'no'}", "",
+        "## What it trains", "",
+        f"- Base model: `{recipe.base_model_id}` ({arch.num_parameters / 1e9:.2f} B parameters, "
+        f"{arch.num_layers} layers, context {arch.max_context})",
+        f"- LoRA on {', '.join(recipe.lora_target_modules)} (recipe rank {recipe.lora_rank})",
+        f"- Judge: `{experiment.eval.judge if experiment.eval.judge != 'embedded' else recipe.judge_model}`"
+        f", rubric `{json.dumps(experiment.eval.rubric) if isinstance(experiment.eval.rubric, dict) else experiment.eval.rubric}`",
+        "", "## On which data", "",
+        f"- Samples where `{data.where}`",
+        f"- Eval fraction {data.eval_fraction:g}, max {data.max_tokens} tokens, near-duplicate "
+        f"threshold {data.near_dup_threshold:g}, decontamination {data.decontam_ngram}-grams",
+        f"- Dropped by policy: {', '.join(data.drop) or 'nothing'}"
+        + (f"; judge threshold {data.judge_threshold:g}" if data.judge_threshold is not None
+           else ""),
+    ]
+    if experiment.overrides:
+        out += ["", "## Overrides", "",
+                *[f"- `{k}`: {_cell(v)}" for k, v in experiment.overrides.items()]]
+    points = sweep_points(experiment)
+    if experiment.sweep:
+        out += ["", f"## Sweep ({len(points)} runs)", "",
+                *[f"- `{k}`: {', '.join(_cell(v) for v in vs)}"
+                  for k, vs in experiment.sweep.items()]]
+    out += ["", "## Plan", ""]
+    if error:
+        out += [f"Not planned: {error}"]
+    elif not plans:
+        out += ["Not planned yet: the dataset has no profile (materialize `dataset_profile`)."]
+    else:
+        out += [plan_table(plans[0])]
+        if len(plans) > 1:
+            out += ["", "### Sweep runs", "", comparison_table([p.to_dict() for p in plans])]
+    return "\n".join(out) + "\n"
+
+
+COMPARE_KEYS = ("learning_rate", "lora_rank", "effective_batch_size", "micro_batch_size",
+                "grad_accum_steps", "max_seq_len", "gradient_checkpointing")
+
+
+def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown comparison of a sweep's runs: plan values, final loss, best eval score."""
+    head = ["run", *COMPARE_KEYS, "peak GiB", "final loss", "best eval"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        values = r.get("values", {})
+        cells = [r["run_key"], *[_cell(values.get(k)) for k in COMPARE_KEYS],
+                 _cell((r.get("memory_gib") or {}).get("total")),
+                 _cell(r.get("final_loss")), _cell(r.get("best_eval_score"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

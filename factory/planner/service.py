@@ -1,0 +1,114 @@
+"""Planning an experiment's runs against the lake, and comparing a sweep's runs.
+
+Shared by the ``training_plan`` asset and the ``factory plan`` / ``factory sweep`` commands so
+that the UI and the CLI plan the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from factory.experiments import Experiment, experiment_sha, run_id, sweep_points
+from factory.planner.plan import Plan, make_plan
+from factory.planner.profile import DatasetProfile, read_profile
+
+
+def plan_runs(experiment: Experiment, profile: DatasetProfile) -> list[Plan]:
+    """One plan per sweep point (a single plan without a sweep)."""
+    return [make_plan(experiment, profile, point=p) for p in sweep_points(experiment)]
+
+
+def plan_for_key(experiment: Experiment, profile: DatasetProfile, key: str) -> Plan:
+    """The plan of the run with stable key ``key``; ``ValueError`` if the sweep has no such run."""
+    from factory.experiments import run_key
+
+    for point in sweep_points(experiment):
+        if run_key(experiment.name, point) == key:
+            return make_plan(experiment, profile, point=point)
+    raise ValueError(f"experiment {experiment.name} has no run {key!r} (its sweep changed?)")
+
+
+def plan_row(plan: Plan, experiment: Experiment, dataset_version: str | None) -> dict[str, Any]:
+    """The ``training_plans`` row of a plan."""
+    cfg = plan.train_config()
+    return {
+        "run_key": plan.run_key, "experiment": plan.experiment, "recipe": plan.recipe,
+        "point": json.dumps(plan.point, sort_keys=True),
+        "experiment_sha": experiment_sha(experiment), "dataset_version": dataset_version or "",
+        "created_at": datetime.now(UTC), "gpu": plan["gpu"], "num_devices": cfg["num_devices"],
+        "max_seq_len": cfg["max_seq_len"], "micro_batch_size": cfg["micro_batch_size"],
+        "grad_accum_steps": cfg["grad_accum_steps"], "learning_rate": cfg["learning_rate"],
+        "lora_rank": cfg["lora_rank"],
+        "peak_memory_gib": plan.memory.as_gib()["total"] if plan.memory else None,
+        "estimated_hours": plan.estimates.get("hours"),
+        "train_config": json.dumps(cfg, sort_keys=True),
+        "plan": json.dumps(plan.to_dict(), sort_keys=True, default=str),
+    }
+
+
+def profile_version(lake: Any, experiment: str) -> str | None:
+    """``dataset_version`` of the newest profile row (None when the column is absent)."""
+    try:
+        rows = lake.sql("SELECT dataset_version FROM dataset_profile WHERE experiment = ? "
+                        "ORDER BY created_at DESC LIMIT 1", [experiment]).to_pylist()
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+    return rows[0]["dataset_version"] if rows else None
+
+
+def plan_experiment(experiment: Experiment, lake: Any) -> list[Plan]:
+    """Plan every run of the experiment from its newest ``dataset_profile`` row."""
+    return plan_runs(experiment, read_profile(lake, experiment.name))
+
+
+def sweep_comparison(lake: Any, experiment: Experiment) -> list[dict[str, Any]]:
+    """One row per run of the experiment's current sweep: the latest plan, final loss, best eval.
+
+    Final loss comes from the last ``progress`` event in ``training_events`` for the run's
+    trainer id (``run_id(run_key)``); best eval score from ``eval_results`` when it exists.
+    """
+    from factory.experiments import run_key
+
+    existing = set(lake.existing_tables()) if hasattr(lake, "existing_tables") else set()
+    plans: dict[str, dict[str, Any]] = {}
+    if "training_plans" in existing:
+        rows = lake.sql("SELECT run_key, plan, created_at FROM training_plans "
+                        "WHERE experiment = ? ORDER BY created_at", [experiment.name]).to_pylist()
+        for r in rows:
+            plans[r["run_key"]] = json.loads(r["plan"])
+    out = []
+    for point in sweep_points(experiment):
+        key = run_key(experiment.name, point)
+        row: dict[str, Any] = dict(plans.get(key) or {"run_key": key, "values": {}})
+        row["run_key"] = key
+        row["run_id"] = run_id(key)
+        row["final_loss"] = _final_loss(lake, existing, row["run_id"])
+        row["best_eval_score"] = _best_eval(lake, existing, row["run_id"])
+        out.append(row)
+    return out
+
+
+def _final_loss(lake: Any, existing: set[str], rid: str) -> float | None:
+    if "training_events" not in existing:
+        return None
+    rows = lake.sql("SELECT payload FROM training_events WHERE run_id = ? AND type = 'progress' "
+                    "ORDER BY step DESC, seq DESC LIMIT 1", [rid]).to_pylist()
+    if not rows:
+        return None
+    payload = json.loads(rows[0]["payload"] or "{}")
+    loss = payload.get("loss", (payload.get("data") or {}).get("loss"))
+    return float(loss) if loss is not None else None
+
+
+def _best_eval(lake: Any, existing: set[str], rid: str) -> float | None:
+    if "eval_results" not in existing:
+        return None
+    try:
+        rows = lake.sql("SELECT max(score) AS best FROM eval_results WHERE run_id = ?",
+                        [rid]).to_pylist()
+    except Exception:  # noqa: BLE001 - the evals table's columns belong to another issue
+        return None
+    best = rows[0]["best"] if rows else None
+    return float(best) if best is not None else None

@@ -1,0 +1,101 @@
+"""Experiment files: validation with file, line, field and what is allowed; sweeps; run keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from factory.experiments import (
+    ExperimentError,
+    cron_problem,
+    list_experiments,
+    load_experiment,
+    run_id,
+    run_keys,
+    sweep_points,
+)
+
+GOOD = """\
+name: support-extractor
+data: {where: "tags['project'] = 'support'", eval_fraction: 0.1, max_tokens: 2048}
+recipe: smollm2-135m-lora
+overrides: {learning_rate: 2.0e-4}
+eval: {every_steps: 20, judge: embedded, rubric: auto}
+sweep: {lora_rank: [8, 16], lora_dropout: [0.0, 0.1, 0.2]}
+schedule: "0 3 * * *"
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "support-extractor.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_issue_example_loads(tmp_path: Path) -> None:
+    e = load_experiment(_write(tmp_path, GOOD))
+    assert e.name == "support-extractor" and e.recipe == "smollm2-135m-lora"
+    assert e.data.where == "tags['project'] = 'support'" and e.data.max_tokens == 2048
+    assert e.overrides == {"learning_rate": 2.0e-4}
+    assert e.eval.every_steps == 20 and e.schedule == "0 3 * * *"
+    assert len(sweep_points(e)) == 6
+
+
+def test_load_by_name_from_experiments_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(tmp_path))
+    _write(tmp_path, GOOD)
+    assert load_experiment("support-extractor").path == tmp_path / "support-extractor.yaml"
+    assert [e.name for e in list_experiments()] == ["support-extractor"]
+    with pytest.raises(ExperimentError, match="no experiment 'nope'.*support-extractor"):
+        load_experiment("nope")
+
+
+@pytest.mark.parametrize(("bad", "expected"), [
+    (GOOD.replace("eval_fraction", "eval_fracton"),
+     r":2: data.eval_fracton: unknown key 'eval_fracton'; did you mean 'eval_fraction'\?"),
+    (GOOD.replace("learning_rate: 2.0e-4", "learnig_rate: 2.0e-4"),
+     r":4: overrides.learnig_rate: unknown key .*did you mean 'learning_rate'\?"),
+    (GOOD.replace("recipe: smollm2-135m-lora", "recipe: smollm2-135m"),
+     r":3: recipe: unknown recipe 'smollm2-135m'; did you mean 'smollm2-135m-lora'\?"),
+    (GOOD.replace("lora_rank: [8, 16]", "lora_rank: [8, -1]"),
+     r":6: sweep.lora_rank.1: got -1; allowed: a positive integer"),
+    (GOOD.replace('"0 3 * * *"', '"0 25 * * *"'), r":7: schedule: hour 25 outside 0-23"),
+    (GOOD.replace("eval_fraction: 0.1", "eval_fraction: 1.5"),
+     r":2: data.eval_fraction: got 1.5; allowed: a number in \(0, 1\)"),
+    (GOOD + "colour: blue\n", r":8: colour: unknown key 'colour'"),
+    (GOOD.replace("every_steps: 20", "every_steps: often"),
+     r":5: eval.every_steps: got 'often'"),
+    (GOOD.replace("overrides: {learning_rate: 2.0e-4}", "overrides: {lora_rank: 4}"),
+     r"sweep.lora_rank: 'lora_rank' is both overridden and swept"),
+    ("name: x\nrecipe: [unclosed\n", r"not valid YAML"),
+    ("- a\n- b\n", r":1: \(top level\): an experiment file must be a mapping"),
+])
+def test_errors_name_file_line_field_and_allowed(tmp_path: Path, bad: str, expected: str) -> None:
+    path = _write(tmp_path, bad)
+    with pytest.raises(ExperimentError, match=expected) as info:
+        load_experiment(path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_run_keys_stable_and_order_independent(tmp_path: Path) -> None:
+    a = load_experiment(_write(tmp_path, GOOD))
+    swapped = GOOD.replace("sweep: {lora_rank: [8, 16], lora_dropout: [0.0, 0.1, 0.2]}",
+                           "sweep: {lora_dropout: [0.0, 0.1, 0.2], lora_rank: [8, 16]}")
+    b = load_experiment(_write(tmp_path, swapped, "other.yaml"))
+    assert sorted(run_keys(a)) == sorted(run_keys(b))
+    assert "support-extractor/lora_dropout=0.1/lora_rank=16" in run_keys(a)
+    rid = run_id("support-extractor/lora_dropout=0.1/lora_rank=16")
+    assert rid.startswith("support-extractor-lora_dropout-0.1-lora_rank-16-")
+    assert rid != run_id("support-extractor/lora_dropout=0.1/lora_rank=8")
+
+
+def test_cron() -> None:
+    assert cron_problem("0 3 * * *") is None and cron_problem("*/15 9-17 * * 1-5") is None
+    assert cron_problem("0 3 * *") == "expected 5 fields (minute hour day month weekday), got 4"
+
+
+def test_shipped_demo_experiment_is_valid() -> None:
+    root = Path(__file__).resolve().parents[2]
+    e = load_experiment(root / "experiments" / "demo-extract.yaml")
+    assert e.recipe == "smollm2-135m-lora" and run_keys(e) == ["demo-extract"]

@@ -1,0 +1,187 @@
+"""The decision tree: profiles that flip each decision, asserting value and rule/reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from factory.planner import HARDWARE, PlanError, make_plan
+from tests.planner.conftest import experiment, profile
+from trainer.config import TrainConfig
+
+
+def test_short_uniform_lengths_no_packing_small_seq() -> None:
+    p = make_plan(experiment(), profile(prompt_tokens_p50=60, prompt_tokens_p99=70,
+                                        prompt_tokens_max=80, completion_tokens_p50=30,
+                                        completion_tokens_p99=35, completion_tokens_max=40))
+    assert p["max_seq_len"] == 128
+    assert p.decisions["max_seq_len"].rule == "seq.cover_longest"
+    assert "120 tokens" in p.decisions["max_seq_len"].reason
+    assert p["packing"] is False
+    assert p.decisions["packing"].rule == "packing.uniform_lengths"
+
+
+def test_long_uniform_lengths() -> None:
+    p = make_plan(experiment(data={"max_tokens": 4096}),
+                  profile(prompt_tokens_p50=2500, prompt_tokens_p99=2900, prompt_tokens_max=3000,
+                          completion_tokens_p50=400, completion_tokens_p99=500,
+                          completion_tokens_max=600))
+    assert p["max_seq_len"] == 3648  # 3600 rounded up to 64
+    assert p["packing"] is False
+
+
+def test_mixed_lengths_pack() -> None:
+    p = make_plan(experiment(), profile())
+    assert p["max_seq_len"] == 1728  # 1700 -> multiple of 64
+    assert p["packing"] is True
+    assert p.decisions["packing"].rule == "packing.mixed_lengths"
+    assert "180 tokens" in p.decisions["packing"].reason
+
+
+def test_longest_beyond_max_tokens_is_capped() -> None:
+    p = make_plan(experiment(data={"max_tokens": 1024}), profile())
+    assert p["max_seq_len"] == 1024
+    assert p.decisions["max_seq_len"].rule == "seq.cap"
+
+
+def test_tiny_dataset() -> None:
+    p = make_plan(experiment(), profile(num_samples=200))
+    assert p["effective_batch_size"] == 4
+    assert p.decisions["effective_batch_size"].rule == "batch.tiny_dataset"
+    assert p["num_epochs"] == 3.0
+    assert p["lora_dropout"] == 0.1
+    assert p.decisions["lora_dropout"].rule == "lora.dropout_small_dataset"
+    assert p["lora_rank"] == 16
+
+
+def test_large_dataset() -> None:
+    p = make_plan(experiment("qwen3-8b-lora"), profile(num_samples=2_000_000))
+    assert p["effective_batch_size"] == 32
+    assert p.decisions["effective_batch_size"].rule == "batch.large_dataset"
+    assert p["num_epochs"] == 1.0
+    assert p["lora_rank"] == 32 and p.decisions["lora_rank"].rule == "lora.rank_large_dataset"
+    assert p["lora_alpha"] == 64.0
+    assert p["lora_dropout"] == 0.05
+    assert p["num_steps"] == 5000 and p.decisions["num_steps"].rule == "steps.cap"
+    assert set(p["lora_target_modules"]) >= {"gate_proj", "down_proj"}
+    assert p.decisions["lora_target_modules"].rule == "lora.mlp_large_dataset"
+
+
+def test_learning_rate_scales_with_batch_and_rank() -> None:
+    small = make_plan(experiment(), profile(num_samples=200))
+    assert small["learning_rate"] == pytest.approx(2e-4 * (4 / 16) ** 0.5)
+    ranked = make_plan(experiment(overrides={"lora_rank": 64}), profile(num_samples=200))
+    assert ranked["learning_rate"] == pytest.approx(2e-4 * (4 / 16) ** 0.5 * (16 / 64) ** 0.5)
+    assert "sqrt(16/64)" in ranked.decisions["learning_rate"].reason
+
+
+def test_tool_calls_add_mlp_targets() -> None:
+    plain = make_plan(experiment("qwen3-8b-lora"), profile())
+    assert plain["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    tools = make_plan(experiment("qwen3-8b-lora"), profile(share_with_tool_calls=0.4))
+    assert tools["lora_target_modules"][-3:] == ["gate_proj", "up_proj", "down_proj"]
+    assert tools.decisions["lora_target_modules"].rule == "lora.mlp_for_tool_calls"
+    assert "40%" in tools.decisions["lora_target_modules"].reason
+
+
+def test_images_freeze_vision_tower_and_text_models_refuse_images() -> None:
+    text = make_plan(experiment("qwen2.5-vl-7b-lora"), profile())
+    assert text["frozen_modules"] == ["visual"]
+    assert text.decisions["frozen_modules"].rule == "frozen.vision_language_only"
+    images = make_plan(experiment("qwen2.5-vl-7b-lora"), profile(share_with_images=0.3))
+    assert images["frozen_modules"] == ["visual"]
+    assert images.decisions["frozen_modules"].rule == "frozen.vision_encoder"
+    assert make_plan(experiment(), profile())["frozen_modules"] == []
+    with pytest.raises(PlanError, match="reads no images; use recipe qwen2.5-vl-7b-lora"):
+        make_plan(experiment(), profile(share_with_images=0.1))
+
+
+def _on(gpu: str, recipe: str = "llama-3.1-8b-lora", **kw: object):  # noqa: ANN202
+    return make_plan(experiment(recipe, overrides={"gpu": gpu}, data={"max_tokens": 8192}),
+                     profile(prompt_tokens_max=6000, prompt_tokens_p99=4000, **kw))
+
+
+@pytest.mark.parametrize(("gpu", "devices", "micro", "util"), [
+    ("H200", 1, 4, 0.9), ("H100", 1, 2, 0.9), ("A100-80G", 1, 2, 0.9), ("L40S", 1, 1, 0.9),
+    ("L4", 8, 1, 0.85),
+])
+def test_each_gpu_type(gpu: str, devices: int, micro: int, util: float) -> None:
+    p = _on(gpu)
+    assert p["gpu"] == gpu and p["precision"] == "bf16"
+    assert p["num_devices"] == devices and p["micro_batch_size"] == micro
+    assert p["parallelism"] == ("single" if devices == 1 else "fsdp2")
+    if devices > 1:
+        assert p.decisions["num_devices"].rule == "devices.shard_to_fit"
+        assert "FSDP2 over 8" in p.decisions["num_devices"].reason
+    assert p["eval_gpu_memory_utilization"] == util
+    assert p.memory is not None and p.memory.total <= HARDWARE[gpu].memory_gib * 2**30 * 0.9
+    assert p["micro_batch_size"] * p["num_devices"] * p["grad_accum_steps"] \
+        == p["effective_batch_size"]
+
+
+def test_cpu_plan_and_gradient_checkpointing_flip() -> None:
+    p = make_plan(experiment(), profile(num_samples=200))
+    assert p["gpu"] == "CPU" and p["precision"] == "bf16-autocast"
+    assert p.decisions["precision"].rule == "precision.cpu_autocast"
+    short = make_plan(experiment(), profile(num_samples=200, prompt_tokens_max=100,
+                                            prompt_tokens_p99=90, completion_tokens_max=50,
+                                            completion_tokens_p99=40))
+    assert short["gradient_checkpointing"] is False
+    assert short.decisions["gradient_checkpointing"].rule == "memory.no_recompute"
+    with pytest.raises(PlanError, match="does not fit.*lower data.max_tokens"):
+        _on("CPU")
+
+
+def test_checkpoint_cadence_follows_step_time() -> None:
+    big = profile(num_samples=200_000)
+    fast = make_plan(experiment("qwen3-0.6b-lora", overrides={"gpu": "H200"}), big)
+    slow = make_plan(experiment("qwen3-0.6b-lora", overrides={"gpu": "L4"}), big)
+    assert fast["checkpoint_every_steps"] > slow["checkpoint_every_steps"]
+    assert fast.decisions["checkpoint_every_steps"].rule == "ckpt.15min"
+
+
+def test_overrides_win_and_are_marked() -> None:
+    p = make_plan(experiment(overrides={"learning_rate": 5e-4, "packing": False}), profile())
+    d = p.decisions["learning_rate"]
+    assert p["learning_rate"] == 5e-4 and d.overridden and d.rule == "override"
+    assert "the planner would pick" in d.reason
+    assert p["packing"] is False and p.decisions["packing"].overridden
+    assert not p.decisions["max_seq_len"].overridden
+
+
+def test_sweep_point_wins() -> None:
+    e = experiment(sweep={"lora_rank": [8, 32]})
+    p = make_plan(e, profile(), point={"lora_rank": 32})
+    assert p["lora_rank"] == 32 and p.decisions["lora_rank"].rule == "sweep point"
+    assert p.run_key == "t/lora_rank=32"
+    assert p["lora_alpha"] == 64.0  # follows the swept rank
+
+
+def test_eval_sandbox() -> None:
+    p = make_plan(experiment("qwen3-8b-lora", eval={"max_samples": 50}), profile())
+    box = p.eval_sandbox()
+    assert box["devices"] == 1 and box["batch_size"] == 50  # capped by eval.max_samples
+    assert box["max_new_tokens"] == 384  # 1.25 x p99 completion (300) rounded to 16
+    assert p.decisions["eval_max_num_seqs"].rule == "eval.kv_cache"
+
+
+def test_validation_says_what_to_change() -> None:
+    with pytest.raises(PlanError, match="set data.max_tokens to at most 8192"):
+        make_plan(experiment(data={"max_tokens": 16384}), profile())
+    with pytest.raises(PlanError, match="do not exist in .*choose from q_proj"):
+        make_plan(experiment(overrides={"lora_target_modules": ["qkv"]}), profile())
+    with pytest.raises(PlanError, match="set parallelism: fsdp2 or num_devices: 1"):
+        make_plan(experiment(overrides={"parallelism": "single", "num_devices": 2}), profile())
+    with pytest.raises(PlanError, match="needs .* GiB per device.*gradient_checkpointing: true"):
+        make_plan(experiment(overrides={"micro_batch_size": 64, "gradient_checkpointing": False}),
+                  profile())
+    with pytest.raises(PlanError, match="no train samples; widen data.where"):
+        make_plan(experiment(), profile(num_samples=0))
+
+
+@pytest.mark.parametrize("recipe", ["smollm2-135m-lora", "qwen3-0.6b-lora", "qwen3-1.7b-lora",
+                                    "qwen3-4b-lora", "qwen3-8b-lora", "llama-3.1-8b-lora",
+                                    "qwen2.5-vl-7b-lora"])
+def test_every_recipe_plans_into_a_valid_trainer_config(recipe: str) -> None:
+    p = make_plan(experiment(recipe), profile())
+    TrainConfig(**p.train_config()).validate()
+    assert set(p.to_dict()["reasons"]) == set(p.decisions)
