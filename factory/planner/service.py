@@ -67,7 +67,7 @@ def sweep_comparison(lake: Any, experiment: Experiment) -> list[dict[str, Any]]:
     """One row per run of the experiment's current sweep: the latest plan, final loss, best eval.
 
     Final loss comes from the last ``progress`` event in ``training_events`` for the run's
-    trainer id (``run_id(run_key)``); best eval score from ``eval_results`` when it exists.
+    trainer id (``run_id(run_key)``); best eval score: the best per-checkpoint mean in ``eval_scores``.
     """
     from factory.experiments import run_key
 
@@ -103,12 +103,11 @@ def _final_loss(lake: Any, existing: set[str], rid: str) -> float | None:
 
 
 def _best_eval(lake: Any, existing: set[str], rid: str) -> float | None:
-    if "eval_results" not in existing:
+    """The best mean rubric score over the run's checkpoints (failed scores left out)."""
+    if "eval_scores" not in existing:
         return None
-    try:
-        rows = lake.sql("SELECT max(score) AS best FROM eval_results WHERE run_id = ?",
-                        [rid]).to_pylist()
-    except Exception:  # noqa: BLE001 - the evals table's columns belong to another issue
-        return None
+    rows = lake.sql("SELECT max(mean_score) AS best FROM (SELECT step, avg(score) AS mean_score "
+                    "FROM eval_scores WHERE run_id = ? AND kind = 'checkpoint' AND status = 'ok' "
+                    "GROUP BY step)", [rid]).to_pylist()
     best = rows[0]["best"] if rows else None
     return float(best) if best is not None else None
