@@ -16,9 +16,11 @@ import dagster as dg
 
 import assets
 import sensors
+from resources.deployer import DeployerResource
 from resources.inference import InferenceResource
 from resources.judge import JudgeResource
 from resources.lake import LakeResource
+from resources.providers import ProviderResource
 
 
 def _modules(package: ModuleType) -> list[ModuleType]:
@@ -36,6 +38,8 @@ def build_resources() -> dict[str, Any]:
         "lake": LakeResource(),
         "judge": JudgeResource(),
         "inference": InferenceResource(),
+        "provider": ProviderResource.from_env(),
+        "deployer": DeployerResource(),
     }
 
 

@@ -108,7 +108,8 @@ TABLES: dict[str, pa.Schema] = {
         ("experiment", pa.string()),
         ("kind", pa.string()),            # train | eval
         ("priority", pa.int32()),         # lower runs first
-        ("status", pa.string()),          # queued | running | finished | failed | cancelled
+        ("status", pa.string()),          # queued | running | finished | failed | stopped |
+                                          # cancelled
         ("job", pa.string()),             # the trainer Job as JSON (current learning rate)
         ("num_recoveries", pa.int32()),
         ("learning_rate", pa.float64()),  # after any NaN backoff

@@ -49,6 +49,7 @@ _DROP_RESPONSE = frozenset({b"content-length", b"transfer-encoding", b"connectio
                             b"keep-alive"})
 _AUTH_HEADERS = frozenset({b"authorization", b"x-api-key", b"x-goog-api-key"})
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+TRAINER_EVENTS_PATH = "/v1/trainer/events"  # factory.control.receiver.PATH
 _GEMINI_PREFIX = "/v1beta/models/"
 
 
@@ -112,6 +113,7 @@ class Gateway:
         self.client: UpstreamPool | None = None
         self._started = False
         self._initial_pending = 0
+        self._trainer_route: Any = None
         self._register_gauges()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -156,6 +158,13 @@ class Gateway:
                 "Lake commits that failed (the batch stays spooled and is retried).",
                 lambda: float(self.flusher.num_failures if self.flusher else 0))
 
+    def _trainer_events_route(self) -> Any:
+        if self._trainer_route is None:
+            from factory.control.receiver import env_secrets, trainer_events_route
+
+            self._trainer_route = trainer_events_route(self._lake_factory(), env_secrets)
+        return self._trainer_route
+
     def spool_depth(self) -> float:
         committed = self.flusher.num_committed if self.flusher else 0
         return float(max(0, self._initial_pending + self.spool.num_written - committed))
@@ -188,6 +197,10 @@ class Gateway:
         method: str = scope["method"]
         if path == "/healthz":
             await self._healthz(send)
+            return
+        if path == TRAINER_EVENTS_PATH:
+            # Trainer webhooks authenticate with their own HMAC signature, not a factory key.
+            await self._trainer_events_route()(scope, receive, send)
             return
         provider, route, model, action = "openai", "", None, ""
         if path == "/v1/chat/completions":

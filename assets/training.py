@@ -1,0 +1,98 @@
+"""Training assets: ``training_run`` (one job, many segments) and ``checkpoints`` (one partition
+per ``<run_id>:<step>``, materialized by the checkpoint sensor from the receiver's rows).
+
+``training_run`` (partitioned like ``training_plan`` by run key) builds the trainer job from the
+run's newest plan and the experiment's dataset (or takes a ready job file from its config),
+submits it to the control plane and follows it to the end; to the
+team it is one run, and its metadata shows the segments underneath (provider, sandbox id, first
+and last step, why each ended) and one loss curve across them (a step redone after a resume
+keeps the value of its last run, which is bitwise the same in deterministic mode).
+"""
+
+import time
+from typing import Any
+
+import dagster as dg
+
+from factory.control import CHECKPOINT_PARTITIONS
+from factory.control.jobs import job_from_plan
+from factory.control.loop import RUN_ACTIVE, loss_curve
+from factory.errors import FactoryError
+from resources.lake import LakeResource
+from resources.providers import ProviderResource
+from trainer.config import Job
+
+CHECKPOINTS = dg.DynamicPartitionsDefinition(name=CHECKPOINT_PARTITIONS)
+RUNS = dg.DynamicPartitionsDefinition(name="runs")  # the run keys training_plan is planned for
+
+checkpoints = dg.AssetsDefinition(specs=[dg.AssetSpec(
+    "checkpoints", partitions_def=CHECKPOINTS, group_name="training", kinds={"iceberg"},
+    description="Verified, inference-ready adapter checkpoints (rows of table checkpoints), one "
+                "partition per <run_id>:<step>; materialized by checkpoint_sensor from the "
+                "trainer's signed checkpoint events.")])
+
+
+class TrainingRunConfig(dg.Config):
+    job_file: str | None = None
+    """A ready trainer job JSON (``trainer.config.Job``) instead of the partition's plan."""
+    experiment: str = ""
+    """Experiment of a ``job_file`` run (a planned run knows its own)."""
+    poll_s: float = 5.0
+    """Seconds between looks at the run."""
+    timeout_s: float | None = None
+    """Give up (and stop the run) after this long; None: wait for the run to end."""
+    drive: bool = True
+    """Tick the control loop while waiting (the embedded default, where no sensor daemon runs);
+    with the rollover/recovery sensors running it only watches."""
+
+
+@dg.asset(group_name="training", kinds={"python", "pytorch"}, partitions_def=RUNS,
+          deps=["training_plan"],
+          description="A training run as one job: submitted to the provider ladder, rolled over "
+                      "and recovered by the control plane; metadata lists its segments and one "
+                      "loss curve.")
+def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
+                 lake: LakeResource, provider: ProviderResource) -> dg.MaterializeResult:
+    the_lake = lake.lake()
+    experiment = config.experiment
+    try:
+        if config.job_file:
+            job = Job.from_json(config.job_file)
+        else:
+            job, experiment = job_from_plan(the_lake, context.partition_key)
+    except (ValueError, FactoryError) as e:
+        raise dg.Failure(f"training_run: {e}", allow_retries=False) from None
+    plane = provider.plane(the_lake)
+    plane.submit(job, experiment=experiment)
+    start = time.monotonic()
+    while True:
+        if config.drive:
+            plane.tick()
+        run = plane.runs()[job.run_id]
+        if run.status not in RUN_ACTIVE:
+            break
+        if config.timeout_s is not None and time.monotonic() - start > config.timeout_s:
+            plane.stop_run(job.run_id, reason=f"timeout after {config.timeout_s} s")
+            raise dg.Failure(f"training run {job.run_id} did not end in {config.timeout_s} s")
+        time.sleep(config.poll_s)
+    segs = plane.segments(job.run_id)
+    curve = loss_curve(plane.events(job.run_id))
+    rows = "\n".join(
+        f"| {s.segment_id} | {s.provider} | {s.handle.handle_id} | {s.first_step} | "
+        f"{s.last_step} | {s.end_reason} |" for s in segs)
+    metadata: dict[str, Any] = {
+        "run_id": job.run_id, "status": run.status, "reason": run.reason,
+        "num_segments": len(segs), "num_recoveries": run.num_recoveries,
+        "learning_rate": run.learning_rate,
+        "segments": dg.MetadataValue.md(
+            "| segment | provider | sandbox | first step | last step | ended |\n"
+            "|---|---|---|---|---|---|\n" + rows),
+        "loss_curve": dg.MetadataValue.json({"step": [s for s, _ in curve],
+                                             "loss": [v for _, v in curve]}),
+    }
+    if curve:
+        metadata["final_loss"] = curve[-1][1]
+    if run.status != "finished":
+        raise dg.Failure(f"training run {job.run_id} {run.status}: {run.reason}",
+                         metadata=metadata)
+    return dg.MaterializeResult(metadata=metadata)

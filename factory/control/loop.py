@@ -1,0 +1,651 @@
+"""The control loop: runs and their segments, kept in the lake, moved forward one tick at a time.
+
+Every function here is idempotent over the lake's state, so the sensors (which call them) can
+re-evaluate a tick, or two processes can tick at once, without launching anything twice: a
+continuation or a recovery is recorded as a new segment of the run before its handle is used
+again, and decisions look at the newest segment only.
+
+A tick: ``sync_events`` (copy new lines of local events files into ``training_events``; remote
+trainers reach it through the webhook receiver), ``observe`` (segment state from events and the
+provider's status), ``dispatch`` (queued runs onto the ladder), ``rollover`` (a sandbox near its
+deadline gets a continuation from the latest verified checkpoint; the old one is stopped once the
+new one reports ``started``), ``recover`` (failed, NaN or silent segments are resumed from the
+last good checkpoint with bounded retries, backoff and an optional learning-rate backoff),
+``early_stop`` (runs the evals flagged in ``early_stops`` are stopped after a checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from factory.control import scheduler
+from factory.control.base import Handle, Provider
+from factory.lake import Lake
+from trainer import checkpoint as ckpt
+from trainer.config import Job
+from trainer.webhooks import read_events
+
+log = logging.getLogger("factory.control")
+TERMINAL_EVENTS = ("finished", "failed", "nan", "preempted")
+RUN_ACTIVE = ("queued", "running")
+# End reasons that are our own doing or the sandbox's normal end, not faults.
+NOT_A_FAULT = ("finished", "rollover", "stopped")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlConfig:
+    """Policy of the control loop."""
+
+    rollover_margin_s: float = 3600.0
+    """Launch a continuation when a sandbox's deadline is this close."""
+    heartbeat_timeout_s: float = 900.0
+    """A running segment silent this long is stopped and recovered."""
+    max_recoveries: int = 3
+    """Recoveries (failures, NaNs, lost heartbeats) before the run is marked failed."""
+    backoff_s: float = 30.0
+    """Wait before the first recovery; multiplied by ``backoff_factor`` for each next one."""
+    backoff_factor: float = 2.0
+    """Growth of the recovery backoff."""
+    max_backoff_s: float = 1800.0
+    """Cap on the recovery backoff."""
+    nan_lr_backoff: float | None = None
+    """Multiply the learning rate by this when resuming after a NaN (None: keep it)."""
+    priorities: dict[str, int] = field(default_factory=lambda: dict(scheduler.DEFAULT_PRIORITIES))
+    """Queue priority per job kind (lower first)."""
+    backfill: bool = True
+    """Let short jobs use free slots that do not delay the blocked head job."""
+    webhook_url: str | None = None
+    """The gateway's ``/v1/trainer/events`` URL given to trainers (None: events files only)."""
+    webhook_key_id: str | None = None
+    """Key id the trainers sign with."""
+    webhook_secret_env: str | None = None
+    """Environment variable holding that key's secret, in the trainer's environment."""
+
+    def validate(self) -> None:
+        for name in ("rollover_margin_s", "heartbeat_timeout_s", "backoff_s", "max_backoff_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.max_recoveries < 0:
+            raise ValueError(f"max_recoveries: must be >= 0, got {self.max_recoveries}")
+        if self.nan_lr_backoff is not None and not 0 < self.nan_lr_backoff <= 1:
+            raise ValueError(f"nan_lr_backoff: must be in (0, 1], got {self.nan_lr_backoff}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """The latest row of a run."""
+
+    run_id: str
+    experiment: str
+    kind: str
+    priority: int
+    status: str
+    job: Job
+    num_recoveries: int
+    learning_rate: float
+    reason: str
+    submitted_at: float
+    not_before: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """The latest row of a segment."""
+
+    segment_id: str
+    run_id: str
+    seq: int
+    provider: str
+    handle: Handle
+    status: str  # launched | running | rolling | ended
+    launched_at: float
+    deadline: float | None
+    resume_from: str | None
+    resume_step: int
+    first_step: int | None = None
+    last_step: int | None = None
+    end_reason: str | None = None
+    ended_at: float | None = None
+    learning_rate: float | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.status != "ended"
+
+
+def _dt(t: float | None) -> datetime | None:
+    return None if t is None else datetime.fromtimestamp(t, tz=UTC)
+
+
+def _t(d: Any) -> float | None:
+    return None if d is None else d.timestamp()
+
+
+def _latest(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: r["updated_at"]):
+        out[row[key]] = row
+    return out
+
+
+def events_file_for(job: Job, segment_id: str) -> str:
+    """Each segment writes its own events file, so events map to segments exactly."""
+    if job.is_local_output:
+        base = job.output_dir[len("file://"):] if job.output_dir.startswith("file://") \
+            else job.output_dir
+        return str(Path(base) / "events" / f"{segment_id}.jsonl")
+    return f"/tmp/factory-events/{segment_id}.jsonl"
+
+
+class ControlPlane:
+    """The loop over one lake and one provider ladder (ordered: the first rung is preferred)."""
+
+    def __init__(self, lake: Lake, ladder: Sequence[Provider],
+                 config: ControlConfig | None = None, *, clock: Any = time.time) -> None:
+        if not ladder:
+            raise ValueError("ladder: configure at least one provider")
+        self.lake = lake
+        self.ladder = list(ladder)
+        self.by_name = {p.name: p for p in self.ladder}
+        if len(self.by_name) != len(self.ladder):
+            raise ValueError("ladder: provider names must be unique")
+        self.config = config or ControlConfig()
+        self.config.validate()
+        self.clock = clock
+        self._cache: dict[str, tuple[int | None, list[dict[str, Any]]]] = {}
+        self._last_stamp = 0.0
+
+    def _stamp(self) -> float:
+        """``updated_at`` of a new row: strictly increasing, so the latest row always wins."""
+        self._last_stamp = max(self.clock(), self._last_stamp + 1e-3)
+        return self._last_stamp
+
+    def _rows(self, name: str) -> list[dict[str, Any]]:
+        """Rows of a control table, re-read only when its snapshot changed (ticks are frequent)."""
+        snap = self.lake.snapshot_id(name)
+        hit = self._cache.get(name)
+        if hit is not None and hit[0] == snap:
+            return hit[1]
+        rows = self.lake.read(name).to_pylist()
+        self._cache[name] = (snap, rows)
+        return rows
+
+    # -- state -------------------------------------------------------------------------------
+    def runs(self) -> dict[str, Run]:
+        rows = _latest(self._rows("training_runs"), "run_id")
+        return {k: Run(run_id=k, experiment=r["experiment"], kind=r["kind"],
+                       priority=r["priority"], status=r["status"],
+                       job=Job.from_dict(json.loads(r["job"])),
+                       num_recoveries=r["num_recoveries"], learning_rate=r["learning_rate"],
+                       reason=r["reason"] or "", submitted_at=_t(r["submitted_at"]) or 0.0,
+                       not_before=_t(r["not_before"]))
+                for k, r in rows.items()}
+
+    def segments(self, run_id: str | None = None) -> list[Segment]:
+        rows = _latest(self._rows("training_segments"), "segment_id")
+        segs = [Segment(segment_id=r["segment_id"], run_id=r["run_id"], seq=r["seq"],
+                        provider=r["provider"], handle=Handle.from_json(r["handle"]),
+                        status=r["status"], launched_at=_t(r["launched_at"]) or 0.0,
+                        deadline=_t(r["deadline"]), resume_from=r["resume_from"],
+                        resume_step=r["resume_step"] or 0, first_step=r["first_step"],
+                        last_step=r["last_step"], end_reason=r["end_reason"],
+                        ended_at=_t(r["ended_at"]), learning_rate=r["learning_rate"])
+                for r in rows.values()]
+        if run_id is not None:
+            segs = [s for s in segs if s.run_id == run_id]
+        return sorted(segs, key=lambda s: (s.run_id, s.seq))
+
+    def events(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Stored events (each once, by event_id), in segment and sequence order."""
+        seen: set[str] = set()
+        out = []
+        for row in self._rows("training_events"):
+            if row["event_id"] in seen or (run_id is not None and row["run_id"] != run_id):
+                continue
+            seen.add(row["event_id"])
+            out.append(row)
+        return sorted(out, key=lambda r: (r["event_time"], r["segment_id"] or "", r["seq"]))
+
+    def _write_run(self, run: Run) -> None:
+        now = self._stamp()
+        self.lake.append("training_runs", [{
+            "run_id": run.run_id, "experiment": run.experiment, "kind": run.kind,
+            "priority": run.priority, "status": run.status,
+            "job": json.dumps(run.job.to_dict(), sort_keys=True),
+            "num_recoveries": run.num_recoveries, "learning_rate": run.learning_rate,
+            "reason": run.reason, "submitted_at": _dt(run.submitted_at),
+            "updated_at": _dt(now), "not_before": _dt(run.not_before)}])
+
+    def _write_segments(self, segs: Iterable[Segment]) -> None:
+        now = self._stamp()
+        rows = [{
+            "segment_id": s.segment_id, "run_id": s.run_id, "seq": s.seq,
+            "provider": s.provider, "handle": s.handle.to_json(), "status": s.status,
+            "launched_at": _dt(s.launched_at), "deadline": _dt(s.deadline),
+            "resume_from": s.resume_from, "resume_step": s.resume_step,
+            "first_step": s.first_step, "last_step": s.last_step, "end_reason": s.end_reason,
+            "ended_at": _dt(s.ended_at), "learning_rate": s.learning_rate,
+            "updated_at": _dt(now)} for s in segs]
+        if rows:
+            self.lake.append("training_segments", rows)
+
+    # -- submit --------------------------------------------------------------------------------
+    def submit(self, job: Job, *, experiment: str = "", kind: str = "train",
+               priority: int | None = None) -> Run:
+        """Queue a run (idempotent per run id: an active run is returned as is)."""
+        job.validate()
+        existing = self.runs().get(job.run_id)
+        if existing is not None and existing.status in RUN_ACTIVE:
+            return existing
+        run = Run(run_id=job.run_id, experiment=experiment, kind=kind,
+                  priority=scheduler.priority_of(kind, self.config.priorities)
+                  if priority is None else priority,
+                  status="queued", job=job, num_recoveries=0,
+                  learning_rate=job.plan.learning_rate, reason="submitted",
+                  submitted_at=self.clock())
+        self._write_run(run)
+        return run
+
+    # -- events ------------------------------------------------------------------------------
+    def sync_events(self) -> int:
+        """Copy events of local segments' files into ``training_events``; returns how many."""
+        segs = self.segments()
+        runs = self.runs()
+        known = {r["event_id"] for r in self._rows("training_events")}
+        rows = []
+        now = datetime.fromtimestamp(self.clock(), tz=UTC)
+        for seg in segs:
+            if seg.status == "ended" and seg.handle.info.get("events_synced"):
+                continue
+            path = seg.handle.info.get("events_file")
+            run = runs.get(seg.run_id)
+            if not path or run is None or not run.job.is_local_output:
+                continue
+            for ev in read_events(path):
+                if ev.get("event_id") in known:
+                    continue
+                known.add(ev["event_id"])
+                rows.append(event_row(ev, segment_id=seg.segment_id, source="events_file",
+                                      received_at=now))
+        store_events(self.lake, rows)
+        return len(rows)
+
+    # -- observe -------------------------------------------------------------------------------
+    def observe(self) -> list[Segment]:
+        """Move segments forward from their events and provider status; returns changed ones."""
+        now = self.clock()
+        by_seg: dict[str, list[dict[str, Any]]] = {}
+        for ev in self.events():
+            by_seg.setdefault(ev["segment_id"], []).append(ev)
+        runs = self.runs()
+        changed: list[Segment] = []
+        segs = self.segments()
+        for seg in segs:
+            if not seg.live:
+                continue
+            evs = by_seg.get(seg.segment_id, [])
+            new = seg
+            steps = [e["step"] for e in evs if e["step"] is not None]
+            types = [e["type"] for e in evs]
+            if "started" in types and seg.status == "launched":
+                new = replace(new, status="running")
+            if "started" in types:
+                started = next(e for e in evs if e["type"] == "started")
+                payload = json.loads(started["payload"])
+                new = replace(new, first_step=started["step"], resume_step=started["step"] or 0,
+                              resume_from=payload.get("resumed_from"))
+            if steps:
+                new = replace(new, last_step=max(steps))
+            terminal = next((e for e in evs if e["type"] in TERMINAL_EVENTS), None)
+            reason = None
+            if terminal is not None:
+                reason = terminal["type"]
+                if reason == "preempted" and seg.status == "rolling":
+                    reason = "rollover"
+            else:
+                provider = self.by_name.get(seg.provider)
+                status = provider.status(seg.handle) if provider else None
+                if status is not None and status.done:
+                    if seg.status == "rolling":
+                        reason = "rollover"
+                    elif status.state == "succeeded":
+                        reason = "finished"
+                    else:
+                        reason = "killed" if (status.exit_code or 0) < 0 or \
+                            status.state == "lost" else "failed"
+                else:
+                    last = max([_t(e["received_at"]) or 0.0 for e in evs] + [seg.launched_at])
+                    if now - last > self.config.heartbeat_timeout_s:
+                        if provider is not None:
+                            provider.stop(seg.handle)
+                        reason = "heartbeat"
+            if reason is not None:
+                info = {**seg.handle.info, "events_synced": True}
+                new = replace(new, status="ended", end_reason=reason, ended_at=now,
+                              handle=replace(seg.handle, info=info))
+            if new != seg:
+                changed.append(new)
+        self._write_segments(changed)
+        # Runs: finished when any segment finished; stop every other live segment then.
+        all_segs = {s.segment_id: s for s in segs}
+        all_segs.update({s.segment_id: s for s in changed})
+        for run in runs.values():
+            if run.status != "running":
+                continue
+            mine = [s for s in all_segs.values() if s.run_id == run.run_id]
+            if any(s.end_reason == "finished" for s in mine):
+                stopped = []
+                for s in mine:
+                    if s.live:
+                        if s.provider in self.by_name:
+                            self.by_name[s.provider].stop(s.handle)
+                        stopped.append(replace(s, status="ended", end_reason="stopped",
+                                               ended_at=now))
+                self._write_segments(stopped)
+                self._write_run(replace(run, status="finished", reason="finished"))
+        return changed
+
+    # -- launching -----------------------------------------------------------------------------
+    def _launch(self, run: Run, provider: Provider, *, seq: int, resume: ckpt.CheckpointInfo |
+                None, learning_rate: float, resume_latest: bool = False) -> Segment:
+        segment_id = f"{run.run_id}-s{seq:03d}"
+        job = run.job
+        plan = job.plan if learning_rate == job.plan.learning_rate else \
+            replace(job.plan, learning_rate=learning_rate)
+        url = None
+        if self.config.webhook_url:
+            url = f"{self.config.webhook_url}?segment={quote(segment_id)}"
+        resume_from = "latest" if resume_latest else (resume.path if resume else None)
+        seg_job = replace(job, plan=plan, resume_from=resume_from,
+                          events_file=events_file_for(job, segment_id),
+                          webhook_url=url or job.webhook_url,
+                          webhook_key_id=self.config.webhook_key_id if url
+                          else job.webhook_key_id,
+                          webhook_secret_env=self.config.webhook_secret_env if url
+                          else job.webhook_secret_env)
+        handle = provider.launch(seg_job, segment_id=segment_id, num_gpus=run.job.plan.num_devices)
+        handle = replace(handle, info={**handle.info, "events_file": seg_job.events_file})
+        seg = Segment(segment_id=segment_id, run_id=run.run_id, seq=seq, provider=provider.name,
+                      handle=handle, status="launched", launched_at=handle.launched_at,
+                      deadline=handle.deadline, resume_from=resume_from,
+                      resume_step=resume.step if resume else 0, learning_rate=learning_rate)
+        self._write_segments([seg])
+        return seg
+
+    def _rungs(self) -> list[scheduler.Rung]:
+        live = [s for s in self.segments() if s.live]
+        rungs = []
+        for p in self.ladder:
+            mine = [s for s in live if s.provider == p.name]
+            busy = tuple(s.deadline for s in mine if s.deadline is not None)
+            free = p.capacity()
+            rungs.append(scheduler.Rung(name=p.name, free_gpus=free,
+                                        total_gpus=free + len(mine),
+                                        max_runtime_s=p.max_runtime_s, busy_until=busy))
+        return rungs
+
+    def _place(self, items: list[scheduler.WorkItem]) -> list[scheduler.Decision]:
+        decisions = scheduler.plan(items, self._rungs(), now=self.clock(),
+                                   backfill=self.config.backfill)
+        # A job that keeps waiting for the same reason is recorded once, not once per tick.
+        last = _latest([{**r, "updated_at": r["decided_at"]}
+                        for r in self._rows("scheduler_assignments")], "job_id")
+        record = [d for d in decisions if d.provider is not None or d.job_id not in last
+                  or last[d.job_id]["reason"] != d.reason]
+        self.lake.append("scheduler_assignments", [{
+            "job_id": d.job_id, "kind": d.kind, "priority": d.priority, "provider": d.provider,
+            "status": "assigned" if d.provider else "waiting", "backfilled": d.backfilled,
+            "submitted_at": _dt(d.submitted_at), "decided_at": _dt(d.decided_at),
+            "wait_s": d.wait_s, "reason": d.reason} for d in record])
+        return decisions
+
+    def dispatch(self) -> list[scheduler.Decision]:
+        """Place queued runs on the ladder and launch those assigned."""
+        queued = [r for r in self.runs().values() if r.status == "queued"]
+        if not queued:
+            return []
+        items = [scheduler.WorkItem(job_id=r.run_id, kind=r.kind, priority=r.priority,
+                                    num_gpus=r.job.plan.num_devices, submitted_at=r.submitted_at,
+                                    can_roll_over=r.kind == "train") for r in queued]
+        decisions = self._place(items)
+        by_id = {r.run_id: r for r in queued}
+        for d in decisions:
+            if d.provider is None:
+                continue
+            run = by_id[d.job_id]
+            resume = None
+            try:
+                if run.job.resume_from == "latest":
+                    resume = ckpt.latest_checkpoint(run.job.output_dir)
+                elif run.job.resume_from:
+                    resume = ckpt.verify_checkpoint(run.job.resume_from)
+            except ckpt.CheckpointError as e:
+                self._write_run(replace(run, status="failed", reason=f"resume_from: {e}"))
+                continue
+            try:
+                self._launch(run, self.by_name[d.provider], seq=len(self.segments(run.run_id)),
+                             resume=resume, learning_rate=run.learning_rate)
+            except Exception as e:  # a provider's API down: the run stays queued, reason kept
+                log.warning("launch of %s on %s failed: %s", run.run_id, d.provider, e)
+                self._write_run(replace(run, reason=f"launch on {d.provider} failed: {e}"))
+                continue
+            self._write_run(replace(run, status="running", reason=f"assigned to {d.provider}"))
+        return decisions
+
+    def _continue(self, run: Run, *, seq: int, resume: ckpt.CheckpointInfo | None,
+                  learning_rate: float, resume_latest: bool = False) -> Segment | None:
+        """Launch a continuation on the best rung with capacity (None: all full)."""
+        item = scheduler.WorkItem(job_id=f"{run.run_id}-s{seq:03d}", kind=run.kind,
+                                  priority=run.priority, num_gpus=run.job.plan.num_devices,
+                                  submitted_at=self.clock())
+        decision = self._place([item])[0]
+        if decision.provider is None:
+            return None
+        return self._launch(run, self.by_name[decision.provider], seq=seq, resume=resume,
+                            learning_rate=learning_rate, resume_latest=resume_latest)
+
+    # -- rollover ------------------------------------------------------------------------------
+    def rollover(self) -> list[Segment]:
+        """Continuations for segments near their deadline; stop the old once the new started."""
+        now = self.clock()
+        runs = self.runs()
+        launched: list[Segment] = []
+        by_run: dict[str, list[Segment]] = {}
+        for s in self.segments():
+            by_run.setdefault(s.run_id, []).append(s)
+        for run_id, segs in by_run.items():
+            run = runs.get(run_id)
+            if run is None or run.status != "running":
+                continue
+            newest = segs[-1]
+            rolling = [s for s in segs[:-1] if s.status == "rolling"]
+            if newest.status == "running":
+                for old in rolling:  # the successor reported started: stop the old one
+                    if old.provider in self.by_name:
+                        self.by_name[old.provider].stop(old.handle)
+            # A sandbox still loading when its deadline nears is doomed too: roll it over.
+            if newest.status not in ("launched", "running") or newest.deadline is None or \
+                    newest.deadline - now > self.config.rollover_margin_s:
+                continue
+            # "latest": the continuation picks the newest verified checkpoint when it has
+            # loaded (seconds from now), not the one there is at launch, so less is redone.
+            seg = self._continue(run, seq=newest.seq + 1, resume=None, resume_latest=True,
+                                 learning_rate=newest.learning_rate or run.learning_rate)
+            if seg is not None:
+                self._write_segments([replace(newest, status="rolling")])
+                launched.append(seg)
+        return launched
+
+    # -- recovery ------------------------------------------------------------------------------
+    def recover(self) -> list[Segment]:
+        """Resume runs whose newest segment ended in a fault, within the retry budget."""
+        now = self.clock()
+        launched: list[Segment] = []
+        for run in self.runs().values():
+            if run.status != "running":
+                continue
+            segs = self.segments(run.run_id)
+            if not segs or segs[-1].live:
+                continue
+            last = segs[-1]
+            if last.end_reason in ("finished", "stopped"):
+                continue
+            counts = last.end_reason not in ("rollover", "preempted")
+            if counts and run.not_before is None:
+                if run.num_recoveries >= self.config.max_recoveries:
+                    self._write_run(replace(run, status="failed", reason=(
+                        f"{last.end_reason} in {last.segment_id} after "
+                        f"{run.num_recoveries} recoveries")))
+                    continue
+                delay = min(self.config.max_backoff_s, self.config.backoff_s
+                            * self.config.backoff_factor ** run.num_recoveries)
+                run = replace(run, not_before=(last.ended_at or now) + delay,
+                              num_recoveries=run.num_recoveries + 1,
+                              reason=f"recovering from {last.end_reason} in {last.segment_id}")
+                self._write_run(run)
+            if run.not_before is not None and now < run.not_before:
+                continue
+            lr = last.learning_rate or run.learning_rate
+            resume = self._good_checkpoint(run, last)
+            if last.end_reason == "nan" and self.config.nan_lr_backoff is not None:
+                lr = lr * self.config.nan_lr_backoff
+            seg = self._continue(run, seq=last.seq + 1, resume=resume, learning_rate=lr)
+            if seg is None:
+                continue
+            launched.append(seg)
+            note = f"; learning rate {run.learning_rate:g} -> {lr:g}" if lr != run.learning_rate \
+                else ""
+            self._write_run(replace(run, not_before=None, learning_rate=lr,
+                                    reason=f"resumed in {seg.segment_id} from step "
+                                           f"{seg.resume_step}{note}"))
+        return launched
+
+    def _good_checkpoint(self, run: Run, last: Segment) -> ckpt.CheckpointInfo | None:
+        """The newest verified checkpoint; after a NaN, one strictly before the bad step."""
+        limit = None
+        if last.end_reason == "nan":
+            nan = [e for e in self.events(run.run_id) if e["segment_id"] == last.segment_id
+                   and e["type"] == "nan"]
+            if nan:
+                limit = int(nan[-1]["step"]) - 1
+            elif last.last_step is not None:
+                limit = last.last_step
+        for step, path in reversed(ckpt.list_checkpoints(run.job.output_dir)):
+            if limit is not None and step > limit:
+                continue
+            try:
+                return ckpt.verify_checkpoint(path)
+            except ckpt.CheckpointError:
+                continue
+        return None
+
+    def early_stop(self) -> list[str]:
+        """Stop running runs the evals flagged in ``early_stops`` (score fell after its peak):
+        SIGTERM makes the trainer checkpoint first, and the run ends ``stopped``."""
+        if not self.lake.exists("early_stops"):
+            return []
+        flagged: dict[str, dict[str, Any]] = {}
+        for row in self.lake.read("early_stops").to_pylist():
+            flagged[row["run_id"]] = row
+        out = []
+        for run in self.runs().values():
+            row = flagged.get(run.run_id)
+            if run.status != "running" or row is None or \
+                    (_t(row["created_at"]) or 0.0) < run.submitted_at:
+                continue
+            self.stop_run(run.run_id, reason=f"early stop: {row['reason']} (peak at step "
+                                             f"{row['peak_step']})", status="stopped")
+            out.append(run.run_id)
+        return out
+
+    def stop_run(self, run_id: str, reason: str = "stopped", status: str = "cancelled") -> None:
+        """Cancel a run: stop every live segment and mark it ``status``."""
+        run = self.runs()[run_id]
+        ended = []
+        for s in self.segments(run_id):
+            if s.live and s.provider in self.by_name:
+                self.by_name[s.provider].stop(s.handle)
+                ended.append(replace(s, status="ended", end_reason="stopped",
+                                     ended_at=self.clock()))
+        self._write_segments(ended)
+        self._write_run(replace(run, status=status, reason=reason))
+
+    def tick(self) -> dict[str, Any]:
+        """One full pass, in order; returns what happened (for logs and sensor metadata)."""
+        synced = self.sync_events()
+        changed = self.observe()
+        stopped = self.early_stop()
+        decisions = self.dispatch()
+        rolled = self.rollover()
+        recovered = self.recover()
+        return {"events": synced, "changed": [s.segment_id for s in changed],
+                "assigned": [d.job_id for d in decisions if d.provider],
+                "rollovers": [s.segment_id for s in rolled],
+                "recoveries": [s.segment_id for s in recovered], "early_stops": stopped}
+
+
+def event_row(event: dict[str, Any], *, segment_id: str | None, source: str,
+              received_at: datetime, key_id: str | None = None) -> dict[str, Any]:
+    """A ``training_events`` row for one trainer event."""
+    step = event.get("step")
+    return {"event_id": str(event.get("event_id") or uuid.uuid4().hex),
+            "run_id": str(event.get("run_id", "")), "segment_id": segment_id,
+            "trainer_segment": event.get("segment"), "type": event.get("type"),
+            "seq": event.get("seq"), "step": step if isinstance(step, int) else None,
+            "event_time": _dt(float(event["time"])) if isinstance(event.get("time"),
+                                                                  int | float) else received_at,
+            "received_at": received_at, "source": source, "key_id": key_id,
+            "payload": json.dumps(event, sort_keys=True)}
+
+
+def store_events(lake: Lake, rows: list[dict[str, Any]]) -> None:
+    """Append event rows; each ``checkpoint`` event also becomes a ``checkpoints`` row, verified
+    (manifest, hashes, finite weights) where its location is reachable from here."""
+    if not rows:
+        return
+    ckpt_rows = []
+    experiments: dict[str, str] | None = None
+    for row in rows:
+        if row["type"] != "checkpoint":
+            continue
+        if experiments is None:
+            latest = _latest(lake.read("training_runs", columns=[
+                "run_id", "experiment", "updated_at"]).to_pylist(), "run_id")
+            experiments = {k: v["experiment"] for k, v in latest.items()}
+        event = json.loads(row["payload"])
+        location = event.get("location")
+        verified = False
+        if isinstance(location, str):
+            try:
+                info = ckpt.verify_checkpoint(location)
+                verified = info.manifest_sha256 == event.get("manifest_sha256")
+            except (ckpt.CheckpointError, OSError):
+                verified = False
+        ckpt_rows.append({"run_id": row["run_id"], "experiment": experiments.get(row["run_id"]),
+                          "step": row["step"], "path": location,
+                          "manifest_sha256": event.get("manifest_sha256"),
+                          "verified": verified, "received_at": row["received_at"],
+                          "event_id": row["event_id"]})
+    lake.append("training_events", rows)
+    if ckpt_rows:
+        lake.append("checkpoints", ckpt_rows)
+
+
+def loss_curve(events: Iterable[dict[str, Any]]) -> list[tuple[int, float]]:
+    """One loss per step across segments (a step re-run after a resume keeps its last value)."""
+    curve: dict[int, float] = {}
+    for ev in events:
+        if ev["type"] == "progress":
+            payload = json.loads(ev["payload"])
+            if isinstance(payload.get("loss"), int | float) and ev["step"] is not None:
+                curve[int(ev["step"])] = float(payload["loss"])
+    return sorted(curve.items())

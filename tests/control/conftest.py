@@ -1,0 +1,73 @@
+"""Tiny data and trainer jobs for the control-plane tests, and a control loop driver."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from factory.control.loop import ControlPlane
+from trainer.config import Job
+
+WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "river", "stone"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def write_data(path: Path, n: int = 48, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    ids, msgs = [], []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 12))]
+        ids.append(f"s{i:04d}")
+        msgs.append(json.dumps([
+            {"role": "system", "content": [{"type": "text", "text": "Reverse the words."}]},
+            {"role": "user", "content": [{"type": "text", "text": " ".join(words)}]},
+            {"role": "assistant", "content": [{"type": "text",
+                                               "text": " ".join(reversed(words))}]}]))
+    pq.write_table(pa.table({"sample_id": ids, "messages": msgs, "tools": ["[]"] * n}), path)
+    return path
+
+
+@pytest.fixture()
+def make_job(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Job]:
+    """A deterministic tiny-model job; keyword arguments override plan fields."""
+
+    def make(run_id: str, *, debug: dict[str, Any] | None = None, **plan: Any) -> Job:
+        data = tmp_path / "data.parquet"
+        if not data.exists():
+            write_data(data)
+        full = {"base_model": str(tiny_model_dir), "max_seq_len": 256, "micro_batch_size": 2,
+                "grad_accum_steps": 2, "learning_rate": 3e-3, "warmup_steps": 2,
+                "num_steps": 10, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1,
+                "checkpoint_every_steps": 2, "seed": 7, "deterministic": True}
+        full.update(plan)
+        return Job.from_dict({"run_id": run_id, "plan": full, "data_files": [str(data)],
+                              "output_dir": str(tmp_path / run_id), "tracker": {"backend": "none"},
+                              "debug": debug or {}})
+
+    return make
+
+
+def drive(plane: ControlPlane, run_id: str, *, timeout_s: float, every_s: float = 0.5,
+          on_tick: Callable[[dict[str, Any]], None] | None = None) -> str:
+    """Tick the control loop until the run ends; returns its final status."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        report = plane.tick()
+        if on_tick is not None:
+            on_tick(report)
+        status = plane.runs()[run_id].status
+        if status not in ("queued", "running"):
+            return status
+        time.sleep(every_s)
+    segs = plane.segments(run_id)
+    logs = "\n".join(Path(s.handle.info["log"]).read_text()[-2000:] for s in segs
+                     if "log" in s.handle.info and Path(s.handle.info["log"]).exists())
+    raise AssertionError(f"run {run_id} not done in {timeout_s} s: {segs}\n{logs}")

@@ -1,0 +1,133 @@
+"""The must-hold behaviours, driven through the control loop the sensors call: rollover across
+sandboxes that die after 20 s ends bitwise equal to an uninterrupted run; SIGKILL and NaN runs
+are recovered and finish; with the first rung full a job lands on the next one within 5 s."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from factory.control.loop import ControlConfig, ControlPlane
+from factory.lake import Lake
+from resources.providers import LocalProvider, SandboxProvider
+from tests.control.conftest import ONE_THREAD, drive
+from trainer.loop import ExitCode, run_job
+
+pytestmark = pytest.mark.slow
+
+
+def _adapter(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(out / "checkpoints" / f"step-{step:08d}" / "adapter_model.safetensors")
+
+
+def test_rollover_across_sandboxes_is_bitwise_identical(factory_home, make_job) -> None:
+    num_steps = 45
+    ref = make_job("ref", num_steps=num_steps, checkpoint_every_steps=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the sandboxes run with OMP_NUM_THREADS=1
+    try:
+        assert run_job(ref) == ExitCode.FINISHED
+    finally:
+        torch.set_num_threads(before)
+
+    # The pause per step paces the run to ~25-30 s of training even on a fast machine, so it
+    # needs at least three 20 s sandboxes; it changes no number.
+    job = make_job("roll", num_steps=num_steps, checkpoint_every_steps=3,
+                   debug={"sleep_per_step_s": 0.5})
+    sandbox = SandboxProvider(limit_s=20.0, grace_s=3.0, max_gpus=2, env=ONE_THREAD)
+    sandbox.warm_up()
+    plane = ControlPlane(Lake(), [sandbox], ControlConfig(rollover_margin_s=8.0,
+                                                          heartbeat_timeout_s=60.0,
+                                                          backoff_s=0.0, max_recoveries=10))
+    plane.submit(job, experiment="demo")
+    assert drive(plane, "roll", timeout_s=170.0) == "finished"
+
+    segs = [s for s in plane.segments("roll") if s.first_step is not None]  # those that ran
+    assert len(segs) >= 3, segs
+    assert all(s.provider == "sandbox" and not s.live for s in plane.segments("roll"))
+    reasons = [s.end_reason for s in segs]
+    assert reasons.count("rollover") >= 2 and reasons.count("finished") == 1, segs
+    # Each continuation resumed from the newest verified checkpoint when it started, so the
+    # resume points never go back, and the run moved on across sandboxes.
+    steps = [s.resume_step for s in segs]
+    assert steps == sorted(steps), segs
+    finisher = next(s for s in segs if s.end_reason == "finished")
+    assert finisher.resume_step > 0 and finisher.resume_from
+    assert finisher.last_step == num_steps
+    got, want = _adapter(Path(job.output_dir), num_steps), _adapter(Path(ref.output_dir),
+                                                                     num_steps)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_sigkill_and_nan_runs_are_recovered(factory_home, make_job) -> None:
+    killed = make_job("killed", num_steps=12, debug={"sleep_per_step_s": 0.3})
+    nan = make_job("nan", num_steps=10, debug={"nan_at_step": 5})
+    local = LocalProvider(max_gpus=2, env=ONE_THREAD, warm_start=True)
+    local.warm_up()
+    plane = ControlPlane(Lake(), [local], ControlConfig(heartbeat_timeout_s=60.0, backoff_s=0.5,
+                                                       nan_lr_backoff=0.5, max_recoveries=2))
+    plane.submit(killed, experiment="demo")
+    plane.submit(nan, experiment="demo")
+    kill_after = random.randint(2, 8)
+    state = {"killed": False}
+
+    def maybe_kill(_: dict) -> None:
+        first = plane.segments("killed")[0]
+        if not state["killed"] and (first.last_step or 0) >= kill_after:
+            os.kill(first.handle.info["pid"], signal.SIGKILL)
+            state["killed"] = True
+
+    assert drive(plane, "killed", timeout_s=120.0, on_tick=maybe_kill) == "finished", \
+        f"SIGKILL after step {kill_after}"
+    assert drive(plane, "nan", timeout_s=90.0) == "finished"
+
+    k = plane.segments("killed")
+    assert k[0].end_reason == "killed" and k[-1].end_reason == "finished"
+    assert plane.runs()["killed"].num_recoveries == 1
+    assert (Path(killed.output_dir) / "checkpoints" / "step-00000012").is_dir()
+
+    n = plane.segments("nan")
+    assert n[0].end_reason == "nan"
+    assert n[1].resume_from is not None and n[1].resume_step < 5  # never past the bad step
+    run = plane.runs()["nan"]
+    assert run.learning_rate == pytest.approx(1.5e-3)  # the NaN learning-rate backoff
+    assert n[1].learning_rate == pytest.approx(1.5e-3)
+    history = [r["reason"] for r in Lake().read("training_runs").to_pylist()
+               if r["run_id"] == "nan"]
+    assert any("learning rate 0.003 -> 0.0015" in r for r in history), history
+
+
+def test_full_first_rung_sends_the_job_to_the_next_within_5_s(factory_home, make_job) -> None:
+    local = LocalProvider(max_gpus=1, env=ONE_THREAD, warm_start=True)
+    sandbox = SandboxProvider(limit_s=60.0, grace_s=2.0, max_gpus=1, env=ONE_THREAD)
+    plane = ControlPlane(Lake(), [local, sandbox], ControlConfig())
+    first = make_job("first", num_steps=50, debug={"sleep_per_step_s": 0.5})
+    second = make_job("second", num_steps=50, debug={"sleep_per_step_s": 0.5})
+    try:
+        plane.submit(first)
+        plane.tick()
+        assert local.capacity() == 0
+        t0 = time.monotonic()
+        plane.submit(second)
+        plane.tick()
+        landed = time.monotonic() - t0
+        segs = plane.segments("second")
+        assert segs and segs[0].provider == "sandbox"
+        assert landed < 5.0, landed
+        rows = [r for r in Lake().read("scheduler_assignments").to_pylist()
+                if r["job_id"] == "second"]
+        assert rows[-1]["provider"] == "sandbox" and rows[-1]["status"] == "assigned"
+        assert "local full" in rows[-1]["reason"]
+    finally:
+        for run_id in ("first", "second"):
+            if run_id in plane.runs():
+                plane.stop_run(run_id)

@@ -1,0 +1,146 @@
+"""Control-loop policy with a scripted provider and a fake clock: heartbeats, bounded retries
+with backoff, rollover hand-over, and idempotent ticks (fast, no trainer processes)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from factory.control.base import Handle, ProviderStatus
+from factory.control.loop import ControlConfig, ControlPlane, event_row, store_events
+from factory.lake import Lake
+from trainer.config import Job
+
+
+class Scripted:
+    """A provider whose processes are entries in a dict the test edits."""
+
+    def __init__(self, name: str, *, slots: int = 2, limit_s: float | None = None) -> None:
+        self.name, self.slots, self.limit_s = name, slots, limit_s
+        self.cost_per_gpu_hour = 1.0
+        self.state: dict[str, ProviderStatus] = {}
+        self.jobs: dict[str, Job] = {}
+        self.stopped: list[str] = []
+        self.now = 1000.0
+
+    @property
+    def max_runtime_s(self) -> float | None:
+        return self.limit_s
+
+    def capacity(self) -> int:
+        return self.slots - sum(not s.done for s in self.state.values())
+
+    def launch(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Handle:
+        self.state[segment_id] = ProviderStatus(state="running")
+        self.jobs[segment_id] = job
+        return Handle(provider=self.name, handle_id=segment_id, launched_at=self.now,
+                      deadline=self.now + self.limit_s if self.limit_s else None)
+
+    def status(self, handle: Handle) -> ProviderStatus:
+        return self.state[handle.handle_id]
+
+    def stop(self, handle: Handle) -> None:
+        self.stopped.append(handle.handle_id)
+
+
+def _emit(lake: Lake, seg: str, kind: str, step: int, t: float, **extra) -> None:
+    ev = {"event_id": uuid.uuid4().hex, "run_id": seg.rsplit("-s", 1)[0], "type": kind,
+          "step": step, "seq": 0, "segment": "x", "time": t, **extra}
+    store_events(lake, [event_row(ev, segment_id=seg, source="webhook",
+                                  received_at=datetime.fromtimestamp(t, tz=UTC))])
+
+
+def _plane(provider: Scripted, **cfg) -> tuple[ControlPlane, Lake]:
+    lake = Lake()
+    return ControlPlane(lake, [provider], ControlConfig(**cfg),
+                        clock=lambda: provider.now), lake
+
+
+def test_silent_segment_is_stopped_and_recovered_after_backoff(factory_home, make_job) -> None:
+    p = Scripted("local")
+    plane, lake = _plane(p, heartbeat_timeout_s=60, backoff_s=10, max_recoveries=1)
+    plane.submit(make_job("r"))
+    plane.tick()
+    _emit(lake, "r-s000", "started", 0, p.now)
+    plane.tick()
+    assert plane.segments("r")[0].status == "running"
+    p.now += 61  # no event for longer than the heartbeat timeout
+    plane.tick()
+    [seg] = plane.segments("r")
+    assert seg.end_reason == "heartbeat" and p.stopped == ["r-s000"]
+    assert plane.runs()["r"].num_recoveries == 1
+    p.now += 5  # inside the backoff: nothing launched
+    plane.tick()
+    assert len(plane.segments("r")) == 1
+    p.now += 6
+    plane.tick()
+    plane.tick()  # idempotent: one recovery, not two
+    segs = plane.segments("r")
+    assert [s.segment_id for s in segs] == ["r-s000", "r-s001"]
+    # Second fault: the budget (1) is spent, the run fails with the reason.
+    p.state["r-s001"] = ProviderStatus(state="failed", exit_code=1)
+    plane.tick()
+    run = plane.runs()["r"]
+    assert run.status == "failed" and "failed in r-s001 after 1 recoveries" in run.reason
+
+
+def test_rollover_hands_over_and_stops_the_old_sandbox(factory_home, make_job) -> None:
+    p = Scripted("sandbox", limit_s=20)
+    plane, lake = _plane(p, rollover_margin_s=8)
+    plane.submit(make_job("r"))
+    plane.tick()
+    _emit(lake, "r-s000", "started", 0, p.now)
+    p.now += 5
+    plane.tick()
+    assert len(plane.segments("r")) == 1  # 15 s left > 8 s margin
+    p.now += 8
+    plane.tick()
+    old, new = plane.segments("r")
+    assert old.status == "rolling" and new.status == "launched"
+    assert p.jobs["r-s001"].resume_from == "latest"
+    assert p.stopped == []  # not before the new one started
+    _emit(lake, "r-s001", "started", 4, p.now, resumed_from="/ckpt/step-00000004")
+    plane.tick()
+    assert p.stopped == ["r-s000"]
+    p.state["r-s000"] = ProviderStatus(state="failed", exit_code=75)
+    plane.tick()
+    old, new = plane.segments("r")
+    assert old.end_reason == "rollover" and new.resume_step == 4
+    assert new.resume_from == "/ckpt/step-00000004"
+    _emit(lake, "r-s001", "finished", 10, p.now)
+    plane.tick()
+    assert plane.runs()["r"].status == "finished"
+
+
+def test_submit_is_idempotent_and_bad_jobs_are_refused(factory_home, make_job) -> None:
+    p = Scripted("local", slots=0)
+    plane, _ = _plane(p)
+    job = make_job("r")
+    assert plane.submit(job).status == "queued"
+    plane.tick()
+    plane.tick()
+    assert plane.submit(job).status == "queued"
+    assert len([r for r in Lake().read("training_runs").to_pylist()]) == 1
+    waits = Lake().read("scheduler_assignments").to_pylist()
+    assert len(waits) == 1 and waits[0]["status"] == "waiting"  # recorded once, not per tick
+
+
+def test_an_early_stop_from_the_evals_stops_the_run(factory_home, make_job) -> None:
+    p = Scripted("local")
+    plane, lake = _plane(p)
+    plane.submit(make_job("r"))
+    plane.tick()
+    _emit(lake, "r-s000", "started", 0, p.now)
+    plane.tick()
+    lake.append("early_stops", [{"run_id": "r", "experiment": "demo", "peak_step": 20,
+                                 "peak_score": 0.8, "last_step": 60, "last_score": 0.6,
+                                 "reason": "score fell 0.2 below its peak over 3 evals",
+                                 "created_at": datetime.fromtimestamp(p.now + 1, tz=UTC)}])
+    p.now += 2
+    report = plane.tick()
+    assert report["early_stops"] == ["r"] and p.stopped == ["r-s000"]
+    run = plane.runs()["r"]
+    assert run.status == "stopped" and "peak at step 20" in run.reason
+    p.state["r-s000"] = ProviderStatus(state="failed", exit_code=75)
+    plane.tick()
+    assert len(plane.segments("r")) == 1  # never recovered

@@ -1,0 +1,62 @@
+"""Process providers: the sandbox's hard wall-clock limit (SIGTERM, then SIGKILL after the
+grace period), capacity accounting, and stop. Stand-in executables keep these fast."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from resources.providers import LocalProvider, SandboxProvider
+
+
+def _script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _wait(provider, handle, timeout_s: float = 10.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        st = provider.status(handle)
+        if st.done:
+            return st
+        time.sleep(0.05)
+    raise AssertionError("still running")
+
+
+def test_sandbox_deadline_sigterm_then_sigkill(factory_home, make_job, tmp_path: Path) -> None:
+    stubborn = _script(tmp_path, "stubborn", "trap '' TERM\nsleep 30 & wait\nsleep 30\n")
+    polite = _script(tmp_path, "polite", "trap 'exit 75' TERM\nsleep 30 & wait\n")
+    job = make_job("r")
+    box = SandboxProvider(limit_s=1.0, grace_s=1.0, max_gpus=2, python=stubborn,
+                          warm_start=False)
+    t0 = time.monotonic()
+    h = box.launch(job, segment_id="r-s000")
+    assert h.deadline == pytest.approx(h.launched_at + 1.0)
+    assert box.capacity() == 1
+    st = _wait(box, h)
+    assert st.exit_code == -9 and "SIGKILL" in st.detail  # ignored SIGTERM: killed
+    assert 1.8 < time.monotonic() - t0 < 6.0
+    box2 = SandboxProvider(limit_s=1.0, grace_s=5.0, python=polite, warm_start=False)
+    st = _wait(box2, box2.launch(job, segment_id="r-s001"))
+    assert st.exit_code == 75  # the trainer's "preempted" exit on SIGTERM
+    assert box.capacity() == 2
+
+
+def test_local_stop_and_capacity(factory_home, make_job, tmp_path: Path) -> None:
+    polite = _script(tmp_path, "polite", "trap 'exit 75' TERM\nsleep 30 & wait\n")
+    local = LocalProvider(max_gpus=1, python=polite)
+    job = make_job("r")
+    h = local.launch(job, segment_id="r-s000")
+    assert local.capacity() == 0 and h.deadline is None
+    with pytest.raises(ValueError, match="GPU slot"):
+        local.launch(job, segment_id="r-s001", num_gpus=2)
+    time.sleep(0.3)  # let the shell install its trap
+    local.stop(h)
+    assert _wait(local, h).exit_code == 75
+    assert local.capacity() == 1
+    assert Path(h.info["job"]).is_file() and Path(h.info["log"]).exists()

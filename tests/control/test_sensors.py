@@ -1,0 +1,116 @@
+"""Sensor unit tests: run requests, run keys and cursors."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import dagster as dg
+
+from factory.lake import Lake
+from resources.lake import LakeResource
+from resources.providers import LocalConfig, ProviderResource
+from sensors.training import (
+    CHECKPOINT_EVALS,
+    checkpoint_sensor,
+    recovery_sensor,
+    rollover_sensor,
+    traffic_sensor,
+)
+
+
+def _row(run_id: str, step: int, t: int, verified: bool = True) -> dict:
+    return {"run_id": run_id, "experiment": "demo", "step": step, "path": f"/c/{step}",
+            "manifest_sha256": f"{step:064d}", "verified": verified,
+            "received_at": datetime.fromtimestamp(1_700_000_000 + t, tz=UTC), "event_id": str(t)}
+
+
+def test_checkpoint_sensor_requests_evals_once_per_checkpoint(factory_home) -> None:
+    lake = Lake()
+    lake.append("checkpoints", [_row("r1", 2, 1), _row("r1", 4, 2), _row("r1", 6, 3, False)])
+    with dg.instance_for_test() as instance:
+        ctx = dg.build_sensor_context(instance=instance, resources={"lake": LakeResource()})
+        result = checkpoint_sensor(ctx)
+        assert [r.partition_key for r in result.run_requests] == ["r1:2", "r1:4"]
+        assert all(r.asset_selection == [CHECKPOINT_EVALS] for r in result.run_requests)
+        assert result.run_requests[0].run_key == "r1:2@" + f"{2:064d}"[:16]
+        cursor = json.loads(result.cursor)
+        assert cursor["keys"] == ["r1:4"]
+        assert set(instance.get_dynamic_partitions("checkpoints")) == {"r1:2", "r1:4"}
+        mats = instance.fetch_materializations(dg.AssetKey("checkpoints"), limit=10).records
+        assert len(mats) == 2
+
+        again = checkpoint_sensor(dg.build_sensor_context(
+            instance=instance, cursor=result.cursor, resources={"lake": LakeResource()}))
+        assert isinstance(again, dg.SkipReason)
+        lake.append("checkpoints", [_row("r1", 8, 4)])
+        third = checkpoint_sensor(dg.build_sensor_context(
+            instance=instance, cursor=result.cursor, resources={"lake": LakeResource()}))
+        assert [r.partition_key for r in third.run_requests] == ["r1:8"]
+
+
+def _samples(n: int, start: int, project: str) -> list[dict]:
+    now = datetime.now(UTC)
+    return [{"sample_id": f"{project}-{start + i}", "raw_trace_id": "r", "source": "upload",
+             "messages": "[]", "tools": "[]", "num_turns": 1, "has_images": False,
+             "has_tool_calls": False, "created_at": now, "project": project,
+             "tags": [("project", project)]} for i in range(n)]
+
+
+def test_traffic_sensor_requests_the_dataset_once_enough_new_samples(factory_home, tmp_path,
+                                                                     monkeypatch) -> None:
+    exp_dir = tmp_path / "experiments"
+    exp_dir.mkdir()
+    (exp_dir / "support.yaml").write_text(
+        "name: support\ndata: {where: \"tags['project'] = 'support'\", min_new_samples: 3}\n"
+        "recipe: smollm2-135m-lora\nretrain_on_new_samples: true\n")
+    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(exp_dir))
+    lake = Lake()
+    lake.append("samples", _samples(2, 0, "support") + _samples(5, 0, "other"))
+    with dg.instance_for_test() as instance:
+        def tick(cursor: str | None):
+            return traffic_sensor(dg.build_sensor_context(
+                instance=instance, cursor=cursor, resources={"lake": LakeResource()}))
+
+        assert isinstance(tick(None), dg.SkipReason)  # 2 < 3
+        lake.append("samples", _samples(1, 2, "support"))
+        result = tick(None)
+        [req] = result.run_requests
+        assert req.run_key == "dataset:support:3" and req.partition_key == "support"
+        assert json.loads(result.cursor) == {"seen": {"support": 3}, "retrain": {"support": 3}}
+        assert isinstance(tick(result.cursor), dg.SkipReason)  # dataset not profiled yet
+        lake.append("dataset_profile", [{"experiment": "support", "num_selected": 3,
+                                         "created_at": datetime.now(UTC)}])
+        retrain = tick(result.cursor)
+        [req] = retrain.run_requests
+        assert req.run_key == "retrain:support:3" and req.partition_key == "support"
+        assert req.asset_selection == [dg.AssetKey("training_plan"), dg.AssetKey("training_run")]
+        assert "support" in instance.get_dynamic_partitions("runs")
+        assert json.loads(retrain.cursor)["retrain"] == {}
+        assert isinstance(tick(retrain.cursor), dg.SkipReason)
+        lake.append("samples", _samples(3, 3, "support"))
+        assert tick(retrain.cursor).run_requests[0].run_key == "dataset:support:6"
+
+
+def test_rollover_sensor_dispatches_a_queued_run(factory_home, make_job) -> None:
+    from factory.control.loop import ControlPlane
+
+    provider = ProviderResource(local=LocalConfig(max_gpus=1))
+    plane = ControlPlane(Lake(), provider.ladder(), provider.control_config())
+    plane.submit(make_job("queued-run", debug={"sleep_per_step_s": 5.0}))
+    try:
+        with dg.instance_for_test() as instance:
+            ctx = dg.build_sensor_context(instance=instance, resources={
+                "lake": LakeResource(), "provider": provider})
+            result = rollover_sensor(ctx)
+            assert json.loads(result.cursor) == {"dispatch": ["queued-run"], "rollover": []}
+            again = rollover_sensor(dg.build_sensor_context(
+                instance=instance, cursor=result.cursor,
+                resources={"lake": LakeResource(), "provider": provider}))
+            assert isinstance(again, dg.SkipReason)  # launched once, never twice
+            assert isinstance(recovery_sensor(dg.build_sensor_context(
+                instance=instance, resources={"lake": LakeResource(),
+                                              "provider": provider})), dg.SkipReason)
+        assert [s.provider for s in plane.segments("queued-run")] == ["local"]
+    finally:
+        plane.stop_run("queued-run")
