@@ -7,6 +7,14 @@ ignored by git) so repeated runs skip the ~20 s GGUF dequantization.
 from __future__ import annotations
 
 import os
+
+import torch
+
+# Triton runs on CPU only in its interpreter, and only when this is set before triton is first
+# imported (importing a transformers model class can import it): set it before anything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -1,0 +1,1 @@
+"""Tests for the Triton kernels in ``kernels/`` (CPU through Triton's interpreter)."""
