@@ -1,0 +1,93 @@
+"""Exact resume: a run preempted (SIGTERM) and then killed (SIGKILL) at random steps, resumed
+each time from its last checkpoint, ends bitwise equal to a run never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT
+from trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from trainer.config import Job
+from trainer.loop import ExitCode, run_job
+from trainer.webhooks import read_events
+
+pytestmark = pytest.mark.slow
+
+
+def start(job_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "trainer", "--job", str(job_path)], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for_step(proc: subprocess.Popen[bytes], events: Path, step: int,
+                  timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(e["type"] == "progress" and e["step"] >= step for e in read_events(events)):
+            return
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode() if proc.stdout else ""
+            raise AssertionError(f"trainer exited {proc.returncode} before step {step}:\n{out}")
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout_s} s")
+
+
+def final_state(out_dir: Path) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    info = latest_checkpoint(str(out_dir))
+    assert info is not None
+    state = json.loads((Path(info.path) / "trainer_state.json").read_text())
+    return load_file(Path(info.path) / "adapter_model.safetensors"), state["loss_history"]
+
+
+def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_path: Path) -> None:
+    plan = {"num_steps": 8, "checkpoint_every_steps": 3}
+    ref_path = make_job("ref", plan=plan)
+    # In-process runs use one thread (conftest), like the OMP_NUM_THREADS=1 subprocesses.
+    assert run_job(Job.from_json(ref_path)) == ExitCode.FINISHED
+    ref_weights, ref_losses = final_state(tmp_path / "ref" / "out")
+    assert len(ref_losses) == 8
+
+    rng = random.Random()
+    term_at, kill_at = rng.randint(1, 3), rng.randint(5, 7)
+    why = f"(SIGTERM after step {term_at}, SIGKILL after step {kill_at})"
+    out = tmp_path / "chain" / "out"
+    events = out / "events.jsonl"
+    first = make_job("chain", plan=plan, debug={"sleep_per_step_s": 0.25})
+
+    proc = start(first, tmp_path)
+    wait_for_step(proc, events, term_at)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == ExitCode.PREEMPTED, why
+    preempted = [e for e in read_events(events) if e["type"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["checkpoint"], why
+    stopped = verify_checkpoint(preempted[0]["checkpoint"])
+    assert stopped.step >= term_at, why
+
+    second = make_job("chain", plan=plan, resume_from="latest",
+                      debug={"sleep_per_step_s": 0.25})
+    proc = start(second, tmp_path)
+    wait_for_step(proc, events, max(kill_at, stopped.step + 1))
+    proc.kill()
+    proc.wait(30)
+    started = [e for e in read_events(events) if e["type"] == "started"]
+    assert started[-1]["resumed_from"] == stopped.path, why
+
+    third = make_job("chain", plan=plan, resume_from="latest")
+    assert run_job(Job.from_json(third)) == ExitCode.FINISHED, why
+    weights, losses = final_state(out)
+    assert losses == ref_losses, why
+    assert weights.keys() == ref_weights.keys()
+    for key in ref_weights:
+        assert torch.equal(weights[key], ref_weights[key]), f"{key} differs {why}"

@@ -1,0 +1,266 @@
+"""Canonical samples to model text, the same way for training and for inference.
+
+SmolLM2's shipped chat template only handles string content and knows nothing of tools, so we
+define one ChatML rendering of the canonical sample (docs/canonical-sample.md) and ship it twice:
+as Python (``render``, ``encode``: training, with the label mask) and as a Jinja chat template
+(``CHAT_TEMPLATE``) saved with every checkpoint's tokenizer, so ``apply_chat_template`` in
+transformers or vLLM produces the identical string (tests/trainer/test_chat.py checks that).
+
+Format (``\\n`` is a newline)::
+
+    <|im_start|>system\\n{system text}[\\n\\n]{tools block}<|im_end|>\\n   (first system msg and/or tools)
+    <|im_start|>user\\n{parts}<|im_end|>\\n
+    <|im_start|>assistant\\n{parts}[\\n]<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call><|im_end|>\\n
+    <|im_start|>tool\\n<tool_response>\\n{parts}\\n</tool_response><|im_end|>\\n
+
+Parts are joined with ``\\n``: text as is, reasoning as ``<think>\\n...\\n</think>``, images as
+``[image]`` (text-only models). Tool calls carry no ids: tool results follow the calls in order,
+and ``parse_assistant`` renumbers ``call_0, call_1, ...`` exactly like the canonical form does.
+Loss is on assistant turns only: everything after ``<|im_start|>assistant\\n`` up to and including
+``<|im_end|>`` (so the model learns to stop), tool calls included; never system, user or tool.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+IGNORE_INDEX = -100
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+              "You are provided with function signatures within <tools></tools> XML tags:\n"
+              "<tools>\n")
+TOOLS_TAIL = ("</tools>\n\nFor each function call, return a json object with function name and "
+              "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+              '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _lit(text: str) -> str:
+    """A Jinja string literal for ``text``."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+CHAT_TEMPLATE = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is none -%}"
+    "{%- elif content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if not loop.first %}{{ '\\n' }}{% endif -%}"
+    "{%- if part.type == 'text' -%}{{ part.text }}"
+    "{%- elif part.type == 'reasoning' -%}{{ '<think>\\n' + part.text + '\\n</think>' }}"
+    "{%- elif part.type == 'image' or part.type == 'image_url' -%}{{ '[image]' }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- macro render_call(call) -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{{ '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
+    "{%- if fn.arguments is string -%}{{ fn.arguments }}"
+    "{%- else -%}{{ fn.arguments | tojson(separators=(',', ':'), sort_keys=True) }}{%- endif -%}"
+    "{{ '}\\n</tool_call>' }}"
+    "{%- endmacro -%}"
+    "{%- if messages and messages[0].role == 'system' -%}"
+    "{%- set sys = render_content(messages[0].content) -%}{%- set first = 1 -%}"
+    "{%- else -%}{%- set sys = '' -%}{%- set first = 0 -%}{%- endif -%}"
+    "{%- if tools -%}"
+    "{%- set toolblock -%}" + "{{ " + _lit(TOOLS_HEAD) + " }}"
+    "{%- for t in tools -%}"
+    "{{ (t.function if t.function is defined else t) | tojson(sort_keys=True) }}{{ '\\n' }}"
+    "{%- endfor -%}" + "{{ " + _lit(TOOLS_TAIL) + " }}" + "{%- endset -%}"
+    "{%- if sys -%}{%- set sys = sys + '\\n\\n' + toolblock -%}"
+    "{%- else -%}{%- set sys = toolblock -%}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- if first == 1 or tools -%}{{ '<|im_start|>system\\n' + sys + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for m in messages[first:] -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n' }}{%- set body = render_content(m.content) -%}{{ body }}"
+    "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "{%- if body or not loop.first %}{{ '\\n' }}{% endif -%}{{ render_call(c) }}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{ '<|im_start|>tool\\n<tool_response>\\n' + render_content(m.content)"
+    " + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + render_content(m.content) + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+"""The Jinja twin of ``render``; ``install_chat_template`` puts it on a tokenizer."""
+
+
+def _loads(value: Any, name: str) -> Any:
+    if isinstance(value, str | bytes):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not JSON ({e})") from None
+    return value
+
+
+def _content(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"content: must be a list of parts, got {type(content).__name__}")
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            out.append(part["text"])
+        elif kind == "reasoning":
+            out.append("<think>\n" + part["text"] + "\n</think>")
+        elif kind in ("image", "image_url"):
+            out.append("[image]")
+        else:
+            raise ValueError(f"content: unknown part type {kind!r}")
+    return "\n".join(out)
+
+
+def _call(call: dict[str, Any]) -> str:
+    fn = call.get("function", call)
+    args = fn["arguments"]
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return ('<tool_call>\n{"name": ' + json.dumps(fn["name"], ensure_ascii=False)
+            + ', "arguments": ' + args + "}\n</tool_call>")
+
+
+def segments(messages: Any, tools: Any = None, *,
+             add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+    """The rendered text as ``(text, trainable)`` pieces; joined they equal ``render``."""
+    messages = _loads(messages, "messages")
+    tools = _loads(tools, "tools") or []
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: must be a non-empty list")
+    out: list[tuple[str, bool]] = []
+    first = 0
+    system = ""
+    if messages[0].get("role") == "system":
+        system = _content(messages[0].get("content"))
+        first = 1
+    if tools:
+        block = TOOLS_HEAD + "".join(
+            json.dumps(t.get("function", t), ensure_ascii=False, sort_keys=True) + "\n"
+            for t in tools) + TOOLS_TAIL
+        system = system + "\n\n" + block if system else block
+    if first or tools:
+        out.append((f"{IM_START}system\n{system}{IM_END}\n", False))
+    for m in messages[first:]:
+        role = m.get("role")
+        if role == "assistant":
+            body = _content(m.get("content"))
+            calls = m.get("tool_calls") or []
+            for i, call in enumerate(calls):
+                body += ("\n" if body or i else "") + _call(call)
+            out.append((f"{IM_START}assistant\n", False))
+            out.append((body + IM_END, True))
+            out.append(("\n", False))
+        elif role == "tool":
+            out.append((f"{IM_START}tool\n<tool_response>\n{_content(m.get('content'))}"
+                        f"\n</tool_response>{IM_END}\n", False))
+        elif role in ("system", "user"):
+            out.append((f"{IM_START}{role}\n{_content(m.get('content'))}{IM_END}\n", False))
+        else:
+            raise ValueError(f"messages: unknown role {role!r}")
+    if add_generation_prompt:
+        out.append((f"{IM_START}assistant\n", False))
+    return out
+
+
+def render(messages: Any, tools: Any = None, tokenizer: Any = None, *,
+           add_generation_prompt: bool = False) -> str:
+    """Canonical ``messages``/``tools`` (lists or their JSON strings) to the model's text.
+
+    ``tokenizer`` is accepted for interface stability (a future model family may need its own
+    tokens); the ChatML rendering does not depend on it.
+    """
+    del tokenizer
+    return "".join(t for t, _ in segments(messages, tools,
+                                          add_generation_prompt=add_generation_prompt))
+
+
+def encode(messages: Any, tools: Any, tokenizer: Any, *,
+           max_len: int | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and labels (``IGNORE_INDEX`` outside assistant turns) of one sample.
+
+    The whole text is tokenized once, exactly as at inference; a token is trained when its last
+    character lies in an assistant span. ``labels[i]`` is the target *at* position i (the caller
+    shifts).
+    """
+    segs = segments(messages, tools)
+    text = "".join(t for t, _ in segs)
+    spans = []
+    pos = 0
+    for t, trainable in segs:
+        if trainable:
+            spans.append((pos, pos + len(t)))
+        pos += len(t)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    labels = []
+    span_i = 0
+    for tok, (start, end) in zip(ids, enc["offset_mapping"], strict=True):
+        last = end - 1
+        while span_i < len(spans) and spans[span_i][1] <= last:
+            span_i += 1
+        inside = end > start and span_i < len(spans) and spans[span_i][0] <= last
+        labels.append(tok if inside else IGNORE_INDEX)
+    if max_len is not None:
+        ids, labels = ids[:max_len], labels[:max_len]
+    return ids, labels
+
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_THINK = re.compile(r"^<think>\n(.*?)\n</think>\n?", re.S)
+
+
+def parse_assistant(text: str) -> dict[str, Any]:
+    """Generated assistant text back to a canonical assistant message.
+
+    Tool calls get ids ``call_0, call_1, ...`` in order; arguments are re-serialized canonically
+    (compact, sorted keys) when they parse as JSON. A call that is not valid JSON stays in the
+    text, so nothing the model said is lost.
+    """
+    text = text.split(IM_END, 1)[0]
+    parts: list[dict[str, Any]] = []
+    think = _THINK.match(text)
+    if think:
+        parts.append({"type": "reasoning", "text": think.group(1)})
+        text = text[think.end():]
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for m in _CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name = obj["name"]
+            args = obj.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+        if not isinstance(name, str):
+            continue
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        calls.append({"id": f"call_{len(calls)}", "name": name, "arguments": args})
+        kept.append(text[last:m.start()])
+        last = m.end()
+    kept.append(text[last:])
+    body = "".join(kept).strip("\n") if calls else "".join(kept)
+    if body:
+        parts.append({"type": "text", "text": body})
+    msg: dict[str, Any] = {"role": "assistant", "content": parts}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def install_chat_template(tokenizer: Any) -> Any:
+    """Put ``CHAT_TEMPLATE`` on ``tokenizer`` (saved with it as chat_template.jinja)."""
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

@@ -1,0 +1,347 @@
+"""The trainer's inputs: ``TrainConfig`` (the plan's training part) and ``Job`` (plan + data + I/O).
+
+A job is a JSON file. ``Job.from_json`` validates every field and raises ``ValueError`` naming
+the bad one (``plan.learning_rate: must be > 0, got -1``) before any model or data is loaded, so
+a bad job costs a second, not a GPU allocation. Unknown keys are errors too: a typo in a plan
+must not silently fall back to a default. The webhook secret is never in the file: the job names
+the environment variable that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+PARALLELISMS = ("single", "fsdp2")
+TRACKERS = ("jsonl", "mlflow", "neptune", "none")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """What to train and how: the training part of a plan (issue 6's planner fills it)."""
+
+    base_model: str
+    """A local Hugging Face directory, or a hub id where a hub is reachable."""
+    max_seq_len: int
+    """Longest row in tokens; longer samples are truncated (and dropped if no label survives)."""
+    packing: bool = True
+    """Pack several samples per row (per-sample positions, no cross-sample attention)."""
+    micro_batch_size: int = 1
+    """Rows per forward pass on one device."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step on one device."""
+    learning_rate: float
+    """Peak learning rate of AdamW."""
+    lr_schedule: str = "cosine"
+    """``cosine``, ``linear`` (both decay to zero after warmup) or ``constant``."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from zero."""
+    num_steps: int | None = None
+    """Optimizer steps to run; exactly one of ``num_steps`` and ``num_epochs``."""
+    num_epochs: float | None = None
+    """Passes over the data (fractions allowed); converted to steps once the data is packed."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on the adapter weights."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables clipping (the norm is still measured and guarded)."""
+    lora_rank: int = 8
+    """LoRA rank r."""
+    lora_alpha: float = 16.0
+    """LoRA alpha (scale alpha / r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt (``q_proj``...), or ``["all-linear"]``."""
+    precision: str = "fp32"
+    """``fp32``; ``bf16-autocast`` (fp32 weights, bf16 compute); ``bf16`` (bf16 frozen base
+    weights, fp32 adapters, bf16 compute: the GPU default, half the weight memory)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward (less memory, ~30% more compute)."""
+    frozen_modules: list[str] = field(default_factory=list)
+    """Module-name prefixes that get no adapter (e.g. a vision tower); checked after wrapping."""
+    checkpoint_every_steps: int = 100
+    """Write a resumable checkpoint every N optimizer steps (and at the end, and on SIGTERM)."""
+    eval_every_steps: int | None = None
+    """Compute held-out loss on ``Job.eval_data_files`` every N steps (None: never)."""
+    log_every_steps: int = 1
+    """Send a ``progress`` event every N steps."""
+    seed: int = 0
+    """Seeds data order, adapter init and dropout."""
+    deterministic: bool = False
+    """Deterministic kernels: bitwise-reproducible runs and resumes (slower on GPU)."""
+    use_kernels: bool = False
+    """Patch the model with our Triton kernels (``kernels.patcher.apply_kernels``)."""
+    num_devices: int = 1
+    """Processes (one per accelerator) to train with."""
+    parallelism: str = "single"
+    """``single`` (one device) or ``fsdp2`` (``fully_shard``, one process per device)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        _positive(self, "max_seq_len", "micro_batch_size", "grad_accum_steps",
+                  "checkpoint_every_steps", "log_every_steps", "lora_rank", "num_devices")
+        if not isinstance(self.base_model, str) or not self.base_model:
+            raise ValueError("base_model: must be a non-empty path or hub id")
+        if self.max_seq_len < 16:
+            raise ValueError(f"max_seq_len: must be >= 16, got {self.max_seq_len}")
+        _number(self, "learning_rate", lo=0.0, lo_open=True)
+        _number(self, "weight_decay", lo=0.0)
+        _number(self, "max_grad_norm", lo=0.0)
+        _number(self, "lora_alpha", lo=0.0, lo_open=True)
+        _number(self, "lora_dropout", lo=0.0, hi=1.0)
+        if self.lora_dropout >= 1.0:
+            raise ValueError(f"lora_dropout: must be < 1, got {self.lora_dropout}")
+        _choice(self, "lr_schedule", LR_SCHEDULES)
+        _choice(self, "precision", PRECISIONS)
+        _choice(self, "parallelism", PARALLELISMS)
+        for name in ("packing", "gradient_checkpointing", "deterministic", "use_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) \
+                or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be an integer >= 0, got {self.warmup_steps!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if (self.num_steps is None) == (self.num_epochs is None):
+            raise ValueError("num_steps: give exactly one of num_steps and num_epochs")
+        if self.num_steps is not None:
+            _positive(self, "num_steps")
+        if self.num_epochs is not None:
+            _number(self, "num_epochs", lo=0.0, lo_open=True)
+        if self.eval_every_steps is not None:
+            _positive(self, "eval_every_steps")
+        for name in ("lora_target_modules", "frozen_modules"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name}: must be a list of non-empty strings, got {value!r}")
+        if not self.lora_target_modules:
+            raise ValueError("lora_target_modules: must name at least one module")
+        if self.parallelism == "single" and self.num_devices != 1:
+            raise ValueError(f"num_devices: parallelism 'single' needs 1, got {self.num_devices}")
+        if self.parallelism == "fsdp2" and self.num_devices < 2:
+            raise ValueError("num_devices: parallelism 'fsdp2' needs at least 2 devices")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Debug:
+    """Fault injection for tests of the guards and the control plane; off by default."""
+
+    nan_at_step: int | None = None
+    """Make the loss of this optimizer step NaN (only in a run not resumed from a checkpoint,
+    so a resumed run models a transient fault)."""
+    sleep_per_step_s: float = 0.0
+    """Sleep after every step, so tests can signal a process at a chosen step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackerConfig:
+    """Where metrics go besides the events file."""
+
+    backend: str = "jsonl"
+    """``jsonl`` (``output_dir/metrics.jsonl`` or ``path``), ``mlflow``, ``neptune`` or ``none``."""
+    uri: str | None = None
+    """MLflow tracking URI (default: a SQLite store beside the events file)."""
+    experiment: str = "factory"
+    """MLflow experiment name."""
+    project: str | None = None
+    """Neptune project (``workspace/project``)."""
+    path: str | None = None
+    """JSONL backend file (default ``metrics.jsonl`` beside the events file)."""
+
+    def validate(self) -> None:
+        _choice(self, "backend", TRACKERS, prefix="tracker.")
+        if self.backend == "neptune" and not self.project:
+            raise ValueError("tracker.project: the neptune backend needs 'workspace/project'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One training job: the plan, where the data is, where results and events go."""
+
+    run_id: str
+    """Stable id of the logical run (kept across resumes and rollovers)."""
+    plan: TrainConfig
+    """The training plan."""
+    output_dir: str
+    """Local path or fsspec URL (``s3://...``); checkpoints go under ``checkpoints/``."""
+    data_files: list[str] = field(default_factory=list)
+    """Parquet files of the dataset snapshot (columns ``sample_id``, ``messages``, ``tools``)."""
+    payload_file: str | None = None
+    """Or one JSONL file of samples (``messages``, ``tools``, optional ``sample_id``)."""
+    eval_data_files: list[str] = field(default_factory=list)
+    """Optional held-out Parquet files for eval loss every ``plan.eval_every_steps``."""
+    resume_from: str | None = None
+    """A checkpoint directory, or ``latest`` (newest verified checkpoint under output_dir)."""
+    events_file: str | None = None
+    """Local JSONL of every event (default ``output_dir/events.jsonl`` for a local output)."""
+    webhook_url: str | None = None
+    """Where signed events are POSTed (None: events go only to the events file)."""
+    webhook_key_id: str | None = None
+    """Key id sent with each signature; the receiver picks the secret by it."""
+    webhook_secret_env: str | None = None
+    """Name of the environment variable holding the webhook secret."""
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    """Metrics backend."""
+    debug: Debug = field(default_factory=Debug)
+    """Fault injection (tests only)."""
+
+    @property
+    def is_local_output(self) -> bool:
+        return "://" not in self.output_dir or self.output_dir.startswith("file://")
+
+    @property
+    def events_path(self) -> Path:
+        if self.events_file:
+            return Path(self.events_file)
+        return Path(_local(self.output_dir)) / "events.jsonl"
+
+    def webhook_secret(self) -> bytes | None:
+        if not self.webhook_secret_env:
+            return None
+        return os.environ[self.webhook_secret_env].encode()
+
+    def validate(self) -> None:
+        if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
+            raise ValueError(f"run_id: must match {_RUN_ID.pattern}, got {self.run_id!r}")
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            raise ValueError("output_dir: must be a non-empty path or URL")
+        self.plan.validate()
+        if bool(self.data_files) == bool(self.payload_file):
+            raise ValueError("data_files: give exactly one of data_files and payload_file")
+        for name in ("data_files", "eval_data_files"):
+            files = getattr(self, name)
+            if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+                raise ValueError(f"{name}: must be a list of paths, got {files!r}")
+            for f in files:
+                if "://" not in f and not Path(f).is_file():
+                    raise ValueError(f"{name}: no such file {f}")
+        if self.payload_file is not None and not Path(self.payload_file).is_file():
+            raise ValueError(f"payload_file: no such file {self.payload_file}")
+        if self.plan.eval_every_steps is not None and not self.eval_data_files:
+            raise ValueError("eval_data_files: plan.eval_every_steps is set but no eval data")
+        if self.resume_from is not None and self.resume_from != "latest" \
+                and "://" not in self.resume_from and not Path(self.resume_from).is_dir():
+            raise ValueError(f"resume_from: no such checkpoint directory {self.resume_from}")
+        if not self.is_local_output and not self.events_file:
+            raise ValueError("events_file: required when output_dir is a remote URL")
+        hook = (self.webhook_url, self.webhook_key_id, self.webhook_secret_env)
+        if any(hook) and not all(hook):
+            missing = [n for n, v in zip(("webhook_url", "webhook_key_id", "webhook_secret_env"),
+                                         hook, strict=True) if not v]
+            raise ValueError(f"{missing[0]}: required when any webhook field is set")
+        if self.webhook_url:
+            if not self.webhook_url.startswith(("http://", "https://")):
+                raise ValueError(f"webhook_url: must be http(s), got {self.webhook_url!r}")
+            assert self.webhook_secret_env is not None
+            if not _ENV_NAME.match(self.webhook_secret_env):
+                raise ValueError(f"webhook_secret_env: not an environment variable name: "
+                                 f"{self.webhook_secret_env!r}")
+            if not os.environ.get(self.webhook_secret_env):
+                raise ValueError(f"webhook_secret_env: environment variable "
+                                 f"{self.webhook_secret_env} is not set")
+        self.tracker.validate()
+        if self.debug.nan_at_step is not None:
+            _positive(self.debug, "nan_at_step", prefix="debug.")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Job:
+        if not isinstance(raw, dict):
+            raise ValueError("job: must be a JSON object")
+        kwargs = _fields(cls, raw, "")
+        for key in ("run_id", "plan", "output_dir"):
+            if key not in kwargs:
+                raise ValueError(f"{key}: required")
+        kwargs["plan"] = _build(TrainConfig, kwargs["plan"], "plan.")
+        if "tracker" in kwargs:
+            kwargs["tracker"] = _build(TrackerConfig, kwargs["tracker"] or {}, "tracker.")
+        if "debug" in kwargs:
+            kwargs["debug"] = _build(Debug, kwargs["debug"] or {}, "debug.")
+        job = cls(**kwargs)
+        job.validate()
+        return job
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Job:
+        """Read and validate a job file; ValueError names the bad field."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"job: no such file {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"job: {path} is not JSON ({e})") from None
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> Job:
+        return dataclasses.replace(self, **changes)
+
+
+def _local(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def _fields(cls: type, raw: dict[str, Any], prefix: str) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise ValueError(f"{prefix}{key}: unknown field (allowed: {', '.join(sorted(names))})")
+    return dict(raw)
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{prefix.rstrip('.')}: must be an object")
+    kwargs = _fields(cls, raw, prefix)
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if name not in kwargs:
+            raise ValueError(f"{prefix}{name}: required")
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - _fields already names unknown keys
+        raise ValueError(f"{prefix}: {e}") from None
+    try:
+        if hasattr(obj, "validate") and cls is not TrackerConfig:
+            obj.validate()
+    except ValueError as e:
+        raise ValueError(f"{prefix}{e}") from None
+    return obj
+
+
+def _positive(obj: object, *names: str, prefix: str = "") -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{prefix}{name}: must be an integer >= 1, got {value!r}")
+
+
+def _number(obj: object, name: str, *, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name}: must be <= {hi}, got {value!r}")
+
+
+def _choice(obj: object, name: str, allowed: tuple[str, ...], prefix: str = "") -> None:
+    value = getattr(obj, name)
+    if value not in allowed:
+        raise ValueError(f"{prefix}{name}: must be one of {', '.join(allowed)}, got {value!r}")

@@ -1,0 +1,211 @@
+"""Base model + LoRA, and a loss that never builds the full-vocabulary logits.
+
+``CausalLMLoss`` runs the decoder, keeps only the hidden states of positions that have a target
+(assistant tokens), and computes the cross-entropy through the LM head in chunks of
+``LOSS_CHUNK_TOKENS``; for the usual frozen head the gradient of each chunk is computed in
+forward (``_FusedLinearCE``), so logits exist for one chunk at a time and backward is a scale.
+Plain ``ForCausalLM.forward`` materializes [batch, length, vocab] logits plus their fp32 copy
+and gradient: for SmolLM2 (vocab 49152) at 4 x 1536 tokens that is ~3.6 GB, the bulk of a CPU
+run's peak memory. Here the peak is one chunk: 1024 x 49152 x 4 B = 200 MB.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.chat import IGNORE_INDEX
+from trainer.config import TrainConfig
+
+LOSS_CHUNK_TOKENS = 1024
+
+
+def load_tokenizer(base_model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_model)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(plan: TrainConfig, device: torch.device) -> Any:
+    """The base model with LoRA adapters (PEFT), on ``device``; only adapters train."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(plan.base_model, dtype=dtype,
+                                                attn_implementation="sdpa")
+    base.config.use_cache = False
+    names = [n for n, _ in base.named_modules()]
+    for prefix in plan.frozen_modules:
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            raise ValueError(f"plan.frozen_modules: the model has no module {prefix!r}")
+    targets: Any = ("all-linear" if plan.lora_target_modules == ["all-linear"]
+                    else list(plan.lora_target_modules))
+    if targets != "all-linear":
+        leaves = {n.rsplit(".", 1)[-1] for n in names}
+        for t in targets:
+            if t not in leaves:
+                raise ValueError(f"plan.lora_target_modules: the model has no module {t!r}")
+    exclude = None
+    if plan.frozen_modules:
+        exclude = "^(" + "|".join(re.escape(p) for p in plan.frozen_modules) + r")(\..*)?$"
+    config = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha,  # type: ignore[arg-type]  # peft accepts floats
+                        lora_dropout=plan.lora_dropout, target_modules=targets,
+                        exclude_modules=exclude, bias="none", task_type="CAUSAL_LM")
+    # Adapter init draws from the global generator: seeded by the caller for reproducibility.
+    with warnings.catch_warnings():
+        # peft 0.21 probes transformers' deprecated `is_gradient_checkpointing`.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        model = get_peft_model(base, config)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert not any(f".{f}." in f".{name}." for f in plan.frozen_modules), name
+            if p.dtype != torch.float32:
+                p.data = p.data.float()  # adapters always train in fp32
+    if plan.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = model.to(device)
+    if plan.use_kernels:
+        from kernels.patcher import apply_kernels  # opt-in; kernels/ is optional for the trainer
+
+        # Our loss never calls the *ForCausalLM forward, so its fused cross-entropy patch would
+        # be dead code: CausalLMLoss already avoids the logits. Norms and LoRA linears apply.
+        report = apply_kernels(model, cross_entropy=False)
+        object.__setattr__(model, "factory_kernel_report", report)  # not a Module attribute
+    return model
+
+
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return F.cross_entropy(logits, targets, reduction="sum")
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T`` (+ bias) against ``targets``, chunked.
+
+    The gradient with respect to ``hidden`` is computed chunk by chunk in forward, so neither
+    the logits nor their gradient ever exist for more than one chunk, and backward is a scale.
+    Only for a frozen head (the usual LoRA case); a trainable head uses checkpointed chunks.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad = torch.empty_like(hidden)
+        for i in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
+            h, t = hidden[i:i + LOSS_CHUNK_TOKENS], targets[i:i + LOSS_CHUNK_TOKENS]
+            logits = F.linear(h, weight, bias).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            probs = torch.exp(logits.sub_(lse[:, None]))
+            probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
+            grad[i:i + LOSS_CHUNK_TOKENS] = (probs.to(weight.dtype) @ weight).to(grad.dtype)
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out.to(grad.dtype), None, None, None
+
+
+class CausalLMLoss(nn.Module):
+    """Summed token cross-entropy of a (PEFT) causal LM on the labeled positions of a batch.
+
+    One module so FSDP2 can shard it as the root (the embedding, final norm and head are
+    unsharded by its forward).
+    """
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.decoder = base.get_decoder()
+        self.head = base.get_output_embeddings()
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.decoder(input_ids=input_ids, position_ids=position_ids,
+                           attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(input_ids, position_ids, attention_mask)[:, :-1]
+        targets = labels[:, 1:]
+        keep = targets != IGNORE_INDEX
+        h, targets = h[keep], targets[keep]
+        weight = getattr(self.head, "weight", None)
+        if torch.is_grad_enabled() and isinstance(self.head, nn.Linear) and weight is not None \
+                and not weight.requires_grad \
+                and (self.head.bias is None or not self.head.bias.requires_grad):
+            return _FusedLinearCE.apply(h, weight, self.head.bias, targets)
+        total = h.new_zeros((), dtype=torch.float32)
+        for i in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
+            hc, tc = h[i:i + LOSS_CHUNK_TOKENS], targets[i:i + LOSS_CHUNK_TOKENS]
+            if torch.is_grad_enabled():
+                total = total + checkpoint(_chunk_loss, self.head, hc, tc, use_reentrant=False)
+            else:
+                total = total + _chunk_loss(self.head, hc, tc)
+        return total
+
+    @torch.no_grad()
+    def token_losses(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+        """[B, L-1] loss of predicting token i+1 at position i (0 where unlabeled)."""
+        h = self.hidden(input_ids, position_ids, attention_mask)[:, :-1]
+        logits = self.head(h).float()
+        targets = labels[:, 1:]
+        losses = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+        return losses * (targets != IGNORE_INDEX)
+
+
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter weights under PEFT's saved key names, unsharded (DTensors gathered one
+    adapter tensor at a time: never the full model)."""
+    from peft import get_peft_model_state_dict
+
+    full = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            t = p.detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            full[name] = t.cpu().clone()
+    return get_peft_model_state_dict(model, state_dict=full)
+
+
+def load_adapter_state(model: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy saved adapter weights into the (possibly sharded) live parameters."""
+    from peft import set_peft_model_state_dict
+
+    sharded = any(hasattr(p, "device_mesh") for p in model.parameters() if p.requires_grad)
+    if not sharded:
+        result = set_peft_model_state_dict(model, tensors)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"resume_from: checkpoint has unknown adapter keys {unexpected[:3]}")
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    by_name = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            by_name[name.replace(".default.", ".")] = p
+    # Sorted: distribute_tensor is a collective, and safetensors' dict order differs between
+    # processes (it was a rank-dependent order that deadlocked gloo).
+    for key in sorted(tensors):
+        p, value = by_name[key], tensors[key]
+        with torch.no_grad():
+            p.copy_(distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements))
