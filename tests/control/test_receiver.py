@@ -53,7 +53,8 @@ def test_events_are_verified_stored_and_checkpoints_rowed(server, caplog) -> Non
     url, lake = server
     ok = {"event_id": "e1", "run_id": "r1", "type": "progress", "step": 3, "seq": 1,
           "segment": "x", "time": time.time(), "loss": 1.5}
-    assert _post(url + "?segment=r1-s000", ok).status_code == 200
+    first_ts = time.time()
+    assert _post(url + "?segment=r1-s000", ok, ts=first_ts).status_code == 200
     ck = {"event_id": "e2", "run_id": "r1", "type": "checkpoint", "step": 4, "seq": 2,
           "segment": "x", "time": time.time(), "location": "/nowhere/step-00000004",
           "manifest_sha256": "ab"}
@@ -62,7 +63,8 @@ def test_events_are_verified_stored_and_checkpoints_rowed(server, caplog) -> Non
         assert _post(url, ok, secret=b"wrong").status_code == 401           # forged
         assert _post(url, ok, ts=time.time() - 3600).status_code == 401     # stale
         raw = json.dumps(ok).encode()
-        h = sign(raw, "k1", SECRET, time.time())
+        # Same body, signed at another second than the first post: a retry, not a replay.
+        h = sign(raw, "k1", SECRET, first_ts - 1)
         assert _post(url, ok, body=raw, headers=h).status_code == 200       # duplicate body
         assert _post(url, ok, body=raw, headers=h).status_code == 401       # replay
     assert sum("rejected trainer event" in r.message for r in caplog.records) == 3
