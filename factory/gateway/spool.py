@@ -136,7 +136,7 @@ class SpoolWriter:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            self._seal_locked(reopen=False)
+            self._seal_locked()
 
     # -- hot path --------------------------------------------------------------------------------
     def append(self, frame: bytes) -> None:
@@ -171,16 +171,32 @@ class SpoolWriter:
 
     def _sync_and_maybe_seal(self) -> None:
         with self._lock:
-            fd, dirty = self._fd, self._dirty
+            fd, path, count, dirty = self._fd, self._path, self._count, self._dirty
             self._dirty = False
-            due = self._count > 0 and (
+            due = count > 0 and (
                 time.monotonic() - self._opened_at >= self.segment_max_age_s
                 or self._size >= self.segment_max_bytes)
             if due:
-                self._seal_locked(reopen=True)
-                return
-        if dirty:
-            os.fdatasync(fd)
+                # Swap in a fresh segment under the lock (an open(2)), and fsync/rename the full
+                # one after releasing it: appends on the event loop never wait for the disk.
+                self._open_segment()
+        if not due:
+            if dirty:
+                os.fdatasync(fd)
+            return
+        assert path is not None
+        self._seal(fd, path, count)
+
+    def _seal(self, fd: int, path: Path, count: int) -> None:
+        """Make a segment no one appends to any more durable and hand it to the flusher."""
+        os.fdatasync(fd)
+        os.close(fd)
+        if count:
+            os.replace(path, path.with_suffix(".seg"))
+            self.num_sealed_records += count
+        else:
+            path.unlink(missing_ok=True)
+        self._fsync_dir()
 
     def _open_segment(self) -> None:
         self._seq += 1
@@ -191,21 +207,13 @@ class SpoolWriter:
         self._size = 0
         self._count = 0
 
-    def _seal_locked(self, *, reopen: bool) -> None:
+    def _seal_locked(self) -> None:
+        """Seal the active segment at stop (no new one is opened)."""
         if self._fd < 0 or self._path is None:
             return
         fd, path, count = self._fd, self._path, self._count
-        os.fdatasync(fd)
-        os.close(fd)
-        self._fd = -1
-        if count:
-            os.replace(path, path.with_suffix(".seg"))
-            self.num_sealed_records += count
-        else:
-            path.unlink(missing_ok=True)
-        if reopen:
-            self._open_segment()
-        self._fsync_dir()
+        self._fd, self._path = -1, None
+        self._seal(fd, path, count)
 
     def _fsync_dir(self) -> None:
         dfd = os.open(self.dir, os.O_RDONLY)

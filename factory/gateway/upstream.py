@@ -4,7 +4,12 @@ Why not httpx: under 64 concurrent requests its connection pool (httpcore) spent
 CPU scanning connections (quadratic), capping the gateway at ~40 requests/s. This client keeps
 idle connections per origin in a list (O(1) checkout), writes the request in one call and frames
 the response by ``Content-Length``, chunked encoding, or connection close; streamed bodies are
-yielded chunk by chunk as they arrive.
+yielded as they arrive.
+
+A streamed body is read in whatever pieces the socket has ready, never waiting for more: one
+``read()`` that returns the 40 SSE events an upstream wrote back to back is decoded and yielded
+as one piece (relayed with one ``send``), instead of one read, one timeout and one send per
+upstream chunk, which cost ~0.1 ms of CPU each.
 """
 
 from __future__ import annotations
@@ -13,6 +18,86 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
+
+_READ_SIZE = 1 << 16
+_MAX_LINE = 8192
+
+
+class ChunkedDecoder:
+    """Incremental decoder of HTTP/1.1 chunked transfer coding.
+
+    ``feed(data)`` takes bytes as they came off the socket and returns the body bytes they
+    complete, across any number of chunks (a chunk cut between two reads is returned in two
+    parts); framing cut between reads waits in a small buffer. ``done`` turns true after the last
+    chunk and its trailers; ``extra`` keeps whatever followed them. Bad framing is a ValueError.
+    """
+
+    _SIZE, _DATA, _CRLF, _TRAILER = range(4)
+
+    def __init__(self) -> None:
+        self._state = self._SIZE
+        self._remaining = 0
+        self._pending = b""
+        self.done = False
+        """The terminating chunk and the trailers were read."""
+        self.extra = b""
+        """Bytes received after the end of the body."""
+
+    def feed(self, data: bytes) -> bytes:
+        if self.done:
+            self.extra += data
+            return b""
+        if self._pending:
+            data = self._pending + data
+            self._pending = b""
+        out: list[bytes] = []
+        pos, end = 0, len(data)
+        state = self._state
+        while pos < end:
+            if state == self._DATA:
+                take = min(self._remaining, end - pos)
+                out.append(data[pos:pos + take])
+                pos += take
+                self._remaining -= take
+                if self._remaining == 0:
+                    state = self._CRLF
+            elif state == self._CRLF:
+                if data[pos] == 10:  # a bare LF, tolerated like most clients do
+                    pos += 1
+                elif end - pos < 2:
+                    break
+                elif data[pos:pos + 2] == b"\r\n":
+                    pos += 2
+                else:
+                    raise ValueError("chunk data not followed by CRLF")
+                state = self._SIZE
+            else:
+                eol = data.find(b"\n", pos)
+                if eol < 0:
+                    if end - pos > _MAX_LINE:
+                        raise ValueError("chunk size or trailer line too long")
+                    break
+                line = data[pos:eol]
+                pos = eol + 1
+                if state == self._TRAILER:
+                    if line in (b"", b"\r"):
+                        self.done = True
+                        self.extra = data[pos:]
+                        pos = end
+                    continue
+                size = int(line.split(b";", 1)[0], 16)  # int() strips the CR and blanks
+                if size < 0:
+                    raise ValueError(f"negative chunk size {size}")
+                if size:
+                    state, self._remaining = self._DATA, size
+                else:
+                    state = self._TRAILER
+        self._state = state
+        if pos < end:
+            self._pending = data[pos:]
+        if not out:
+            return b""
+        return out[0] if len(out) == 1 else b"".join(out)
 
 
 class UpstreamError(Exception):
@@ -55,16 +140,17 @@ class UpstreamResponse:
         reader, timeout = self._reader, self._pool.timeout_s
         try:
             if self._chunked:
-                while True:
+                decoder = ChunkedDecoder()
+                while not decoder.done:
                     async with asyncio.timeout(timeout):
-                        line = await reader.readline()
-                        size = int(line.split(b";", 1)[0], 16)
-                        if size == 0:
-                            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                                pass  # trailers
-                            break
-                        data = await reader.readexactly(size + 2)
-                    yield data[:-2]
+                        data = await reader.read(_READ_SIZE)
+                    if not data:
+                        raise UpstreamError("upstream closed the connection mid-body")
+                    payload = decoder.feed(data)
+                    if payload:
+                        yield payload
+                if decoder.extra:
+                    self._keep_alive = False  # bytes past the body: the connection is unusable
             elif self._length >= 0:
                 remaining = self._length
                 while remaining > 0:
@@ -77,11 +163,14 @@ class UpstreamResponse:
             else:
                 while True:
                     async with asyncio.timeout(timeout):
-                        data = await reader.read(1 << 16)
+                        data = await reader.read(_READ_SIZE)
                     if not data:
                         break
                     yield data
                 self._keep_alive = False
+        except UpstreamError:
+            self.close()
+            raise
         except TimeoutError:
             self.close()
             raise UpstreamTimeout("upstream stopped sending") from None
