@@ -443,10 +443,18 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
                 f"{recipe.evals_per_epoch} evals per epoch of ~{steps_per_epoch} steps "
                 "(at least 4 per run)")
     ckpt = max(1, min(total, int(CHECKPOINT_EVERY_S // max(step_s, 1e-9))))
-    dec.set("checkpoint_every_steps", ckpt, "ckpt.15min",
-            f"a step takes ~{step_s:.3g} s on {devices} x {hw.name}: every {ckpt} steps a "
-            "preemption loses at most ~15 minutes" + (" (the whole run is shorter)"
-                                                       if ckpt == total else ""))
+    eval_every = int(plan.decisions["eval_every_steps"].value)
+    if eval_every < ckpt:
+        # Mid-training evals judge checkpoints (the checkpoint sensor fires them), so every eval
+        # step needs one; the preemption rule alone would checkpoint less often.
+        dec.set("checkpoint_every_steps", eval_every, "ckpt.eval",
+                f"every eval judges a checkpoint: one each {eval_every} steps (the 15-minute "
+                f"preemption rule alone would give {ckpt})")
+    else:
+        dec.set("checkpoint_every_steps", ckpt, "ckpt.15min",
+                f"a step takes ~{step_s:.3g} s on {devices} x {hw.name}: every {ckpt} steps a "
+                "preemption loses at most ~15 minutes" + (" (the whole run is shorter)"
+                                                           if ckpt == total else ""))
 
     _plan_eval(plan, dec, experiment, profile, recipe, hw)
     _validate_plan(plan, recipe, hw)

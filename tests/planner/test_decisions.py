@@ -133,10 +133,12 @@ def test_cpu_plan_and_gradient_checkpointing_flip() -> None:
 
 def test_checkpoint_cadence_follows_step_time() -> None:
     big = profile(num_samples=200_000)
-    fast = make_plan(experiment("qwen3-0.6b-lora", overrides={"gpu": "H200"}), big)
-    slow = make_plan(experiment("qwen3-0.6b-lora", overrides={"gpu": "L4"}), big)
+    fast = make_plan(experiment("qwen3-4b-lora", overrides={"gpu": "H200"}), big)
+    slow = make_plan(experiment("qwen3-4b-lora", overrides={"gpu": "L4"}), big)
     assert fast["checkpoint_every_steps"] > slow["checkpoint_every_steps"]
-    assert fast.decisions["checkpoint_every_steps"].rule == "ckpt.15min"
+    assert slow.decisions["checkpoint_every_steps"].rule == "ckpt.15min"
+    # On the fast GPU the 15-minute rule would wait longer than the eval cadence.
+    assert fast.decisions["checkpoint_every_steps"].rule == "ckpt.eval"
 
 
 def test_overrides_win_and_are_marked() -> None:
@@ -185,3 +187,13 @@ def test_every_recipe_plans_into_a_valid_trainer_config(recipe: str) -> None:
     p = make_plan(experiment(recipe), profile())
     TrainConfig(**p.train_config()).validate()
     assert set(p.to_dict()["reasons"]) == set(p.decisions)
+
+
+def test_checkpoints_come_at_least_as_often_as_evals() -> None:
+    # A short CPU run: the 15-minute rule would checkpoint once at the end, leaving the
+    # checkpoint sensor nothing to judge mid-training.
+    plan = make_plan(experiment(), profile(num_samples=200, prompt_tokens_max=100,
+                                           prompt_tokens_p99=90, completion_tokens_max=50,
+                                           completion_tokens_p99=40))
+    assert plan["checkpoint_every_steps"] == plan["eval_every_steps"]
+    assert plan.decisions["checkpoint_every_steps"].rule == "ckpt.eval"

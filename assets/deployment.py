@@ -1,0 +1,60 @@
+"""``deployment`` (per experiment): the best checkpoint (or one chosen) served behind the stable
+model name ``factory/<experiment>`` in the gateway.
+
+Each materialization boots the inference server for the checkpoint as the next version, waits
+for its health check, records it in ``deployments``, moves the gateway route to it and then
+drains and stops the version it replaced. The server runs detached, so it outlives the run;
+``factory undeploy`` / ``factory rollback`` act on it later.
+"""
+
+import dagster as dg
+from pydantic import Field
+
+from factory.deploy import DeploymentError
+from resources.deployer import DeployerResource
+from resources.lake import LakeResource
+
+EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
+
+
+class DeploymentConfig(dg.Config):
+    """Which checkpoint to serve."""
+
+    checkpoint: str = Field(
+        default="",
+        description="Empty: the experiment's row of best_checkpoints. Otherwise an adapter "
+                    "directory, or RUN:STEP naming a verified row of checkpoints.")
+
+
+@dg.asset(
+    partitions_def=EXPERIMENTS,
+    deps=["best_checkpoint"],
+    group_name="deploy",
+    kinds={"python", "iceberg"},
+    description="The experiment's live endpoint: the best (or chosen) checkpoint on an "
+                "inference server (CPU server here, vLLM on GPUs), healthy before the gateway "
+                "route factory/<experiment> moves to it; the previous version drains and stops. "
+                "Table deployments.",
+    code_version="1",
+)
+def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
+               lake: LakeResource, deployer: DeployerResource) -> dg.MaterializeResult:
+    session = lake.session(context)
+    try:
+        dep = deployer.deployer(session).deploy(context.partition_key,
+                                                config.checkpoint or None)
+    except (DeploymentError, ValueError) as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    context.log.info(f"{dep.route_model} -> {dep.endpoint} ({dep.version}, pid {dep.pid})")
+    return dg.MaterializeResult(metadata={
+        "model": dep.route_model,
+        "version": dep.version,
+        "endpoint": dep.endpoint,
+        "checkpoint": dg.MetadataValue.path(dep.checkpoint),
+        "run_id": dep.run_id or "",
+        "step": dep.step if dep.step is not None else -1,
+        "backend": dep.backend,
+        "pid": dep.pid or 0,
+        "log": dg.MetadataValue.path(dep.log_path),
+        **session.metadata(),
+    })

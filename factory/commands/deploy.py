@@ -1,0 +1,183 @@
+"""``factory deploy``, ``undeploy``, ``rollback``, ``deployments`` and ``chat``.
+
+Deploy commands act directly (no Dagster run) and record every change in ``deployments``; the
+``deployment`` asset does the same from the UI. Servers run detached: they outlive the command
+that started them and ``factory undeploy`` stops them from any later process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from factory.errors import FactoryError
+
+COLUMNS = ["name", "version", "status", "alive", "endpoint", "route_model", "checkpoint",
+           "run_id", "step", "pid", "started_at", "stopped_at", "reason"]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("deploy", help="serve an experiment's best (or a chosen) checkpoint "
+                                      "behind the stable model name factory/EXPERIMENT")
+    p.add_argument("experiment")
+    p.add_argument("--checkpoint", default=None, metavar="PATH|RUN:STEP",
+                   help="adapter directory or RUN:STEP from `checkpoints` (default: the row of "
+                        "best_checkpoints)")
+    _server_options(p)
+    p.set_defaults(func=_deploy)
+
+    p = sub.add_parser("undeploy", help="remove factory/EXPERIMENT's route and stop its server")
+    p.add_argument("experiment")
+    p.add_argument("--drain-s", type=float, default=None,
+                   help="seconds the server keeps serving after the route is removed (10)")
+    p.set_defaults(func=_undeploy)
+
+    p = sub.add_parser("rollback", help="serve the previous version of a deployment again")
+    p.add_argument("experiment")
+    p.add_argument("--to", default=None, metavar="VERSION",
+                   help="the version to restore (default: the newest one before the live one)")
+    _server_options(p)
+    p.set_defaults(func=_rollback)
+
+    p = sub.add_parser("deployments", help="list deployment versions: status, endpoint, pid")
+    p.add_argument("experiment", nargs="?", default=None)
+    p.add_argument("--all", action="store_true", help="also stopped and failed versions")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.set_defaults(func=_deployments)
+
+    if "chat" not in sub.choices:  # another module may own `factory chat`
+        p = sub.add_parser("chat", help="talk to a model through the gateway (e.g. "
+                                        "factory/EXPERIMENT)")
+        p.add_argument("model")
+        p.add_argument("-m", "--message", default=None,
+                       help="send one message, print the answer and exit")
+        p.add_argument("--system", default=None, help="system prompt")
+        p.add_argument("--gateway", default=None,
+                       help="gateway URL (default $FACTORY_GATEWAY_URL or "
+                            "http://127.0.0.1:8787)")
+        p.add_argument("--direct", action="store_true",
+                       help="bypass the gateway: call the live deployment's server itself "
+                            "(not captured)")
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.set_defaults(func=_chat)
+
+
+def _server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                   help="inference server: the factory's CPU server or vLLM on a GPU")
+    p.add_argument("--threads", type=int, default=None, help="CPU server torch threads")
+    p.add_argument("--drain-s", type=float, default=None,
+                   help="seconds the replaced version keeps serving after the switch (10)")
+    p.add_argument("--startup-timeout-s", type=float, default=None,
+                   help="longest wait for the new server's health check (600)")
+    p.add_argument("--format", choices=["text", "json"], default="text")
+
+
+def _deployer(args: argparse.Namespace) -> Any:
+    from factory.deploy import DeployConfig, Deployer
+
+    values: dict[str, Any] = {}
+    for name in ("backend", "threads", "drain_s", "startup_timeout_s"):
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    return Deployer(config=DeployConfig(**values))
+
+
+def _report(dep: Any, fmt: str, verb: str) -> None:
+    if fmt == "text":
+        print(f"{verb} {dep.name} {dep.version}: {dep.route_model} -> {dep.endpoint} "
+              f"(checkpoint {dep.checkpoint}, pid {dep.pid})", file=sys.stderr)
+    print(json.dumps({"name": dep.name, "version": dep.version, "status": dep.status,
+                      "model": dep.route_model, "endpoint": dep.endpoint,
+                      "checkpoint": dep.checkpoint, "pid": dep.pid}))
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    deployer = _deployer(args)
+    if args.format == "text":
+        print(f"deploying {args.experiment}: starting the {deployer.config.backend} server...",
+              file=sys.stderr, flush=True)
+    _report(deployer.deploy(args.experiment, args.checkpoint), args.format, "deployed")
+    return 0
+
+
+def _undeploy(args: argparse.Namespace) -> int:
+    from factory.deploy import DeployConfig, Deployer
+
+    cfg = DeployConfig(**({"drain_s": args.drain_s} if args.drain_s is not None else {}))
+    _report(Deployer(config=cfg).undeploy(args.experiment), "text", "undeployed")
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    _report(_deployer(args).rollback(args.experiment, args.to), args.format, "rolled back to")
+    return 0
+
+
+def _deployments(args: argparse.Namespace) -> int:
+    from factory.deploy import Deployer, check_name
+    from factory.output import print_rows
+
+    name = check_name(args.experiment) if args.experiment else None
+    rows = [d.as_dict() for d in Deployer().versions(name)
+            if args.all or d.status in ("starting", "live", "draining")]
+    print_rows(rows, args.format, columns=COLUMNS)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import openai
+
+    if args.direct:
+        from factory.deploy import Deployer
+
+        live = Deployer().live(args.model)
+        if live is None:
+            raise FactoryError(f"{args.model!r} has no live deployment")
+        base_url, model = live.endpoint, live.adapter
+    else:
+        gateway = args.gateway or os.environ.get("FACTORY_GATEWAY_URL") or "http://127.0.0.1:8787"
+        base_url, model = gateway.rstrip("/") + "/v1", args.model
+    client = openai.OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "factory"),
+                           max_retries=0)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = args.message is None
+    if interactive:
+        print(f"chatting with {model} at {base_url} (empty line or Ctrl-D ends)",
+              file=sys.stderr)
+    while True:
+        if interactive:
+            try:
+                text = input("> ")
+            except EOFError:
+                return 0
+            if not text.strip():
+                return 0
+        else:
+            text = args.message
+        messages.append({"role": "user", "content": text})
+        try:
+            stream: Any = client.chat.completions.create(
+                model=model, messages=messages,  # type: ignore[arg-type]
+                max_tokens=args.max_tokens, stream=True)
+            parts = []
+            for chunk in stream:
+                delta = chunk.choices[0].delta.content if chunk.choices else None
+                if delta:
+                    parts.append(delta)
+                    print(delta, end="", flush=True)
+            print()
+        except openai.APIConnectionError:
+            raise FactoryError(f"cannot reach {base_url}; start the gateway with `factory "
+                               "serve` (or pass --gateway URL / --direct)") from None
+        except openai.APIStatusError as e:
+            raise FactoryError(f"{base_url} answered {e.status_code}: {e.message}") from None
+        messages.append({"role": "assistant", "content": "".join(parts)})
+        if not interactive:
+            return 0

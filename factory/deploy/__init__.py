@@ -1,0 +1,19 @@
+"""Deployments: a checkpoint served as a stable OpenAI-compatible endpoint behind the gateway.
+
+``Deployer`` boots the inference server for a checkpoint, records the version in
+``deployments`` and points the gateway route ``factory/<experiment>`` at it; a new version takes
+the traffic only once healthy, and the old one drains and stops.
+"""
+
+from factory.deploy.deployer import (
+    Checkpoint,
+    DeployConfig,
+    Deployer,
+    Deployment,
+    DeploymentError,
+    check_name,
+    route_model,
+)
+
+__all__ = ["Checkpoint", "DeployConfig", "Deployer", "Deployment", "DeploymentError",
+           "check_name", "route_model"]

@@ -1,0 +1,161 @@
+"""The whole loop on the embedded default, on one machine: what ``make demo`` runs.
+
+1. builds the base model (SmolLM2-135M-Instruct from the wheel);
+2. generates demo traffic for the embedded extraction task (``factory.tasks``), sends part of
+   it through the capture gateway (its upstream replays the generator's reference answers, the
+   "frontier model") and uploads the rest through the ``traces`` asset;
+3. runs the experiment through Dagster (``factory.deploy.loop.run_experiment``): dataset,
+   rubric, plan, LoRA training with evals fired by ``checkpoint_sensor`` as checkpoints land,
+   best checkpoint, deployment;
+4. sends a new request through the gateway to ``factory/<experiment>``, and shows it captured
+   (tagged with the deployment version): the data for v2;
+5. prints the summary, and returns its last line's object.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from factory.errors import FactoryError
+from factory.lake import Lake
+from factory.settings import get_settings
+
+EXPERIMENT = "demo-extract"
+NUM_RECORDS = 240
+"""Demo traffic: enough for a train split that teaches the format and a 10% eval split."""
+GATEWAY_SHARE = 4
+"""One record in this many goes through the gateway; the rest is uploaded."""
+TAGS = {"project": "demo"}
+SUMMARY_KEYS = ("base_score", "best_score", "best_step", "endpoint", "model", "factory_home")
+
+
+def _wait(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise FactoryError(f"demo: timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _one_line(text: str | None, limit: int = 160) -> str:
+    flat = " ".join((text or "").split())
+    return flat if len(flat) <= limit else flat[:limit - 3] + "..."
+
+
+def _count_samples(lake: Lake, where: str, params: list[Any]) -> int:
+    if not lake.exists("samples"):
+        return 0
+    return int(lake.sql(f"SELECT count(*) AS n FROM samples WHERE {where}", params)
+               .column("n")[0].as_py())
+
+
+def _send_traffic(gateway_url: str, records: list[dict[str, Any]]) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=gateway_url + "/v1", api_key="demo", max_retries=0,
+                           default_headers={"X-Factory-Tags": "project=demo"})
+    for i, record in enumerate(records):
+        request = record["request"]
+        if i % 4 == 3:  # some streamed, like real clients
+            stream = client.chat.completions.create(
+                model=request["model"], messages=request["messages"],
+                temperature=request.get("temperature"), stream=True)
+            for _ in stream:
+                pass
+        else:
+            client.chat.completions.create(model=request["model"],
+                                           messages=request["messages"],
+                                           temperature=request.get("temperature"))
+
+
+def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, seed: int = 0,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the loop; returns ``{base_score, best_score, best_step, endpoint, model,
+    factory_home}``."""
+    from factory.deploy.loop import run_experiment, terminal_plot
+    from factory.deploy.replay import ReplayUpstream
+    from factory.gateway import ServerThread, gateway_in_thread
+    from factory.runner import materialize
+    from factory.tasks import generate_records
+
+    say = progress or (lambda line: print(line, flush=True))
+    settings = get_settings().ensure()
+    started = time.monotonic()
+    say(f"factory home: {settings.home}")
+    say("[demo 1/4] base model: SmolLM2-135M-Instruct (built once, then cached)")
+    materialize(["base_model"])
+
+    records = generate_records(num_records, seed)
+    via_gateway = records[::GATEWAY_SHARE]
+    uploaded = [r for i, r in enumerate(records) if i % GATEWAY_SHARE]
+    lake = Lake(settings)
+    demo_where = "tags['project'] = ?"
+    before = _count_samples(lake, demo_where, ["demo"])
+    upstream = ServerThread(ReplayUpstream(records)).start()
+    gateway = gateway_in_thread(openai_base_url=upstream.url + "/v1")
+    try:
+        say(f"[demo 2/4] traffic: {len(via_gateway)} calls through the gateway at {gateway.url}"
+            f", {len(uploaded)} records uploaded")
+        _send_traffic(gateway.url, via_gateway)
+        upload = settings.uploads / f"demo-traffic-{seed}.jsonl"
+        upload.write_text("".join(json.dumps(r) + "\n" for r in uploaded))
+        materialize(["raw_traces", "samples", "rejected_traces"], run_config={
+            "ops": {"traces": {"config": {"paths": [str(upload)], "tags": TAGS}}}})
+        total = _wait(lambda: (n := _count_samples(lake, demo_where, ["demo"])) >= before
+                      + num_records and n, 120, "the gateway's captures in samples")
+        say(f"  samples tagged project=demo: {total}")
+
+        say(f"[demo 3/4] {experiment}: dataset -> plan -> training -> evals -> deployment")
+        out = run_experiment(experiment, progress=say)
+        if out["endpoint"] is None:
+            raise FactoryError("demo: the deployment is not live")
+
+        model = out["model"]
+        say(f"[demo 4/4] a new request through the gateway to {model}")
+        _wait(lambda: (r := gateway.app.routes.get(model)) is not None
+              and r.version == out["version"], 30, f"the gateway route of {model}")
+        fresh = generate_records(1, seed + 1_000_003)[0]["request"]
+        import openai
+
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="demo", max_retries=0,
+                               # Tagged like the demo's traffic: the experiment selects it
+                               # for the next version's dataset.
+                               default_headers={"X-Factory-Tags":
+                                                "project=demo,source=demo-check"})
+        answer = client.chat.completions.create(model=model, messages=fresh["messages"],
+                                                max_tokens=96, temperature=0)
+        say(f"  user: {_one_line(fresh['messages'][-1]['content'])}")
+        say(f"  {model} ({out['version']}): {_one_line(answer.choices[0].message.content)}")
+        version_where = "tags['route_version'] = ? AND tags['source'] = ?"
+        _wait(lambda: _count_samples(lake, version_where, [out["version"], "demo-check"]), 60,
+              "the call in samples")
+        row = lake.sql(f"SELECT sample_id, model, tags, created_at FROM samples WHERE "
+                       f"{version_where} ORDER BY created_at DESC LIMIT 1",
+                       [out["version"], "demo-check"]).to_pylist()[0]
+        say(f"  captured: samples row {row['sample_id'][:16]}... model={row['model']} "
+            f"tags={dict(row['tags'])} - traffic for the next version")
+    finally:
+        gateway.stop()
+        upstream.stop()
+
+    base, best = out["base_score"], out["best_score"]
+    say("")
+    say(f"base score  {base:.3f}" if base is not None else "base score  -")
+    say(f"best score  {best:.3f} at step {out['best_step']} (run {out['run_id']})"
+        if best is not None else "best score  -")
+    say(terminal_plot(out["curve"], label="mean rubric score by step (step 0 = base model)"))
+    if out["curve_png"]:
+        say(f"curve: {out['curve_png']}")
+    say(f"endpoint: {out['endpoint']} (deployment {out['version']}, running in the "
+        f"background); stable name: run `factory serve`, then model {model} at "
+        "http://127.0.0.1:8787/v1 (`factory chat " + model + "`)")
+    say(f"see it all with lineage: FACTORY_HOME={settings.home} factory ui  (then "
+        "http://127.0.0.1:3000), or `factory lineage deployments`")
+    say(f"demo took {time.monotonic() - started:.0f} s")
+    return {k: out[k] for k in SUMMARY_KEYS}

@@ -1,0 +1,430 @@
+"""Deploying a checkpoint: boot its server, wait for health, record it, route the stable name.
+
+``Deployer.deploy(name)`` serves the experiment's best checkpoint (or a chosen one) as the next
+version ``vN``: the inference server (the factory's CPU server, or vLLM on a GPU; the argv comes
+from the same ``InferenceServer`` the evals use) is started detached so it outlives the caller,
+and only once its ``/health`` answers and it lists the adapter is the version recorded ``live``
+in ``deployments`` and the gateway route ``factory/<name>`` pointed at it. The version it
+replaces is then drained (left serving until every gateway has re-read its routes and its
+in-flight requests finished) and stopped. ``undeploy`` removes the route and stops the live
+version; ``rollback`` serves the previous version's checkpoint again under its old tag.
+
+Operations on one name are serialized by a file lock, so two deploys cannot interleave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from factory.deploy.process import (
+    ProcessError,
+    is_alive,
+    runs_command,
+    spawn_detached,
+    stop_group,
+)
+from factory.errors import FactoryError
+from factory.inference import InferenceServer, ServeSizing, free_port
+from factory.inference.vllm import VLLM_ENV
+from factory.lake import Lake, LakeSession
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+CHECKPOINT_KEY_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127}):(\d+)$")
+VERSION_RE = re.compile(r"^v(\d+)$")
+ROUTE_PREFIX = "factory/"
+LIVE = "live"
+ACTIVE = ("starting", LIVE, "draining")
+
+
+class DeploymentError(FactoryError):
+    """A deploy, undeploy or rollback that cannot be done (the message says why)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeployConfig:
+    """How deployed servers are run and how a replaced version is retired."""
+
+    backend: str = "transformers"
+    """``transformers`` (the factory's CPU server) or ``vllm`` (GPU machines)."""
+    sizing: ServeSizing = field(default_factory=lambda: ServeSizing(max_num_seqs=8))
+    """Serving limits (vLLM flags; the CPU server uses max_model_len and max_num_seqs)."""
+    host: str = "127.0.0.1"
+    """Interface the servers listen on (the gateway reaches them there)."""
+    threads: int | None = None
+    """torch intra-op threads of the CPU server; None lets torch decide."""
+    startup_timeout_s: float = 600.0
+    """Longest wait for a new server to answer its health check."""
+    drain_s: float = 10.0
+    """How long a replaced version keeps serving after the route moved: running gateways
+    re-read routes every 2 s (``routes_poll_s``), so 10 s covers a few missed polls."""
+    stop_timeout_s: float = 120.0
+    """After the drain, a server gets this long to finish in-flight requests on SIGTERM."""
+
+    def validate(self) -> None:
+        if self.backend not in ("transformers", "vllm"):
+            raise ValueError(f"backend: must be transformers or vllm, got {self.backend!r}")
+        for name in ("startup_timeout_s", "stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s: must be >= 0, got {self.drain_s!r}")
+        self.sizing.validate()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """An adapter directory to serve and where it came from."""
+
+    path: str
+    """Absolute adapter directory (adapter_config.json, weights, tokenizer)."""
+    base_model: str
+    """Base model the adapter applies to (from adapter_config.json)."""
+    run_id: str | None = None
+    """Training run that wrote it, when known."""
+    step: int | None = None
+    """Optimizer step of the checkpoint, when known."""
+    source: str = "path"
+    """How it was chosen: ``best`` (best_checkpoints), ``key`` (RUN:STEP) or ``path``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deployment:
+    """One version of a deployment (the latest ``deployments`` row of ``(name, version)``)."""
+
+    name: str
+    version: str
+    checkpoint: str
+    base_model: str
+    adapter: str
+    route_model: str
+    endpoint: str
+    backend: str
+    status: str
+    pid: int | None
+    port: int | None
+    log_path: str
+    run_id: str | None = None
+    step: int | None = None
+    reason: str | None = None
+    started_at: datetime | None = None
+    stopped_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    @property
+    def number(self) -> int:
+        m = VERSION_RE.match(self.version)
+        return int(m.group(1)) if m else 0
+
+    @property
+    def alive(self) -> bool:
+        """The recorded server process still runs (and is still our server)."""
+        return bool(self.pid) and is_alive(self.pid) and runs_command(
+            int(self.pid or 0), ["--port", str(self.port)])
+
+    def row(self, **changes: Any) -> dict[str, Any]:
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        values.update(changes)
+        values["updated_at"] = datetime.now(UTC)
+        return values
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        for k, v in out.items():
+            if isinstance(v, datetime):
+                out[k] = v.isoformat()
+        out["alive"] = self.alive
+        return out
+
+
+def route_model(name: str) -> str:
+    """The stable model name clients send for deployment ``name``."""
+    return f"{ROUTE_PREFIX}{name}"
+
+
+def check_name(name: str) -> str:
+    """``name`` itself, or ``ValueError`` (``factory/<name>`` is accepted and stripped)."""
+    if name.startswith(ROUTE_PREFIX):
+        name = name[len(ROUTE_PREFIX):]
+    if not NAME_RE.match(name):
+        raise ValueError(f"deployment name {name!r}: use lowercase letters, digits, '-' and "
+                         "'_' (an experiment name), at most 64 characters")
+    return name
+
+
+def _adapter_base(path: Path) -> str:
+    cfg = path / "adapter_config.json"
+    if not cfg.is_file():
+        raise DeploymentError(f"checkpoint {str(path)!r} has no adapter_config.json: not a "
+                              "LoRA adapter directory")
+    try:
+        base = json.loads(cfg.read_text())["base_model_name_or_path"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DeploymentError(f"{cfg}: no base_model_name_or_path ({e})") from None
+    if not isinstance(base, str) or not base:
+        raise DeploymentError(f"{cfg}: base_model_name_or_path is empty")
+    return base
+
+
+class Deployer:
+    """Deploys, retires and rolls back versions of named deployments on this machine.
+
+    ``session`` stamps writes with a Dagster run and asset (lineage); without one the writes are
+    stamped as the CLI's.
+    """
+
+    def __init__(self, lake: Lake | None = None, config: DeployConfig | None = None, *,
+                 session: LakeSession | None = None) -> None:
+        self.config = config or DeployConfig()
+        self.config.validate()
+        if session is None:
+            lake = lake or Lake()
+            session = lake.session(run_id=f"cli-{uuid.uuid4().hex[:12]}", asset_key="deployment")
+        self.session = session
+        self.lake = session.lake
+        self.root = self.lake.settings.home / "deployments"
+
+    # -- reading state -----------------------------------------------------------------------------
+    def versions(self, name: str | None = None) -> list[Deployment]:
+        """Every version (its latest row), newest first; one deployment or all."""
+        if not self.lake.exists("deployments"):
+            return []
+        # Read without lineage: the state table is not an input of the deployment it records.
+        rows = self.lake.sql(
+            "SELECT * FROM deployments QUALIFY row_number() OVER (PARTITION BY name, version "
+            "ORDER BY updated_at DESC) = 1").to_pylist()
+        out = [Deployment(**{k: r.get(k) for k in Deployment.__dataclass_fields__})
+               for r in rows if name is None or r["name"] == name]
+        out.sort(key=lambda d: (d.name, -d.number))
+        return out
+
+    def live(self, name: str) -> Deployment | None:
+        """The version serving ``factory/<name>`` (recorded live), if any."""
+        live = [d for d in self.versions(name) if d.status == LIVE]
+        return max(live, key=lambda d: d.updated_at or datetime.min.replace(tzinfo=UTC)) \
+            if live else None
+
+    # -- choosing a checkpoint -------------------------------------------------------------------
+    def resolve(self, name: str, checkpoint: str | None = None) -> Checkpoint:
+        """The checkpoint to serve: ``None`` = the experiment's best checkpoint, ``RUN:STEP`` =
+        that verified row of ``checkpoints``, anything else = an adapter directory."""
+        if not checkpoint:
+            if not self.lake.exists("best_checkpoints"):
+                raise DeploymentError(f"no best checkpoint for {name!r}: materialize "
+                                      "best_checkpoint first, or pass --checkpoint PATH|RUN:STEP")
+            rows = self.session.sql(
+                "SELECT run_id, step, path FROM best_checkpoints WHERE experiment = ? "
+                "ORDER BY selected_at DESC LIMIT 1", [name]).to_pylist()
+            if not rows:
+                raise DeploymentError(f"no best checkpoint for {name!r}: materialize "
+                                      "best_checkpoint first, or pass --checkpoint PATH|RUN:STEP")
+            path = Path(rows[0]["path"])
+            return Checkpoint(path=str(path), base_model=self._base_of(path),
+                              run_id=rows[0]["run_id"], step=rows[0]["step"], source="best")
+        m = CHECKPOINT_KEY_RE.match(checkpoint)
+        if m and not Path(checkpoint).exists():
+            key_run, key_step = m.group(1), int(m.group(2))
+            rows = self.session.sql(
+                "SELECT path FROM checkpoints WHERE run_id = ? AND step = ? AND verified "
+                "ORDER BY received_at DESC LIMIT 1", [key_run, key_step]).to_pylist() \
+                if self.lake.exists("checkpoints") else []
+            if not rows:
+                raise DeploymentError(f"checkpoint {checkpoint!r} is not a verified row of "
+                                      "checkpoints (RUN:STEP), nor an existing directory")
+            path = Path(rows[0]["path"])
+            return Checkpoint(path=str(path), base_model=self._base_of(path), run_id=key_run,
+                              step=key_step, source="key")
+        path = Path(checkpoint).expanduser().absolute()
+        if not path.is_dir():
+            raise DeploymentError(f"checkpoint {checkpoint!r}: no such directory (give an "
+                                  "adapter directory or RUN:STEP)")
+        run_id: str | None = None
+        step: int | None = None
+        if self.lake.exists("checkpoints"):
+            rows = self.session.sql("SELECT run_id, step FROM checkpoints WHERE path = ? "
+                                    "ORDER BY received_at DESC LIMIT 1", [str(path)]).to_pylist()
+            if rows:
+                run_id, step = rows[0]["run_id"], rows[0]["step"]
+        return Checkpoint(path=str(path), base_model=self._base_of(path), run_id=run_id,
+                          step=step)
+
+    def _base_of(self, path: Path) -> str:
+        if not path.is_dir():
+            raise DeploymentError(f"checkpoint directory {str(path)!r} does not exist")
+        base = _adapter_base(path)
+        if self.config.backend == "transformers" and not Path(base).is_dir():
+            raise DeploymentError(f"base model {base!r} of checkpoint {str(path)!r} is not a "
+                                  "local directory (the CPU server loads local models only)")
+        return base
+
+    # -- operations ------------------------------------------------------------------------------
+    def deploy(self, name: str, checkpoint: str | None = None) -> Deployment:
+        """Serve ``checkpoint`` (default: the best one) as the next version of ``name``."""
+        name = check_name(name)
+        with self._lock(name):
+            ckpt = self.resolve(name, checkpoint)
+            numbers = [d.number for d in self.versions(name)]
+            version = f"v{max(numbers, default=0) + 1}"
+            return self._launch(name, version, ckpt, reason=f"deploy ({ckpt.source})")
+
+    def undeploy(self, name: str) -> Deployment:
+        """Remove the route ``factory/<name>`` and stop the live version."""
+        from factory.gateway import load_routes, unregister_route
+
+        name = check_name(name)
+        with self._lock(name):
+            live = self.live(name)
+            if live is None:
+                raise DeploymentError(f"{name!r} has no live deployment")
+            if live.route_model in load_routes(self.lake):
+                unregister_route(live.route_model, lake=self.lake, lineage=self.session.lineage)
+            active = [d for d in self.versions(name) if d.status in ACTIVE]
+            stopped = self._retire_all(active, reason="undeployed")
+            return next(d for d in stopped if d.version == live.version)
+
+    def rollback(self, name: str, to: str | None = None) -> Deployment:
+        """Serve an earlier version again (default: the newest one older than the live one)."""
+        name = check_name(name)
+        with self._lock(name):
+            live = self.live(name)
+            if live is None:
+                raise DeploymentError(f"{name!r} has no live deployment to roll back; use "
+                                      "factory deploy")
+            earlier = [d for d in self.versions(name)
+                       if d.version != live.version and d.status == "stopped"]
+            if to is not None:
+                target = next((d for d in earlier if d.version == to), None)
+                if target is None:
+                    known = ", ".join(d.version for d in earlier) or "none"
+                    raise DeploymentError(f"{name!r} has no stopped version {to!r} to roll back "
+                                          f"to (stopped versions: {known})")
+            else:
+                older = [d for d in earlier if d.number < live.number]
+                if not older:
+                    raise DeploymentError(f"{name!r} has no version older than {live.version} "
+                                          "to roll back to")
+                target = max(older, key=lambda d: d.number)
+            ckpt = Checkpoint(path=target.checkpoint, base_model=self._base_of(
+                Path(target.checkpoint)), run_id=target.run_id, step=target.step,
+                source="rollback")
+            self.resolve(name, target.checkpoint)  # records the checkpoint read for lineage
+            return self._launch(name, target.version, ckpt,
+                                reason=f"rollback from {live.version}")
+
+    # -- internals -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _lock(self, name: str) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f"{name}.lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        self.session.append("deployments", rows)
+
+    def _launch(self, name: str, version: str, ckpt: Checkpoint, *, reason: str) -> Deployment:
+        from factory.gateway import Route, register_route
+
+        cfg = self.config
+        # Every version still marked active (normally the one live version; more only after a
+        # deploy was interrupted) is retired once the new one serves.
+        previous = [d for d in self.versions(name) if d.status in ACTIVE]
+        port = free_port(cfg.host)
+        adapter = f"{name}-{version}"
+        server = InferenceServer(ckpt.base_model, adapters={adapter: ckpt.path},
+                                 served_model_name=f"{name}-base", backend=cfg.backend,
+                                 sizing=cfg.sizing, host=cfg.host, port=port,
+                                 threads=cfg.threads)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        log = self.root / name / f"{version}-{stamp}-{port}.log"
+        env = {**os.environ, **(VLLM_ENV if cfg.backend == "vllm" else {})}
+        now = datetime.now(UTC)
+        try:
+            pid = spawn_detached(server.command(), log_path=log, env=env)
+        except ProcessError as exc:
+            hint = " (is vLLM installed on this machine?)" if cfg.backend == "vllm" else ""
+            raise DeploymentError(f"{exc}{hint}") from None
+        dep = Deployment(name=name, version=version, checkpoint=ckpt.path,
+                         base_model=ckpt.base_model, adapter=adapter,
+                         route_model=route_model(name), endpoint=f"http://{cfg.host}:{port}/v1",
+                         backend=cfg.backend, status="starting", pid=pid, port=port,
+                         log_path=str(log), run_id=ckpt.run_id, step=ckpt.step, reason=reason,
+                         started_at=now)
+        self._write([dep.row()])
+        try:
+            self._wait_healthy(dep)
+        except DeploymentError as exc:
+            stop_group(pid, timeout_s=10)
+            self._write([dep.row(status="failed", reason=str(exc)[:2000],
+                                 stopped_at=datetime.now(UTC))])
+            raise
+        dep = Deployment(**dep.row(status=LIVE))
+        self._write([dep.row()])
+        # The route moves only now that the new version answers: no request sees a cold server.
+        register_route(Route(model=dep.route_model, provider="openai", base_url=dep.endpoint,
+                             deployment=adapter, version=version),
+                       lake=self.lake, lineage=self.session.lineage)
+        self._retire_all(previous, reason=f"replaced by {version}")
+        return dep
+
+    def _wait_healthy(self, dep: Deployment) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        base = dep.endpoint[:-len("/v1")]
+        while True:
+            if not is_alive(dep.pid):
+                raise DeploymentError(f"the {dep.backend} server for {dep.name} {dep.version} "
+                                      f"exited before it was healthy; log tail:\n"
+                                      f"{_tail(dep.log_path)}")
+            try:
+                if httpx.get(base + "/health", timeout=2.0).status_code == 200:
+                    models = httpx.get(base + "/v1/models", timeout=5.0).json()
+                    if any(m.get("id") == dep.adapter for m in models.get("data", [])):
+                        return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"the {dep.backend} server for {dep.name} {dep.version} "
+                                      f"was not healthy after {self.config.startup_timeout_s:.0f}"
+                                      f" s; log tail:\n{_tail(dep.log_path)}")
+            time.sleep(0.25)
+
+    def _retire(self, dep: Deployment, *, reason: str) -> Deployment:
+        """Drain (the route already moved away) and stop one version."""
+        return self._retire_all([dep], reason=reason)[0]
+
+    def _retire_all(self, deps: list[Deployment], *, reason: str) -> list[Deployment]:
+        if not deps:
+            return []
+        self._write([d.row(status="draining", reason=reason) for d in deps])
+        running = [d for d in deps if d.alive]
+        if running:
+            time.sleep(self.config.drain_s)  # one drain for all: gateways re-read routes once
+        for d in running:
+            stop_group(int(d.pid or 0), timeout_s=self.config.stop_timeout_s)
+        stopped = [Deployment(**d.row(status="stopped", reason=reason,
+                                      stopped_at=datetime.now(UTC))) for d in deps]
+        self._write([d.row() for d in stopped])
+        return stopped
+
+
+def _tail(path: str, num_bytes: int = 3000) -> str:
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return "(no log)"
+    return data[-num_bytes:].decode("utf-8", "replace")

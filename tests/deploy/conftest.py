@@ -1,0 +1,105 @@
+"""Fixtures for the deploy tests: one factory home with a tiny experiment, an adapter of the
+tiny model, and a lake-backed gateway (over a stand-in upstream) shared by the module, because
+each deployed server costs ~15 s to start here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from factory.gateway import Gateway, GatewayConfig, ServerThread
+from factory.gateway.standin import StandIn
+from tests.inference.conftest import make_adapter
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+EXPERIMENT = """name: exp
+data: {where: "tags['project'] = 'demo'", eval_fraction: 0.2, max_tokens: 512}
+recipe: smollm2-135m-lora
+overrides: {num_steps: 2, checkpoint_every_steps: 2}
+eval: {judge: embedded, rubric: auto, max_samples: 3}
+"""
+
+
+@pytest.fixture(scope="module")
+def deploy_home(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+                ) -> Iterator[Path]:
+    """A factory for the whole module (servers and routes outlive single tests): experiment
+    ``exp`` on the demo task, its recipe's base model being the tiny model."""
+    root = tmp_path_factory.mktemp("deploy")
+    home = root / "factory-home"
+    (home / "dagster").mkdir(parents=True)
+    models = root / "models"
+    models.mkdir()
+    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
+    experiments = root / "experiments"
+    experiments.mkdir()
+    (experiments / "exp.yaml").write_text(EXPERIMENT)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FACTORY_HOME", str(home))
+        mp.setenv("FACTORY_MODELS_DIR", str(models))
+        mp.setenv("FACTORY_EXPERIMENTS_DIR", str(experiments))
+        mp.setenv("DAGSTER_HOME", str(home / "dagster"))
+        # Create the catalog before any thread (the gateway's route poller) races to do it.
+        from factory.lake import Lake
+
+        Lake().existing_tables()
+        yield home
+        _stop_leftovers(home)
+
+
+def _stop_leftovers(home: Path) -> None:
+    """Stop every server a failed test left running (by the pids the lake recorded)."""
+    from factory.deploy import Deployer
+    from factory.deploy.process import stop_group
+
+    try:
+        versions = Deployer().versions()
+    except Exception:  # the lake was never created: nothing was deployed
+        return
+    for dep in versions:
+        if dep.alive:
+            stop_group(int(dep.pid or 0), timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deploy-adapters")
+    return {"b": make_adapter(tiny_model_dir, root / "b", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def gateway(deploy_home: Path) -> Iterator[ServerThread]:
+    """A gateway that writes captures to the lake and re-reads routes every 0.1 s."""
+    with ServerThread(StandIn()) as upstream:
+        config = GatewayConfig(port=0, openai_base_url=upstream.url + "/v1",
+                               flush_interval_s=0.05, segment_max_age_s=0.05,
+                               routes_poll_s=0.1, flush_retry_max_s=0.2)
+        with ServerThread(Gateway(config)) as srv:
+            yield srv
+
+
+def factory_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run ``factory ARGS`` as its own process (the environment carries FACTORY_HOME)."""
+    return subprocess.run([str(Path(sys.executable).parent / "factory"), *args],
+                          env=dict(os.environ), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or check}")
+        time.sleep(0.1)
