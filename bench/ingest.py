@@ -164,7 +164,7 @@ def _peak_rss_mb() -> float:
 def phase_parse(path: Path) -> dict[str, Any]:
     import orjson
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     n = 0
     with open(path, "rb") as fh:
         for line in fh:
@@ -173,10 +173,11 @@ def phase_parse(path: Path) -> dict[str, Any]:
             except orjson.JSONDecodeError:
                 pass
             n += 1
-    return {"seconds": time.perf_counter() - start, "records": n, "peak_rss_mb": _peak_rss_mb()}
+    return {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
+            "records": n, "peak_rss_mb": _peak_rss_mb()}
 
 
-def phase_ingest(path: Path) -> dict[str, Any]:
+def phase_ingest(path: Path, background_writes: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from factory.ingest import ingest_paths
     from factory.lake import Lake
@@ -184,16 +185,17 @@ def phase_ingest(path: Path) -> dict[str, Any]:
     lake = Lake()
     lake.table("raw_traces"), lake.table("samples"), lake.table("rejected_traces")
     base_rss = _peak_rss_mb()
-    start = time.perf_counter()
-    summary = ingest_paths(lake, [path])
+    start, cpu = time.perf_counter(), time.process_time()
+    summary = ingest_paths(lake, [path], background_writes=background_writes)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, **summary.as_dict(), "num_samples": summary.num_samples,
+    return {"seconds": seconds, "cpu_seconds": time.process_time() - cpu, **summary.as_dict(),
+            "num_samples": summary.num_samples,
             "rss_before_mb": base_rss, "peak_rss_mb": _peak_rss_mb()}
 
 
-def _child(phase: str, path: Path, home: Path) -> dict[str, Any]:
+def _child(phase: str, path: Path, home: Path, *extra: str) -> dict[str, Any]:
     env = {**os.environ, "FACTORY_HOME": str(home)}
-    out = subprocess.run([sys.executable, __file__, "--phase", phase, "--file", str(path)],
+    out = subprocess.run([sys.executable, __file__, "--phase", phase, "--file", str(path), *extra],
                          env=env, capture_output=True, text=True, check=True)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -205,17 +207,22 @@ def main() -> int:
                         help="records per run; a comma list runs several sizes")
     parser.add_argument("--phase", choices=["parse", "ingest"], help=argparse.SUPPRESS)
     parser.add_argument("--file", help=argparse.SUPPRESS)
+    parser.add_argument("--background-writes", action="store_true",
+                        help="commit batches on a thread while the next one is normalized")
     args = parser.parse_args()
-    if args.phase:
-        fn = phase_parse if args.phase == "parse" else phase_ingest
-        print(json.dumps(fn(Path(args.file))))
+    if args.phase == "parse":
+        print(json.dumps(phase_parse(Path(args.file))))
         return 0
+    if args.phase == "ingest":
+        print(json.dumps(phase_ingest(Path(args.file), args.background_writes)))
+        return 0
+    extra = ["--background-writes"] if args.background_writes else []
     for size in [int(s) for s in args.records.split(",")]:
         with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
             path = Path(tmp) / "records.jsonl"
             generate(path, size)
             parse = _child("parse", path, Path(tmp) / "home-parse")
-            ingest = _child("ingest", path, Path(tmp) / "home")
+            ingest = _child("ingest", path, Path(tmp) / "home", *extra)
             print(json.dumps({
                 "records": size,
                 "file_mb": round(path.stat().st_size / 2**20, 1),
@@ -224,6 +231,10 @@ def main() -> int:
                 "samples_per_s": round(ingest["num_samples"] / ingest["seconds"]),
                 "records_per_s": round(size / ingest["seconds"]),
                 "ratio_to_parse_only": round(ingest["seconds"] / parse["seconds"], 1),
+                # CPU seconds of every thread: steadier than wall time on a shared machine.
+                "parse_only_cpu_s": round(parse["cpu_seconds"], 2),
+                "ingest_cpu_s": round(ingest["cpu_seconds"], 2),
+                "cpu_ratio_to_parse_only": round(ingest["cpu_seconds"] / parse["cpu_seconds"], 1),
                 "peak_rss_mb": round(ingest["peak_rss_mb"]),
                 "rss_before_ingest_mb": round(ingest["rss_before_mb"]),
                 "summary": {k: ingest[k] for k in ("read", "ingested", "rejected",

@@ -110,12 +110,17 @@ def _turn(role: str, content: Any, where: str, blobs: dict[str, bytes]) -> list[
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for k, block in enumerate(expect_list(content, where)):
-        at = f"{where}[{k}]"
-        block = expect_dict(block, at)
+        if not isinstance(block, dict):
+            expect_dict(block, f"{where}[{k}]")
         btype = block.get("type")
         if btype == "text":
-            parts.append(text_part(block.get("text"), f"{at}.text"))
-        elif btype == "image":
+            text = block.get("text")
+            if not isinstance(text, str):
+                text_part(text, f"{where}[{k}].text")
+            parts.append({"type": "text", "text": text})
+            continue
+        at = f"{where}[{k}]"
+        if btype == "image":
             parts.append(_image(block.get("source"), f"{at}.source", blobs))
         elif btype == "thinking":
             if role != "assistant":

@@ -19,6 +19,8 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys
                             allow_nan=False)
 # Lower-cased only when the whole value is one of these (Gemini's OpenAPI enum spelling).
 _SCHEMA_TYPES = frozenset({"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "NULL"})
+# Keys whose values are user data inside a schema, never lower-cased.
+_USER_DATA = frozenset({"enum", "const", "default", "example", "examples"})
 
 
 class NormalizeError(ValueError):
@@ -95,18 +97,21 @@ def lower_schema_types(schema: Any) -> Any:
     if isinstance(schema, dict):
         out: dict[str, Any] = {}
         for key, value in schema.items():
-            if key == "type" and isinstance(value, str) and value in _SCHEMA_TYPES:
+            if isinstance(value, dict | list):
+                if key == "type" and isinstance(value, list):
+                    out[key] = [v.lower() if isinstance(v, str) and v in _SCHEMA_TYPES else v
+                                for v in value]
+                elif key in _USER_DATA:
+                    out[key] = value  # user data, not schema
+                else:
+                    out[key] = lower_schema_types(value)
+            elif key == "type" and isinstance(value, str) and value in _SCHEMA_TYPES:
                 out[key] = value.lower()
-            elif key == "type" and isinstance(value, list):
-                out[key] = [v.lower() if isinstance(v, str) and v in _SCHEMA_TYPES else v
-                            for v in value]
-            elif key in ("enum", "const", "default", "example", "examples"):
-                out[key] = value  # user data, not schema
             else:
-                out[key] = lower_schema_types(value)
+                out[key] = value  # a scalar: nothing to lower (and no call to find that out)
         return out
     if isinstance(schema, list):
-        return [lower_schema_types(v) for v in schema]
+        return [lower_schema_types(v) if isinstance(v, dict | list) else v for v in schema]
     return schema
 
 
@@ -173,12 +178,15 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
     id_map: dict[str, str] = {}
     pending: list[tuple[str, str]] = []  # (canonical id, name) of calls not yet answered
     num_calls = 0
+    has_assistant = False
     for i, msg in enumerate(messages):
         role = msg["role"]
         if role not in ROLES:
             raise NormalizeError(f"{where}[{i}].role: unknown role {role!r}")
         content = [p for p in msg["content"] if not (p["type"] == "text" and p["text"] == "")]
         new: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            has_assistant = True
         if role == "assistant" and msg.get("tool_calls"):
             calls = []
             for call in msg["tool_calls"]:
@@ -206,16 +214,22 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
             pending = [(c, n) for c, n in pending if c != cid]
             new["tool_call_id"] = cid
         out.append(new)
-    if not any(m["role"] == "assistant" for m in out):
+    if not has_assistant:
         raise NormalizeError(f"{where}: no assistant turn (nothing to learn from)")
-    messages_json, tools_json = canonical_json_strings(out), canonical_json(tools)
+    messages_json = canonical_json_strings(out)
+    tools_json = canonical_json(tools) if tools else "[]"
+    # Same bytes as canonical_json({"messages": ..., "tools": ...}): keys sort that way.
+    digest = hashlib.sha256(b'{"messages":')
+    digest.update(messages_json.encode("utf-8", "surrogatepass"))
+    digest.update(b',"tools":')
+    digest.update(tools_json.encode("utf-8", "surrogatepass"))
+    digest.update(b"}")
     return {
         "messages": out,
         "tools": tools,
         "messages_json": messages_json,
         "tools_json": tools_json,
-        # Same bytes as canonical_json({"messages": ..., "tools": ...}): keys sort that way.
-        "sample_id": sha256_hex('{"messages":' + messages_json + ',"tools":' + tools_json + "}"),
+        "sample_id": digest.hexdigest(),
         "provider": provider,
         "model": model,
         "created_at": created_at,

@@ -166,15 +166,19 @@ def _turn(content: Any, where: str, blobs: dict[str, bytes],
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for k, part in enumerate(expect_list(get(content, "parts"), f"{where}.parts")):
-        at = f"{where}.parts[{k}]"
-        part = expect_dict(part, at)
+        if not isinstance(part, dict):
+            expect_dict(part, f"{where}.parts[{k}]")
         if "text" in part:
-            text = text_part(part["text"], f"{at}.text")
+            text = part["text"]
+            if not isinstance(text, str):
+                text_part(text, f"{where}.parts[{k}].text")
             if part.get("thought") is True:
-                parts.append({"type": "reasoning", "text": text["text"]})
+                parts.append({"type": "reasoning", "text": text})
             else:
-                parts.append(text)
-        elif (inline := get(part, "inlineData")) is not None:
+                parts.append({"type": "text", "text": text})
+            continue
+        at = f"{where}.parts[{k}]"
+        if (inline := get(part, "inlineData")) is not None:
             inline = expect_dict(inline, f"{at}.inlineData")
             mime = get(inline, "mimeType")
             if not isinstance(mime, str) or not mime.startswith("image/"):

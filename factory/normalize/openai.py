@@ -30,6 +30,8 @@ from factory.normalize.images import url_image
 PROVIDER = "openai"
 _ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool", "function": "tool"}
+# Roles whose message is only its content (no tool calls, refusal or reasoning to read).
+_PLAIN_ROLES = frozenset({"system", "developer", "user"})
 
 
 def normalize(payload: Any) -> list[dict[str, Any]]:
@@ -107,12 +109,17 @@ def convert_messages(raw: Any, blobs: dict[str, bytes],
     items = expect_list(raw, where)
     out = []
     for i, msg in enumerate(items):
-        at = f"{where}[{i}]"
-        msg = expect_dict(msg, at)
+        if not isinstance(msg, dict):
+            expect_dict(msg, f"{where}[{i}]")
         role = msg.get("role")
         if not isinstance(role, str) or role not in _ROLE:
-            raise NormalizeError(f"{at}.role: unknown role {role!r}")
-        out.append(_message(msg, role, at, blobs))
+            raise NormalizeError(f"{where}[{i}].role: unknown role {role!r}")
+        if role in _PLAIN_ROLES:
+            content = msg.get("content")
+            if isinstance(content, str):  # the common case, read nothing else (as _message)
+                out.append({"role": _ROLE[role], "content": [{"type": "text", "text": content}]})
+                continue
+        out.append(_message(msg, role, f"{where}[{i}]", blobs))
     return out
 
 
@@ -193,35 +200,53 @@ _DELTA_TEXT = (("content", "content"), ("refusal", "refusal"), ("reasoning_conte
 
 def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
     """Streamed ``chat.completion.chunk`` objects into one ``chat.completion`` response."""
+    # A stream has a chunk per token, so this loop is the hottest in ingest: the error paths
+    # (``stream[i].choices[j]...``) are only formatted once something is wrong.
     choices: dict[int, dict[str, Any]] = {}
     model = created = None
     for i, chunk in enumerate(chunks):
         if chunk == "[DONE]":
             continue
-        at = f"stream[{i}]"
-        chunk = expect_dict(chunk, at)
+        if not isinstance(chunk, dict):
+            expect_dict(chunk, f"stream[{i}]")
         if "error" in chunk and not chunk.get("choices"):
-            raise NormalizeError(f"{at}.error: the stream reported an error")
-        model = model or chunk.get("model")
-        created = created or chunk.get("created")
-        for j, choice in enumerate(expect_list(chunk.get("choices", []), f"{at}.choices")):
-            cat = f"{at}.choices[{j}]"
-            choice = expect_dict(choice, cat)
+            raise NormalizeError(f"stream[{i}].error: the stream reported an error")
+        if not model:
+            model = chunk.get("model")
+        if not created:
+            created = chunk.get("created")
+        chunk_choices = chunk.get("choices", [])
+        if not isinstance(chunk_choices, list):
+            expect_list(chunk_choices, f"stream[{i}].choices")
+        for j, choice in enumerate(chunk_choices):
+            if not isinstance(choice, dict):
+                expect_dict(choice, f"stream[{i}].choices[{j}]")
             index = choice.get("index", 0)
             if not isinstance(index, int):
-                raise NormalizeError(f"{cat}.index: expected an integer, got {kind(index)}")
-            acc = choices.setdefault(index, {"content": [], "refusal": [], "reasoning": [],
-                                             "calls": {}, "function_call": None})
-            delta = expect_dict(choice.get("delta", {}), f"{cat}.delta")
+                raise NormalizeError(f"stream[{i}].choices[{j}].index: expected an integer, got "
+                                     f"{kind(index)}")
+            acc = choices.get(index)
+            if acc is None:
+                acc = choices[index] = {"content": [], "refusal": [], "reasoning": [],
+                                        "calls": {}, "function_call": None}
+            delta = choice.get("delta", {})
+            if not isinstance(delta, dict):
+                expect_dict(delta, f"stream[{i}].choices[{j}].delta")
+            if len(delta) == 1:  # most chunks carry one token of content and nothing else
+                piece = delta.get("content")
+                if isinstance(piece, str):
+                    acc["content"].append(piece)
+                    continue
             for key, dest in _DELTA_TEXT:
                 piece = delta.get(key)
                 if piece is not None:
                     if not isinstance(piece, str):
-                        raise NormalizeError(f"{cat}.delta.{key}: expected a string, got "
-                                             f"{kind(piece)}")
+                        raise NormalizeError(f"stream[{i}].choices[{j}].delta.{key}: expected a "
+                                             f"string, got {kind(piece)}")
                     acc[dest].append(piece)
             if "tool_calls" not in delta and "function_call" not in delta:
                 continue
+            cat = f"stream[{i}].choices[{j}]"
             for k, call in enumerate(expect_list(delta.get("tool_calls") or [],
                                                  f"{cat}.delta.tool_calls")):
                 kat = f"{cat}.delta.tool_calls[{k}]"

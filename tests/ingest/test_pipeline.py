@@ -203,3 +203,53 @@ def test_crash_between_raw_and_samples_commits_is_healed_on_replay(
         lake.sql("select raw_trace_id from raw_traces where raw_trace_id not in "
                  "(select raw_trace_id from rejected_traces)").column(0).to_pylist())
     assert ingest_paths(lake, [path]).duplicates == len(GOOD) + len(BAD)
+
+
+def _chat(i: int) -> RawRecord:
+    return RawRecord(payload={"messages": [{"role": "user", "content": f"q{i}"},
+                                           {"role": "assistant", "content": "a"}]},
+                     source="upload", received_at=datetime.now(tz=UTC), tags={})
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_duplicates_across_chunks_and_uncommitted_batches(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
+    import time
+
+    import factory.ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "_CHUNK_RECORDS", 2)
+    real_append = Lake.append
+
+    def slow_append(self: Lake, name: str, data: object, **kwargs: object) -> object:
+        time.sleep(0.2)  # keep batches in flight while later ones are deduped
+        return real_append(self, name, data, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Lake, "append", slow_append)
+    lake = Lake()
+    order = [*range(12), 0, 5, 11, 3]
+    summary = ingest_records(lake, [_chat(i) for i in order], batch_rows=5,
+                             background_writes=background)
+    assert summary.as_dict() == {"read": 16, "ingested": 12, "rejected": 0, "duplicates": 4}
+    assert summary.num_samples == 12
+    info = lake.snapshot_info("raw_traces")
+    assert info["rows"] == 12 and info["earlier_snapshots"] == 2  # the last batch is all dups
+    assert lake.read("samples").num_rows == 12
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failed_commit_stops_the_later_batches(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
+    lake = Lake()
+    real_append = Lake.append
+
+    def failing_append(self: Lake, name: str, data: object, **kwargs: object) -> object:
+        if name == "samples":
+            raise OSError("disk full")
+        return real_append(self, name, data, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Lake, "append", failing_append)
+    with pytest.raises(OSError, match="disk full"):
+        ingest_records(lake, [_chat(i) for i in range(6)], batch_rows=2,
+                       background_writes=background)
+    assert lake.read("raw_traces").num_rows == 2  # the first batch's raw rows, nothing after
