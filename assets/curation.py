@@ -22,7 +22,9 @@ from factory.curation.store import (
     write_profile,
 )
 from factory.curation.tokens import ChatTemplateCounter
+from factory.evals.rejection import rejection_judge
 from factory.experiments import load_experiment
+from resources.judge import JudgeResource
 from resources.lake import LakeResource
 
 EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
@@ -49,16 +51,22 @@ _CHECKS = [
     check_specs=_CHECKS,
     code_version="1",
 )
-def dataset(context: dg.AssetExecutionContext, lake: LakeResource):  # type: ignore[no-untyped-def]
+def dataset(context: dg.AssetExecutionContext, lake: LakeResource,  # type: ignore[no-untyped-def]
+            judge: JudgeResource):
     experiment = load_experiment(context.partition_key)
     config = CurationConfig.from_data_spec(experiment.data)
-    if config.judge_threshold is not None:
-        raise dg.Failure(f"experiment {experiment.name!r} sets data.judge_threshold, but no "
-                         "judge is wired into curation yet; remove it or set it to null")
     session = lake.session(context)
     samples, snapshot = select_samples(session, experiment.data.where)
     counter = ChatTemplateCounter(tokenizer_dir_for(experiment.recipe))
-    result = curate(samples, config, counter)
+    # Rejection sampling (data.judge_threshold): the judge scores each sample's own answer
+    # against the reference-free part of the experiment's rubric.
+    rejection = None
+    judged: dict[str, str] = {}
+    if config.judge_threshold is not None:
+        rejection = rejection_judge(judge.judge(), samples.select(
+            ["sample_id", "messages", "tools"]).to_pylist(), rubric=experiment.eval.rubric)
+        judged = {"judge": rejection.name, "judge_rubric_version": rejection.rubric.version}
+    result = curate(samples, config, counter, judge=rejection)
     write_dataset(session, experiment.name, result)
     train, ev, _ = read_dataset(session, experiment.name)
 
@@ -69,6 +77,7 @@ def dataset(context: dg.AssetExecutionContext, lake: LakeResource):  # type: ign
         "num_eval": ev.num_rows,
         "drops_by_reason": dg.MetadataValue.json(result.drops_by_reason()),
         "samples_snapshot_id": snapshot,
+        **judged,
         "report": dg.MetadataValue.md(result.report),
         **session.metadata(),
     })

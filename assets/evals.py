@@ -133,7 +133,7 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
         "base_model_name_or_path"]
     done = {r["kind"] for r in session.sql(
         "SELECT DISTINCT kind FROM eval_scores WHERE run_id = ? AND rubric_version = ?",
-        [run_id, rubric_.version]).to_pylist()} if _has_scores(session) else set()
+        [run_id, rubric_.version]).to_pylist()} if session.lake.exists("eval_scores") else set()
 
     def record(kind: str, at_step: int | None, path: str | None, answers, scored):  # type: ignore[no-untyped-def]
         out = []
@@ -191,14 +191,6 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
                               metadata={"max_abs_diff": equivalence.max_abs_diff,
                                         "num_tokens": equivalence.num_tokens,
                                         "problems": "\n".join(equivalence.problems)})
-
-
-def _has_scores(session) -> bool:  # type: ignore[no-untyped-def]
-    try:
-        session.sql("SELECT 1 FROM eval_scores LIMIT 1")
-    except Exception:  # first eval ever: the table does not exist yet
-        return False
-    return True
 
 
 @dg.asset(

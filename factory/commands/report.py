@@ -31,5 +31,6 @@ def _report(args: argparse.Namespace) -> int:
     png = plot_png(curves, out / "curve.png")
     page = write_html(curves, png, out / "report.html")
     print(json.dumps({"run_id": args.run_id, "png": str(png), "html": str(page),
-                      "scores": curves.scores, "reference": curves.reference}))
+                      "scores": curves.scores, "reference": curves.reference,
+                      "final_loss": curves.loss[-1][1] if curves.loss else None}))
     return 0

@@ -45,7 +45,9 @@ DATASET_EXTRA = ["split", "split_group", "num_tokens", "num_prompt_tokens",
 
 
 class Judge(Protocol):
-    """Rejection-sampling judge: a score for one sample (higher is better)."""
+    """Rejection-sampling judge: a score for one sample (higher is better). A judge that also
+    has ``score_many(samples) -> list[float]`` gets all the samples of a step at once (so an
+    LLM judge can send them concurrently); ``factory.evals.rejection.RejectionJudge`` does."""
 
     def score(self, sample: dict[str, Any]) -> float: ...
 
@@ -222,7 +224,10 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
             ["sample_id", "messages", "tools"]).to_pylist()}
 
         def judge_scores(ids: list[str]) -> dict[str, float]:
-            return {s: float(judge.score(_judge_input(by_id[s]))) for s in ids}
+            inputs = [_judge_input(by_id[s]) for s in ids]
+            many = getattr(judge, "score_many", None)
+            scores = many(inputs) if many is not None else [judge.score(x) for x in inputs]
+            return {s: float(v) for s, v in zip(ids, scores, strict=True)}
 
     decisions = decide(facts=facts, rows=row_facts, near_edges=edges, overlaps=overlaps,
                        config=config, judge_scores=judge_scores, groups=groups)

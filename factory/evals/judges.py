@@ -118,10 +118,12 @@ class EmbeddedJudge:
         b = model.encode(list(references), normalize_embeddings=True, convert_to_numpy=True)
         return [float(min(1.0, max(0.0, (x * y).sum()))) for x, y in zip(a, b, strict=True)]
 
-    def score(self, rubric: Rubric, items: Sequence[EvalItem],
-              answers: Sequence[Answer]) -> list[ScoreRow]:
+    def score(self, rubric: Rubric, items: Sequence[EvalItem], answers: Sequence[Answer], *,
+              with_reference: bool = True) -> list[ScoreRow]:
+        """One row per answer; ``with_reference`` as in ``LLMJudge.score``."""
         if len(items) != len(answers):
             raise ValueError("score: one answer per item")
+        _check_reference_free(rubric, with_reference)
         sims: list[float] = []
         if any(c.check == "reference_similarity" for c in rubric.criteria):
             sims = self.similarity([_as_text(a) for a in answers],
@@ -140,6 +142,18 @@ class EmbeddedJudge:
             rows.append(ScoreRow(sample_id=item.sample_id, score=s, status="ok",
                                  judge=self.name, criteria=scored, assessment=why))
         return rows
+
+
+REFERENCE_CHECKS = frozenset({"reference_similarity", "json_fields_match"})
+"""Checks that compare with a reference answer: meaningless when there is none."""
+
+
+def _check_reference_free(rubric: Rubric, with_reference: bool) -> None:
+    if not with_reference:
+        needs = [c.name for c in rubric.criteria if c.check in REFERENCE_CHECKS]
+        if needs:
+            raise ValueError("score without a reference: criteria "
+                             + ", ".join(needs) + " compare with one")
 
 
 def _as_text(a: Answer) -> str:
@@ -168,6 +182,17 @@ JUDGE_SYSTEM = (
     'prose and no code fence: {"criteria": [{"name": "<criterion name>", "score": <integer '
     '1-10>, "assessment": "<why>"}]}, one entry per criterion, names exactly as given.'
 )
+
+
+JUDGE_SYSTEM_NO_REFERENCE = (
+    "You are a strict evaluator of an AI assistant's answer. You get the conversation, the "
+    "answer to judge, and criteria. Score the answer on each criterion from 1 (fails it "
+    "completely) to 10 (fully meets it), and write a one or two sentence assessment for each. "
+    "Reply with JSON only, no prose and no code fence: {\"criteria\": [{\"name\": \"<criterion "
+    "name>\", \"score\": <integer 1-10>, \"assessment\": \"<why>\"}]}, one entry per criterion, "
+    "names exactly as given."
+)
+"""For rejection sampling: the answer judged is the sample's own, so there is no reference."""
 
 
 class JudgeOutputError(ValueError):
@@ -254,7 +279,8 @@ class LLMJudge:
                 time.sleep(self.retry_backoff_s * attempt)
         raise JudgeOutputError(f"{problem} (after {self.max_retries + 1} attempts)")
 
-    def _one(self, rubric: Rubric, item: EvalItem, answer: Answer) -> ScoreRow:
+    def _one(self, rubric: Rubric, item: EvalItem, answer: Answer, *,
+             with_reference: bool = True) -> ScoreRow:
         scored = _code_scores(rubric, answer, item.reference)
         asked = [c for c in rubric.criteria if c.check not in CODE_CHECKS]
         attempts = 0
@@ -264,13 +290,15 @@ class LLMJudge:
                                    "facts, same decisions, same format)."
                                    if c.check == "reference_similarity" else c.description)
                 for c in asked)
-            user = (f"## Conversation\n{_render_context(item.messages)}\n\n"
-                    f"## Reference answer\n{_as_text(item.reference)}\n\n"
+            reference = (f"## Reference answer\n{_as_text(item.reference)}\n\n"
+                         if with_reference else "")
+            user = (f"## Conversation\n{_render_context(item.messages)}\n\n{reference}"
                     f"## Answer to judge\n{_as_text(answer)}\n\n## Criteria\n{crit_text}")
             names = [c.name for c in asked]
             try:
                 judged, attempts = self.ask_json(
-                    [{"role": "system", "content": JUDGE_SYSTEM},
+                    [{"role": "system", "content": JUDGE_SYSTEM if with_reference
+                      else JUDGE_SYSTEM_NO_REFERENCE},
                      {"role": "user", "content": user}],
                     lambda text: validate_judgement(text, names))
             except JudgeOutputError as e:
@@ -283,13 +311,16 @@ class LLMJudge:
         return ScoreRow(sample_id=item.sample_id, score=s, status="ok", judge=self.name,
                         criteria=scored, assessment=why, num_attempts=max(attempts, 1))
 
-    def score(self, rubric: Rubric, items: Sequence[EvalItem],
-              answers: Sequence[Answer]) -> list[ScoreRow]:
+    def score(self, rubric: Rubric, items: Sequence[EvalItem], answers: Sequence[Answer], *,
+              with_reference: bool = True) -> list[ScoreRow]:
+        """One row per answer. ``with_reference=False`` (rejection sampling): the prompt shows
+        no reference answer; the rubric must then hold no ``reference_similarity``."""
         if len(items) != len(answers):
             raise ValueError("score: one answer per item")
+        _check_reference_free(rubric, with_reference)
         with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as pool:
-            return list(pool.map(lambda p: self._one(rubric, *p), zip(items, answers,
-                                                                        strict=True)))
+            return list(pool.map(lambda p: self._one(rubric, *p, with_reference=with_reference),
+                                 zip(items, answers, strict=True)))
 
     def propose_criteria(self, items: Sequence[EvalItem], *, max_criteria: int = 4) -> list[
             dict[str, Any]]:

@@ -30,26 +30,30 @@ class RunCurves:
 
 
 def read_curves(lake: Any, run_id: str) -> RunCurves:
-    """Curves of ``run_id`` (``lake``: a Lake or LakeSession)."""
-    t = lake.sql("SELECT kind, step, avg(score) AS mean FROM eval_scores "
-                 "WHERE run_id = ? AND status = 'ok' GROUP BY kind, step ORDER BY step",
-                 [run_id]).to_pylist()
+    """Curves of ``run_id`` (``lake``: a Lake or LakeSession), under the rubric version of the
+    run's newest eval: scores from different rubrics are never averaged together."""
+    root = getattr(lake, "lake", lake)
     curves = RunCurves(run_id=run_id)
+    if not root.exists("eval_scores"):
+        return curves
+    t = lake.sql("SELECT kind, step, avg(score) AS mean FROM eval_scores "
+                 "WHERE run_id = ? AND status = 'ok' AND rubric_version = ("
+                 "  SELECT rubric_version FROM eval_scores WHERE run_id = ? "
+                 "  ORDER BY evaluated_at DESC LIMIT 1) "
+                 "GROUP BY kind, step ORDER BY step", [run_id, run_id]).to_pylist()
     for r in t:
         if r["kind"] == "reference":
             curves.reference = float(r["mean"])
         else:
             curves.scores.append((int(r["step"]), float(r["mean"])))
-    try:
+    if root.exists("checkpoints"):
         paths = lake.sql("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step DESC "
                          "LIMIT 1", [run_id]).to_pylist()
-    except Exception:  # the checkpoints table may not exist yet: a report without loss
-        paths = []
-    if paths:
-        state = Path(paths[0]["path"]) / "trainer_state.json"
-        if state.is_file():
-            hist = json.loads(state.read_text()).get("loss_history", [])
-            curves.loss = [(int(s), float(v)) for s, v in hist if v is not None]
+        if paths:
+            state = Path(paths[0]["path"]) / "trainer_state.json"
+            if state.is_file():
+                hist = json.loads(state.read_text()).get("loss_history", [])
+                curves.loss = [(int(s), float(v)) for s, v in hist if v is not None]
     return curves
 
 
@@ -86,10 +90,12 @@ def write_html(curves: RunCurves, png: Path, dest: Path) -> Path:
     img = base64.b64encode(png.read_bytes()).decode()
     rows = "".join(f"<tr><td>{s}</td><td>{v:.3f}</td></tr>" for s, v in curves.scores)
     ref = f"{curves.reference:.3f}" if curves.reference is not None else "n/a"
+    loss = (f"{curves.loss[-1][1]:.4f} at step {curves.loss[-1][0]}" if curves.loss
+            else "n/a (no trainer_state.json for the run's newest checkpoint)")
     dest.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>run "
         f"{html.escape(curves.run_id)}</title></head><body><h1>run "
         f"{html.escape(curves.run_id)}</h1><img src='data:image/png;base64,{img}'>"
-        f"<p>reference answers: {ref}</p><table border='1'><tr><th>step</th>"
+        f"<p>reference answers: {ref}</p><p>final training loss: {loss}</p><table border='1'><tr><th>step</th>"
         f"<th>mean score</th></tr>{rows}</table></body></html>")
     return dest

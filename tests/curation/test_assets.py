@@ -26,12 +26,14 @@ def _setup(home: Path, monkeypatch: pytest.MonkeyPatch, data: Planted, where: st
 
 def _run(key: str = "support") -> Any:
     from assets.curation import dataset, dataset_profile
+    from resources.judge import JudgeResource
     from resources.lake import LakeResource
 
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("experiments", [key])
     return dg.materialize([dataset, dataset_profile], instance=instance, partition_key=key,
-                          resources={"lake": LakeResource()}, raise_on_error=False)
+                          resources={"lake": LakeResource(), "judge": JudgeResource()},
+                          raise_on_error=False)
 
 
 def _checks(result: Any) -> dict[str, bool]:

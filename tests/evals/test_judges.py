@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -21,6 +18,7 @@ from factory.evals import (
     score_reference,
 )
 from factory.tasks import generate_conversations
+from tests.evals.conftest import JudgeHandler
 
 
 def _rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -73,44 +71,6 @@ def test_embedded_judge_ranks_good_above_bad() -> None:
     assert "json_valid" in rows[0].assessment
 
 
-class _JudgeHandler(BaseHTTPRequestHandler):
-    calls: list[dict[str, Any]] = []
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).calls.append(body)
-        user = body["messages"][1]["content"]
-        if "BROKEN" in user:
-            content = "I think it is a 7/10."  # never the JSON asked for
-        else:
-            names = [ln[2:].split(":")[0] for ln in user.split("## Criteria\n")[1].splitlines()]
-            good = "refund" in user.split("## Answer to judge")[1]
-            content = json.dumps({"criteria": [
-                {"name": n, "score": 9 if good else 2, "assessment": "judged by the stub"}
-                for n in names]})
-        reply = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                     "content": content}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-
-@pytest.fixture()
-def judge_server() -> Iterator[str]:
-    _JudgeHandler.calls = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _JudgeHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
-    server.server_close()
-
-
 def test_llm_judge_scores_retries_and_fails_loudly(judge_server: str) -> None:
     items = items_from_samples(_rows(3, seed=4))
     rubric = infer_rubric([i.reference for i in items])
@@ -130,7 +90,7 @@ def test_llm_judge_scores_retries_and_fails_loudly(judge_server: str) -> None:
     assert failed.score is None  # never a silent zero
     assert failed.error is not None and "malformed judge output" in failed.error
     assert failed.num_attempts == 3
-    broken_calls = [c for c in _JudgeHandler.calls if "BROKEN" in c["messages"][1]["content"]]
+    broken_calls = [c for c in JudgeHandler.calls if "BROKEN" in c["messages"][1]["content"]]
     assert len(broken_calls) == 3  # first try + 2 retries
     assert "invalid" in broken_calls[-1]["messages"][-1]["content"]
 
