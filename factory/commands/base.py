@@ -60,7 +60,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from factory.demo import run_demo
+    from factory.deploy.demo import run_demo
 
     summary = run_demo()
     print(json.dumps(summary))
