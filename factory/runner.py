@@ -19,6 +19,9 @@ def instance() -> Any:
 
     settings = get_settings().ensure()
     os.environ.setdefault("DAGSTER_HOME", str(settings.dagster_home))
+    config = settings.dagster_home / "dagster.yaml"
+    if os.environ["DAGSTER_HOME"] == str(settings.dagster_home) and not config.exists():
+        config.touch()  # the defaults (everything under DAGSTER_HOME), without Dagster's notice
     return dg.DagsterInstance.get()
 
 

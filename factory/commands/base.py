@@ -46,6 +46,8 @@ def _ui(args: argparse.Namespace) -> int:
     settings = get_settings().ensure()
     env = dict(os.environ)
     env.setdefault("DAGSTER_HOME", str(settings.dagster_home))
+    if not (settings.dagster_home / "dagster.yaml").exists():
+        (settings.dagster_home / "dagster.yaml").touch()
     env["FACTORY_HOME"] = str(settings.home)
     print(f"Dagster UI on http://{args.host}:{args.port} (state in {settings.home})", flush=True)
     # dagster dev inherits an ignored SIGINT when started in the background; reset it so
