@@ -2,12 +2,18 @@
 
 Same model (SmolLM2-135M by default), same LoRA (r=8, all linear layers), same samples (a
 realistic length mix: 70% short 40-150 tokens, 25% medium 200-600, 5% long 800-1500), the same
-assistant-only labels, one pass over the data each, same precision. Each side runs in its own
-subprocess so peak RSS is its own. Reports real (non-padding) tokens/s, peak RSS and ratios.
+assistant-only labels, one pass over the data each, same precision, same thread count. Each side
+runs in its own subprocess (one after the other, never together) so peak RSS is its own. Reports
+real (non-padding) tokens per wall second and per CPU second of the process, peak RSS and ratios.
 
-    .venv/bin/python bench/trainer.py                        # full size (slow on CPU)
-    .venv/bin/python bench/trainer.py --num-samples 16 --length-scale 0.25 --max-len 384
+    .venv/bin/python bench/trainer.py                        # full size (slow on CPU; ~18 GB)
+    .venv/bin/python bench/trainer.py --num-samples 48 --length-scale 0.5 --max-len 768 --threads 1
     .venv/bin/python bench/trainer.py --precision fp32
+
+On a shared, loaded CPU, wall-clock rates follow the load more than the code: ``--threads 1``
+avoids OpenMP threads spin-waiting for a descheduled sibling (5x the CPU time at 2 threads
+under a load of 8 on 2 cores), and tokens per CPU second is the steadier figure; ``--repeats``
+alternates the sides and reports medians.
 
 Goal on CPU: >= 2x the baseline's real tokens/s at <= half its peak memory.
 """
@@ -70,6 +76,18 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process has used so far, all its threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _rates(real: float, seconds: float, cpu: float) -> dict[str, Any]:
+    return {"real_tokens": real, "seconds": seconds, "cpu_seconds": cpu,
+            "tokens_per_s": real / seconds, "tokens_per_cpu_s": real / cpu,
+            "peak_rss_gb": _rss_gb(), "loadavg_1m_end": os.getloadavg()[0]}
+
+
 def run_ours(args: argparse.Namespace, data: Path) -> dict[str, Any]:
     import torch
 
@@ -89,14 +107,15 @@ def run_ours(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         trainer.setup()
         trainer.model.train()
         real = 0.0
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_s(), time.perf_counter()
         for step in range(1, trainer.num_steps + 1):
             out = trainer.train_step(step, inject_nan=False)
             real += out["real_tokens"]
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - c0
         rows = trainer.num_steps
-    return {"real_tokens": real, "seconds": elapsed, "tokens_per_s": real / elapsed,
-            "peak_rss_gb": _rss_gb(), "steps": rows, "threads": torch.get_num_threads()}
+        attention = trainer.model.config._attn_implementation
+    return {**_rates(real, elapsed, cpu), "steps": rows, "threads": torch.get_num_threads(),
+            "attention": attention}
 
 
 def run_hf(args: argparse.Namespace, data: Path) -> dict[str, Any]:
@@ -133,10 +152,10 @@ def run_hf(args: argparse.Namespace, data: Path) -> dict[str, Any]:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a: Any, **k: Any) -> None:
-            timing["t0"] = time.perf_counter()
+            timing["c0"], timing["t0"] = _cpu_s(), time.perf_counter()
 
         def on_train_end(self, *a: Any, **k: Any) -> None:
-            timing["t1"] = time.perf_counter()
+            timing["c1"], timing["t1"] = _cpu_s(), time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
         targs = TrainingArguments(
@@ -148,13 +167,13 @@ def run_hf(args: argparse.Namespace, data: Path) -> dict[str, Any]:
                           data_collator=DataCollatorForSeq2Seq(tok, padding="longest"),
                           callbacks=[Clock()])
         trainer.train()
-    elapsed = timing["t1"] - timing["t0"]
+    elapsed, cpu = timing["t1"] - timing["t0"], timing["c1"] - timing["c0"]
     # Trainer shuffles; padding measured over batches in file order is an estimate of it.
     batches = [feats[i:i + args.hf_batch] for i in range(0, len(feats), args.hf_batch)]
     padded = sum(len(b) * max(len(f["input_ids"]) for f in b) for b in batches)
-    return {"real_tokens": real, "padded_tokens": padded, "seconds": elapsed,
-            "tokens_per_s": real / elapsed, "peak_rss_gb": _rss_gb(),
-            "steps": math.ceil(len(feats) / args.hf_batch), "threads": torch.get_num_threads()}
+    return {**_rates(real, elapsed, cpu), "padded_tokens": padded,
+            "steps": math.ceil(len(feats) / args.hf_batch), "threads": torch.get_num_threads(),
+            "attention": model.config._attn_implementation}
 
 
 def main() -> int:
@@ -167,6 +186,10 @@ def main() -> int:
     p.add_argument("--hf-batch", type=int, default=4)
     p.add_argument("--precision", choices=("fp32", "bf16-autocast"), default="bf16-autocast")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--threads", type=int,
+                   help="torch/OpenMP threads for both sides (default: torch's, one per core)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the sides alternately this many times; medians are reported")
     p.add_argument("--side", choices=("both", "ours", "hf"), default="both")
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--json", help="also write the results here")
@@ -176,7 +199,15 @@ def main() -> int:
 
         cache = Path(os.environ.get("FACTORY_TEST_MODELS") or ROOT / ".cache" / "test-models")
         args.model = str(build_smollm2(cache / SMOLLM2_NAME))
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if args.side != "both":
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
         result = (run_ours if args.side == "ours" else run_hf)(args, Path(args.data))
         print("RESULT " + json.dumps(result))
         return 0
@@ -193,31 +224,58 @@ def main() -> int:
         pq.write_table(pa.table({"sample_id": [s["sample_id"] for s in samples],
                                  "messages": [json.dumps(s["messages"]) for s in samples],
                                  "tools": [json.dumps(s["tools"]) for s in samples]}), data)
-        results = {}
-        for side in ("hf", "ours"):
-            cmd = [sys.executable, __file__, "--side", side, "--data", str(data),
-                   *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in vars(args).items()
-                         if k in ("model", "num_samples", "length_scale", "max_len", "hf_batch",
-                                  "precision")), [])]
-            if args.gradient_checkpointing:
-                cmd.append("--gradient-checkpointing")
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode or not line:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                return 1
-            results[side] = json.loads(line[-1][len("RESULT "):])
-    hf, ours = results["hf"], results["ours"]
+        env = dict(os.environ)
+        if args.threads is not None:  # also the OpenMP pool torch may start before main()
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
+        runs: dict[str, list[dict[str, Any]]] = {"hf": [], "ours": []}
+        for _ in range(args.repeats):
+            for side in ("hf", "ours"):
+                cmd = [sys.executable, __file__, "--side", side, "--data", str(data),
+                       *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in vars(args).items()
+                             if k in ("model", "num_samples", "length_scale", "max_len",
+                                      "hf_batch", "precision", "threads") and v is not None),
+                            [])]
+                if args.gradient_checkpointing:
+                    cmd.append("--gradient-checkpointing")
+                load = os.getloadavg()[0]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+                if proc.returncode or not line:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    return 1
+                runs[side].append({**json.loads(line[-1][len("RESULT "):]),
+                                   "loadavg_1m_start": load})
+    hf, ours = (_median_run(runs["hf"]), _median_run(runs["ours"]))
+    if hf["real_tokens"] != ours["real_tokens"]:
+        print(f"error: the sides trained on different real tokens: hf {hf['real_tokens']}, "
+              f"ours {ours['real_tokens']}", file=sys.stderr)
+        return 1
     summary = {"precision": args.precision, "num_samples": args.num_samples,
                "length_scale": args.length_scale, "max_len": args.max_len,
+               "hf_batch": args.hf_batch, "threads": hf["threads"], "repeats": args.repeats,
                "hf": hf, "ours": ours,
                "hf_padding_fraction_est": 1 - hf["real_tokens"] / hf["padded_tokens"],
                "speedup": ours["tokens_per_s"] / hf["tokens_per_s"],
+               "speedup_cpu_time": ours["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"],
                "memory_ratio": ours["peak_rss_gb"] / hf["peak_rss_gb"]}
     print(json.dumps(summary, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the rates over repeats; the largest peak RSS; every run kept under ``runs``."""
+    import statistics
+
+    out = dict(runs[0])
+    for key in ("seconds", "cpu_seconds", "tokens_per_s", "tokens_per_cpu_s"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["peak_rss_gb"] = max(r["peak_rss_gb"] for r in runs)
+    if len(runs) > 1:
+        out["runs"] = [{k: r[k] for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_gb",
+                                          "loadavg_1m_start", "loadavg_1m_end")} for r in runs]
+    return out
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ class TrainConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Module names to adapt (``q_proj``...), or ``["all-linear"]``."""
     precision: str = "fp32"
-    """``fp32``; ``bf16-autocast`` (fp32 weights, bf16 compute); ``bf16`` (bf16 frozen base
-    weights, fp32 adapters, bf16 compute: the GPU default, half the weight memory)."""
+    """``fp32``; ``bf16-autocast`` (bf16 compute, fp32 weights except frozen linear ones, kept
+    in bf16 as autocast would cast them: same results); ``bf16`` (bf16 frozen base weights,
+    fp32 adapters, bf16 compute: the GPU default, half the weight memory)."""
     gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in backward (less memory, ~30% more compute)."""
     frozen_modules: list[str] = field(default_factory=list)

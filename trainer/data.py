@@ -7,8 +7,9 @@ index), and a resumed run recomputes the same batches instead of saving iterator
 
 Packing puts several samples in one row with position ids restarting at 0 per sample and no
 attention mask: transformers 5 then builds a block-diagonal causal mask from the position resets
-(``masking_utils.find_packed_sequence_indices``), so packed samples never attend to each other;
-tests/trainer/test_packing.py checks the per-sample loss against unpacked rows. Row padding is a
+(``masking_utils.find_packed_sequence_indices``), and on CPU ``model.packed_sdpa_attention``
+attends within each segment instead, so packed samples never attend to each other;
+tests/trainer/test_model.py checks the per-sample loss against unpacked rows. Row padding is a
 segment of its own (positions restart there too), unlabeled.
 """
 

@@ -7,6 +7,11 @@ forward (``_FusedLinearCE``), so logits exist for one chunk at a time and backwa
 Plain ``ForCausalLM.forward`` materializes [batch, length, vocab] logits plus their fp32 copy
 and gradient: for SmolLM2 (vocab 49152) at 4 x 1536 tokens that is ~3.6 GB, the bulk of a CPU
 run's peak memory. Here the peak is one chunk: 1024 x 49152 x 4 B = 200 MB.
+
+On CPU, packed rows attend per sample (``packed_sdpa_attention``): one causal SDPA call per
+segment instead of one masked call over the whole row. The result is the block-diagonal mask's,
+but the cost is the sum of the squared sample lengths instead of the squared row length, and
+the unmasked causal kernel is ~2x faster than the masked one (bench/trainer.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from trainer.chat import IGNORE_INDEX
 from trainer.config import TrainConfig
 
 LOSS_CHUNK_TOKENS = 1024
+PACKED_ATTENTION = "factory_packed_sdpa"
+# Decoders whose attention is plain causal softmax attention (no sliding window unless it is
+# wider than the rows, no logit softcapping, no learned position bias), so attending within
+# each packed segment is exactly the block-diagonal mask.
+_PLAIN_ATTENTION_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def load_tokenizer(base_model: str) -> Any:
@@ -43,6 +53,11 @@ def load_model(plan: TrainConfig, device: torch.device) -> Any:
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
     base = AutoModelForCausalLM.from_pretrained(plan.base_model, dtype=dtype,
                                                 attn_implementation="sdpa")
+    if device.type == "cpu" and _plain_attention(base.config, plan.max_seq_len):
+        # Measured on CPU only; on a GPU the per-segment loop is more kernel launches, where a
+        # varlen flash kernel would be the right tool, so GPUs keep the masked SDPA call.
+        _register_packed_attention()
+        base.set_attn_implementation(PACKED_ATTENTION)
     base.config.use_cache = False
     names = [n for n, _ in base.named_modules()]
     for prefix in plan.frozen_modules:
@@ -72,6 +87,9 @@ def load_model(plan: TrainConfig, device: torch.device) -> Any:
             assert not any(f".{f}." in f".{name}." for f in plan.frozen_modules), name
             if p.dtype != torch.float32:
                 p.data = p.data.float()  # adapters always train in fp32
+    if plan.precision == "bf16-autocast" and not plan.use_kernels and plan.parallelism == "single":
+        # (The kernels patcher and FSDP2's flat shards are left with the dtypes they expect.)
+        _store_frozen_linears_in(model, torch.bfloat16)
     if plan.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = model.to(device)
@@ -83,6 +101,97 @@ def load_model(plan: TrainConfig, device: torch.device) -> Any:
         report = apply_kernels(model, cross_entropy=False)
         object.__setattr__(model, "factory_kernel_report", report)  # not a Module attribute
     return model
+
+
+def _store_frozen_linears_in(model: Any, dtype: torch.dtype) -> None:
+    """Frozen ``nn.Linear`` weights and biases in ``dtype`` (the autocast dtype).
+
+    Autocast casts them to ``dtype`` at every use anyway and keeps the casts alive for
+    backward, so storing them cast gives the same results bit for bit (tests/trainer/
+    test_model.py), without the per-step copies and with half their memory. The output head is
+    left alone: it is usually tied to the input embedding, whose fp32 output feeds the residual
+    stream.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    tied = {id(p) for p in head.parameters()} if head is not None else set()
+    for module in model.modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        params = list(module.parameters(recurse=False))
+        if any(p.requires_grad or id(p) in tied for p in params):
+            continue
+        for p in params:
+            p.data = p.data.to(dtype)
+
+
+def _plain_attention(config: Any, max_seq_len: int) -> bool:
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):
+        window = None
+    return (getattr(config, "model_type", None) in _PLAIN_ATTENTION_MODELS
+            and (window is None or window >= max_seq_len)
+            and not getattr(config, "attn_logit_softcapping", None))
+
+
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+    # Calls without segments (padded rows with an attention mask) get exactly sdpa's mask.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+
+
+def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          dropout: float = 0.0, scaling: float | None = None,
+                          segments: list[list[int]] | None = None, **kwargs: Any
+                          ) -> tuple[torch.Tensor, None]:
+    """transformers attention function: causal SDPA within each packed segment.
+
+    ``segments`` (from ``CausalLMLoss``) gives each row's segment lengths; without it this is
+    transformers' own SDPA attention. query/key/value are [B, heads, L, head_dim]; returns
+    [B, L, heads, head_dim] like every transformers attention function.
+    """
+    if segments is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    gqa = query.shape[1] != key.shape[1]
+    rows = []
+    for b, lengths in enumerate(segments):
+        parts = []
+        start = 0
+        for n in lengths:
+            end = start + n
+            parts.append(F.scaled_dot_product_attention(
+                query[b:b + 1, :, start:end], key[b:b + 1, :, start:end],
+                value[b:b + 1, :, start:end], dropout_p=dropout, scale=scaling, is_causal=True,
+                enable_gqa=gqa))
+            start = end
+        assert start == query.shape[2], "segments must cover the row"
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def segment_lengths(position_ids: torch.Tensor) -> list[list[int]]:
+    """Per row, the lengths of the runs of consecutive positions (a packed sample each).
+
+    The same boundaries transformers derives its packed mask from
+    (``masking_utils.find_packed_sequence_indices``): a new segment wherever the position is
+    not the previous one plus one.
+    """
+    pos = position_ids.detach().cpu()
+    breaks = torch.ones_like(pos, dtype=torch.bool)
+    breaks[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    out = []
+    for row in breaks:
+        starts = row.nonzero().flatten().tolist() + [row.numel()]
+        out.append([b - a for a, b in zip(starts, starts[1:], strict=False)])
+    return out
 
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -103,6 +212,11 @@ class _FusedLinearCE(torch.autograd.Function):
                 targets: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden)
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):
+            # The cast autocast would make for each of the two matmuls of every chunk, once:
+            # the same values, one vocab x hidden copy per step instead of two per chunk.
+            weight = weight.to(torch.get_autocast_dtype(device))
         for i in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
             h, t = hidden[i:i + LOSS_CHUNK_TOKENS], targets[i:i + LOSS_CHUNK_TOKENS]
             logits = F.linear(h, weight, bias).float()
@@ -133,11 +247,16 @@ class CausalLMLoss(nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
+        self.packed_attention = \
+            getattr(base.config, "_attn_implementation", None) == PACKED_ATTENTION
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None) -> torch.Tensor:
+        extra: dict[str, Any] = {}
+        if self.packed_attention and attention_mask is None:
+            extra["segments"] = segment_lengths(position_ids)
         out = self.decoder(input_ids=input_ids, position_ids=position_ids,
-                           attention_mask=attention_mask, use_cache=False)
+                           attention_mask=attention_mask, use_cache=False, **extra)
         return out.last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -1,8 +1,9 @@
 """The loss: fused chunked cross-entropy equals the plain one, and packing changes nothing.
 
-Packed rows rely on transformers 5 building block-diagonal causal masks from position-id resets
-when no attention mask is given; these tests prove it numerically against one-sample-per-row
-batches, and show that the same rows with continuous positions (naive packing) do differ.
+Packed rows rely on position-id resets marking the samples: transformers 5 builds block-diagonal
+causal masks from them, and on CPU our attention runs causal SDPA per segment instead. These tests
+prove both numerically against one-sample-per-row batches (which take transformers' masked SDPA
+path), and show that the same rows with continuous positions (naive packing) do differ.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from trainer import model as model_mod
 from trainer.chat import install_chat_template
 from trainer.config import TrainConfig
 from trainer.data import MicroBatchStream, collate, pack, tokenize
-from trainer.model import CausalLMLoss, load_model, load_tokenizer
+from trainer.model import CausalLMLoss, load_model, load_tokenizer, segment_lengths
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,38 @@ def test_packed_and_unpacked_give_the_same_per_sample_loss(tiny) -> None:
     assert leaked, "continuous positions should change the loss of later samples in a row"
 
 
+def test_packed_rows_attend_per_sample_on_cpu(tiny) -> None:
+    model, loss_module, examples, tok = tiny
+    # The per-segment attention is in use, so the two tests above compare it with the masked
+    # path (unpacked rows, and the plain forward of the fused-loss test).
+    assert loss_module.packed_attention
+    assert model.config._attn_implementation == model_mod.PACKED_ATTENTION
+    n = len(examples)
+    rows = pack([len(e.input_ids) for e in examples], list(range(n)), 512)
+    packed = collate(examples, rows, packed=True, pad_id=tok.pad_token_id)
+    width = packed.input_ids.shape[1]
+    expected = []
+    for row in rows:
+        lengths = [len(examples[i].input_ids) for i in row]
+        pad = width - sum(lengths)
+        expected.append(lengths + ([pad] if pad else []))  # padding: a segment of its own
+    assert segment_lengths(packed.position_ids) == expected
+    # Continuous positions are one segment: exactly what transformers' mask makes of them.
+    assert segment_lengths(torch.arange(6).expand(2, 6)) == [[6], [6]]
+    assert segment_lengths(torch.tensor([[0, 1, 2, 0, 1, 5, 6]])) == [[3, 2, 2]]
+
+    # Per-segment and masked attention agree on the same packed rows, token by token.
+    per_segment = loss_module.token_losses(packed.input_ids, packed.position_ids, None,
+                                           packed.labels)
+    loss_module.packed_attention = False
+    try:
+        masked = loss_module.token_losses(packed.input_ids, packed.position_ids, None,
+                                          packed.labels)
+    finally:
+        loss_module.packed_attention = True
+    torch.testing.assert_close(per_segment, masked, rtol=1e-4, atol=1e-5)
+
+
 def test_stream_order_is_deterministic_and_packs_densely(tiny) -> None:
     _, _, examples, tok = tiny
     many = examples * 20
@@ -115,3 +148,33 @@ def test_stream_order_is_deterministic_and_packs_densely(tiny) -> None:
     # Rows of 2048 fit several of the longest (tool) samples: first-fit must fill them >95%.
     dense = pack(lengths, list(range(len(many))), 2048)
     assert sum(lengths) / (len(dense) * 2048) > 0.95
+
+
+def test_bf16_autocast_frozen_linears_in_bf16_change_nothing(tiny_model_dir: Path, tiny) -> None:
+    """bf16-autocast stores frozen linear weights in bf16: bit for bit what autocast computed
+    from fp32 weights (the plan's old behaviour), loss and adapter gradients alike."""
+    _, _, examples, tok = tiny
+    batch = collate(examples, [[0, 1], [2]], packed=True, pad_id=tok.pad_token_id)
+    results = []
+    for precision in ("fp32", "bf16-autocast"):
+        torch.manual_seed(0)  # the same adapter init for both
+        plan = TrainConfig(base_model=str(tiny_model_dir), max_seq_len=512, learning_rate=1e-3,
+                           num_steps=1, lora_rank=4, precision=precision)
+        model = load_model(plan, torch.device("cpu"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.linspace(-0.05, 0.05, p.numel()).view_as(p))
+        dtypes = {p.dtype for n, p in model.named_parameters() if "base_layer" in n}
+        assert dtypes == ({torch.float32} if precision == "fp32" else {torch.bfloat16})
+        head = model.get_base_model().get_output_embeddings()
+        assert head.weight.dtype == torch.float32  # tied to the embedding: untouched
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = CausalLMLoss(model)(batch.input_ids, batch.position_ids, None, batch.labels)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()
+                                        if p.requires_grad}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
