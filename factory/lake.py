@@ -105,6 +105,28 @@ def _retry(fn: Any, *args: Any, **kwargs: Any) -> Any:
     raise AssertionError("unreachable")
 
 
+_CATALOG_INIT_LOCK = threading.Lock()
+
+
+def _open_sql_catalog(settings: Settings) -> Catalog:
+    """The embedded SQLite catalog. Its constructor creates the catalog tables when absent,
+    which races with other threads and processes doing the same ("table already exists",
+    "database is locked"): serialize threads here and retry the cross-process race."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    for attempt in range(20):
+        try:
+            with _CATALOG_INIT_LOCK:
+                return SqlCatalog("factory", uri=f"sqlite:///{settings.catalog_db}",
+                                  warehouse=settings.warehouse.as_uri())
+        except Exception as exc:
+            lost_race = "already exists" in str(exc).lower() or _is_transient(exc)
+            if not lost_race or attempt == 19:
+                raise
+            time.sleep(0.02 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def to_arrow(name: str, data: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Table:
     """Shape rows or an Arrow table to the declared schema of ``name`` (missing columns null)."""
     schema = schema_of(name)
@@ -138,13 +160,7 @@ class Lake:
             if name:
                 self._catalog = load_catalog(name)
             else:
-                from pyiceberg.catalog.sql import SqlCatalog
-
-                self._catalog = SqlCatalog(
-                    "factory",
-                    uri=f"sqlite:///{self.settings.catalog_db}",
-                    warehouse=self.settings.warehouse.as_uri(),
-                )
+                self._catalog = _open_sql_catalog(self.settings)
             try:
                 _retry(self._catalog.create_namespace, NAMESPACE)
             except Exception:

@@ -87,7 +87,8 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
         model=MODEL, messages=MESSAGES, max_tokens=8, stream=True)  # type: ignore[arg-type]
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text
-    wait_until(lambda: _captured("v1") >= 2, what="both calls in samples")
+    # The flusher commits within a second when idle; a loaded CI machine gets more room.
+    wait_until(lambda: _captured("v1") >= 2, timeout_s=120, what="both calls in samples")
 
 
 def _hammer(gateway: ServerThread, stop: threading.Event, results: list[tuple[str, str]],

@@ -132,3 +132,23 @@ def test_two_processes_appending_concurrently_lose_nothing(factory_home: Path) -
     ids = Lake().read("raw_traces", columns=["raw_trace_id"]).column(0).to_pylist()
     assert len(ids) == 300
     assert set(ids) == {f"{w}-{b}-{i}" for w in "ab" for b in range(50) for i in range(3)}
+
+
+def test_threads_opening_a_fresh_catalog_at_once_all_succeed(factory_home: Path) -> None:
+    import threading
+
+    errors: list[str] = []
+
+    def open_catalog() -> None:
+        try:
+            Lake().append("raw_traces", [_trace(threading.get_ident())])
+        except Exception as exc:  # collected: any failure is the finding
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=open_catalog) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert Lake().read("raw_traces").num_rows == 8
