@@ -9,6 +9,7 @@ duplicate and nothing is written for it: re-ingesting a file commits no snapshot
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import gzip
 import io
@@ -321,10 +322,19 @@ class _Writer:
                 done.set()
 
     def _commit(self, batch: _Batch) -> None:
+        raw_snap: int | None = None
         for name, table in batch.tables():
-            snap = self.lake.append(name, table, lineage=self.lineages.get(name, self.lineage))
+            lineage = self.lineages.get(name, self.lineage)
+            if lineage is not None and name != "raw_traces" and raw_snap is not None:
+                # samples / rejected_traces are made from the raw rows just committed: record
+                # that snapshot as their source, so lineage reaches the raw traces.
+                lineage = dataclasses.replace(lineage, reads={**lineage.reads,
+                                                              "raw_traces": raw_snap})
+            snap = self.lake.append(name, table, lineage=lineage)
             if snap is not None:
                 self.summary.snapshots[name] = snap
+                if name == "raw_traces":
+                    raw_snap = snap
 
     def submit(self, batch: _Batch) -> None:
         self.raise_error()

@@ -253,3 +253,17 @@ def test_a_failed_commit_stops_the_later_batches(
         ingest_records(lake, [_chat(i) for i in range(6)], batch_rows=2,
                        background_writes=background)
     assert lake.read("raw_traces").num_rows == 2  # the first batch's raw rows, nothing after
+
+
+def test_samples_lineage_reaches_the_raw_traces_they_came_from(factory_home: Path) -> None:
+    from factory.lake import walk_lineage
+
+    lake = Lake()
+    now = datetime.now(tz=UTC)
+    ingest_records(lake, [RawRecord(payload=conv.openai_call(), source="upload",
+                                    received_at=now, tags={})],
+                   lineage=Lineage(run_id="r1", asset_key="traces"))
+    tree = walk_lineage(lake, "samples")
+    [up] = tree["upstream"]
+    assert (up["table"], up["snapshot_id"]) == ("raw_traces", lake.snapshot_id("raw_traces"))
+    assert lake.snapshot_info("raw_traces")["reads"] == {}  # raw rows have no table source
