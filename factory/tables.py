@@ -14,6 +14,23 @@ NAMESPACE = "factory"
 _TS = pa.timestamp("us", tz="UTC")
 _TAGS = pa.map_(pa.string(), pa.string())
 
+# The columns of a canonical sample, shared by ``samples`` and the per-experiment datasets.
+_SAMPLE_FIELDS: list[tuple[str, pa.DataType]] = [
+    ("sample_id", pa.string()),
+    ("raw_trace_id", pa.string()),
+    ("source", pa.string()),
+    ("provider", pa.string()),
+    ("model", pa.string()),
+    ("messages", pa.string()),        # canonical JSON
+    ("tools", pa.string()),           # canonical JSON
+    ("num_turns", pa.int32()),
+    ("has_images", pa.bool_()),
+    ("has_tool_calls", pa.bool_()),
+    ("created_at", _TS),
+    ("project", pa.string()),
+    ("tags", _TAGS),
+]
+
 TABLES: dict[str, pa.Schema] = {
     # Every input record, once (id = content hash), before anything else happens to it.
     "raw_traces": pa.schema([
@@ -26,21 +43,7 @@ TABLES: dict[str, pa.Schema] = {
         ("payload", pa.string()),         # the record as received (JSON text)
     ]),
     # Canonical samples (shared/docs/canonical-sample.md): one row per conversation of a record.
-    "samples": pa.schema([
-        ("sample_id", pa.string()),
-        ("raw_trace_id", pa.string()),
-        ("source", pa.string()),
-        ("provider", pa.string()),
-        ("model", pa.string()),
-        ("messages", pa.string()),        # canonical JSON
-        ("tools", pa.string()),           # canonical JSON
-        ("num_turns", pa.int32()),
-        ("has_images", pa.bool_()),
-        ("has_tool_calls", pa.bool_()),
-        ("created_at", _TS),
-        ("project", pa.string()),
-        ("tags", _TAGS),
-    ]),
+    "samples": pa.schema(_SAMPLE_FIELDS),
     # Records that could not be normalized, with the field and what was wrong.
     "rejected_traces": pa.schema([
         ("raw_trace_id", pa.string()),
@@ -72,19 +75,7 @@ TABLES: dict[str, pa.Schema] = {
     # Curation (factory/curation): per-experiment datasets; each overwrite is one version.
     **{name: pa.schema([
         ("experiment", pa.string()),
-        ("sample_id", pa.string()),
-        ("raw_trace_id", pa.string()),
-        ("source", pa.string()),
-        ("provider", pa.string()),
-        ("model", pa.string()),
-        ("messages", pa.string()),        # canonical JSON
-        ("tools", pa.string()),           # canonical JSON
-        ("num_turns", pa.int32()),
-        ("has_images", pa.bool_()),
-        ("has_tool_calls", pa.bool_()),
-        ("created_at", _TS),
-        ("project", pa.string()),
-        ("tags", _TAGS),
+        *_SAMPLE_FIELDS,
         ("split", pa.string()),           # train | eval
         ("split_group", pa.string()),     # smallest sample_id of its related-samples group
         ("num_tokens", pa.int32()),       # base tokenizer + chat template
