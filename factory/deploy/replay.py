@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from factory.gateway.app import Receive, Scope, Send
+from factory.gateway.standin import acknowledge_lifespan
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -36,12 +37,8 @@ class ReplayUpstream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].replace("lifespan.", "")
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
+            await acknowledge_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         chunks = []

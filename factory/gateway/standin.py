@@ -19,6 +19,16 @@ import orjson
 
 from factory.gateway.app import Receive, Scope, Send
 
+
+async def acknowledge_lifespan(receive: Receive, send: Send) -> None:
+    """Answer ASGI startup and shutdown for an app with nothing to start or stop."""
+    while True:
+        message = await receive()
+        kind = message["type"].replace("lifespan.", "")
+        await send({"type": f"lifespan.{kind}.complete"})
+        if kind == "shutdown":
+            return
+
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _JSON = [(b"content-type", b"application/json")]
 
@@ -54,12 +64,8 @@ class StandIn:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].replace("lifespan.", "")
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
+            await acknowledge_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         self.num_requests += 1
