@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
 
 from kernels._utils import (
     check_launchable,
@@ -27,6 +26,7 @@ from kernels._utils import (
     row_block,
     rows_per_block,
 )
+from kernels.rms_norm import NormModule
 
 
 @triton.jit
@@ -178,39 +178,8 @@ def gated_rms_norm_reference(
     return (normed * F.silu(gate.to(ct))).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(NormModule):
     """Drop-in for ``Qwen3_5RMSNormGated``: ``forward(hidden_states, gate)``, state ``weight``."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-6,
-        offset: float = 0.0,
-        *,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        init = torch.zeros if offset != 0.0 else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
-        self.variance_epsilon = float(eps)
-        self.offset = float(offset)
-
-    @classmethod
-    def from_module(cls, module: nn.Module, *, offset: float = 0.0) -> GatedRMSNorm:
-        """Wrap an existing gated norm, sharing (not copying) its weight Parameter."""
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-        weight = module.weight
-        assert isinstance(weight, nn.Parameter)
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.weight = weight
-        new.variance_epsilon = float(eps)
-        new.offset = float(offset)
-        return new
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon, self.offset)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}"

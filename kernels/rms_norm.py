@@ -15,6 +15,8 @@ saving ``x_hat``: one float per row instead of a second activation-sized tensor.
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 import triton
 import triton.language as tl
@@ -163,11 +165,12 @@ def rms_norm_reference(
     return (x_hat * (offset + weight.to(ct))).to(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    """Drop-in RMSNorm module; its only state is ``weight``, as in transformers' norms.
+class NormModule(nn.Module):
+    """State and construction shared by the norm modules: a ``weight`` Parameter (the only state,
+    as in transformers' norms), ``variance_epsilon`` (the name transformers code reads) and the
+    weight ``offset``. Subclasses add ``forward``."""
 
-    ``eps`` is also exposed as ``variance_epsilon`` because code in transformers reads that name.
-    """
+    weight: nn.Parameter
 
     def __init__(
         self,
@@ -185,7 +188,7 @@ class RMSNorm(nn.Module):
         self.offset = float(offset)
 
     @classmethod
-    def from_module(cls, module: nn.Module, *, offset: float = 0.0) -> RMSNorm:
+    def from_module(cls, module: nn.Module, *, offset: float = 0.0) -> Self:
         """Wrap an existing norm, sharing (not copying) its weight Parameter."""
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
         weight = module.weight
@@ -197,8 +200,15 @@ class RMSNorm(nn.Module):
         new.offset = float(offset)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon, self.offset)
-
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}"
+
+
+class RMSNorm(NormModule):
+    """Drop-in RMSNorm module; its only state is ``weight``, as in transformers' norms.
+
+    ``eps`` is also exposed as ``variance_epsilon`` because code in transformers reads that name.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon, self.offset)
