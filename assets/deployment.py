@@ -40,11 +40,12 @@ class DeploymentConfig(dg.Config):
 def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
                lake: LakeResource, deployer: DeployerResource) -> dg.MaterializeResult:
     session = lake.session(context)
+    the_deployer = deployer.deployer(session)
     try:
-        dep = deployer.deployer(session).deploy(context.partition_key,
-                                                config.checkpoint or None)
+        dep = the_deployer.deploy(context.partition_key, config.checkpoint or None)
     except (DeploymentError, ValueError) as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
+    sizing = the_deployer.sandbox.metadata() if the_deployer.sandbox else {}
     context.log.info(f"{dep.route_model} -> {dep.endpoint} ({dep.version}, pid {dep.pid})")
     return dg.MaterializeResult(metadata={
         "model": dep.route_model,
@@ -56,5 +57,6 @@ def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
         "backend": dep.backend,
         "pid": dep.pid or 0,
         "log": dg.MetadataValue.path(dep.log_path),
+        "serve_sizing": dg.MetadataValue.json(sizing),
         **session.metadata(),
     })

@@ -5,7 +5,9 @@
 - ``checkpoint_evals`` (one partition per checkpoint, ``<run_id>:<step>``, requested by the
   checkpoint sensor): boots the inference server for the base model with the checkpoint's
   adapter, answers the eval set, judges every answer into ``eval_scores``; the first eval of a
-  run also scores the base model (step 0) and the reference answers (step null). The
+  run also scores the base model (step 0) and the reference answers (step null). The server
+  and the generation are sized by the eval sandbox of the run's plan (``training_plans``;
+  ``InferenceResource`` fields override it), shown in the metadata with each value's source. The
   train/serve equivalence check runs on a few samples as a blocking asset check, and an
   overfitting signal goes to ``early_stops``.
 - ``best_checkpoint`` (per experiment): highest mean score with a bootstrap interval, ties to
@@ -30,6 +32,8 @@ from factory.evals.runner import (
 )
 from factory.evals.selection import detect_overfitting, select_best, summarize
 from factory.experiments import load_experiment
+from factory.inference.launcher import InferenceServerError
+from factory.inference.sandbox import plan_of_run
 from factory.settings import get_settings
 from resources.inference import InferenceResource
 from resources.judge import JudgeResource
@@ -152,15 +156,25 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
         return [r.score for r in scored]
 
     adapter = f"{run_id}-step-{step}"
-    with inference.server(base_model, {adapter: ckpt["path"]}) as server:
+    # Sized by the eval sandbox the planner chose for this run; resource fields override.
+    sandbox = inference.sandbox(plan_of_run(session, run_id, experiment.name),
+                                no_plan_reason=f"run {run_id} has no plan in training_plans")
+    gen = {"max_tokens": sandbox.max_new_tokens, "concurrency": sandbox.batch_size}
+    server = inference.server(base_model, {adapter: ckpt["path"]}, sandbox=sandbox)
+    try:
+        server.start()
+    except InferenceServerError as exc:
+        raise dg.Failure(description=str(exc), metadata={
+            "serve_command": dg.MetadataValue.json(server.command()),
+            "eval_sandbox": dg.MetadataValue.json(sandbox.metadata())}) from None
+    serve_command = server.command()
+    try:
         client = server.client()
         if "base" not in done:
-            answers = generate_answers(client, "base", items, max_tokens=inference.max_tokens,
-                                       concurrency=inference.concurrency)
+            answers = generate_answers(client, "base", items, **gen)
             record("base", 0, None, answers, the_judge.score(rubric_, items,
                                                              [a.answer for a in answers]))
-        answers = generate_answers(client, adapter, items, max_tokens=inference.max_tokens,
-                                   concurrency=inference.concurrency)
+        answers = generate_answers(client, adapter, items, **gen)
         scores = record("checkpoint", step, ckpt["path"], answers,
                         the_judge.score(rubric_, items, [a.answer for a in answers]))
         sample_rows = [{"messages": r["messages"], "tools": r["tools"]}
@@ -169,6 +183,8 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
                                         base_model=base_model,
                                         atol=1e-3 if inference.backend == "transformers"
                                         else 0.1)
+    finally:
+        server.stop()
     if "reference" not in done:
         refs = score_reference(the_judge, rubric_, items)
         record("reference", None, None, [i.reference for i in items], refs)
@@ -186,7 +202,9 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
         "ci_low": summary.ci_low, "ci_high": summary.ci_high,
         "num_failed": summary.num_failed, "judge": the_judge.name,
         "rubric_version": rubric_.version, "early_stop": stop.reason if stop else "",
-        "curve": dg.MetadataValue.path(str(png)), **session.metadata()})
+        "curve": dg.MetadataValue.path(str(png)),
+        "eval_sandbox": dg.MetadataValue.json(sandbox.metadata()),
+        "serve_command": dg.MetadataValue.json(serve_command), **session.metadata()})
     yield dg.AssetCheckResult(check_name="train_serve_equivalence", passed=equivalence.passed,
                               metadata={"max_abs_diff": equivalence.max_abs_diff,
                                         "num_tokens": equivalence.num_tokens,

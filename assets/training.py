@@ -16,7 +16,8 @@ import dagster as dg
 
 from factory.control import CHECKPOINT_PARTITIONS
 from factory.control.jobs import job_from_plan
-from factory.control.loop import RUN_ACTIVE, loss_curve
+from factory.control.loop import RUN_ACTIVE, cancel_run, loss_curve
+from factory.deploy.process import signals_ignored
 from factory.errors import FactoryError
 from resources.lake import LakeResource
 from resources.providers import ProviderResource
@@ -53,28 +54,41 @@ class TrainingRunConfig(dg.Config):
                       "loss curve.")
 def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
                  lake: LakeResource, provider: ProviderResource) -> dg.MaterializeResult:
-    the_lake = lake.lake()
+    session = lake.session(context)
+    the_lake = session.lake
     experiment = config.experiment
     try:
         if config.job_file:
             job = Job.from_json(config.job_file)
         else:
-            job, experiment = job_from_plan(the_lake, context.partition_key)
+            # The plan and dataset snapshots the job is built from are the run's reads (its
+            # submit commit records them for lineage).
+            job, experiment = job_from_plan(the_lake, context.partition_key,
+                                            lineage=session.lineage)
     except (ValueError, FactoryError) as e:
         raise dg.Failure(f"training_run: {e}", allow_retries=False) from None
     plane = provider.plane(the_lake)
-    plane.submit(job, experiment=experiment)
+    plane.submit(job, experiment=experiment, lineage=session.lineage)
     start = time.monotonic()
-    while True:
-        if config.drive:
-            plane.tick()
-        run = plane.runs()[job.run_id]
-        if run.status not in RUN_ACTIVE:
-            break
-        if config.timeout_s is not None and time.monotonic() - start > config.timeout_s:
-            plane.stop_run(job.run_id, reason=f"timeout after {config.timeout_s} s")
-            raise dg.Failure(f"training run {job.run_id} did not end in {config.timeout_s} s")
-        time.sleep(config.poll_s)
+    try:
+        while True:
+            if config.drive:
+                plane.tick()
+            run = plane.runs()[job.run_id]
+            if run.status not in RUN_ACTIVE:
+                break
+            if config.timeout_s is not None and time.monotonic() - start > config.timeout_s:
+                plane.stop_run(job.run_id, reason=f"timeout after {config.timeout_s} s")
+                raise dg.Failure(f"training run {job.run_id} did not end in "
+                                 f"{config.timeout_s} s")
+            time.sleep(config.poll_s)
+    except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError):
+        # Ctrl-C, or the Dagster run terminated (Dagster raises SIGINT and SIGTERM here as
+        # DagsterExecutionInterruptedError): the trainer this run launched must not outlive it.
+        context.log.warning(f"training run {job.run_id} interrupted: cancelling it")
+        with signals_ignored():  # a second Ctrl-C must not cut the cleanup short
+            cancel_run(plane, job.run_id, reason="interrupted")
+        raise
     segs = plane.segments(job.run_id)
     curve = loss_curve(plane.events(job.run_id))
     rows = "\n".join(
@@ -92,6 +106,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     }
     if curve:
         metadata["final_loss"] = curve[-1][1]
+    metadata.update(session.metadata())
     if run.status != "finished":
         raise dg.Failure(f"training run {job.run_id} {run.status}: {run.reason}",
                          metadata=metadata)

@@ -66,6 +66,7 @@ def _print_tree(node: dict[str, Any], depth: int) -> None:
     writer = node["asset_key"] or "(no asset)"
     print(f"{pad}{node['table']}@{node['snapshot_id']}  {node['committed_at']}  "
           f"rows={node['rows']}  by {writer}  run={node['run_id'] or '-'}  "
-          f"code={node['code_version'][:12] or '-'}  (+{node['earlier_snapshots']} earlier)")
+          f"code={node['code_version'][:12] or '-'}  (+{node['earlier_snapshots']} earlier)"
+          + ("  (its sources are shown above)" if node.get("cycle") else ""))
     for child in node["upstream"]:
         _print_tree(child, depth + 1)

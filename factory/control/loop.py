@@ -12,6 +12,11 @@ deadline gets a continuation from the latest verified checkpoint; the old one is
 new one reports ``started``), ``recover`` (failed, NaN or silent segments are resumed from the
 last good checkpoint with bounded retries, backoff and an optional learning-rate backoff),
 ``early_stop`` (runs the evals flagged in ``early_stops`` are stopped after a checkpoint).
+
+Lineage: the commit that submits a run records what the submitter read (the plan and dataset
+snapshots, from the ``training_run`` asset) and names the run in its snapshot summary
+(``RUN_PROPERTY``). Every later commit of that run's events and checkpoints reads that submit
+snapshot, so ``factory lineage`` walks from a checkpoint back to the run, its plan and its data.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from urllib.parse import quote
 
 from factory.control import scheduler
 from factory.control.base import Handle, Provider
-from factory.lake import Lake
+from factory.lake import RUN_ID, Lake, Lineage
 from trainer import checkpoint as ckpt
 from trainer.config import Job
 from trainer.webhooks import read_events
@@ -39,6 +44,31 @@ TERMINAL_EVENTS = ("finished", "failed", "nan", "preempted")
 RUN_ACTIVE = ("queued", "running")
 # End reasons that are our own doing or the sandbox's normal end, not faults.
 NOT_A_FAULT = ("finished", "rollover", "stopped")
+RUN_PROPERTY = "factory.training_run"
+"""Snapshot-summary key naming the run a ``training_runs`` submit commit queued."""
+
+
+@dataclass
+class RunLineage(Lineage):
+    """The lineage of a run's submit commit: the submitter's reads, plus the run's id in the
+    snapshot summary so the commit can be found again (``run_origin``)."""
+
+    training_run: str = ""
+
+    def snapshot_properties(self) -> dict[str, str]:
+        return {**super().snapshot_properties(), RUN_PROPERTY: self.training_run}
+
+
+def run_origin(lake: Lake, run_id: str) -> tuple[int, dict[str, str]] | None:
+    """The ``training_runs`` snapshot that submitted ``run_id`` (the newest submit, if it was
+    submitted again) and its summary properties; None for a run submitted before lineage."""
+    if not run_id or not lake.exists("training_runs"):
+        return None
+    for snap in reversed(lake.table("training_runs").metadata.snapshots):
+        props = dict(snap.summary.additional_properties) if snap.summary else {}
+        if props.get(RUN_PROPERTY) == run_id:
+            return snap.snapshot_id, props
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,15 +245,15 @@ class ControlPlane:
             out.append(row)
         return sorted(out, key=lambda r: (r["event_time"], r["segment_id"] or "", r["seq"]))
 
-    def _write_run(self, run: Run) -> None:
+    def _write_run(self, run: Run, lineage: Lineage | None = None) -> None:
         now = self._stamp()
-        self.lake.append("training_runs", [{
-            "run_id": run.run_id, "experiment": run.experiment, "kind": run.kind,
-            "priority": run.priority, "status": run.status,
-            "job": json.dumps(run.job.to_dict(), sort_keys=True),
-            "num_recoveries": run.num_recoveries, "learning_rate": run.learning_rate,
-            "reason": run.reason, "submitted_at": _dt(run.submitted_at),
-            "updated_at": _dt(now), "not_before": _dt(run.not_before)}])
+        row = {"run_id": run.run_id, "experiment": run.experiment, "kind": run.kind,
+               "priority": run.priority, "status": run.status,
+               "job": json.dumps(run.job.to_dict(), sort_keys=True),
+               "num_recoveries": run.num_recoveries, "learning_rate": run.learning_rate,
+               "reason": run.reason, "submitted_at": _dt(run.submitted_at),
+               "updated_at": _dt(now), "not_before": _dt(run.not_before)}
+        self.lake.append("training_runs", [row], lineage=lineage)
 
     def _write_segments(self, segs: Iterable[Segment]) -> None:
         now = self._stamp()
@@ -240,8 +270,12 @@ class ControlPlane:
 
     # -- submit --------------------------------------------------------------------------------
     def submit(self, job: Job, *, experiment: str = "", kind: str = "train",
-               priority: int | None = None) -> Run:
-        """Queue a run (idempotent per run id: an active run is returned as is)."""
+               priority: int | None = None, lineage: Lineage | None = None) -> Run:
+        """Queue a run (idempotent per run id: an active run is returned as is).
+
+        ``lineage``: who submits and what it read (the plan and dataset snapshots); the submit
+        commit records it, and the run's events and checkpoints point back at that commit.
+        """
         job.validate()
         existing = self.runs().get(job.run_id)
         if existing is not None and existing.status in RUN_ACTIVE:
@@ -252,7 +286,10 @@ class ControlPlane:
                   status="queued", job=job, num_recoveries=0,
                   learning_rate=job.plan.learning_rate, reason="submitted",
                   submitted_at=self.clock())
-        self._write_run(run)
+        self._write_run(run, RunLineage(
+            run_id=lineage.run_id if lineage else "", asset_key=lineage.asset_key if lineage
+            else "training_run", reads=dict(lineage.reads) if lineage else {},
+            training_run=job.run_id))
         return run
 
     # -- events ------------------------------------------------------------------------------
@@ -593,6 +630,31 @@ class ControlPlane:
                 "recoveries": [s.segment_id for s in recovered], "early_stops": stopped}
 
 
+def cancel_run(plane: ControlPlane, run_id: str, *, reason: str,
+               wait_s: float = 60.0) -> list[Segment]:
+    """Cancel an active run (``stop_run``: its providers SIGTERM the trainers, which checkpoint
+    and exit, SIGKILL after their grace) and wait up to ``wait_s`` for the trainers to be gone.
+
+    Returns the segments still running afterwards: empty unless a provider could not stop one
+    (a local trainer launched by another process is only known to this one by its pid).
+    """
+    run = plane.runs().get(run_id)
+    if run is None:
+        return []
+    live = [s for s in plane.segments(run_id) if s.live]
+    if run.status in RUN_ACTIVE:
+        plane.stop_run(run_id, reason=reason, status="cancelled")
+    deadline = time.monotonic() + wait_s
+    while True:
+        # Providers stop asynchronously: the caller (often about to exit) waits here so the
+        # SIGTERM, and the SIGKILL after the grace, are really sent.
+        live = [s for s in live if s.provider in plane.by_name
+                and not plane.by_name[s.provider].status(s.handle).done]
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.1)
+
+
 def event_row(event: dict[str, Any], *, segment_id: str | None, source: str,
               received_at: datetime, key_id: str | None = None) -> dict[str, Any]:
     """A ``training_events`` row for one trainer event."""
@@ -609,9 +671,23 @@ def event_row(event: dict[str, Any], *, segment_id: str | None, source: str,
 
 def store_events(lake: Lake, rows: list[dict[str, Any]]) -> None:
     """Append event rows; each ``checkpoint`` event also becomes a ``checkpoints`` row, verified
-    (manifest, hashes, finite weights) where its location is reachable from here."""
-    if not rows:
-        return
+    (manifest, hashes, finite weights) where its location is reachable from here.
+
+    One commit per run and table: the events commit reads the run's submit snapshot of
+    ``training_runs`` (``run_origin``) and the checkpoints commit reads the events commit, so
+    lineage goes checkpoint -> events -> run -> plan and dataset snapshots.
+    """
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_run.setdefault(row["run_id"], []).append(row)
+    for run_id, run_rows in by_run.items():
+        _store_run_events(lake, run_id, run_rows)
+
+
+def _store_run_events(lake: Lake, run_id: str, rows: list[dict[str, Any]]) -> None:
+    origin = run_origin(lake, run_id)
+    writer = origin[1].get(RUN_ID, "") if origin else ""
+    reads = {"training_runs": origin[0]} if origin else {}
     ckpt_rows = []
     experiments: dict[str, str] | None = None
     for row in rows:
@@ -635,9 +711,13 @@ def store_events(lake: Lake, rows: list[dict[str, Any]]) -> None:
                           "manifest_sha256": event.get("manifest_sha256"),
                           "verified": verified, "received_at": row["received_at"],
                           "event_id": row["event_id"]})
-    lake.append("training_events", rows)
+    # Stamped with the Dagster run that submitted the training run: its trainer wrote these.
+    events_snap = lake.append("training_events", rows, lineage=Lineage(
+        run_id=writer, asset_key="training_run", reads=reads))
     if ckpt_rows:
-        lake.append("checkpoints", ckpt_rows)
+        lake.append("checkpoints", ckpt_rows, lineage=Lineage(
+            run_id=writer, asset_key="checkpoints",
+            reads={"training_events": events_snap} if events_snap is not None else {}))
 
 
 def loss_curve(events: Iterable[dict[str, Any]]) -> list[tuple[int, float]]:

@@ -7,7 +7,8 @@ becomes a verified row of ``checkpoints``, which the checkpoint sensor turns int
 event is acknowledged only after the lake commit, so a 2xx means stored; a storage failure
 answers 503 and the trainer retries. The optional ``?segment=`` query names the control plane's
 segment (it is in the URL the control plane gave that trainer). A retry after a lost response
-is a new signature over the same body: duplicates are dropped by ``event_id``.
+is a new signature over the same body: duplicates are dropped by ``event_id``. The commits
+carry lineage (``store_events``): a checkpoint leads back to the run, its plan and its data.
 """
 
 from __future__ import annotations

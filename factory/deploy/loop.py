@@ -7,11 +7,15 @@ plan's trainer job; while it trains, ``checkpoint_sensor`` is evaluated and each
 makes (a new verified checkpoint) is materialized as ``checkpoint_evals``, so the score curve
 fills in mid-training. Then ``best_checkpoint`` and ``deployment``. ``summary`` reads the
 result back from the lake.
+
+Ctrl-C stops what was started: the training run is cancelled through the control plane (its
+trainer checkpoints and exits, the run is recorded ``cancelled``) and ``factory run`` exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -19,10 +23,14 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from factory.deploy.process import runs_command, signals_ignored, stop_group
 from factory.errors import FactoryError
 from factory.lake import Lake
 
 Progress = Callable[[str], None]
+CANCEL_WAIT_S = 90.0
+"""How long an interrupted ``training_run`` process gets to cancel its run (the trainer's
+checkpoint on SIGTERM plus the provider's grace before SIGKILL) before it is killed."""
 
 
 def _print(line: str) -> None:
@@ -43,9 +51,22 @@ def _step(progress: Progress, label: str, selection: list[str], **kwargs: Any) -
     progress(f"  {label}: materializing {', '.join(selection)} ...")
     result = materialize(selection, raise_on_error=False, **kwargs)
     if not result.success:
+        if _interrupted(result):
+            raise KeyboardInterrupt
         raise FactoryError(f"{label} failed: {_failure(result)}")
     progress(f"  {label}: done in {time.monotonic() - started:.1f} s")
     return result
+
+
+def _interrupted(result: Any) -> bool:
+    """The run failed because it was interrupted (Ctrl-C): Dagster reports the interrupt as a
+    step failure instead of raising it."""
+    for event in result.all_events:
+        if event.event_type_value == "STEP_FAILURE":
+            error = getattr(event.event_specific_data, "error", None)
+            if getattr(error, "cls_name", "") == "DagsterExecutionInterruptedError":
+                return True
+    return False
 
 
 def _failure(result: Any) -> str:
@@ -79,11 +100,13 @@ def _train(run_key: str, evals: _Evals, progress: Progress, *, poll_s: float) ->
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "factory.deploy.loop", "train", run_key,
            "--poll-s", str(min(poll_s, 2.0))]
-    started = time.monotonic()
+    started, since = time.monotonic(), time.time()
     progress(f"  training_run: running (log {log})")
     with open(log, "ab") as out:
+        # Its own session: a Ctrl-C in the terminal reaches this process only, which then
+        # stops the training run in order (below) instead of killing it half way.
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             while proc.poll() is None:
                 evals.tick()
@@ -91,14 +114,75 @@ def _train(run_key: str, evals: _Evals, progress: Progress, *, poll_s: float) ->
                     proc.wait(timeout=poll_s)
                 except subprocess.TimeoutExpired:
                     pass
-        except BaseException:
-            proc.terminate()
-            proc.wait(timeout=60)
+        except BaseException as exc:
+            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopping"
+            progress(f"  training_run: {why}; cancelling the training run ...")
+            with signals_ignored():  # a second Ctrl-C must not leave the trainer running
+                cancelled = stop_training(proc, run_key, since=since)
+            progress(f"  training_run: cancelled {', '.join(cancelled) or 'nothing'}")
             raise
     if proc.returncode != 0:
         tail = log.read_bytes()[-2000:].decode("utf-8", "replace")
         raise FactoryError(f"training_run failed (exit {proc.returncode}); log {log}:\n{tail}")
     progress(f"  training_run: done in {time.monotonic() - started:.1f} s")
+
+
+def stop_training(proc: subprocess.Popen[bytes], run_key: str, *, since: float,
+                  wait_s: float = CANCEL_WAIT_S) -> list[str]:
+    """Stop the ``training_run`` process ``proc`` and the runs of ``run_key`` it submitted
+    (active runs of the key submitted at or after ``since``, a wall-clock time).
+
+    ``proc`` gets SIGINT, which its ``training_run`` asset answers by cancelling the run it
+    submitted (the trainer is SIGTERMed, checkpoints and exits) before it exits itself. Such
+    runs still active afterwards (``proc`` died before it could) are cancelled here, their
+    trainers stopped by pid. Returns the ids of the runs cancelled (by either).
+    """
+    from factory.experiments import run_id
+
+    before = {r.run_id for r in _active_runs(run_id(run_key), since)}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            stop_group(proc.pid, timeout_s=10)
+            proc.wait(timeout=30)
+    for run in _active_runs(run_id(run_key), since):
+        cancel_orphan(run.run_id, reason="interrupted; its training_run process was gone")
+    return sorted(before)
+
+
+def _plane() -> Any:
+    from factory.definitions import defs
+
+    return (defs.resources or {})["provider"].plane(Lake())
+
+
+def _active_runs(prefix: str, since: float) -> list[Any]:
+    from factory.control.loop import RUN_ACTIVE
+
+    lake = Lake()
+    if not lake.exists("training_runs"):
+        return []
+    # Trainer run ids of a run key are "<run_id(key)[:100]>-<plan stamp>" (job_from_plan).
+    return [r for r in _plane().runs().values()
+            if r.status in RUN_ACTIVE and r.run_id.startswith(prefix[:100] + "-")
+            and r.submitted_at >= since]
+
+
+def cancel_orphan(run_id: str, *, reason: str) -> None:
+    """Cancel ``run_id`` from a process that did not launch its trainers: the run is marked
+    cancelled and each live local trainer is stopped by its recorded pid, after checking the
+    pid still runs that segment's job (a recycled pid is left alone)."""
+    from factory.control.loop import cancel_run
+
+    plane = _plane()
+    live = [s for s in plane.segments(run_id) if s.live]
+    cancel_run(plane, run_id, reason=reason, wait_s=0)
+    for seg in live:
+        pid, job = seg.handle.info.get("pid"), seg.handle.info.get("job")
+        if isinstance(pid, int) and job and runs_command(pid, ["--job", str(job)]):
+            stop_group(pid, timeout_s=30)
 
 
 class _Evals:
@@ -238,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                          run_config={"ops": {"training_run": {"config": {
                              "poll_s": args.poll_s}}}})
     if not result.success:
+        if _interrupted(result):
+            print("training_run interrupted: its run was cancelled", file=sys.stderr)
+            return 130
         print(f"training_run failed: {_failure(result)}", file=sys.stderr)
         return 1
     return 0

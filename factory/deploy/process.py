@@ -9,12 +9,14 @@ also the process group id (the server's own children stop with it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from factory.errors import FactoryError
@@ -112,3 +114,19 @@ def stop_group(pid: int, *, timeout_s: float = 60.0) -> str:
     while is_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     return "killed"
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored inside: cleanup after a Ctrl-C (stopping what was started)
+    must not be cut short by a second one. Handlers only change on the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            if handler is not None:
+                signal.signal(sig, handler)

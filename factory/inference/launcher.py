@@ -64,8 +64,11 @@ class InferenceServer:
                  backend: str = "transformers", sizing: ServeSizing | None = None,
                  host: str = "127.0.0.1", port: int | None = None,
                  startup_timeout_s: float = 300.0, threads: int | None = None,
+                 max_batch_size: int | None = None,
                  log_path: str | os.PathLike[str] | None = None,
                  env: Mapping[str, str] | None = None) -> None:
+        """``max_batch_size``: the CPU server's largest batch (default: ``sizing.max_num_seqs``,
+        at most 16); vLLM schedules by ``sizing.max_num_seqs`` instead."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.model = str(model)
@@ -77,6 +80,7 @@ class InferenceServer:
         self.port = port
         self.startup_timeout_s = startup_timeout_s
         self.threads = threads
+        self.max_batch_size = max_batch_size
         self.log_path = Path(log_path) if log_path else None
         self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
@@ -103,7 +107,8 @@ class InferenceServer:
         return cpu_serve_command(self.model, self.adapters,
                                  served_model_name=self.served_model_name, host=self.host,
                                  port=self.port, max_model_len=self.sizing.max_model_len,
-                                 max_num_seqs=min(self.sizing.max_num_seqs, 16),
+                                 max_num_seqs=self.max_batch_size
+                                 or min(self.sizing.max_num_seqs, 16),
                                  threads=self.threads)
 
     def start(self) -> InferenceServer:

@@ -84,3 +84,63 @@ def test_env_secrets(monkeypatch) -> None:
     monkeypatch.setenv("FACTORY_WEBHOOK_SECRET", "abc")
     monkeypatch.setenv("FACTORY_WEBHOOK_KEY_ID", "k9")
     assert env_secrets() == {"k9": b"abc"}
+
+
+def _tables(node: dict) -> set[str]:
+    return {node["table"]}.union(*(_tables(up) for up in node["upstream"]))
+
+
+def _find(node: dict, table: str) -> dict:
+    if node["table"] == table:
+        return node
+    for up in node["upstream"]:
+        try:
+            return _find(up, table)
+        except KeyError:
+            pass
+    raise KeyError(table)
+
+
+def test_checkpoint_lineage_leads_to_the_run_its_plan_and_data(server, make_job,
+                                                               capsys) -> None:
+    """A checkpoint committed by the receiver reads the commit that submitted its run, which
+    recorded the plan and dataset snapshots the run was built from (not whatever
+    ``training_runs`` holds by the time the checkpoint arrives)."""
+    from factory.cli import main
+    from factory.control.loop import ControlPlane
+    from factory.lake import Lineage
+    from resources.providers import LocalProvider
+
+    url, lake = server
+    upstream = Lineage(run_id="plan-run", asset_key="training_plan")
+    plan_snap = lake.append("training_plans", [{"run_key": "exp", "experiment": "exp"}],
+                            lineage=upstream)
+    train_snap = lake.append("dataset_train", [{"experiment": "exp", "sample_id": "a"}])
+    eval_snap = lake.append("dataset_eval", [{"experiment": "exp", "sample_id": "b"}])
+    plane = ControlPlane(lake, [LocalProvider()])
+    session = lake.session(run_id="dagster-run-1", asset_key="training_run")
+    for table in ("training_plans", "dataset_train", "dataset_eval"):
+        session.read(table)
+    plane.submit(make_job("r1"), experiment="exp", lineage=session.lineage)
+    submit_snap = lake.snapshot_id("training_runs")
+    # Later commits of training_runs (another run, a status change) carry no such reads.
+    plane.submit(make_job("r2"), experiment="exp")
+    lake.append("dataset_train", [{"experiment": "exp", "sample_id": "c"}])
+
+    ck = {"event_id": "c1", "run_id": "r1", "type": "checkpoint", "step": 2, "seq": 1,
+          "segment": "x", "time": time.time(), "location": "/nowhere/step-00000002",
+          "manifest_sha256": "ab"}
+    assert _post(url + "?segment=r1-s000", ck).status_code == 200
+    assert main(["lineage", "checkpoints", "--format", "json"]) == 0
+    tree = json.loads(capsys.readouterr().out)
+    assert (tree["asset_key"], tree["run_id"]) == ("checkpoints", "dagster-run-1")
+    [events] = tree["upstream"]
+    assert events["table"] == "training_events"
+    [run] = events["upstream"]
+    assert (run["table"], run["snapshot_id"], run["run_id"]) == (
+        "training_runs", submit_snap, "dagster-run-1")
+    assert run["reads"] == {"training_plans": plan_snap, "dataset_train": train_snap,
+                            "dataset_eval": eval_snap}
+    assert _find(tree, "training_plans")["asset_key"] == "training_plan"
+    assert _tables(tree) == {"checkpoints", "training_events", "training_runs",
+                             "training_plans", "dataset_train", "dataset_eval"}

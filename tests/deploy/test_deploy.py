@@ -23,7 +23,7 @@ import pytest
 from factory.deploy import Deployer
 from factory.deploy.process import is_alive
 from factory.gateway import ServerThread, load_routes
-from factory.lake import Lake, walk_lineage
+from factory.lake import Lake, Lineage, walk_lineage
 from tests.deploy.conftest import factory_cli, wait_until
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,10 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
     from factory.tasks import generate_records
 
     lake = Lake()
+    # Stamped like the ingest asset's commits: samples record the raw_traces snapshot.
     ingest_records(lake, [RawRecord(payload=r, source="upload", received_at=datetime.now(UTC),
-                                    tags={"project": "demo"}) for r in generate_records(30, 0)])
+                                    tags={"project": "demo"}) for r in generate_records(30, 0)],
+                   lineage=Lineage(run_id="test-ingest", asset_key="samples"))
     run = factory_cli("run", "exp", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -73,9 +75,30 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
     assert v1 is not None and v1.version == "v1" and out["endpoint"] == v1.endpoint
     best = lake.sql("SELECT path FROM best_checkpoints").column("path")[0].as_py()
     assert v1.checkpoint == best and v1.step == 2
-    # Lineage: the deployment's snapshot read the best_checkpoints snapshot it served.
+    # Lineage, end to end: from the live deployment's snapshot back through the checkpoint
+    # choice, its evals, the checkpoint, the run, its plan and dataset, to the raw traces.
     tree = walk_lineage(lake, "deployments")
     assert "best_checkpoints" in {n["table"] for n in tree["upstream"]}
+    shown = factory_cli("lineage", "deployments", "--format", "json")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    shown_tree = json.loads(shown.stdout)
+    assert {"deployments", "best_checkpoints", "eval_scores", "rubrics", "checkpoints",
+            "training_events", "training_runs", "training_plans", "dataset_profile",
+            "dataset_train", "dataset_eval", "samples", "raw_traces"} <= _tables(shown_tree)
+    to_checkpoint = _chain_to(shown_tree, "checkpoints")
+    assert [n["table"] for n in to_checkpoint] == [
+        "deployments", "best_checkpoints", "eval_scores", "checkpoints"]
+    assert [n["asset_key"] for n in to_checkpoint] == [
+        "deployment", "best_checkpoint", "checkpoint_evals", "checkpoints"]
+    # From the checkpoint: its events, the run's submit commit, the run's data, the traces.
+    to_traces = [n["table"] for n in _chain_to(to_checkpoint[-1], "raw_traces")]
+    assert to_traces[:3] == ["checkpoints", "training_events", "training_runs"], to_traces
+    assert to_traces[-2:] == ["samples", "raw_traces"], to_traces
+    run = _chain_to(to_checkpoint[-1], "training_runs")[-1]
+    assert set(run["reads"]) == {"training_plans", "dataset_train", "dataset_eval"}
+    assert run["asset_key"] == "training_run"
+    plan = walk_lineage(lake, "training_plans", run["reads"]["training_plans"])
+    assert {"dataset_profile", "samples", "raw_traces"} <= _tables(plan)  # the plan's data
     wait_until(lambda: _route_version(gateway) == "v1", what="route to v1")
 
     client = _client(gateway)
@@ -89,6 +112,21 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
     assert text
     # The flusher commits within a second when idle; a loaded CI machine gets more room.
     wait_until(lambda: _captured("v1") >= 2, timeout_s=120, what="both calls in samples")
+
+
+def _tables(node: dict[str, Any]) -> set[str]:
+    return {node["table"]}.union(*(_tables(up) for up in node["upstream"]))
+
+
+def _chain_to(node: dict[str, Any], table: str) -> list[dict[str, Any]]:
+    """The first path (depth first, reads in name order) from ``node`` down to ``table``."""
+    if node["table"] == table:
+        return [node]
+    for up in node["upstream"]:
+        below = _chain_to(up, table)
+        if below:
+            return [node, *below]
+    return []
 
 
 def _hammer(gateway: ServerThread, stop: threading.Event, results: list[tuple[str, str]],

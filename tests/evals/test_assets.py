@@ -82,6 +82,13 @@ def test_rubric_checkpoint_evals_best_checkpoint(factory_home: Path,
         meta = result.asset_materializations_for_node("checkpoint_evals")[0].metadata
         assert meta["judge"].value == "embedded:all-MiniLM-L6-v2"
         assert Path(meta["curve"].value).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # No plan for this run: the resource's fields are overrides, the rest defaults.
+        sandbox = meta["eval_sandbox"].value
+        assert sandbox["batch_size"]["source"] == "override"
+        assert sandbox["tensor_parallel_size"] == {
+            "value": 1, "source": "default", "reason": f"run {RUN} has no plan in training_plans"}
+        argv = meta["serve_command"].value
+        assert argv[argv.index("--max-num-seqs") + 1] == "4"
 
     rows = lake.read("eval_scores").to_pylist()
     by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)

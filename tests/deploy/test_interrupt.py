@@ -1,0 +1,164 @@
+"""Ctrl-C on ``factory run`` stops what it started: the trainer the control plane launched is
+stopped, the run is recorded ``cancelled``, and the command exits 130. A real ``factory run``
+process on the tiny model gets SIGINT once its trainer reports ``started``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from factory.deploy.process import is_alive
+from factory.lake import Lake
+from tests.deploy.conftest import ROOT, wait_until
+
+pytestmark = pytest.mark.slow
+
+# Far more steps than the test waits for: the trainer is mid-run when the interrupt comes.
+EXPERIMENT = """name: exp
+data: {where: "tags['project'] = 'demo'", eval_fraction: 0.2, max_tokens: 512}
+recipe: smollm2-135m-lora
+overrides: {num_steps: 5000, checkpoint_every_steps: 5000}
+eval: {judge: embedded, rubric: auto, max_samples: 3}
+"""
+
+
+@pytest.fixture()
+def home(factory_home: Path, tiny_model_dir: Path, tmp_path: Path,
+         monkeypatch: pytest.MonkeyPatch) -> Path:
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
+    experiments = tmp_path / "experiments"
+    experiments.mkdir()
+    (experiments / "exp.yaml").write_text(EXPERIMENT)
+    monkeypatch.setenv("FACTORY_MODELS_DIR", str(models))
+    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(experiments))
+    return factory_home
+
+
+def _latest(lake: Lake, table: str, key: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for row in sorted(lake.read(table).to_pylist(), key=lambda r: r["updated_at"]):
+        out[row[key]] = row
+    return out
+
+
+def _started_trainer(lake: Lake) -> tuple[str, int] | None:
+    """(run id, trainer pid) once a trainer has reported ``started``."""
+    if not lake.exists("training_events") or not lake.exists("training_segments"):
+        return None
+    started = {r["segment_id"] for r in lake.read("training_events").to_pylist()
+               if r["type"] == "started"}
+    for seg in _latest(lake, "training_segments", "segment_id").values():
+        pid = json.loads(seg["handle"])["info"].get("pid")
+        if seg["segment_id"] in started and pid and is_alive(pid):
+            return seg["run_id"], int(pid)
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_cancels_the_training_run_and_exits_130(home: Path) -> None:
+    from factory.ingest import RawRecord, ingest_records
+    from factory.tasks import generate_records
+
+    lake = Lake()
+    ingest_records(lake, [RawRecord(payload=r, source="upload", received_at=datetime.now(UTC),
+                                    tags={"project": "demo"}) for r in generate_records(30, 0)])
+    out_path, err_path = home.parent / "run.out", home.parent / "run.err"
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "factory"), "run", "exp"],
+                                env=dict(os.environ), cwd=ROOT, stdout=out_f, stderr=err_f)
+
+    def trainer_started() -> tuple[str, int] | None:
+        if proc.poll() is not None:
+            raise AssertionError(f"factory run exited {proc.returncode} before training:\n"
+                                 f"{err_path.read_text()[-3000:]}")
+        return _started_trainer(lake)
+
+    try:
+        run_id, pid = wait_until(trainer_started, timeout_s=400, what="the trainer to start")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out, err = out_path.read_text(), err_path.read_text()
+    assert proc.returncode == 130, err[-3000:]
+    assert "cancelled" in err and run_id in err
+    assert out == ""  # no summary line: the run did not finish
+    assert not is_alive(pid)  # the trainer is gone, not orphaned
+    run = _latest(lake, "training_runs", "run_id")[run_id]
+    assert (run["status"], run["reason"]) == ("cancelled", "interrupted")
+    segments = [s for s in _latest(lake, "training_segments", "segment_id").values()
+                if s["run_id"] == run_id]
+    assert segments and all(s["status"] == "ended" for s in segments)
+
+
+def test_runs_left_by_a_dead_training_process_are_cancelled_and_their_trainers_stopped(
+        factory_home: Path, tmp_path: Path) -> None:
+    """The fallback of ``stop_training``: the training_run process dies on the interrupt
+    without cancelling its run (killed, or older code), so ``factory run`` cancels the run
+    itself and stops its trainer by the recorded pid, once the pid is checked to still run
+    that segment's job. A run of the key submitted before this ``factory run`` is left alone."""
+    import time
+
+    from factory.control.base import Handle
+    from factory.control.loop import Segment
+    from factory.deploy.loop import _plane, stop_training
+    from factory.experiments import run_id as run_id_for_key
+    from tests.control.conftest import write_data
+    from trainer.config import Job
+
+    data = write_data(tmp_path / "data.parquet", n=4)
+    plane = _plane()
+
+    def submit(suffix: str) -> Job:
+        job = Job.from_dict({"run_id": f"{run_id_for_key('exp')}-{suffix}",
+                             "plan": {"base_model": "m", "max_seq_len": 64,
+                                      "micro_batch_size": 1, "grad_accum_steps": 1,
+                                      "learning_rate": 1e-3, "num_steps": 2, "lora_rank": 4,
+                                      "lora_alpha": 8, "checkpoint_every_steps": 2},
+                             "data_files": [str(data)],
+                             "output_dir": str(tmp_path / suffix)})
+        plane.submit(job, experiment="exp")
+        return job
+
+    older = submit("20260101T000000")
+    since = time.time()
+    job = submit("20260102T000000")
+    job_file = tmp_path / "job.json"
+    # Stands in for the trainer: a process whose command line names the segment's job file.
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                                "--job", str(job_file)], start_new_session=True)
+    # And for the training_run process: SIGINT kills it on the spot, nothing is cancelled.
+    training = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        now = time.time()
+        plane._write_segments([Segment(
+            segment_id=f"{job.run_id}-s000", run_id=job.run_id, seq=0, provider="local",
+            handle=Handle(provider="local", handle_id="elsewhere", launched_at=now,
+                          info={"pid": trainer.pid, "job": str(job_file)}),
+            status="running", launched_at=now, deadline=None, resume_from=None,
+            resume_step=0)])
+        assert stop_training(training, "exp", since=since, wait_s=30) == [job.run_id]
+        assert trainer.wait(timeout=30) == -signal.SIGTERM
+        assert training.returncode == -signal.SIGINT
+    finally:
+        for proc in (trainer, training):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    runs = _plane().runs()
+    assert runs[job.run_id].status == "cancelled"
+    assert runs[older.run_id].status == "queued"
+    [seg] = _plane().segments(job.run_id)
+    assert (seg.status, seg.end_reason) == ("ended", "stopped")
