@@ -38,6 +38,7 @@ import dagster as dg
 
 from factory.control.base import Handle, Provider, ProviderStatus
 from factory.control.loop import ControlConfig, ControlPlane
+from factory.deploy.process import is_alive, runs_command, stop_group
 from factory.lake import Lake
 from factory.settings import get_settings
 from trainer.config import Job
@@ -213,8 +214,26 @@ class _ProcessProvider:
 
     def stop(self, handle: Handle) -> None:
         proc = self._find(handle)
-        if proc is not None and proc.returncode() is None:
+        if proc is None:
+            self._stop_by_pid(handle)
+        elif proc.returncode() is None:
             threading.Thread(target=self._terminate, args=(proc,), daemon=True).start()
+
+    def _stop_by_pid(self, handle: Handle) -> None:
+        """Stop a trainer this process did not launch (an interrupted ``factory run``, a
+        restarted control plane) by its recorded pid: SIGTERM to its process group now, SIGKILL
+        after ``grace_s``. Only when the pid still runs this segment's job: a pid recorded
+        long ago may have been recycled for someone else's process."""
+        pid, job = handle.info.get("pid"), handle.info.get("job")
+        if not (isinstance(pid, int) and job and is_alive(pid)
+                and runs_command(pid, ["--job", str(job)])):
+            return
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        threading.Thread(target=stop_group, args=(pid,), kwargs={"timeout_s": self.grace_s},
+                         name=f"stop-{handle.handle_id}", daemon=True).start()
 
 
 def _noop() -> None:

@@ -15,6 +15,10 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+CLEAR_MARGIN = 0.15
+"""Least gain of the best checkpoint's mean rubric score over the base model's (0..1 scale)
+that counts as a clear win on the embedded task (tests/evals/test_margin.py, ``make demo``)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepScore:

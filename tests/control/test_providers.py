@@ -3,6 +3,7 @@ grace period), capacity accounting, and stop. Stand-in executables keep these fa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -60,3 +61,19 @@ def test_local_stop_and_capacity(factory_home, make_job, tmp_path: Path) -> None
     assert _wait(local, h).exit_code == 75
     assert local.capacity() == 1
     assert Path(h.info["job"]).is_file() and Path(h.info["log"]).exists()
+
+
+def test_stop_by_pid_for_a_trainer_another_process_launched(factory_home, make_job,
+                                                            tmp_path: Path) -> None:
+    polite = _script(tmp_path, "polite", "trap 'exit 75' TERM\nsleep 30 & wait\n")
+    launcher = LocalProvider(max_gpus=1, python=polite)
+    h = launcher.launch(make_job("r"), segment_id="r-s000")
+    time.sleep(0.3)  # let the shell install its trap
+    # A provider of another process knows the segment only by its handle (pid and job file).
+    elsewhere = LocalProvider(name="elsewhere", python=polite)
+    recycled = dataclasses.replace(h, info={**h.info, "job": str(tmp_path / "other.json")})
+    elsewhere.stop(recycled)  # the pid does not run that job: left alone
+    time.sleep(0.5)
+    assert launcher.status(h).state == "running"
+    elsewhere.stop(h)
+    assert _wait(launcher, h).exit_code == 75
