@@ -7,7 +7,10 @@ Generates a JSONL file of mixed realistic records (OpenAI calls with tools and s
 Anthropic calls with thinking and tool use, Gemini calls, ShareGPT and fine-tuning lines, a few
 small images and ~2% broken lines), then times (1) reading and ``orjson.loads`` of every line and
 (2) ``factory ingest`` of the same file into a fresh ``FACTORY_HOME``, each in its own process so
-peak RSS is that phase's own. Prints one JSON line per size.
+peak RSS is that phase's own. Prints a first JSON line with the CPU count and load average, then
+one per size: wall and CPU seconds of both phases and their ratios (ingest CPU counts the worker
+processes), peak RSS of the ingest process and of its largest worker, and the load average
+before and after (other work on the machine inflates wall times, not CPU times or memory).
 """
 
 from __future__ import annotations
@@ -177,20 +180,39 @@ def phase_parse(path: Path) -> dict[str, Any]:
             "records": n, "peak_rss_mb": _peak_rss_mb()}
 
 
-def phase_ingest(path: Path, background_writes: bool = False) -> dict[str, Any]:
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def phase_ingest(path: Path, background_writes: bool = False,
+                 workers: int | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
-    from factory.ingest import ingest_paths
+    from factory.ingest import default_workers, ingest_paths
     from factory.lake import Lake
 
     lake = Lake()
     lake.table("raw_traces"), lake.table("samples"), lake.table("rejected_traces")
     base_rss = _peak_rss_mb()
-    start, cpu = time.perf_counter(), time.process_time()
-    summary = ingest_paths(lake, [path], background_writes=background_writes)
+    start, cpu, child_cpu = time.perf_counter(), time.process_time(), _children_cpu()
+    summary = ingest_paths(lake, [path], background_writes=background_writes, workers=workers)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "cpu_seconds": time.process_time() - cpu, **summary.as_dict(),
-            "num_samples": summary.num_samples,
-            "rss_before_mb": base_rss, "peak_rss_mb": _peak_rss_mb()}
+    # The worker processes have exited (the pool is shut down inside ingest_paths), so their
+    # CPU time and peak RSS are in RUSAGE_CHILDREN.
+    return {"seconds": seconds, "cpu_seconds": time.process_time() - cpu,
+            "workers_cpu_seconds": _children_cpu() - child_cpu,
+            "workers": workers or default_workers(), **summary.as_dict(),
+            "num_samples": summary.num_samples, "rss_before_mb": base_rss,
+            "peak_rss_mb": _peak_rss_mb(),
+            "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+
+
+def _loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages (other work on the machine skews wall times)."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return [round(x, 2) for x in os.getloadavg()]
 
 
 def _child(phase: str, path: Path, home: Path, *extra: str) -> dict[str, Any]:
@@ -209,34 +231,49 @@ def main() -> int:
     parser.add_argument("--file", help=argparse.SUPPRESS)
     parser.add_argument("--background-writes", action="store_true",
                         help="commit batches on a thread while the next one is normalized")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="normalizing processes (default: one per CPU; 1: in process)")
     args = parser.parse_args()
     if args.phase == "parse":
         print(json.dumps(phase_parse(Path(args.file))))
         return 0
     if args.phase == "ingest":
-        print(json.dumps(phase_ingest(Path(args.file), args.background_writes)))
+        print(json.dumps(phase_ingest(Path(args.file), args.background_writes, args.workers)))
         return 0
     extra = ["--background-writes"] if args.background_writes else []
+    if args.workers is not None:
+        extra += ["--workers", str(args.workers)]
+    print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": _loadavg()}))
     for size in [int(s) for s in args.records.split(",")]:
         with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
             path = Path(tmp) / "records.jsonl"
             generate(path, size)
+            load_before = _loadavg()
             parse = _child("parse", path, Path(tmp) / "home-parse")
             ingest = _child("ingest", path, Path(tmp) / "home", *extra)
+            total_cpu = ingest["cpu_seconds"] + ingest["workers_cpu_seconds"]
             print(json.dumps({
                 "records": size,
                 "file_mb": round(path.stat().st_size / 2**20, 1),
+                "workers": ingest["workers"],
                 "parse_only_s": round(parse["seconds"], 2),
                 "ingest_s": round(ingest["seconds"], 2),
                 "samples_per_s": round(ingest["num_samples"] / ingest["seconds"]),
                 "records_per_s": round(size / ingest["seconds"]),
                 "ratio_to_parse_only": round(ingest["seconds"] / parse["seconds"], 1),
-                # CPU seconds of every thread: steadier than wall time on a shared machine.
+                # CPU seconds of every thread and worker process: steadier than wall time on a
+                # shared machine (the wall ratio is what the goal asks; this is its floor on one
+                # core, divided by the cores that were free).
                 "parse_only_cpu_s": round(parse["cpu_seconds"], 2),
-                "ingest_cpu_s": round(ingest["cpu_seconds"], 2),
-                "cpu_ratio_to_parse_only": round(ingest["cpu_seconds"] / parse["cpu_seconds"], 1),
+                "ingest_cpu_s": round(total_cpu, 2),
+                "ingest_main_cpu_s": round(ingest["cpu_seconds"], 2),
+                "ingest_workers_cpu_s": round(ingest["workers_cpu_seconds"], 2),
+                "cpu_ratio_to_parse_only": round(total_cpu / parse["cpu_seconds"], 1),
                 "peak_rss_mb": round(ingest["peak_rss_mb"]),
+                "worker_peak_rss_mb": round(ingest["worker_peak_rss_mb"]),
                 "rss_before_ingest_mb": round(ingest["rss_before_mb"]),
+                "loadavg_before": load_before,
+                "loadavg_after": _loadavg(),
                 "summary": {k: ingest[k] for k in ("read", "ingested", "rejected",
                                                    "duplicates", "num_samples")},
             }))

@@ -26,7 +26,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tag", action="append", default=[], metavar="K=V",
                    help="label every record (repeatable)")
     p.add_argument("--project", default=None, help="project the records belong to")
+    p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                   help="processes that parse and normalize JSON Lines (default: one per CPU; "
+                        "1: all in this process)")
     p.set_defaults(func=_ingest)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_tags(items: list[str]) -> dict[str, str]:
@@ -46,7 +59,8 @@ def _ingest(args: argparse.Namespace) -> int:
     tags = parse_tags(args.tag)
     files = list(iter_files(args.paths))
     lake = Lake()
-    kwargs: dict[str, Any] = {"format": args.format, "tags": tags, "project": args.project}
+    kwargs: dict[str, Any] = {"format": args.format, "tags": tags, "project": args.project,
+                              "workers": args.workers}
     if sys.stderr.isatty():
         from rich.progress import (
             BarColumn,

@@ -169,6 +169,8 @@ def test_cli_prints_one_json_line(factory_home: Path, tmp_path: Path,
     assert main(["ingest", str(path), "--tag", "src=test", "--format", "auto"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == {"read": 14, "ingested": 5, "rejected": 9, "duplicates": 0}
+    assert main(["ingest", str(path), "--workers", "2"]) == 0  # a small file: in process
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["duplicates"] == 14
     assert main(["ingest", str(path), "--tag", "nope"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
     assert main(["ingest", str(tmp_path / "missing.jsonl")]) == 2
@@ -267,3 +269,17 @@ def test_samples_lineage_reaches_the_raw_traces_they_came_from(factory_home: Pat
     [up] = tree["upstream"]
     assert (up["table"], up["snapshot_id"]) == ("raw_traces", lake.snapshot_id("raw_traces"))
     assert lake.snapshot_info("raw_traces")["reads"] == {}  # raw rows have no table source
+
+
+def test_ingest_without_a_lineage_still_leads_from_samples_to_raw_traces(
+        factory_home: Path) -> None:
+    """The gateway's flusher and `factory ingest` run outside Dagster and pass no lineage."""
+    from factory.lake import walk_lineage
+
+    lake = Lake()
+    ingest_records(lake, [RawRecord(payload=conv.openai_call(), source="proxy",
+                                    received_at=datetime.now(tz=UTC), tags={})])
+    tree = walk_lineage(lake, "samples")
+    assert [(u["table"], u["snapshot_id"]) for u in tree["upstream"]] == [
+        ("raw_traces", lake.snapshot_id("raw_traces"))]
+    assert tree["asset_key"] == "samples" and tree["run_id"].startswith("ingest-")

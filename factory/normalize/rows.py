@@ -1,0 +1,236 @@
+"""Records to table rows: the per-record work of ingest, runnable in a worker process.
+
+``factory.ingest`` decides what is written (dedupe, batching, commits); this module does the
+expensive part that needs no lake: parsing JSON Lines, the content hash, format detection,
+normalization and the canonical JSON of each sample. It imports neither the lake nor pyiceberg,
+so a worker process that imports it starts fast. ``process_lines`` is what a worker runs on a
+chunk of lines; the in-process path calls the same functions, so both give the same rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from factory.blobs import BlobStore
+from factory.normalize.canon import (
+    NormalizeError,
+    canonical_json,
+    canonical_json_strings,
+    content_hash,
+    sha256_hex,
+)
+from factory.normalize.detect import detect_format, normalize_record
+from factory.normalize.otlp import is_otlp_export, split_otlp_json
+
+if TYPE_CHECKING:  # numpy is imported where ids are checked: a worker without any starts faster
+    import numpy as np
+
+SampleRow = tuple[Any, ...]
+"""(sample_id, provider, model, messages, tools, num_turns, has_images, has_tool_calls,
+created_at): the columns of a ``samples`` row that come from the conversation itself."""
+
+LineResult = tuple[int, str, str | None, str, str | None, list[SampleRow] | None]
+"""One record of a chunk of lines: (line index in the chunk, raw_trace_id, text, format,
+rejection reason, sample rows). ``text`` None: the line itself is the record's text. Sample
+rows None with no reason: not normalized because the id may already be in the lake (the caller
+normalizes it if it turns out not to be)."""
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``orjson.loads``, falling back to ``json.loads`` for what only it accepts."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        # orjson refuses integers beyond 64 bits, which the JSON grammar allows.
+        return json.loads(text)
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def id_and_text(payload: Any) -> tuple[str, str]:
+    """(raw_trace_id, stored text) of a parsed record that came without its own text."""
+    try:
+        return content_hash(payload), canonical_json_strings(payload)
+    except NormalizeError:  # not JSON-able (a caller bug): keep a readable trace of it
+        text = repr(payload)
+        return sha256_hex(text), text
+
+
+def id_of(payload: Any, text: str | bytes) -> str:
+    """The raw_trace_id of a parsed record whose text is known (the content hash)."""
+    try:
+        return content_hash(payload)
+    except NormalizeError:
+        return sha256_hex(text if isinstance(text, str) else text.decode("utf-8", "replace"))
+
+
+def sample_row(conv: dict[str, Any]) -> SampleRow:
+    """The conversation's own ``samples`` columns (see ``SampleRow``)."""
+    messages_json = conv.get("messages_json") or canonical_json(conv["messages"])
+    tools_json = conv.get("tools_json") or canonical_json(conv["tools"])
+    # Read off the canonical JSON instead of walking the messages again: in compact JSON a
+    # quote inside a string is always escaped, so these only match the structure itself.
+    return (conv["sample_id"], conv.get("provider"), conv.get("model"), messages_json,
+            tools_json, messages_json.count('"role":"assistant"'),
+            '"type":"image"' in messages_json, '"tool_calls":' in messages_json,
+            conv.get("created_at"))
+
+
+def outcome(payload: Any, fmt: str,
+            blobs: BlobStore | None) -> tuple[str | None, list[SampleRow]]:
+    """(rejection reason, sample rows) of one parsed record; never raises for bad input.
+
+    The images of an accepted record are written to ``blobs`` (content-addressed, so writing
+    one twice stores it once).
+    """
+    try:
+        convs = normalize_record(payload, fmt if fmt != "unknown" else "auto")
+    except NormalizeError as exc:
+        return exc.reason, []
+    except RecursionError:
+        return "record: nested too deeply to normalize", []
+    except Exception as exc:  # a normalizer bug quarantines one record, not a batch
+        return f"normalizer failed ({type(exc).__name__}: {exc})", []
+    rows = []
+    for conv in convs:
+        if blobs is not None:
+            for digest, data in conv.get("blobs", {}).items():
+                blobs.put(data, digest)
+        rows.append(sample_row(conv))
+    return None, rows
+
+
+def digests(ids: Sequence[str]) -> np.ndarray:
+    """Each id as 32 bytes (numpy ``S32``): a sha256 hex id is its digest, any other id (a
+    caller's own, like a gateway capture id) the sha256 of its text."""
+    import numpy as np
+
+    joined = "".join(ids)
+    # The usual case in one C call: every id 64 lower-case hex digits. (fromhex skips
+    # whitespace, so 32 bytes per id also proves there was none.)
+    if all(len(s) == 64 for s in ids) and not any(c in joined for c in "ABCDEF"):
+        try:
+            raw = bytes.fromhex(joined)
+        except ValueError:
+            raw = b""
+        if len(raw) == 32 * len(ids):
+            return np.frombuffer(raw, dtype="S32").copy()
+    out = []
+    for s in ids:
+        try:
+            one = bytes.fromhex(s)
+        except ValueError:
+            one = b""
+        if len(one) != 32 or one.hex() != s:  # only the canonical spelling maps to its bytes
+            one = hashlib.sha256(s.encode("utf-8", "surrogatepass")).digest()
+        out.append(one)
+    return np.array(out, dtype="S32")
+
+
+def known_mask(ids: Sequence[str], known: Sequence[np.ndarray]) -> np.ndarray:
+    """A bool per id: is it among ``known`` (sorted ``digests`` arrays)?"""
+    import numpy as np
+
+    found = np.zeros(len(ids), dtype=bool)
+    if not ids:
+        return found
+    keys = digests(ids)
+    for arr in known:
+        if len(arr):
+            # Binary search in the sorted digests: O(n log m), where isin would re-sort them.
+            pos = np.minimum(np.searchsorted(arr, keys), len(arr) - 1)
+            found |= arr[pos] == keys
+    return found
+
+
+# -- worker processes ----------------------------------------------------------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def init_worker(known: list[bytes], settings: Any) -> None:
+    """Set up a worker process: the digests of the known ids and the blob store it writes images to."""
+    import gc
+
+    # Parsed records are acyclic: the cyclic GC only re-walks them (see factory.ingest).
+    gc.set_threshold(50_000, *gc.get_threshold()[1:])
+    if known:
+        import numpy as np
+
+        _WORKER["known"] = [np.frombuffer(b, dtype="S32") for b in known]
+    else:
+        _WORKER["known"] = []
+    _WORKER["blobs"] = BlobStore(settings)
+
+
+def worker_chunk(block: bytes, name: str, first_lineno: int,
+                 format_hint: str) -> list[LineResult]:
+    """``process_lines`` of a block of whole lines, in a worker set up by ``init_worker``."""
+    return process_lines(block.split(b"\n"), name=name, first_lineno=first_lineno,
+                         format_hint=format_hint, known=_WORKER["known"], blobs=_WORKER["blobs"])
+
+
+def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, format_hint: str,
+                  known: Sequence[np.ndarray] = (),
+                  blobs: BlobStore | None = None) -> list[LineResult]:
+    """Every record of a chunk of JSON Lines, in order (see ``LineResult``).
+
+    A line that is not JSON is a record rejected with its file name and line number; an OTLP
+    export on one line is one record per trace. Records whose id may be in ``known`` are not
+    normalized (re-ingesting a file then costs little more than hashing it).
+    """
+    # With nothing known, each line is normalized as soon as it is parsed: holding a chunk's
+    # parsed records alive until a vectorized check made parsing cost 2.5x as much (allocator
+    # and cache misses). With known ids, lines are parsed twice instead: to hash, and to
+    # normalize the ones that are new.
+    check = any(len(a) for a in known)
+    out: list[Any] = []
+    traces: dict[int, Any] = {}  # the split OTLP traces to normalize, by position in ``out``
+    for index, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped:
+            continue
+        try:
+            value = parse_json(stripped)
+        except (ValueError, RecursionError) as exc:
+            text = stripped.decode("utf-8", "replace")
+            reason = f"{name}:{first_lineno + index}: invalid JSON ({first_line(exc)})"
+            out.append((index, sha256_hex(text), text, "unknown", reason, []))
+            continue
+        if is_otlp_export(value):
+            try:
+                split = split_otlp_json(value)
+            except NormalizeError as exc:
+                text = stripped.decode("utf-8", "replace")
+                out.append((index, sha256_hex(text), text, "unknown",
+                            f"{name}: OTLP export: {exc.reason}", []))
+                continue
+            for trace in split:
+                rid, text = id_and_text(trace)
+                if check:
+                    traces[len(out)] = trace
+                    out.append((index, rid, text, "otlp", None, None))
+                else:
+                    out.append((index, rid, text, "otlp", *outcome(trace, "otlp", blobs)))
+            continue
+        fmt = format_hint if format_hint != "auto" else (detect_format(value) or "unknown")
+        rid = id_of(value, stripped)
+        if check:
+            out.append((index, rid, None, fmt, None, None))
+        else:
+            out.append((index, rid, None, fmt, *outcome(value, fmt, blobs)))
+    if not check:
+        return out
+    skip = known_mask([r[1] for r in out], known)
+    for i, entry in enumerate(out):
+        if entry[5] is not None or skip[i]:
+            continue
+        value = traces[i] if i in traces else parse_json(lines[entry[0]].strip())
+        out[i] = (*entry[:4], *outcome(value, entry[3], blobs))
+    return out

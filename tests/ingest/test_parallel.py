@@ -1,0 +1,198 @@
+"""File ingest through worker processes gives the same tables as in process, loses nothing.
+
+Also: the orjson fast path of canonical JSON is byte-identical to the reference encoder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from factory.ingest import ingest_paths
+from factory.lake import Lake
+from factory.normalize.canon import (
+    NormalizeError,
+    canon_json_text,
+    canonical_json,
+    canonical_json_fast,
+)
+from tests.ingest import conversations as conv
+from tests.ingest.test_pipeline import BAD, GOOD
+
+
+def _write(path: Path) -> list[str]:
+    """GOOD and BAD lines interleaved, a blank line, an OTLP export, and repeats of earlier
+    lines further on (so duplicates span blocks); returns the lines."""
+    lines: list[str] = []
+    for i in range(max(len(GOOD), len(BAD))):
+        if i < len(GOOD):
+            lines.append(json.dumps(GOOD[i], ensure_ascii=False))
+        if i < len(BAD):
+            lines.append(BAD[i][0])
+    lines += ["", json.dumps(conv.otlp_export()), lines[0], lines[3], lines[1]]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return lines
+
+
+def _tables(lake: Lake) -> dict[str, list[tuple[Any, ...]]]:
+    """Every table's rows without the receive time, sorted (order across blocks may differ)."""
+    out = {}
+    for name in ("raw_traces", "samples", "rejected_traces"):
+        rows = lake.read(name).to_pylist()
+        out[name] = sorted(tuple(str(v) for k, v in sorted(row.items()) if k != "received_at"
+                                 and not (name == "samples" and k == "created_at"))
+                           for row in rows)
+    return out
+
+
+def _snapshots(lake: Lake) -> dict[str, int | None]:
+    return {t: lake.snapshot_id(t) for t in ("raw_traces", "samples", "rejected_traces")}
+
+
+@pytest.mark.slow
+def test_workers_give_the_same_tables_as_in_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import factory.ingest as ingest_mod
+
+    path = tmp_path / "mixed.jsonl"
+    lines = _write(path)
+    # Blocks of a few lines, so the pool starts and each worker gets several.
+    monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
+    results = {}
+    for workers in (1, 2):
+        home = tmp_path / f"home-{workers}"
+        monkeypatch.setenv("FACTORY_HOME", str(home))
+        lake = Lake()
+        summary = ingest_paths(lake, [path], workers=workers, batch_rows=7)
+        num_records = len(GOOD) + len(BAD) + 1 + 3  # the export is one trace; 3 repeats
+        assert summary.as_dict() == {"read": num_records, "ingested": len(GOOD) + 1,
+                                     "rejected": len(BAD), "duplicates": 3}
+        results[workers] = _tables(lake)
+        reasons = lake.read("rejected_traces").column("reason").to_pylist()
+        assert any(r.startswith("mixed.jsonl:2: invalid JSON") for r in reasons), reasons
+        assert (home / "blobs" / conv.PNG_SHA[:2] / conv.PNG_SHA).read_bytes() == conv.PNG
+
+        before = _snapshots(lake)
+        again = ingest_paths(lake, [path], workers=workers)
+        assert again.as_dict() == {"read": num_records, "ingested": 0, "rejected": 0,
+                                   "duplicates": num_records}
+        assert _snapshots(lake) == before
+    assert results[1] == results[2]
+    assert len(results[2]["raw_traces"]) == len(lines) - 1 - 3  # no blank, no repeats
+
+
+@pytest.mark.slow
+def test_workers_heal_a_crash_between_raw_and_samples(
+        factory_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records the workers skip as already known are normalized here when they have no
+    outcome yet (raw rows committed, then the process died)."""
+    import factory.ingest as ingest_mod
+
+    path = tmp_path / "mixed.jsonl"
+    _write(path)
+    monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
+    lake = Lake()
+    real_append = Lake.append
+
+    def dying_append(self: Lake, name: str, data: object, **kwargs: object) -> object:
+        if name != "raw_traces":
+            raise OSError("process died after the raw_traces commit")
+        return real_append(self, name, data, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Lake, "append", dying_append)
+    with pytest.raises(OSError):
+        ingest_paths(lake, [path], workers=1, batch_rows=1000)
+    monkeypatch.setattr(Lake, "append", real_append)
+    assert lake.snapshot_id("samples") is None
+
+    replay = ingest_paths(lake, [path], workers=2)
+    assert (replay.ingested, replay.rejected) == (len(GOOD) + 1, len(BAD))
+    assert lake.read("samples").num_rows == len(GOOD) + 1
+    assert lake.read("rejected_traces").num_rows == len(BAD)
+
+
+def test_workers_must_be_positive(factory_home: Path, tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps(GOOD[0]) + "\n")
+    with pytest.raises(ValueError, match="workers must be at least 1"):
+        ingest_paths(Lake(), [path], workers=0)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from(
+        ["\x00", "\x1f", "\x7f", "\u2028", "\b", "\f", "\n", "\r", "\t", '"', "\\", "é",
+         "😀"]), max_size=10)
+    | st.sampled_from(["1.5", "1e5", "null", "0.00001", "\ud800"]),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=25)
+
+
+def _reference(value: Any) -> str | type[NormalizeError]:
+    try:
+        return canonical_json(value)
+    except NormalizeError:
+        return NormalizeError
+
+
+def _fast(value: Any) -> str | type[NormalizeError]:
+    try:
+        return canonical_json_fast(value)
+    except NormalizeError:
+        return NormalizeError
+
+
+def _reference_text(value: str) -> str:
+    """``canon_json_text`` of a string as the json module alone computes it."""
+    if value.lstrip()[:1] not in ("{", "["):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        return value
+    if not isinstance(parsed, dict | list):
+        return value
+    try:
+        return json.dumps(parsed, ensure_ascii=False, separators=(",", ":"), sort_keys=True,
+                          allow_nan=False)
+    except (TypeError, ValueError):
+        return value
+
+
+@settings(max_examples=int(__import__("os").environ.get("FUZZ_N", "300")), deadline=None)
+@given(json_values)
+def test_fast_canonical_json_is_byte_identical(value: Any) -> None:
+    assert _fast(value) == _reference(value)
+    text = json.dumps(value)  # floats and NaN as json writes them, big integers included
+    assert canon_json_text(text) == _reference_text(text)
+    assert canon_json_text(" " + text) == _reference_text(" " + text)
+
+
+def test_fast_canonical_json_on_floats_that_print_differently() -> None:
+    for value in ([1e16, 1e-05, 0.00001, 1.5e300, -0.0], {"a": [1e22]}, [float("nan")],
+                  {"x": float("inf")}, [2**70]):
+        assert _fast(value) == _reference(value)
+    assert _fast({"b": 1, "a": ["é", "\u2028"]}) == '{"a":["é","\u2028"],"b":1}'
+
+
+def test_id_digests_are_exact_per_spelling() -> None:
+    import numpy as np
+
+    from factory.normalize.rows import digests, known_mask
+
+    hex_id = "ab" * 32
+    ids = [hex_id, hex_id.upper(), "capture-1", "0" * 64, " " + hex_id[1:]]
+    keys = digests(ids)
+    assert len({bytes(k) for k in keys}) == len(ids)  # no two spellings share a digest
+    assert bytes(keys[0]) == bytes.fromhex(hex_id)
+    assert bytes(digests([hex_id])[0]) == bytes(keys[0])  # the all-hex fast path agrees
+    assert bytes(digests(["0" * 64])[0]).ljust(32, b"\0") == bytes(32)
+    known = [np.sort(digests(ids[:3]))]
+    assert known_mask(ids, known).tolist() == [True, True, True, False, False]
