@@ -44,8 +44,9 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
              fused_attention=True, interconnect="PCIe"),
     Hardware(name="L4", memory_gib=24, bf16_tflops=121, mfu=0.35, max_devices=8,
              fused_attention=True, interconnect="PCIe"),
+    # torch's CPU SDPA is a flash kernel too (it saves the log-sum-exp, not the scores).
     Hardware(name="CPU", memory_gib=16, bf16_tflops=1.0, mfu=0.25, max_devices=1,
-             fused_attention=False, interconnect="none"),
+             fused_attention=True, interconnect="none"),
 )}
 """Hardware by type."""
 

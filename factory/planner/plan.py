@@ -307,12 +307,16 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     # --- memory fit: devices, parallelism, micro-batch, checkpointing -----------------------
     budget = int(hw.memory_gib * GIB * MEMORY_HEADROOM)
     plan.memory_budget = budget
+    dropout = float(plan["lora_dropout"])
 
     def peak(mb: int, gc: bool, shards: int, cp: int = 1) -> MemoryEstimate:
         return estimate_memory(arch, micro_batch_size=mb, seq_len=seq_len, lora_rank=rank,
                                target_modules=targets, precision=precision,
-                               gradient_checkpointing=gc, num_shards=shards,
-                               context_parallel=cp, fused_attention=hw.fused_attention)
+                               gradient_checkpointing=gc, lora_dropout=dropout,
+                               num_shards=shards, context_parallel=cp,
+                               fused_attention=hw.fused_attention,
+                               padding_mask=hw.name == "CPU" and not packing,
+                               host_heap=hw.name == "CPU")
 
     def largest_mb(gc: bool, shards: int, limit: int) -> int:
         best = 0
@@ -326,24 +330,34 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     else:
         device_options = [d for d in (1, 2, 4, 8) if d <= hw.max_devices]
     chosen: tuple[int, int, bool, str] | None = None
+    forced_mb = (int({**dec.overrides, **dec.point}["micro_batch_size"])
+                 if dec.forced("micro_batch_size") else None)
+    unfit: tuple[int, int, bool, str] | None = None
     for devices in device_options:
         per_device = max(1, effective // devices)
         limit = min(MAX_MICRO_BATCH, per_device)
         gcs: list[bool] = ([bool({**dec.overrides, **dec.point}["gradient_checkpointing"])]
                            if dec.forced("gradient_checkpointing") else [False, True])
         for gc in gcs:
-            mb = largest_mb(gc, devices, limit)
-            if dec.forced("micro_batch_size"):
-                mb = int({**dec.overrides, **dec.point}["micro_batch_size"])
-            if mb == 0:
-                continue
-            if not gc and mb < min(4, limit) and len(gcs) > 1 \
-                    and largest_mb(True, devices, limit) > mb:
-                continue  # checkpointing buys a usefully larger micro-batch
+            if forced_mb is not None:
+                # A forced micro-batch: recompute only if it does not fit without.
+                mb = forced_mb
+                if peak(mb, gc, devices).total > budget:
+                    unfit = (devices, mb, gc, "")  # the last, most lenient, try
+                    continue
+            else:
+                mb = largest_mb(gc, devices, limit)
+                if mb == 0:
+                    continue
+                if not gc and mb < min(4, limit) and len(gcs) > 1 \
+                        and largest_mb(True, devices, limit) > mb:
+                    continue  # checkpointing buys a usefully larger micro-batch
             chosen = (devices, mb, gc, "")
             break
         if chosen:
             break
+    if chosen is None and unfit is not None:
+        chosen = unfit  # _validate_plan refuses it, saying what to change
     if chosen is None:
         devices = device_options[-1]
         cp_needed = next((cp for cp in (2, 4, 8) if cp <= devices

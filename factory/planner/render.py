@@ -41,7 +41,9 @@ def plan_table(plan: Plan) -> str:
                      f", adapters+grads+optimizer "
                      f"{mem['adapters'] + mem['gradients'] + mem['optimizer']:.2f}, activations "
                      f"{mem['activations']:.2f}, logits {mem['logits']:.2f}, overhead "
-                     f"{mem['overhead']:.2f}).")
+                     f"{mem['overhead']:.2f}"
+                     + (f", kept by the CPU allocator {mem['retained']:.2f}"
+                        if mem["retained"] else "") + ").")
     if plan.estimates:
         e = plan.estimates
         lines.append(f"Estimated ~{e['steps']:.0f} steps of ~{e['step_seconds']:.3g} s: "

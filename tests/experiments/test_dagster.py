@@ -14,7 +14,7 @@ import pytest
 from assets.planning import training_plan
 from factory.lake import Lake
 from resources.lake import LakeResource
-from sensors.experiments import evaluate, experiments_sensor
+from sensors.experiments import MIN_INTERVAL_S, evaluate, experiments_sensor
 
 EXP = """\
 name: sup
@@ -123,3 +123,36 @@ def test_sensor_skips_bad_file_and_fires_on_schedule(exp_dir: Path) -> None:
     assert sorted(str(r.run_key) for r in requests) == [
         "sup/learning_rate=0.0001@20260506T0300", "sup/learning_rate=0.0002@20260506T0300"]
     assert evaluate(cursor, datetime(2026, 5, 6, 3, 1, tzinfo=UTC))[0] == []
+
+
+def test_edited_sweep_is_planned_in_dagster_within_a_minute(exp_dir: Path) -> None:
+    """Edit -> sensor tick -> the new point's run exists in the instance with its plan written.
+
+    The daemon's part is done here by hand, as it does it: apply the result's dynamic partition
+    requests, then launch each run request (in process). The worst case is a full sensor
+    interval before the tick, plus the tick, plus the run.
+    """
+    Lake().append("dataset_profile", [PROFILE])
+    instance = dg.DagsterInstance.ephemeral()
+    first: Any = _sense(dg.build_sensor_context(instance=instance))
+    for req in first.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+
+    (exp_dir / "sup.yaml").write_text(EXP.replace("[1.0e-4, 2.0e-4]", "[1.0e-4, 2.0e-4, 4.0e-4]"))
+    started = time.monotonic()
+    edited: Any = _sense(dg.build_sensor_context(instance=instance, cursor=first.cursor))
+    for req in edited.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+    new = next(r for r in edited.run_requests if r.partition_key == "sup/learning_rate=0.0004")
+    result = dg.materialize([training_plan], partition_key=new.partition_key,
+                            resources={"lake": LakeResource()}, instance=instance,
+                            tags={**new.tags, "dagster/run_key": new.run_key})
+    elapsed = time.monotonic() - started
+
+    assert result.success
+    assert "sup/learning_rate=0.0004" in instance.get_dynamic_partitions("runs")
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": new.partition_key}))
+    assert [r.tags["dagster/run_key"] for r in runs] == [new.run_key]
+    plans = Lake().read("training_plans").to_pylist()
+    assert [json.loads(p["train_config"])["learning_rate"] for p in plans] == [4e-4]
+    assert MIN_INTERVAL_S + elapsed < 60, f"{MIN_INTERVAL_S} s interval + {elapsed:.1f} s"

@@ -26,7 +26,11 @@ def test_long_uniform_lengths() -> None:
                           completion_tokens_p50=400, completion_tokens_p99=500,
                           completion_tokens_max=600))
     assert p["max_seq_len"] == 3648  # 3600 rounded up to 64
+    assert p.decisions["max_seq_len"].rule == "seq.cover_longest"
+    assert "3600 tokens" in p.decisions["max_seq_len"].reason
     assert p["packing"] is False
+    assert p.decisions["packing"].rule == "packing.uniform_lengths"
+    assert "2900 tokens" in p.decisions["packing"].reason
 
 
 def test_mixed_lengths_pack() -> None:
@@ -47,7 +51,9 @@ def test_tiny_dataset() -> None:
     p = make_plan(experiment(), profile(num_samples=200))
     assert p["effective_batch_size"] == 4
     assert p.decisions["effective_batch_size"].rule == "batch.tiny_dataset"
+    assert "200 samples" in p.decisions["effective_batch_size"].reason
     assert p["num_epochs"] == 3.0
+    assert p.decisions["num_epochs"].rule == "epochs.tiny_dataset"
     assert p["lora_dropout"] == 0.1
     assert p.decisions["lora_dropout"].rule == "lora.dropout_small_dataset"
     assert p["lora_rank"] == 16
@@ -96,8 +102,10 @@ def test_images_freeze_vision_tower_and_text_models_refuse_images() -> None:
 
 
 def _on(gpu: str, recipe: str = "llama-3.1-8b-lora", **kw: object):  # noqa: ANN202
-    return make_plan(experiment(recipe, overrides={"gpu": gpu}, data={"max_tokens": 8192}),
-                     profile(prompt_tokens_max=6000, prompt_tokens_p99=4000, **kw))
+    # Long (16k-token) samples, 50k of them: memory, not the batch size, limits the micro-batch.
+    return make_plan(experiment(recipe, overrides={"gpu": gpu}, data={"max_tokens": 16384}),
+                     profile(num_samples=50_000, prompt_tokens_max=14000,
+                             prompt_tokens_p99=7000, **kw))
 
 
 @pytest.mark.parametrize(("gpu", "devices", "micro", "util"), [
@@ -106,13 +114,26 @@ def _on(gpu: str, recipe: str = "llama-3.1-8b-lora", **kw: object):  # noqa: ANN
 ])
 def test_each_gpu_type(gpu: str, devices: int, micro: int, util: float) -> None:
     p = _on(gpu)
-    assert p["gpu"] == gpu and p["precision"] == "bf16"
+    assert p["gpu"] == gpu and p.decisions["gpu"].rule == "override"
+    assert p["precision"] == "bf16" and p.decisions["precision"].rule == "precision.gpu_bf16"
+    assert gpu in p.decisions["precision"].reason
     assert p["num_devices"] == devices and p["micro_batch_size"] == micro
+    assert p.decisions["micro_batch_size"].rule == "memory.largest_micro_batch"
+    assert f"fits {gpu} memory" in p.decisions["micro_batch_size"].reason
+    # 16k tokens per row never fit without recomputation, on any of them.
+    assert p["gradient_checkpointing"] is True
+    assert p.decisions["gradient_checkpointing"].rule == "memory.checkpointing"
+    assert f"with it {micro}" in p.decisions["gradient_checkpointing"].reason
     assert p["parallelism"] == ("single" if devices == 1 else "fsdp2")
     if devices > 1:
         assert p.decisions["num_devices"].rule == "devices.shard_to_fit"
         assert "FSDP2 over 8" in p.decisions["num_devices"].reason
+        assert p.decisions["parallelism"].rule == "parallel.fsdp2"
+    else:
+        assert p.decisions["num_devices"].rule == "devices.fits_one"
+        assert p.decisions["parallelism"].rule == "parallel.single"
     assert p["eval_gpu_memory_utilization"] == util
+    assert p.decisions["eval_gpu_memory_utilization"].rule == "eval.memory_utilization"
     assert p.memory is not None and p.memory.total <= HARDWARE[gpu].memory_gib * 2**30 * 0.9
     assert p["micro_batch_size"] * p["num_devices"] * p["grad_accum_steps"] \
         == p["effective_batch_size"]
@@ -122,6 +143,10 @@ def test_cpu_plan_and_gradient_checkpointing_flip() -> None:
     p = make_plan(experiment(), profile(num_samples=200))
     assert p["gpu"] == "CPU" and p["precision"] == "bf16-autocast"
     assert p.decisions["precision"].rule == "precision.cpu_autocast"
+    # 1728-token rows: recomputation doubles the micro-batch that fits in 16 GiB.
+    assert p["gradient_checkpointing"] is True and p["micro_batch_size"] == 4
+    assert p.decisions["gradient_checkpointing"].rule == "memory.checkpointing"
+    assert "only micro-batch 2 fits; with it 4" in p.decisions["gradient_checkpointing"].reason
     short = make_plan(experiment(), profile(num_samples=200, prompt_tokens_max=100,
                                             prompt_tokens_p99=90, completion_tokens_max=50,
                                             completion_tokens_p99=40))
@@ -197,3 +222,18 @@ def test_checkpoints_come_at_least_as_often_as_evals() -> None:
                                            completion_tokens_p99=40))
     assert plan["checkpoint_every_steps"] == plan["eval_every_steps"]
     assert plan.decisions["checkpoint_every_steps"].rule == "ckpt.eval"
+
+
+def test_forced_micro_batch_recomputes_only_when_it_must() -> None:
+    short = make_plan(experiment(overrides={"micro_batch_size": 1}), profile(num_samples=200))
+    assert short["micro_batch_size"] == 1 and short.decisions["micro_batch_size"].overridden
+    assert short["gradient_checkpointing"] is False
+    assert short.decisions["gradient_checkpointing"].rule == "memory.no_recompute"
+    long = profile(num_samples=5000, prompt_tokens_max=7000, prompt_tokens_p99=5000)
+    fits = make_plan(experiment(data={"max_tokens": 8192}, overrides={"micro_batch_size": 2}),
+                     long)
+    assert fits["gradient_checkpointing"] is True
+    assert fits.decisions["gradient_checkpointing"].rule == "memory.checkpointing"
+    with pytest.raises(PlanError, match="needs .* GiB per device.*micro_batch_size: 4") as err:
+        make_plan(experiment(data={"max_tokens": 8192}, overrides={"micro_batch_size": 8}), long)
+    assert "gradient_checkpointing: true" not in str(err.value)  # it is already on

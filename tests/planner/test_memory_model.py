@@ -1,0 +1,38 @@
+"""The memory model against our own trainer: a planned job run by ``python -m trainer`` on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from factory.planner import memory
+from factory.planner.calibration import MeasureConfig, measure
+
+
+def test_loss_chunk_matches_the_trainer() -> None:
+    from trainer.model import LOSS_CHUNK_TOKENS
+
+    assert memory.LOSS_CHUNK_TOKENS == LOSS_CHUNK_TOKENS
+
+
+def test_estimate_within_25_percent_of_a_real_trainer_run(tiny_model_dir: Path,
+                                                          factory_home: Path,
+                                                          tmp_path: Path) -> None:
+    # 4 packed rows of 512 tokens under the planner's CPU precision (bf16 autocast): two loss
+    # chunks, so the estimate is dominated by the chunked loss's buffers.
+    config = MeasureConfig(model="tiny-llama", seq_len=512, micro_batch_size=4, packing=True)
+    m = measure(config, threads=1, work_dir=tmp_path, model_path=tiny_model_dir)
+    cfg = m.plan.train_config()
+    assert (cfg["micro_batch_size"], cfg["max_seq_len"], cfg["precision"], cfg["packing"]) \
+        == (4, 512, "bf16-autocast", True)
+    assert m.plan.memory is not None and m.estimated == m.plan.memory.total
+    assert m.load_peak < m.measured  # the step, not the model load, is the peak measured
+    assert abs(m.error) <= 0.25, m.row()
+
+    # The check has teeth: the full-logits accounting the trainer avoids (batch x seq x vocab
+    # logits, their fp32 copy, log-softmax and gradient: 16 bytes each) would be far off.
+    est = m.plan.memory
+    vocab = 49152
+    full_logits = est.total - est.logits + 4 * 512 * vocab * 16
+    assert abs(full_logits - m.measured) / m.measured > 0.25
+    # So would leaving the loss out altogether.
+    assert abs(est.total - est.logits - m.measured) / m.measured > 0.25
