@@ -3,18 +3,25 @@
 Partitioned per experiment with the dynamic partitions ``experiments`` (the partition key is
 the experiment name; ``factory dataset NAME`` and the experiments sensor add keys). The three
 checks are blocking: when one fails, ``dataset_profile`` (and all that reads it) does not run.
+
+Two engines, one logic: the run config ``engine`` picks the embedded engine (default: in
+process, feature batches over every core) or Spark (reads the samples snapshot's Parquet files,
+writes the datasets as Parquet that the lake commits with ``add_files``). Both give the same
+datasets (tests/curation/test_spark.py).
 """
 
 import json
+from typing import Any
 
 import dagster as dg
 
 from factory.curation.config import CurationConfig
-from factory.curation.pipeline import curate
+from factory.curation.pipeline import curate, default_workers
 from factory.curation.profile import build_profile
 from factory.curation.store import (
     empty_assistant_turns,
     read_dataset,
+    sample_files,
     select_samples,
     tokenizer_dir_for,
     train_eval_overlap,
@@ -22,12 +29,24 @@ from factory.curation.store import (
     write_profile,
 )
 from factory.curation.tokens import ChatTemplateCounter
+from factory.errors import FactoryError
 from factory.evals.rejection import rejection_judge
-from factory.experiments import load_experiment
+from factory.experiments import CURATION_ENGINES, load_experiment
 from resources.judge import JudgeResource
 from resources.lake import LakeResource
 
 EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
+
+
+
+class DatasetConfig(dg.Config):
+    """Run config of ``dataset`` (``factory dataset NAME --engine spark`` sets it)."""
+
+    engine: str = ""
+    """``embedded`` (in process) or ``spark`` (a local Spark session; same datasets); empty:
+    the experiment file's ``data.engine``."""
+    num_workers: int = 0
+    """Embedded engine: processes computing sample features; 0 uses every core."""
 
 _CHECKS = [
     dg.AssetCheckSpec("no_empty_assistant_turns", asset="dataset", blocking=True,
@@ -51,27 +70,32 @@ _CHECKS = [
     check_specs=_CHECKS,
     code_version="1",
 )
-def dataset(context: dg.AssetExecutionContext, lake: LakeResource,  # type: ignore[no-untyped-def]
-            judge: JudgeResource):
+def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: ignore[no-untyped-def]
+            lake: LakeResource, judge: JudgeResource):
+    if config.engine and config.engine not in CURATION_ENGINES:
+        raise FactoryError(f"engine {config.engine!r}: choose one of {', '.join(CURATION_ENGINES)}")
     experiment = load_experiment(context.partition_key)
-    config = CurationConfig.from_data_spec(experiment.data)
+    engine = config.engine or experiment.data.engine
+    cur = CurationConfig.from_data_spec(experiment.data)
     session = lake.session(context)
-    samples, snapshot = select_samples(session, experiment.data.where)
-    counter = ChatTemplateCounter(tokenizer_dir_for(experiment.recipe))
-    # Rejection sampling (data.judge_threshold): the judge scores each sample's own answer
-    # against the reference-free part of the experiment's rubric.
-    rejection = None
+    tokenizer_dir = tokenizer_dir_for(experiment.recipe)
     judged: dict[str, str] = {}
-    if config.judge_threshold is not None:
-        rejection = rejection_judge(judge.judge(), samples.select(
-            ["sample_id", "messages", "tools"]).to_pylist(), rubric=experiment.eval.rubric)
+    if engine == "spark":
+        result, snapshot, rejection = _curate_on_spark(session, experiment, cur, tokenizer_dir,
+                                                       judge)
+    else:
+        samples, snapshot = select_samples(session, experiment.data.where)
+        rejection = _rejection(judge, experiment, cur, samples)
+        result = curate(samples, cur, ChatTemplateCounter(tokenizer_dir), judge=rejection,
+                        num_workers=config.num_workers or default_workers())
+        write_dataset(session, experiment.name, result)
+    if rejection is not None:
         judged = {"judge": rejection.name, "judge_rubric_version": rejection.rubric.version}
-    result = curate(samples, config, counter, judge=rejection)
-    write_dataset(session, experiment.name, result)
     train, ev, _ = read_dataset(session, experiment.name)
 
     yield dg.MaterializeResult(metadata={
         "experiment": experiment.name,
+        "engine": engine,
         "num_selected": result.num_selected,
         "num_train": train.num_rows,
         "num_eval": ev.num_rows,
@@ -95,6 +119,40 @@ def dataset(context: dg.AssetExecutionContext, lake: LakeResource,  # type: igno
                               metadata={"num_eval": ev.num_rows})
 
 
+def _rejection(judge: JudgeResource, experiment: Any, cur: CurationConfig,
+               samples: Any) -> Any:
+    """Rejection sampling (data.judge_threshold): the judge scores each sample's own answer
+    against the reference-free part of the experiment's rubric; None without a threshold."""
+    if cur.judge_threshold is None:
+        return None
+    return rejection_judge(judge.judge(), samples.select(["sample_id", "messages", "tools"])
+                           .to_pylist(), rubric=experiment.eval.rubric)
+
+
+def _curate_on_spark(session: Any, experiment: Any, cur: CurationConfig, tokenizer_dir: Any,
+                     judge: JudgeResource) -> tuple[Any, int | None, Any]:
+    """Curate on a local Spark session and commit its Parquet with ``add_files``."""
+    try:
+        from factory.curation.spark import commit, curate_spark, local_session
+    except ImportError as exc:  # pyspark is the optional extra `spark`
+        raise FactoryError(f"engine 'spark' needs pyspark (pip install 'factory[spark]'): "
+                           f"{exc}") from exc
+    files, snapshot = sample_files(session)
+    spark = local_session()
+    try:
+        samples = spark.read.parquet(*files).where(experiment.data.where)
+        rejection = None
+        if cur.judge_threshold is not None:
+            rejection = _rejection(judge, experiment, cur, samples.select(
+                "sample_id", "messages", "tools").toArrow())
+        result = curate_spark(spark, samples, cur, str(tokenizer_dir), judge=rejection)
+        staging = session.lake.settings.warehouse / "spark-staging"
+        commit(session, experiment.name, result, str(staging))
+    finally:
+        spark.stop()
+    return result, snapshot, rejection
+
+
 @dg.asset(
     partitions_def=EXPERIMENTS,
     deps=[dataset],
@@ -115,9 +173,20 @@ def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg
     # The samples snapshot the dataset was built from, from the dataset's own lineage.
     reads = session.lake.snapshot_info("dataset_train").get("reads", {})
     write_profile(session, experiment.name, profile, config=config, tokenizer=tokenizer,
-                  samples_snapshot_id=reads.get("samples"), engine="embedded")
+                  samples_snapshot_id=reads.get("samples"),
+                  engine=_dataset_engine(context))
     return dg.MaterializeResult(metadata={
         **{k: v for k, v in profile.items() if k not in ("languages", "drops_by_reason")},
         "languages": dg.MetadataValue.json(json.loads(profile["languages"])),
         **session.metadata(),
     })
+
+
+def _dataset_engine(context: dg.AssetExecutionContext) -> str:
+    """The engine of the partition's latest ``dataset`` materialization (its metadata)."""
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("dataset"),
+                              asset_partitions=[context.partition_key]), limit=1).records
+    mat = records[0].asset_materialization if records else None
+    value = mat.metadata.get("engine") if mat is not None else None
+    return str(value.value) if value is not None else "embedded"

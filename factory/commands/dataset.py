@@ -7,12 +7,17 @@ import json
 from typing import Any
 
 from factory.errors import FactoryError
+from factory.experiments import CURATION_ENGINES
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("dataset", help="materialize an experiment's dataset and dataset_profile "
                                        "(the run a click in the UI makes)")
     p.add_argument("experiment", help="experiment name (experiments folder) or YAML path")
+    p.add_argument("--engine", choices=CURATION_ENGINES, default=None,
+                   help="curation engine: in process or a local Spark session (needs the "
+                        "`spark` extra); both give the same datasets (default: the "
+                        "experiment's data.engine, itself embedded by default)")
     p.set_defaults(func=_dataset)
 
 
@@ -27,8 +32,10 @@ def _dataset(args: argparse.Namespace) -> int:
     inst = instance()
     if not inst.has_dynamic_partition("experiments", name):
         inst.add_dynamic_partitions("experiments", [name])
+    engine = args.engine or experiment.data.engine
+    run_config = {"ops": {"dataset": {"config": {"engine": engine}}}}
     result = materialize(["dataset", "dataset_profile"], partition_key=name,
-                         raise_on_error=False)
+                         run_config=run_config, raise_on_error=False)
     failed = [e.asset_check_evaluation_data.check_name
               for e in result.all_events
               if e.event_type_value == "ASSET_CHECK_EVALUATION"
@@ -47,6 +54,7 @@ def _dataset(args: argparse.Namespace) -> int:
         by_reason[reason] = by_reason.get(reason, 0) + 1
     print(json.dumps({
         "experiment": name,
+        "engine": engine,
         "train": lake.read("dataset_train", row_filter=flt, columns=["sample_id"]).num_rows,
         "eval": lake.read("dataset_eval", row_filter=flt, columns=["sample_id"]).num_rows,
         "drops": dict(sorted(by_reason.items())),

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from itertools import combinations
+from itertools import chain, combinations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from factory.curation.text import words
 
@@ -47,14 +49,20 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def flat_words(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Word hashes of every text, flattened, and the offsets (len = len(texts) + 1)."""
+    """Word hashes of every text, flattened, and the offsets (len = len(texts) + 1).
+
+    Each distinct word of the batch is hashed once (Arrow dictionary-encodes the flat word
+    list in C), then the hashes are gathered: no Python work per word occurrence.
+    """
+    per_text = [words(t) for t in texts]
     lens = np.zeros(len(texts) + 1, dtype=np.int64)
-    flat: list[int] = []
-    for i, text in enumerate(texts):
-        ws = words(text)
-        flat.extend(word_hash(w) for w in ws)
-        lens[i + 1] = len(ws)
-    return np.array(flat, dtype=np.uint64), np.cumsum(lens)
+    lens[1:] = [len(ws) for ws in per_text]
+    offsets = np.cumsum(lens)
+    if not offsets[-1]:
+        return np.zeros(0, dtype=np.uint64), offsets
+    encoded = pc.dictionary_encode(pa.array(list(chain.from_iterable(per_text)), pa.string()))
+    distinct = np.array([word_hash(w) for w in encoded.dictionary.to_pylist()], dtype=np.uint64)
+    return distinct[encoded.indices.to_numpy()], offsets
 
 
 def ngram_hashes(flat: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,8 +7,11 @@ input: it runs the same row function and hands the same facts to ``decide``.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import multiprocessing
+import os
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,10 +80,13 @@ class CurationResult:
 
 
 def order_rows(samples: pa.Table) -> pa.Table:
-    """``samples`` sorted so each sample's rows come in keep order, with ``row_rank``."""
+    """Each sample's rows in keep order: sample_id, raw_trace_id, ``row_rank`` and
+    ``source_index`` (the row's index in ``samples``; the other columns are taken from there
+    when needed, so the selection is never copied whole)."""
     keys = [(c, "ascending", "at_start") for c in ROW_ORDER if c in samples.column_names]
     idx = pc.sort_indices(samples, sort_keys=keys)
-    t = samples.take(idx)
+    t = samples.select(["sample_id", "raw_trace_id"]).take(idx)
+    t = t.append_column("source_index", idx)
     ids = t.column("sample_id").to_numpy(zero_copy_only=False)
     rank = np.zeros(len(ids), dtype=np.int64)
     if len(ids):
@@ -165,7 +171,9 @@ def eval_overlaps(features: pa.Table, side: dict[str, str]) -> dict[str, list[tu
 
 def facts_from(features: pa.Table, rows: pa.Table) -> tuple[list[SampleFacts], list[RowFacts]]:
     """Compact per-sample and per-row facts (format flags included) for ``decide``."""
-    f = features.to_pydict()
+    # Only the scalar columns: the hash lists as Python ints would cost ~5 KB a sample.
+    f = features.select([c for c in features.column_names
+                         if c not in ("prompt_ngrams", "shingles", "band_keys")]).to_pydict()
     fmt = format_flags(dict(zip(f["sample_id"], f["format_key"], strict=True)),
                        dict(zip(f["sample_id"], f["is_json"], strict=True)),
                        dict(zip(f["sample_id"], f["json_cut"], strict=True)))
@@ -190,13 +198,63 @@ def facts_from(features: pa.Table, rows: pa.Table) -> tuple[list[SampleFacts], l
     return facts, row_facts
 
 
-def compute_features(distinct: pa.Table, config: CurationConfig,
-                     counter: TokenCounter) -> pa.Table:
-    parts = [sample_features(distinct.slice(i, BATCH), config, counter)
-             for i in range(0, distinct.num_rows, BATCH)]
-    if not parts:
-        return sample_features(distinct, config, counter)
+def compute_features(distinct: pa.Table, config: CurationConfig, counter: TokenCounter, *,
+                     num_workers: int = 1, indices: np.ndarray | None = None) -> pa.Table:
+    """``sample_features`` over ``distinct`` (or its rows at ``indices``) in batches of BATCH.
+
+    With ``num_workers > 1`` and more than one batch, batches run in that many worker processes
+    (the function is row-local, so the result is the same table); at most two batches per
+    worker are in flight, which bounds the memory the pool adds.
+    """
+    num = distinct.num_rows if indices is None else len(indices)
+    starts = list(range(0, num, BATCH))
+
+    def batch(i: int) -> pa.Table:
+        if indices is None:
+            return distinct.slice(i, BATCH)
+        return distinct.take(pa.array(indices[i:i + BATCH], pa.int64()))
+
+    if not starts:
+        return sample_features(batch(0), config, counter)
+    if num_workers <= 1 or len(starts) == 1:
+        return pa.concat_tables([sample_features(batch(i), config, counter) for i in starts])
+    ctx = multiprocessing.get_context("spawn")  # no fork: the tokenizer's threads may be live
+    parts: list[pa.Table] = []
+    with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_worker_init) as pool:
+        pending: deque[Future[bytes]] = deque()
+        for i in starts:
+            pending.append(pool.submit(_features_ipc, _to_ipc(batch(i)), config, counter))
+            if len(pending) >= 2 * num_workers:
+                parts.append(_from_ipc(pending.popleft().result()))
+        parts.extend(_from_ipc(f.result()) for f in pending)
     return pa.concat_tables(parts)
+
+
+def default_workers() -> int:
+    """Worker processes for feature batches: one per CPU this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+
+
+def _worker_init() -> None:
+    # One thread per worker: the processes already use every core, and the tokenizer's own
+    # thread pool on top would only oversubscribe them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _to_ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(data).read_all()
+
+
+def _features_ipc(batch: bytes, config: CurationConfig, counter: TokenCounter) -> bytes:
+    return _to_ipc(sample_features(_from_ipc(batch), config, counter))
 
 
 def first_rows(rows: pa.Table) -> pa.Table:
@@ -206,12 +264,18 @@ def first_rows(rows: pa.Table) -> pa.Table:
 
 
 def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
-           judge: Judge | None = None) -> CurationResult:
-    """Split, clean and profile ``samples`` (rows of the ``samples`` table)."""
+           judge: Judge | None = None, num_workers: int = 1) -> CurationResult:
+    """Split, clean and profile ``samples`` (rows of the ``samples`` table).
+
+    ``num_workers``: processes computing the per-sample features (``default_workers()`` uses
+    every core); the result does not depend on it.
+    """
     rows = order_rows(samples)
-    distinct = first_rows(rows)
-    features = compute_features(distinct.select(["sample_id", "messages", "tools", "tags"]),
-                                config, counter)
+    # the first row of each sample, gathered from ``samples`` batch by batch
+    first = first_rows(rows).column("source_index").to_numpy()
+    inputs = samples.select(["sample_id", "messages", "tools", "tags"])
+    features = compute_features(inputs, config, counter, num_workers=num_workers,
+                                indices=first)
     edges = verified_edges(features, config)
     facts, row_facts = facts_from(features, rows)
     groups = split_groups(facts, edges)
@@ -220,7 +284,7 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
 
     judge_scores: Callable[[list[str]], dict[str, float]] | None = None
     if judge is not None:
-        by_id = {r["sample_id"]: r for r in distinct.select(
+        by_id = {r["sample_id"]: r for r in inputs.take(pa.array(first, pa.int64())).select(
             ["sample_id", "messages", "tools"]).to_pylist()}
 
         def judge_scores(ids: list[str]) -> dict[str, float]:
@@ -231,7 +295,7 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
 
     decisions = decide(facts=facts, rows=row_facts, near_edges=edges, overlaps=overlaps,
                        config=config, judge_scores=judge_scores, groups=groups)
-    return assemble(rows, features, decisions, config, num_selected=samples.num_rows)
+    return assemble(rows, samples, features, decisions, config, num_selected=samples.num_rows)
 
 
 def _judge_input(row: dict[str, Any]) -> dict[str, Any]:
@@ -245,27 +309,38 @@ def stats_table(features: pa.Table) -> pa.Table:
                             "size_bytes", "refusal", "truncated", "tool_schema", "agent_loop"])
 
 
-def assemble(rows: pa.Table, features: pa.Table, decisions: Decisions, config: CurationConfig,
-             *, num_selected: int) -> CurationResult:
+def assemble(rows: pa.Table, samples: pa.Table, features: pa.Table, decisions: Decisions,
+             config: CurationConfig, *, num_selected: int) -> CurationResult:
+    """The kept rows of ``samples`` with their stats, sorted by sample_id, split in two.
+
+    Indices are chosen, ordered and split with numpy first, then each split is one gather
+    from ``samples``: no filtered, re-sorted and re-filtered copies of the whole selection.
+    """
     keys = pc.binary_join_element_wise(rows.column("sample_id"),
                                        pc.cast(rows.column("row_rank"), pa.string()), ":")
-    kept = rows.filter(pc.is_in(keys, value_set=pa.array(sorted(decisions.kept_rows),
-                                                          type=pa.string())))
-    kept = kept.drop_columns(["row_rank"])
+    mask = pc.is_in(keys, value_set=pa.array(sorted(decisions.kept_rows), type=pa.string()))
+    kept = rows.filter(mask).select(["sample_id", "source_index"])
+    kept = kept.take(pc.sort_indices(kept, sort_keys=[("sample_id", "ascending")]))
     ids = kept.column("sample_id").to_pylist()
+    source = kept.column("source_index").to_numpy()
     where = {s: i for i, s in enumerate(features.column("sample_id").to_pylist())}
-    stats = features.select(["num_tokens", "num_prompt_tokens", "language"]).take(
-        pa.array([where[s] for s in ids], pa.int64()))
-    for name in stats.column_names:
-        kept = kept.append_column(name, stats.column(name))
-    kept = kept.append_column("split", pa.array([decisions.side[s] for s in ids], pa.string()))
-    kept = kept.append_column("split_group",
-                              pa.array([decisions.group[s] for s in ids], pa.string()))
-    kept = kept.append_column("num_completion_tokens", pc.subtract(
-        kept.column("num_tokens"), kept.column("num_prompt_tokens")))
-    kept = kept.sort_by("sample_id")
-    train = kept.filter(pc.equal(kept.column("split"), "train"))
-    ev = kept.filter(pc.equal(kept.column("split"), "eval"))
+    feature_index = np.array([where[s] for s in ids], dtype=np.int64)
+    sides = np.array([decisions.side[s] for s in ids] or [""], dtype=object)[:len(ids)]
+    stats = features.select(["num_tokens", "num_prompt_tokens", "language"])
+
+    def split(name: str) -> pa.Table:
+        sel = np.flatnonzero(sides == name)
+        t = samples.take(pa.array(source[sel], pa.int64()))
+        st = stats.take(pa.array(feature_index[sel], pa.int64()))
+        for col in st.column_names:
+            t = t.append_column(col, st.column(col))
+        t = t.append_column("split", pa.array([name] * len(sel), pa.string()))
+        t = t.append_column("split_group", pa.array([decisions.group[ids[i]] for i in sel],
+                                                    pa.string()))
+        return t.append_column("num_completion_tokens", pc.subtract(
+            t.column("num_tokens"), t.column("num_prompt_tokens")))
+
+    train, ev = split("train"), split("eval")
     report = pattern_report(features, decisions, config, num_selected=num_selected)
     profile = build_profile(train, ev, decisions.drops, num_selected=num_selected)
     return CurationResult(train=train, eval=ev, drops=decisions.drops, report=report,

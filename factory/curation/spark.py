@@ -70,6 +70,12 @@ class SparkCuration:
     num_selected: int
     """Rows curation started from."""
 
+    def drops_by_reason(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for d in self.drops:
+            out[d["reason"]] += 1
+        return dict(sorted(out.items()))
+
 
 def _feature_fn(config: CurationConfig, tokenizer_dir: str) -> Callable[[Iterator[Any]],
                                                                          Iterator[Any]]:

@@ -50,6 +50,28 @@ def select_samples(session: LakeSession, where: str) -> tuple[pa.Table, int | No
     return pa.Table.from_arrays(cols, schema=schema), session.lineage.reads.get("samples")
 
 
+def sample_files(session: LakeSession) -> tuple[list[str], int | None]:
+    """The Parquet data files of the current ``samples`` snapshot, recorded as this run's read.
+
+    The Spark engine reads these files itself (the selection never passes through this
+    process). The lake writes copy-on-write, so a snapshot is exactly its data files; a
+    snapshot with delete files is refused rather than read wrong.
+    """
+    if not session.lake.exists("samples"):
+        raise FactoryError("the lake has no samples yet: run `factory ingest` first")
+    table = session.lake.table("samples")
+    snap = table.current_snapshot()
+    if snap is None:
+        raise FactoryError("the lake has no samples yet: run `factory ingest` first")
+    tasks = list(table.scan(snapshot_id=snap.snapshot_id).plan_files())
+    if not tasks:
+        raise FactoryError("samples is empty: run `factory ingest` first")
+    if any(t.delete_files for t in tasks):
+        raise FactoryError("samples has delete files; the Spark engine reads data files only")
+    session.lineage.record_read("samples", snap.snapshot_id)
+    return [t.file.file_path for t in tasks], snap.snapshot_id
+
+
 def write_dataset(session: LakeSession, experiment: str, result: Any) -> dict[str, int | None]:
     """Overwrite the experiment's train, eval and drops rows; returns the snapshot ids."""
     flt = experiment_filter(experiment)

@@ -24,16 +24,17 @@ def _setup(home: Path, monkeypatch: pytest.MonkeyPatch, data: Planted, where: st
     Lake().append("samples", data.table())
 
 
-def _run(key: str = "support") -> Any:
+def _run(key: str = "support", engine: str | None = None) -> Any:
     from assets.curation import dataset, dataset_profile
     from resources.judge import JudgeResource
     from resources.lake import LakeResource
 
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("experiments", [key])
+    run_config = {"ops": {"dataset": {"config": {"engine": engine}}}} if engine else None
     return dg.materialize([dataset, dataset_profile], instance=instance, partition_key=key,
                           resources={"lake": LakeResource(), "judge": JudgeResource()},
-                          raise_on_error=False)
+                          run_config=run_config, raise_on_error=False)
 
 
 def _checks(result: Any) -> dict[str, bool]:
@@ -77,3 +78,35 @@ def test_blocking_check_stops_the_profile(factory_home: Path, monkeypatch: pytes
     assert not result.success
     assert _checks(result)["eval_not_empty"] is False
     assert not Lake().exists("dataset_profile")
+
+
+def test_unknown_engine_is_refused_before_anything_is_written(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch, planted_data: Planted) -> None:
+    _setup(factory_home, monkeypatch, planted_data, "true")
+    result = _run(engine="duckdb")
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    error = failure.event_specific_data.error
+    assert "engine 'duckdb': choose one of embedded, spark" in error.cause.message
+    assert not Lake().exists("dataset_train")
+
+
+@pytest.mark.slow
+def test_cli_materializes_with_the_chosen_engine(factory_home: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from factory.cli import main
+    from factory.curation.synthetic import planted
+    from tests.curation.conftest import CONFIG
+
+    _setup(factory_home, monkeypatch, planted(40, config=CONFIG, seed=2), "true")
+    assert main(["dataset", "support", "--engine", "embedded"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["engine"] == "embedded" and line["train"] > 0 and line["eval"] > 0
+    assert line["train"] == Lake().read("dataset_train").num_rows
+    assert Lake().read("dataset_profile").to_pylist()[0]["engine"] == "embedded"
+    with pytest.raises(SystemExit):
+        main(["dataset", "support", "--engine", "duckdb"])
+    assert "invalid choice: 'duckdb'" in capsys.readouterr().err

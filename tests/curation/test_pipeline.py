@@ -144,3 +144,24 @@ def test_bad_experiment_names_are_refused() -> None:
             check_experiment_name(bad)
     with pytest.raises(ValueError, match="unknown detector"):
         CurationConfig(drop=("refusals",))
+
+
+@pytest.mark.slow
+def test_worker_processes_give_the_same_result(planted_data: Planted, counter: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from factory.curation import pipeline
+
+    serial = curate(planted_data.table(), CONFIG, counter)
+    monkeypatch.setattr(pipeline, "BATCH", 64)  # several batches over two spawned workers
+    pools: list[Any] = []
+    real_pool = pipeline.ProcessPoolExecutor
+
+    def pool(*args: Any, **kwargs: Any) -> Any:
+        pools.append(args)
+        return real_pool(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "ProcessPoolExecutor", pool)
+    parallel = curate(planted_data.table(), CONFIG, counter, num_workers=2)
+    assert pools == [(2,)]  # the batches really went through the worker processes
+    assert parallel.train.equals(serial.train) and parallel.eval.equals(serial.eval)
+    assert parallel.drops == serial.drops and parallel.report == serial.report
