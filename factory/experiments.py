@@ -63,6 +63,9 @@ class DataSpec:
     """New samples needed before ``retrain_on_new_samples`` retrains."""
     seed: int = 0
     """Seed of the split hash and of anything random in curation."""
+    engine: str = "embedded"
+    """Curation engine: ``embedded`` (DuckDB/pyarrow in process) or ``spark`` (a local Spark
+    session, for data that outgrows one machine); both give the same datasets."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +145,8 @@ def _one_of(*allowed: str) -> Callable[[Any], bool]:
         return v in allowed
     return check
 
+
+CURATION_ENGINES: tuple[str, ...] = ("embedded", "spark")
 
 GPU_TYPES: tuple[str, ...] = ("H100", "H200", "A100-80G", "L40S", "L4", "CPU")
 
@@ -390,6 +395,12 @@ def _parse_data(ctx: _Ctx, raw: Any) -> DataSpec:
         if not _is_int(v):
             raise ctx.error((*where, "seed"), f"got {v!r}; allowed: an integer")
         kw["seed"] = v
+    if "engine" in raw:
+        v = raw["engine"]
+        if v not in CURATION_ENGINES:
+            raise ctx.error((*where, "engine"),
+                            f"got {v!r}; allowed: {' or '.join(CURATION_ENGINES)}")
+        kw["engine"] = v
     return DataSpec(**kw)
 
 

@@ -18,6 +18,10 @@ if not torch.cuda.is_available():
 from collections.abc import Iterator
 from pathlib import Path
 
+# Import hypothesis (a pytest plugin, so pytest rewrites its modules on import) now rather than
+# lazily in its end-of-session hook: on Python 3.11.7 that late ast.parse has failed with
+# "SystemError: AST constructor recursion depth mismatch" after sessions that ran Spark.
+import hypothesis  # noqa: F401
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -64,6 +64,8 @@ def test_load_by_name_from_experiments_dir(tmp_path: Path, monkeypatch: pytest.M
     (GOOD.replace("eval_fraction: 0.1", "eval_fraction: 1.5"),
      r":2: data.eval_fraction: got 1.5; allowed: a number in \(0, 1\)"),
     (GOOD + "colour: blue\n", r":8: colour: unknown key 'colour'"),
+    (GOOD.replace("eval_fraction: 0.1", "eval_fraction: 0.1, engine: duckdb"),
+     r":2: data.engine: got 'duckdb'; allowed: embedded or spark"),
     (GOOD.replace("every_steps: 20", "every_steps: often"),
      r":5: eval.every_steps: got 'often'"),
     (GOOD.replace("overrides: {learning_rate: 2.0e-4}", "overrides: {lora_rank: 4}"),
