@@ -450,6 +450,18 @@ class _Writer:
         self.raise_error()
 
 
+def _item_chunks(records: Iterable[RawRecord]) -> Iterator[list[_Item]]:
+    """``records`` as items, ``_CHUNK_RECORDS`` at a time (lazily: constant memory)."""
+    chunk: list[_Item] = []
+    for rec in records:
+        chunk.append(_item_of(rec))
+        if len(chunk) >= _CHUNK_RECORDS:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def ingest_records(lake: Lake, records: Iterable[RawRecord], *, lineage: Lineage | None = None,
                    batch_rows: int = 5000,
                    lineages: Mapping[str, Lineage] | None = None,
@@ -465,17 +477,7 @@ def ingest_records(lake: Lake, records: Iterable[RawRecord], *, lineage: Lineage
         raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
     known = _KnownIds(lake, lineage)
 
-    def chunks() -> Iterator[list[_Item]]:
-        chunk: list[_Item] = []
-        for rec in records:
-            chunk.append(_item_of(rec))
-            if len(chunk) >= _CHUNK_RECORDS:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
-
-    return _ingest_chunks(lake, known, chunks(), lineage=lineage, lineages=lineages,
+    return _ingest_chunks(lake, known, _item_chunks(records), lineage=lineage, lineages=lineages,
                           batch_rows=batch_rows, background_writes=background_writes)
 
 
@@ -791,15 +793,9 @@ def ingest_paths(lake: Lake, paths: Iterable[str | Path], *, format: str = "auto
                             yield from lines.submit(block, path.name, first_lineno, ctx)
                         continue
                     yield from lines.drain()  # in file order: earlier lines first
-                    chunk: list[_Item] = []
-                    for rec in read_file(path, source=source, tags=ctx.tags, format_hint=format,
-                                         project=project, on_bytes=on_bytes):
-                        chunk.append(_item_of(rec))
-                        if len(chunk) >= _CHUNK_RECORDS:
-                            yield chunk
-                            chunk = []
-                    if chunk:
-                        yield chunk
+                    yield from _item_chunks(read_file(
+                        path, source=source, tags=ctx.tags, format_hint=format,
+                        project=project, on_bytes=on_bytes))
                 yield from lines.drain()
             finally:
                 lines.close()
