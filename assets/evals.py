@@ -8,7 +8,8 @@
   run also scores the base model (step 0) and the reference answers (step null). The server
   and the generation are sized by the eval sandbox of the run's plan (``training_plans``;
   ``InferenceResource`` fields override it), shown in the metadata with each value's source. The
-  train/serve equivalence check runs on a few samples as a blocking asset check, and an
+  train/serve equivalence check runs first, on a few samples, as a blocking asset check: a
+  checkpoint that fails it is not scored, so no later ``best_checkpoint`` can pick it. An
   overfitting signal goes to ``early_stops``.
 - ``best_checkpoint`` (per experiment): highest mean score with a bootstrap interval, ties to
   the earlier step; a row in ``best_checkpoints``.
@@ -109,7 +110,8 @@ def _latest_rubric(session, experiment: str) -> Rubric:  # type: ignore[no-untyp
     description="One checkpoint judged on the eval set: answers from the inference server "
                 "(base + the checkpoint's adapter) scored against the rubric, per sample, into "
                 "eval_scores; the run's first eval also scores the base model (step 0) and the "
-                "reference answers. Blocking check: train/serve log-prob equivalence.",
+                "reference answers. Blocking check: train/serve log-prob equivalence (a checkpoint "
+                "failing it is not scored).",
     check_specs=[dg.AssetCheckSpec(
         "train_serve_equivalence", asset="checkpoint_evals", blocking=True,
         description="the server's token log-probs for the checkpoint equal the trainer's on "
@@ -168,26 +170,46 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
             "serve_command": dg.MetadataValue.json(server.command()),
             "eval_sandbox": dg.MetadataValue.json(sandbox.metadata())}) from None
     serve_command = server.command()
+    scores: list[float | None] | None = None
     try:
         client = server.client()
-        if "base" not in done:
-            answers = generate_answers(client, "base", items, **gen)
-            record("base", 0, None, answers, the_judge.score(rubric_, items,
-                                                             [a.answer for a in answers]))
-        answers = generate_answers(client, adapter, items, **gen)
-        scores = record("checkpoint", step, ckpt["path"], answers,
-                        the_judge.score(rubric_, items, [a.answer for a in answers]))
         sample_rows = [{"messages": r["messages"], "tools": r["tools"]}
                        for r in rows[:NUM_EQUIVALENCE_SAMPLES]]
+        # First: answers served with a template or tokenizer the model was not trained with
+        # are not the model's answers, and must never reach eval_scores (best_checkpoint and
+        # the curve read it in later runs, which this run's blocking check cannot stop).
         equivalence = check_equivalence(client, adapter, ckpt["path"], sample_rows,
                                         base_model=base_model,
                                         atol=1e-3 if inference.backend == "transformers"
                                         else 0.1)
+        if "base" not in done:
+            answers = generate_answers(client, "base", items, **gen)
+            record("base", 0, None, answers, the_judge.score(rubric_, items,
+                                                             [a.answer for a in answers]))
+        if equivalence.passed:
+            answers = generate_answers(client, adapter, items, **gen)
+            scores = record("checkpoint", step, ckpt["path"], answers,
+                            the_judge.score(rubric_, items, [a.answer for a in answers]))
     finally:
         server.stop()
     if "reference" not in done:
         refs = score_reference(the_judge, rubric_, items)
         record("reference", None, None, [i.reference for i in items], refs)
+    check = dg.AssetCheckResult(check_name="train_serve_equivalence", passed=equivalence.passed,
+                                metadata={"max_abs_diff": equivalence.max_abs_diff,
+                                          "num_tokens": equivalence.num_tokens,
+                                          "problems": "\n".join(equivalence.problems)})
+    if scores is None:
+        context.log.error(f"checkpoint {run_id}:{step} failed the train/serve equivalence "
+                          "check; its answers were not scored")
+        yield dg.MaterializeResult(metadata={
+            "run_id": run_id, "step": step, "scored": False,
+            "not_scored_because": "train/serve equivalence failed: "
+                                  + "; ".join(equivalence.problems[:3]),
+            "eval_sandbox": dg.MetadataValue.json(sandbox.metadata()),
+            "serve_command": dg.MetadataValue.json(serve_command), **session.metadata()})
+        yield check
+        return
     summary = summarize(step, scores)
     curves = read_curves(session, run_id)
     stop = detect_overfitting(curves.scores)
@@ -205,10 +227,7 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
         "curve": dg.MetadataValue.path(str(png)),
         "eval_sandbox": dg.MetadataValue.json(sandbox.metadata()),
         "serve_command": dg.MetadataValue.json(serve_command), **session.metadata()})
-    yield dg.AssetCheckResult(check_name="train_serve_equivalence", passed=equivalence.passed,
-                              metadata={"max_abs_diff": equivalence.max_abs_diff,
-                                        "num_tokens": equivalence.num_tokens,
-                                        "problems": "\n".join(equivalence.problems)})
+    yield check
 
 
 @dg.asset(
