@@ -200,7 +200,7 @@ class _ProcessProvider:
         proc = self._find(handle)
         if proc is None:
             pid = int(handle.info.get("pid", 0))
-            alive = pid > 0 and _pid_alive(pid)
+            alive = is_alive(pid)
             # Launched by another process (or finished and forgotten): all we can see is the pid.
             return ProviderStatus(state="running" if alive else "lost",
                                   detail="not launched by this process")
@@ -250,16 +250,6 @@ def _forkserver() -> Any:
         ctx.set_forkserver_preload(WARM_MODULES)
         _FORKSERVER = ctx
     return _FORKSERVER
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(kw_only=True)
