@@ -636,7 +636,7 @@ def cancel_run(plane: ControlPlane, run_id: str, *, reason: str,
     and exit, SIGKILL after their grace) and wait up to ``wait_s`` for the trainers to be gone.
 
     Returns the segments still running afterwards: empty unless a provider could not stop one
-    (a local trainer launched by another process is only known to this one by its pid).
+    within ``wait_s`` (a local trainer launched by another process is stopped by its pid).
     """
     run = plane.runs().get(run_id)
     if run is None:

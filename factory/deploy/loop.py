@@ -23,7 +23,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from factory.deploy.process import runs_command, signals_ignored, stop_group
+from factory.deploy.process import signals_ignored, stop_group
 from factory.errors import FactoryError
 from factory.lake import Lake
 
@@ -172,17 +172,12 @@ def _active_runs(prefix: str, since: float) -> list[Any]:
 
 def cancel_orphan(run_id: str, *, reason: str) -> None:
     """Cancel ``run_id`` from a process that did not launch its trainers: the run is marked
-    cancelled and each live local trainer is stopped by its recorded pid, after checking the
-    pid still runs that segment's job (a recycled pid is left alone)."""
+    cancelled, its provider stops each live local trainer by its recorded pid (after checking
+    the pid still runs that segment's job: a recycled pid is left alone), and this waits up to
+    30 s for them to be gone."""
     from factory.control.loop import cancel_run
 
-    plane = _plane()
-    live = [s for s in plane.segments(run_id) if s.live]
-    cancel_run(plane, run_id, reason=reason, wait_s=0)
-    for seg in live:
-        pid, job = seg.handle.info.get("pid"), seg.handle.info.get("job")
-        if isinstance(pid, int) and job and runs_command(pid, ["--job", str(job)]):
-            stop_group(pid, timeout_s=30)
+    cancel_run(_plane(), run_id, reason=reason, wait_s=30)
 
 
 class _Evals:
