@@ -22,7 +22,7 @@ from factory.normalize.canon import (
     canonical_json_fast,
 )
 from tests.ingest import conversations as conv
-from tests.ingest.test_pipeline import BAD, GOOD
+from tests.ingest.test_pipeline import BAD, GOOD, dying_after_raw_commit
 
 
 def _write(path: Path) -> list[str]:
@@ -97,17 +97,8 @@ def test_workers_heal_a_crash_between_raw_and_samples(
     _write(path)
     monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
     lake = Lake()
-    real_append = Lake.append
-
-    def dying_append(self: Lake, name: str, data: object, **kwargs: object) -> object:
-        if name != "raw_traces":
-            raise OSError("process died after the raw_traces commit")
-        return real_append(self, name, data, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Lake, "append", dying_append)
-    with pytest.raises(OSError):
+    with dying_after_raw_commit(monkeypatch), pytest.raises(OSError):
         ingest_paths(lake, [path], workers=1, batch_rows=1000)
-    monkeypatch.setattr(Lake, "append", real_append)
     assert lake.snapshot_id("samples") is None
 
     replay = ingest_paths(lake, [path], workers=2)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -177,11 +179,9 @@ def test_cli_prints_one_json_line(factory_home: Path, tmp_path: Path,
     assert "no such file" in capsys.readouterr().err
 
 
-def test_crash_between_raw_and_samples_commits_is_healed_on_replay(
-        factory_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "mixed.jsonl"
-    _write_mixed(path)
-    lake = Lake()
+@contextmanager
+def dying_after_raw_commit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inside: every commit after the raw_traces one fails, as if the process died there."""
     real_append = Lake.append
 
     def dying_append(self: Lake, name: str, data: object, **kwargs: object) -> object:
@@ -190,9 +190,19 @@ def test_crash_between_raw_and_samples_commits_is_healed_on_replay(
         return real_append(self, name, data, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Lake, "append", dying_append)
-    with pytest.raises(OSError):
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(Lake, "append", real_append)
+
+
+def test_crash_between_raw_and_samples_commits_is_healed_on_replay(
+        factory_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mixed.jsonl"
+    _write_mixed(path)
+    lake = Lake()
+    with dying_after_raw_commit(monkeypatch), pytest.raises(OSError):
         ingest_paths(lake, [path])
-    monkeypatch.setattr(Lake, "append", real_append)
     assert lake.read("raw_traces").num_rows == len(GOOD) + len(BAD)
     assert lake.snapshot_id("samples") is None
 
