@@ -111,7 +111,13 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text
     # The flusher commits within a second when idle; a loaded CI machine gets more room.
-    wait_until(lambda: _captured("v1") >= 2, timeout_s=120, what="both calls in samples")
+    flusher = gateway.app.flusher
+    try:
+        wait_until(lambda: _captured("v1") >= 2, timeout_s=120, what="both calls in samples")
+    except AssertionError as e:  # say what the flusher saw (an intermittent stall, seen once)
+        raise AssertionError(f"{e}; flusher committed {flusher.num_committed}, failures "
+                             f"{flusher.num_failures}, last error {flusher.last_error!r}"
+                             if flusher else str(e)) from None
 
 
 def _tables(node: dict[str, Any]) -> set[str]:
