@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import gc
 import gzip
 import io
@@ -32,26 +33,32 @@ from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from factory.blobs import BlobStore
+from factory.ingest_blocks import (
+    TABLE_NAMES,
+    BlockResult,
+    BlockTask,
+    FileContext,
+    ingest_block,
+    init_block_worker,
+    worker_block,
+)
 from factory.lake import Lake, Lineage
 from factory.normalize import FORMATS, NormalizeError, detect_format
 from factory.normalize import normalize_record as _normalize
 from factory.normalize.canon import content_hash, sha256_hex
 from factory.normalize.otlp import is_otlp_export, split_otlp_json
 from factory.normalize.rows import (
-    LineResult,
     SampleRow,
     digests,
     first_line,
     id_and_text,
     id_of,
-    init_worker,
     known_mask,
     outcome,
     parse_json,
-    process_lines,
-    worker_chunk,
 )
 from factory.tables import schema_of
 
@@ -399,8 +406,13 @@ class _Writer:
                 done.set()
 
     def _commit(self, batch: _Batch) -> None:
+        self._commit_tables([(name, functools.partial(self.lake.append, name, table))
+                             for name, table in batch.tables()])
+
+    def _commit_tables(self, commits: list[tuple[str, Callable[..., int | None]]]) -> None:
+        """Run each table's commit (called with ``lineage=``) in order, raw_traces first."""
         raw_snap: int | None = None
-        for name, table in batch.tables():
+        for name, commit in commits:
             lineage = self.lineages.get(name, self.lineage) or Lineage(
                 run_id=self.default_run_id, asset_key=name)
             if name != "raw_traces" and raw_snap is not None:
@@ -408,11 +420,19 @@ class _Writer:
                 # that snapshot as their source, so lineage reaches the raw traces.
                 lineage = dataclasses.replace(lineage, reads={**lineage.reads,
                                                               "raw_traces": raw_snap})
-            snap = self.lake.append(name, table, lineage=lineage)
+            snap = commit(lineage=lineage)
             if snap is not None:
                 self.summary.snapshots[name] = snap
                 if name == "raw_traces":
                     raw_snap = snap
+
+    def commit_files(self, files: Mapping[str, list[str]]) -> None:
+        """Commit data files written elsewhere (``Lake.write_files``), after every batch
+        submitted before them; one snapshot per table, raw_traces first."""
+        self.wait_idle()
+        self._commit_tables([(name, functools.partial(self.lake.commit_files, name,
+                                                      files.get(name, [])))
+                             for name in ("raw_traces", "samples", "rejected_traces")])
 
     def submit(self, batch: _Batch) -> None:
         self.raise_error()
@@ -749,22 +769,24 @@ def _iter_json_array(path: Path, fh: IO[str], make: Callable[..., Iterator[RawRe
 def ingest_paths(lake: Lake, paths: Iterable[str | Path], *, format: str = "auto",
                  tags: Mapping[str, str] | None = None, source: str = "upload",
                  project: str | None = None, lineage: Lineage | None = None,
-                 lineages: Mapping[str, Lineage] | None = None, batch_rows: int = 100_000,
+                 lineages: Mapping[str, Lineage] | None = None, batch_rows: int = 1_000_000,
                  on_bytes: Callable[[int], None] | None = None,
                  background_writes: bool = False, workers: int | None = None,
-                 batch_bytes: int = 32 << 20) -> IngestSummary:
+                 batch_bytes: int = 1 << 30) -> IngestSummary:
     """Ingest files and folders (``.jsonl``, ``.json``, ``.gz``) as one stream of records.
 
-    JSON Lines are parsed, hashed and normalized by ``workers`` processes (default: one per
-    CPU; 1 does it in this process), chunk by chunk in file order, with a bounded number of
-    chunks in flight so memory stays flat however large the file. JSON Lines files of less than
-    two blocks in all start the pool only if a second block comes (a small file is done in
-    process, without the worker start-up).
+    JSON Lines files are cut into blocks of whole lines, and ``workers`` processes (default:
+    one per CPU; 1 does it all in this process) each read a block, normalize it and write its
+    rows as Parquet data files (``factory.ingest_blocks``). This process only dedupes across
+    blocks and commits the files of many blocks at once, raw rows first, so memory stays flat
+    however large the file. A file of less than two blocks in all is done in process, without
+    the worker start-up. ``.json`` files are read here record by record.
 
-    A batch (one commit per table) is ``batch_rows`` records or ``batch_bytes`` characters of
-    payload and messages, whichever comes first. Batches are large because every Iceberg
-    commit copies the table's whole metadata, which grows by a snapshot per commit: 5,000-row
-    batches spent more of a 200k-record ingest committing than normalizing.
+    Data files are committed (one snapshot per table) every ``batch_rows`` records or
+    ``batch_bytes`` bytes of input, whichever comes first, and at the end: few commits, because
+    every Iceberg commit copies the table's whole metadata, which grows by a snapshot each time.
+    A crash loses only the uncommitted files' work (unreferenced files, never half a record);
+    re-ingesting the file completes it.
     """
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
@@ -776,33 +798,41 @@ def ingest_paths(lake: Lake, paths: Iterable[str | Path], *, format: str = "auto
         raise ValueError(f"unknown format {format!r}; expected auto or one of "
                          f"{', '.join(FORMATS)}")
     files = list(iter_files(paths))
+    num_workers = workers or default_workers()
     with _fewer_gc_passes():
         known = _KnownIds(lake, lineage)
         kinds = {path: _file_kind(path) for path in files}
         num_line_bytes = sum(p.stat().st_size for p in files if kinds[p] == "jsonl")
-        lines = _LineWorkers(workers or default_workers(), known, lake.settings,
-                             eager=num_line_bytes > _BLOCK_BYTES)
-        ctx = _FileContext(source=source, received_at=datetime.now(tz=UTC), tags=dict(tags or {}),
-                           project=project, format_hint=format)
-
-        def chunks() -> Iterator[list[_Item]]:
-            try:
-                for path in files:
-                    if kinds[path] == "jsonl":
-                        for block, first_lineno in _line_blocks(path, on_bytes):
-                            yield from lines.submit(block, path.name, first_lineno, ctx)
-                        continue
-                    yield from lines.drain()  # in file order: earlier lines first
-                    yield from _item_chunks(read_file(
-                        path, source=source, tags=ctx.tags, format_hint=format,
-                        project=project, on_bytes=on_bytes))
-                yield from lines.drain()
-            finally:
-                lines.close()
-
-        return _ingest_chunks(lake, known, chunks(), lineage=lineage, lineages=lineages,
-                              batch_rows=batch_rows, background_writes=background_writes,
-                              batch_bytes=batch_bytes)
+        block_bytes = _block_bytes(num_line_bytes, num_workers)
+        ctx = FileContext(source=source, received_at=datetime.now(tz=UTC), tags=dict(tags or {}),
+                          project=project, format_hint=format)
+        run = _FileIngest(lake, known, ctx, lineage=lineage, lineages=lineages or {},
+                          batch_rows=batch_rows, batch_bytes=batch_bytes,
+                          background_writes=background_writes)
+        blocks = _BlockWorkers(num_workers, known, lake, ctx,
+                               eager=num_line_bytes > block_bytes)
+        try:
+            for path in files:
+                if kinds[path] == "jsonl":
+                    for task in _line_blocks(path, block_bytes, on_bytes):
+                        for result in blocks.submit(task):
+                            run.block(result)
+                    continue
+                for result in blocks.drain():  # in file order: earlier lines first
+                    run.block(result)
+                for items in _item_chunks(read_file(path, source=source, tags=ctx.tags,
+                                                    format_hint=format, project=project,
+                                                    on_bytes=on_bytes)):
+                    run.items(items)
+            for result in blocks.drain():
+                run.block(result)
+            run.finish()
+        except BaseException:
+            blocks.close()
+            run.abandon()
+            raise
+        blocks.close()
+        return run.summary
 
 
 def default_workers() -> int:
@@ -813,20 +843,15 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-@dataclass(frozen=True)
-class _FileContext:
-    """What every record of an ingest of files shares."""
-
-    source: str
-    received_at: datetime
-    tags: dict[str, str]
-    project: str | None
-    format_hint: str
-
-
-# A block of lines handed to a worker: big enough that the inter-process hop is a small part of
-# its cost, small enough that a few in flight per worker keep memory flat.
+# The smallest block of lines handed to a worker: big enough that the inter-process hop is a
+# small part of its cost. Large files get larger blocks (fewer, larger data files) up to
+# _MAX_BLOCK_BYTES, while every worker still gets several blocks.
 _BLOCK_BYTES = 4 << 20
+_MAX_BLOCK_BYTES = 16 << 20
+
+
+def _block_bytes(num_bytes: int, workers: int) -> int:
+    return max(_BLOCK_BYTES, min(_MAX_BLOCK_BYTES, num_bytes // (4 * workers)))
 
 
 def _file_kind(path: Path) -> str:
@@ -838,90 +863,222 @@ def _file_kind(path: Path) -> str:
     return kind
 
 
-def _line_blocks(path: Path,
-                 on_bytes: Callable[[int], None] | None) -> Iterator[tuple[bytes, int]]:
-    """(whole lines, number of the first) of a JSON Lines file, about ``_BLOCK_BYTES`` each.
+def _line_blocks(path: Path, block_bytes: int,
+                 on_bytes: Callable[[int], None] | None) -> Iterator[BlockTask]:
+    """Blocks of whole lines of a JSON Lines file, about ``block_bytes`` each.
 
-    Read in large pieces and cut at the last newline: iterating a file line by line cost the
-    reading process more than splitting the same bytes in C.
+    A plain file's blocks are byte ranges the worker reads itself (this process reads the
+    file only to cut it at newlines and number the lines); a compressed file's blocks carry
+    their bytes.
     """
+    plain = not path.name.endswith(".gz")
     first = 1
+    pos = 0
     rest = b""
     with _open_binary(path) as fh:
         while True:
-            data = fh.read(_BLOCK_BYTES)
+            data = fh.read(block_bytes)
             if on_bytes and data:
                 on_bytes(len(data))
             if not data:
                 if rest:
-                    yield rest, first
+                    yield _task(path, plain, first, pos, rest)
                 return
             cut = data.rfind(b"\n")
             if cut < 0:  # one line longer than a block: keep reading until it ends
                 rest += data
                 continue
             block, rest = rest + data[:cut + 1], data[cut + 1:]
-            yield block, first
+            yield _task(path, plain, first, pos, block)
             first += block.count(b"\n")
+            pos += len(block)
 
 
-class _LineWorkers:
-    """Blocks of JSON Lines through ``rows.process_lines``, in worker processes or in process.
+def _task(path: Path, plain: bool, first: int, pos: int, block: bytes) -> BlockTask:
+    if plain:
+        return BlockTask(name=path.name, first_lineno=first, path=str(path), start=pos,
+                         end=pos + len(block))
+    return BlockTask(name=path.name, first_lineno=first, data=block)
 
-    Results come back in submission order. At most ``2 * workers`` blocks are in flight; the
-    worker processes are spawned (not forked: this process may hold threads and open
-    catalogs) at the first block when ``eager``, else when a second block arrives, and get the
-    known id prefixes as of then so re-ingested records are not normalized again.
+
+class _BlockWorkers:
+    """Blocks through ``ingest_block``, in worker processes or in process, results in order.
+
+    At most ``2 * workers`` blocks are in flight. The worker processes are spawned (not
+    forked: this process may hold threads and open catalogs) at the first block when
+    ``eager``, else when a second block arrives, and get the known ids as of then so records
+    already in the lake are not normalized again.
     """
 
-    def __init__(self, workers: int, known: _KnownIds, settings: Any, *, eager: bool) -> None:
+    def __init__(self, workers: int, known: _KnownIds, lake: Lake, ctx: FileContext, *,
+                 eager: bool) -> None:
         self.workers = workers
         self.eager = eager
         self.known = known
-        self.settings = settings
-        self.blobs = BlobStore(settings)
+        self.lake = lake
+        self.ctx = ctx
+        self.blobs = BlobStore(lake.settings)
+        self.targets = {name: lake.file_target(name) for name in TABLE_NAMES}
+        self._locations: dict[str, list[str]] = {name: [] for name in TABLE_NAMES}
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._pending: deque[tuple[Future[list[LineResult]] | list[LineResult], list[bytes],
-                                   _FileContext]] = deque()
+        self._pending: deque[Future[BlockResult] | BlockResult] = deque()
         self._num_blocks = 0
 
-    def submit(self, block: bytes, name: str, first_lineno: int,
-               ctx: _FileContext) -> Iterator[list[_Item]]:
-        """Queue a block; yields the items of the blocks that must be taken out first."""
-        lines = block.split(b"\n")
+    def _new_locations(self) -> dict[str, str]:
+        """A fresh data file location per table (handed out in runs: each run loads the
+        table once)."""
+        for name, free in self._locations.items():
+            if not free:
+                free.extend(self.lake.new_data_locations(name, 64))
+        return {name: free.pop() for name, free in self._locations.items()}
+
+    def submit(self, task: BlockTask) -> Iterator[BlockResult]:
+        """Queue a block; yields the results that must be taken out first."""
         self._num_blocks += 1
+        task = dataclasses.replace(task, locations=self._new_locations())
         if self.workers > 1 and self._pool is None and (self.eager or self._num_blocks == 2):
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=init_worker,
-                initargs=([a.tobytes() for a in self.known.arrays], self.settings))
-        result: Future[list[LineResult]] | list[LineResult]
+                initializer=init_block_worker,
+                initargs=([a.tobytes() for a in self.known.arrays], self.lake.settings,
+                          self.targets))
         if self._pool is None:
-            result = process_lines(lines, name=name, first_lineno=first_lineno,
-                                   format_hint=ctx.format_hint, known=self.known.arrays,
-                                   blobs=self.blobs)
+            self._pending.append(ingest_block(task, self.ctx, targets=self.targets,
+                                              known=self.known.arrays, blobs=self.blobs))
         else:
-            result = self._pool.submit(worker_chunk, block, name, first_lineno, ctx.format_hint)
-        self._pending.append((result, lines, ctx))
+            self._pending.append(self._pool.submit(worker_block, task, self.ctx))
         while len(self._pending) > 2 * self.workers:
             yield self._take()
 
-    def drain(self) -> Iterator[list[_Item]]:
+    def drain(self) -> Iterator[BlockResult]:
         while self._pending:
             yield self._take()
 
-    def _take(self) -> list[_Item]:
-        result, lines, ctx = self._pending.popleft()
-        done = result if isinstance(result, list) else result.result()
-        return [_Item(rid, fmt, ctx.source, ctx.received_at, ctx.tags, ctx.project, text=text,
-                      line=lines[index], reason=reason, rows=rows)
-                for index, rid, text, fmt, reason, rows in done]
+    def _take(self) -> BlockResult:
+        result = self._pending.popleft()
+        return result if isinstance(result, BlockResult) else result.result()
 
     def close(self) -> None:
+        """Stop the workers; the data files of blocks never taken out are removed."""
+        pending = list(self._pending)
         self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        for result in pending:
+            if isinstance(result, Future):
+                if result.cancelled() or result.exception() is not None:
+                    continue
+                result = result.result()
+            _delete_files(self.lake, result.files)
+
+
+def _delete_files(lake: Lake, files: Mapping[str, list[str]]) -> None:
+    for name, data_files in files.items():
+        try:
+            lake.delete_files(name, data_files)
+        except OSError:  # garbage left behind is harmless: never referenced by a snapshot
+            pass
+
+
+class _FileIngest:
+    """The main process's side of a file ingest: dedupe across blocks, count, commit."""
+
+    def __init__(self, lake: Lake, known: _KnownIds, ctx: FileContext, *,
+                 lineage: Lineage | None, lineages: Mapping[str, Lineage], batch_rows: int,
+                 batch_bytes: int, background_writes: bool) -> None:
+        self.lake = lake
+        self.known = known
+        self.ctx = ctx
+        self.batch_rows = batch_rows
+        self.batch_bytes = batch_bytes
+        self.summary = IngestSummary()
+        self.writer = _Writer(lake, self.summary, lineage, lineages,
+                              threaded=background_writes)
+        self.pipeline = _Pipeline(lake, known, BlobStore(lake.settings), self.summary,
+                                  self.writer)
+        self.batch = _Batch()
+        """Records handled here (from .json files, or held back by a worker as maybe known)."""
+        self.files: dict[str, list[str]] = {name: [] for name in TABLE_NAMES}
+        """Data files written by blocks and not committed yet."""
+        self.num_rows = 0
+        self.num_bytes = 0
+
+    def items(self, items: list[_Item]) -> None:
+        while items:
+            room = self.batch_rows - self.batch.num_read
+            part, items = (items, []) if len(items) <= room else (items[:room], items[room:])
+            self.pipeline.chunk(self.batch, part)
+            if self.batch.num_read >= self.batch_rows or self.batch.num_bytes >= self.batch_bytes:
+                self._submit_batch()
+
+    def _submit_batch(self) -> None:
+        if self.batch.num_read:
+            self.pipeline.submit(self.batch)
+            self.batch = _Batch()
+
+    def block(self, result: BlockResult) -> None:
+        summary = self.summary
+        # Repeats of records an earlier block (or a .json file) of this ingest gave: the files
+        # are rewritten without them, as if the block had known those ids.
+        earlier = self.known.existing(result.ids) | (set(result.ids) & self.batch.ids)
+        if earlier:
+            self._drop(result, earlier)
+        summary.read += result.num_read - len(result.held)
+        summary.duplicates += result.num_duplicates + len(earlier)
+        for rid, rejected, num in zip(result.ids, result.rejected, result.num_samples,
+                                      strict=True):
+            if rid in earlier:
+                continue
+            if rejected:
+                summary.rejected += 1
+            else:
+                summary.ingested += 1
+                summary.num_samples += num
+        self.known.remember([i for i in result.ids if i not in earlier] if earlier
+                            else result.ids)
+        for name, data_files in result.files.items():
+            self.files[name].extend(data_files)
+        self.num_rows += result.num_read
+        self.num_bytes += result.num_bytes
+        if result.held:
+            ctx = self.ctx
+            self.items([_Item(rid, fmt, ctx.source, ctx.received_at, ctx.tags, ctx.project,
+                              line=held if isinstance(held, bytes) else None,
+                              text=held if isinstance(held, str) else None, reason=reason,
+                              rows=[] if reason is not None else None)
+                        for rid, fmt, held, reason in result.held])
+        if self.num_rows >= self.batch_rows or self.num_bytes >= self.batch_bytes:
+            self._commit_files()
+
+    def _drop(self, result: BlockResult, ids: set[str]) -> None:
+        drop = pa.array(sorted(ids), type=pa.string())
+        for name, data_files in result.files.items():
+            if not data_files:
+                continue
+            rows = self.lake.read_files(name, data_files)
+            keep = rows.filter(pc.invert(pc.is_in(rows.column("raw_trace_id"), drop)))
+            result.files[name] = [self.lake.file_target(name).write(
+                keep, self.lake.new_data_locations(name, 1)[0])] if keep.num_rows else []
+            self.lake.delete_files(name, data_files)
+
+    def _commit_files(self) -> None:
+        if any(self.files.values()):
+            files, self.files = self.files, {name: [] for name in TABLE_NAMES}
+            self.writer.commit_files(files)
+        self.num_rows = self.num_bytes = 0
+
+    def finish(self) -> None:
+        self._submit_batch()
+        self._commit_files()
+        self.writer.close()
+
+    def abandon(self) -> None:
+        """After a failure: batches already handed over are committed (as they would have
+        been had each been written before the next was read); uncommitted files removed."""
+        _delete_files(self.lake, self.files)
+        self.files = {name: [] for name in TABLE_NAMES}
+        self.writer.close()
 
 
 @contextmanager

@@ -169,13 +169,6 @@ def init_worker(known: list[bytes], settings: Any) -> None:
     _WORKER["blobs"] = BlobStore(settings)
 
 
-def worker_chunk(block: bytes, name: str, first_lineno: int,
-                 format_hint: str) -> list[LineResult]:
-    """``process_lines`` of a block of whole lines, in a worker set up by ``init_worker``."""
-    return process_lines(block.split(b"\n"), name=name, first_lineno=first_lineno,
-                         format_hint=format_hint, known=_WORKER["known"], blobs=_WORKER["blobs"])
-
-
 def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, format_hint: str,
                   known: Sequence[np.ndarray] = (),
                   blobs: BlobStore | None = None) -> list[LineResult]:

@@ -182,18 +182,24 @@ def test_cli_prints_one_json_line(factory_home: Path, tmp_path: Path,
 @contextmanager
 def dying_after_raw_commit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Inside: every commit after the raw_traces one fails, as if the process died there."""
-    real_append = Lake.append
+    # Rows are committed as Arrow tables (``append``) or as data files written by ingest
+    # workers (``commit_files``): both die after raw_traces.
+    real = {"append": Lake.append, "commit_files": Lake.commit_files}
 
-    def dying_append(self: Lake, name: str, data: object, **kwargs: object) -> object:
-        if name != "raw_traces":
-            raise OSError("process died after the raw_traces commit")
-        return real_append(self, name, data, **kwargs)  # type: ignore[arg-type]
+    def dying(method: str) -> object:
+        def commit(self: Lake, name: str, data: object, **kwargs: object) -> object:
+            if name != "raw_traces":
+                raise OSError("process died after the raw_traces commit")
+            return real[method](self, name, data, **kwargs)  # type: ignore[operator]
+        return commit
 
-    monkeypatch.setattr(Lake, "append", dying_append)
+    for method in real:
+        monkeypatch.setattr(Lake, method, dying(method))
     try:
         yield
     finally:
-        monkeypatch.setattr(Lake, "append", real_append)
+        for method, fn in real.items():
+            monkeypatch.setattr(Lake, method, fn)
 
 
 def test_crash_between_raw_and_samples_commits_is_healed_on_replay(

@@ -1,0 +1,294 @@
+"""Blocks of JSON Lines to Parquet data files: the part of a file ingest that worker processes do.
+
+``factory.ingest.ingest_paths`` cuts a JSON Lines file into blocks of whole lines and hands each
+to ``ingest_block``, in a worker process (or in process for a small file). The worker reads its
+block from the file itself, parses, hashes and normalizes every line
+(``factory.normalize.rows.process_lines``), builds the ``raw_traces``, ``samples`` and
+``rejected_traces`` rows of the block and writes them as Parquet data files
+(``Lake.write_files``). It commits nothing. The main process gets back the data files, the ids
+they hold and per-record counts: it drops the rows that repeat an earlier block (rare: the
+files are rewritten), and commits the files of many blocks at once, ``raw_traces`` first.
+
+So the main process handles a few kilobytes per block, where it used to receive every record,
+build every row and encode all the Parquet itself: with it no longer the bottleneck, a file
+ingest scales with the worker processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from factory.normalize.rows import (
+    LineResult,
+    SampleRow,
+    init_worker,
+    known_mask,
+    process_lines,
+)
+
+if TYPE_CHECKING:
+    from factory.blobs import BlobStore
+    from factory.datafiles import FileTarget
+
+TABLE_NAMES = ("raw_traces", "samples", "rejected_traces")
+
+
+@dataclass(frozen=True)
+class FileContext:
+    """What every record of an ingest of files shares."""
+
+    source: str
+    received_at: datetime
+    tags: dict[str, str]
+    project: str | None
+    format_hint: str
+
+
+@dataclass(frozen=True)
+class BlockTask:
+    """Whole lines of a JSON Lines file: a byte range of the file, or the bytes themselves."""
+
+    name: str
+    """The file's name, for rejection reasons."""
+    first_lineno: int
+    """The line number of the block's first line."""
+    path: str | None = None
+    """The file to read ``start:end`` of (a plain file, so a worker reads it itself)."""
+    start: int = 0
+    end: int = 0
+    data: bytes | None = None
+    """The block itself, when the file cannot be read at an offset (``.gz``)."""
+    locations: dict[str, str] = field(default_factory=dict)
+    """Where to write each table's data file (``Lake.new_data_locations``)."""
+
+    def read(self) -> bytes:
+        if self.data is not None:
+            return self.data
+        assert self.path is not None, "a block has a path or its data"
+        with open(self.path, "rb") as fh:
+            fh.seek(self.start)
+            data = fh.read(self.end - self.start)
+        if len(data) != self.end - self.start:
+            raise OSError(f"{self.path}: file shrank while it was being ingested")
+        return data
+
+
+@dataclass
+class BlockResult:
+    """What a block gave: data files not committed yet, and what the main process needs."""
+
+    num_read: int = 0
+    """Records read (an OTLP export line counts one per trace), including everything below."""
+    num_duplicates: int = 0
+    """Records that repeat an earlier record of the same block (nothing written for them)."""
+    files: dict[str, list[str]] = field(default_factory=dict)
+    """Data files per table (locations), written and not committed."""
+    ids: list[str] = field(default_factory=list)
+    """The raw_trace_id of each raw row written, in the files' order."""
+    rejected: list[bool] = field(default_factory=list)
+    """Per id: went to rejected_traces (else to samples)."""
+    num_samples: list[int] = field(default_factory=list)
+    """Per id: sample rows written."""
+    held: list[tuple[str, str, bytes | str, str | None]] = field(default_factory=list)
+    """Records whose id the lake holds already, as (id, format, line or text, rejection reason
+    if known): not written, the main process decides (a duplicate, or a raw row left without
+    an outcome by a crash)."""
+    num_bytes: int = 0
+    """Bytes of the block (for batching commits)."""
+
+
+# -- the worker process --------------------------------------------------------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def init_block_worker(known: list[bytes], settings: Any,
+                      targets: dict[str, FileTarget]) -> None:
+    """Set up a worker: the known ids and blob store (``rows.init_worker``), and how to write
+    each table's files (no catalog, no pyiceberg: the worker starts faster without them)."""
+    from factory.normalize import rows
+
+    init_worker(known, settings)
+    _WORKER["known"] = rows._WORKER["known"]
+    _WORKER["blobs"] = rows._WORKER["blobs"]
+    _WORKER["targets"] = targets
+
+
+def worker_block(task: BlockTask, ctx: FileContext) -> BlockResult:
+    """``ingest_block`` in a worker process set up by ``init_block_worker``."""
+    return ingest_block(task, ctx, targets=_WORKER["targets"], known=_WORKER["known"],
+                        blobs=_WORKER["blobs"])
+
+
+# -- one block -----------------------------------------------------------------------------------
+def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTarget],
+                 known: list[np.ndarray], blobs: BlobStore) -> BlockResult:
+    """Read, normalize and write one block (see the module docstring)."""
+    block = task.read()
+    lines = block.split(b"\n")
+    results = process_lines(lines, name=task.name, first_lineno=task.first_lineno,
+                            format_hint=ctx.format_hint, known=known, blobs=blobs)
+    out = BlockResult(num_read=len(results), num_bytes=len(block))
+    rows = _Rows(block, lines)
+    seen: set[str] = set()
+    # Ids the lake may hold: records process_lines skipped, and rejections (a line that is not
+    # JSON is rejected before any check) whose id is known.
+    in_lake = (known_mask([r[1] for r in results], known) if any(len(a) for a in known)
+               else None)
+    for i, (index, rid, text, fmt, reason, sample_rows) in enumerate(results):
+        if rid in seen:
+            out.num_duplicates += 1
+            continue
+        seen.add(rid)
+        if in_lake is not None and in_lake[i]:  # the main process decides what it is
+            out.held.append((rid, fmt, text if text is not None else lines[index].strip(),
+                             reason))
+            continue
+        rows.add(index, rid, text, fmt, reason, sample_rows)
+    for name, table in rows.tables(ctx):
+        if table.num_rows:
+            out.files[name] = [targets[name].write(table, task.locations[name])]
+    out.ids, out.rejected, out.num_samples = rows.per_id()
+    return out
+
+
+class _Rows:
+    """The rows of one block's three tables, the payloads kept as ranges of the block.
+
+    A record's stored payload is its line, stripped; those are cut out of the block in one
+    Arrow ``take`` (no Python string per line). Records with a text of their own (a trace
+    split from an OTLP export line, a line that is not valid JSON, stored decoded with
+    replacement characters) are kept as strings.
+    """
+
+    def __init__(self, block: bytes, lines: list[bytes]) -> None:
+        self.block = block
+        self.lines = lines
+        # raw rows and rejected rows: those backed by a line, then those with their own text
+        self.raw_lines: list[tuple[int, str, str]] = []
+        self.raw_texts: list[tuple[str, str, str]] = []
+        self.rej_lines: list[tuple[int, str, str, str]] = []
+        self.rej_texts: list[tuple[str, str, str, str]] = []
+        self.samples: list[SampleRow] = []
+        self.sample_ids: list[str] = []
+        self.outcome: dict[str, int] = {}
+        """Per raw id: -1 rejected, else its number of samples."""
+
+    def add(self, index: int, rid: str, text: str | None, fmt: str, reason: str | None,
+            sample_rows: list[SampleRow] | None) -> None:
+        if text is None:
+            self.raw_lines.append((index, rid, fmt))
+        else:
+            self.raw_texts.append((rid, fmt, text))
+        if reason is not None:
+            if text is None:
+                self.rej_lines.append((index, rid, fmt, reason))
+            else:
+                self.rej_texts.append((rid, fmt, reason, text))
+            self.outcome[rid] = -1
+            return
+        sample_rows = sample_rows or []
+        self.samples.extend(sample_rows)
+        self.sample_ids.extend([rid] * len(sample_rows))
+        self.outcome[rid] = len(sample_rows)
+
+    def per_id(self) -> tuple[list[str], list[bool], list[int]]:
+        ids = [r[1] for r in self.raw_lines] + [r[0] for r in self.raw_texts]
+        outcome = self.outcome
+        return ids, [outcome[i] < 0 for i in ids], [max(outcome[i], 0) for i in ids]
+
+    def _payloads(self, indices: list[int], texts: list[str]) -> pa.Array:
+        """The stripped lines at ``indices``, then ``texts``, as one string array."""
+        if not indices:
+            return pa.array(texts, type=pa.string())
+        lens = np.fromiter(map(len, self.lines), dtype=np.int64, count=len(self.lines))
+        offsets = np.zeros(len(self.lines) + 1, dtype=np.int64)
+        np.cumsum(lens + 1, out=offsets[1:])  # each line with its newline...
+        np.minimum(offsets, len(self.block), out=offsets)  # ...but the last may have none
+        big = len(self.block) >= 2**31 - 1
+        whole = pa.Array.from_buffers(
+            pa.large_binary() if big else pa.binary(), len(self.lines),
+            [None, pa.py_buffer(offsets if big else offsets.astype(np.int32)),
+             pa.py_buffer(self.block)])
+        picked = whole.take(pa.array(indices, type=pa.int64()))
+        try:
+            strings = pc.ascii_trim_whitespace(picked.cast(pa.large_string() if big
+                                                           else pa.string()))
+        except pa.ArrowInvalid:  # not UTF-8 (a line json.loads took): stored as decoded
+            strings = pa.array([self.lines[i].strip().decode("utf-8", "replace")
+                                for i in indices], type=pa.string())
+        if big:
+            strings = strings.cast(pa.string())
+        return strings if not texts else pa.concat_arrays(
+            [strings, pa.array(texts, type=pa.string())])
+
+    def tables(self, ctx: FileContext) -> list[tuple[str, pa.Table]]:
+        """(table, rows) for each of the three tables."""
+        raw_n = len(self.raw_lines) + len(self.raw_texts)
+        rej_n = len(self.rej_lines) + len(self.rej_texts)
+        raw = pa.table({
+            "raw_trace_id": pa.array([r[1] for r in self.raw_lines]
+                                     + [r[0] for r in self.raw_texts], type=pa.string()),
+            "source": _repeat(ctx.source, pa.string(), raw_n),
+            "format": pa.array([r[2] for r in self.raw_lines] + [r[1] for r in self.raw_texts],
+                               type=pa.string()),
+            "received_at": _repeat(ctx.received_at, pa.timestamp("us", tz="UTC"), raw_n),
+            "project": _repeat(ctx.project, pa.string(), raw_n),
+            "tags": _repeat(ctx.tags, pa.map_(pa.string(), pa.string()), raw_n),
+            "payload": self._payloads([r[0] for r in self.raw_lines],
+                                      [r[2] for r in self.raw_texts]),
+        })
+        rejected = pa.table({
+            "raw_trace_id": pa.array([r[1] for r in self.rej_lines]
+                                     + [r[0] for r in self.rej_texts], type=pa.string()),
+            "source": _repeat(ctx.source, pa.string(), rej_n),
+            "format": pa.array([r[2] for r in self.rej_lines] + [r[1] for r in self.rej_texts],
+                               type=pa.string()),
+            "received_at": _repeat(ctx.received_at, pa.timestamp("us", tz="UTC"), rej_n),
+            "reason": pa.array([r[3] for r in self.rej_lines] + [r[2] for r in self.rej_texts],
+                               type=pa.string()),
+            "payload": self._payloads([r[0] for r in self.rej_lines],
+                                      [r[3] for r in self.rej_texts]),
+        })
+        return [("raw_traces", raw), ("samples", self._samples(ctx)),
+                ("rejected_traces", rejected)]
+
+    def _samples(self, ctx: FileContext) -> pa.Table:
+        num = len(self.samples)
+        if num:
+            (sample_id, provider, model, messages, tools, num_turns, has_images,
+             has_tool_calls, created_at) = map(list, zip(*self.samples, strict=True))
+        else:
+            sample_id = provider = model = messages = tools = num_turns = []
+            has_images = has_tool_calls = created_at = []
+        when = [t if t is not None else ctx.received_at for t in created_at]
+        return pa.table({
+            "sample_id": pa.array(sample_id, type=pa.string()),
+            "provider": pa.array(provider, type=pa.string()),
+            "model": pa.array(model, type=pa.string()),
+            "messages": pa.array(messages, type=pa.string()),
+            "tools": pa.array(tools, type=pa.string()),
+            "num_turns": pa.array(num_turns, type=pa.int32()),
+            "has_images": pa.array(has_images, type=pa.bool_()),
+            "has_tool_calls": pa.array(has_tool_calls, type=pa.bool_()),
+            "created_at": pa.array(when, type=pa.timestamp("us", tz="UTC")),
+            "raw_trace_id": pa.array(self.sample_ids, type=pa.string()),
+            "source": _repeat(ctx.source, pa.string(), num),
+            "project": _repeat(ctx.project, pa.string(), num),
+            "tags": _repeat(ctx.tags, pa.map_(pa.string(), pa.string()), num),
+        })
+
+
+def _repeat(value: Any, type_: pa.DataType, num: int) -> pa.Array:
+    """``num`` copies of one value, converted once (a dict to an Arrow map per row was slow)."""
+    one = pa.array([value], type=type_)
+    return one.take(pa.array(np.zeros(num, dtype=np.int32)))
+
+
+__all__ = ["TABLE_NAMES", "BlockResult", "BlockTask", "FileContext", "LineResult",
+           "ingest_block", "init_block_worker", "worker_block"]
