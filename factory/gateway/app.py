@@ -21,7 +21,7 @@ import orjson
 
 from factory.gateway.config import PROVIDERS, GatewayConfig
 from factory.gateway.errors import error_body
-from factory.gateway.flusher import Flusher
+from factory.gateway.flusher import Flusher, stream_complete
 from factory.gateway.keys import KeyStore, keys_path
 from factory.gateway.metrics import Metrics
 from factory.gateway.routes import RoutingTable
@@ -154,6 +154,9 @@ class Gateway:
         m.gauge("factory_gateway_captures_committed_total",
                 "Captures committed to the lake by this process.",
                 lambda: float(self.flusher.num_committed if self.flusher else 0))
+        m.gauge("factory_gateway_captures_rejected_total",
+                "Committed captures that ingest rejected (see rejected_traces for why).",
+                lambda: float(self.flusher.num_rejected if self.flusher else 0))
         m.gauge("factory_gateway_flush_failures_total",
                 "Lake commits that failed (the batch stays spooled and is retried).",
                 lambda: float(self.flusher.num_failures if self.flusher else 0))
@@ -392,15 +395,19 @@ class Gateway:
                     task.cancel()
             await asyncio.gather(relay_task, watcher, return_exceptions=True)
             upstream.release()
-        if client_gone:
+        data = b"".join(chunks)
+        # A client that hangs up after the last event (the openai SDK closes the response on
+        # [DONE]) while the upstream's end of body is still on its way has the whole answer:
+        # only a hang-up before the stream's end marker cuts the capture short.
+        if client_gone and not stream_complete(capture["stream"], data):
             capture["partial"] = True
             capture["error"] = "client disconnected mid-stream"
-        elif relay_task.exception() is not None:
+        elif not client_gone and relay_task.exception() is not None:
             exc = relay_task.exception()
             capture["partial"] = True
             capture["error"] = f"upstream stream failed: {type(exc).__name__}"
         up_seconds = time.perf_counter() - up_started
-        self._spool(capture, body, b"".join(chunks))
+        self._spool(capture, body, data)
         if not client_gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         self.metrics.request(provider, route, upstream.status,

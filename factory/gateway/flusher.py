@@ -59,6 +59,45 @@ def parse_sse(data: bytes) -> list[Any]:
     return events
 
 
+# The end marker of a stream is in its last event; only this many bytes of the end are read.
+_END_TAIL_BYTES = 4096
+
+
+def stream_complete(kind: str | None, data: bytes) -> bool:
+    """Whether relayed stream bytes already end with their protocol's last event: an SSE
+    ``data: [DONE]`` (OpenAI) or ``message_stop`` event (Anthropic), or the closing ``]`` of a
+    streamed JSON array (Gemini without ``alt=sse``). Gemini's SSE has no end marker: False.
+
+    SDKs hang up once they have read the last event (the openai SDK closes the response on
+    ``[DONE]``), often before the upstream's end of body has reached the gateway: a client gone
+    after this point got the whole answer, and the capture is complete.
+    """
+    if kind == "json":
+        try:
+            return isinstance(orjson.loads(data), list)
+        except orjson.JSONDecodeError:
+            return False
+    if kind != "sse":
+        return False
+    tail = data[-_END_TAIL_BYTES:]
+    text = tail.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    if len(tail) < len(data):
+        text = text.partition("\n")[2]  # drop the line the cut went through
+    body = text.rstrip("\n")
+    if len(text) - len(body) < 2:
+        return False  # an SSE event is dispatched only at the blank line after it
+    lines = body.rpartition("\n\n")[2].split("\n")
+    data_text = "\n".join(line[5:].removeprefix(" ") for line in lines
+                          if line.startswith("data:")).strip()
+    if data_text == "[DONE]" or "event: message_stop" in lines or "event:message_stop" in lines:
+        return True
+    try:
+        last = orjson.loads(data_text)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(last, dict) and last.get("type") == "message_stop"
+
+
 def parse_json_array_stream(data: bytes) -> list[Any]:
     """The objects of a streamed JSON array (Gemini without ``alt=sse``), complete or cut short."""
     try:
@@ -199,7 +238,9 @@ class Flusher:
         self._lock_fd = -1
         self._lake: Any = None
         self.num_committed = 0
-        """Captures committed to the lake by this process."""
+        """Captures committed to the lake by this process (samples or rejected_traces)."""
+        self.num_rejected = 0
+        """Of those, captures ingest rejected (kept in ``rejected_traces`` with the reason)."""
         self.num_failures = 0
         """Batches refused by the lake (each retried later)."""
         self.num_corrupt_segments = 0
@@ -281,7 +322,12 @@ class Flusher:
         if records:
             if self._lake is None:
                 self._lake = self.lake_factory()
-            self.ingest(self._lake, records)
+            summary = self.ingest(self._lake, records)
+            rejected = int(getattr(summary, "rejected", 0) or 0)
+            if rejected:
+                self.num_rejected += rejected
+                log.info("flusher: %d of %d captures rejected by ingest; the reasons are in "
+                         "rejected_traces", rejected, len(records))
         for seg in used:
             seg.unlink()
         for seg in corrupt:

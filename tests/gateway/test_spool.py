@@ -99,7 +99,7 @@ def test_gateway_drains_after_lake_outage(factory_home: Path, upstream: ServerTh
             r = httpx.post(srv.url + "/v1/chat/completions",
                            json={"model": "m", "messages": [{"role": "user", "content": str(i)}]})
             assert r.status_code == 200
-        wait_until(lambda: app.flusher.num_failures >= 2, what="failed flushes")
+        wait_until(lambda: app.flusher is not None and app.flusher.num_failures >= 2, what="failed flushes")
         assert app.spool_depth() == 20 and kept == []
         assert httpx.get(srv.url + "/healthz").json()["lake"] == "error"
         down["on"] = False
@@ -130,6 +130,10 @@ def test_routing_table_in_the_lake_sends_a_model_elsewhere(factory_home: Path,
         assert r.status_code == 502  # back to the default upstream, which is down
         wait_until(lambda: lake.exists("raw_traces") and lake.read("raw_traces").num_rows == 2,
                    what="captures")
+        # The 502 is committed to rejected_traces; the flusher counts it apart from the sample.
+        wait_until(lambda: app.flusher is not None and app.flusher.num_rejected == 1,
+                   what="the rejected capture counted")
+        assert b"factory_gateway_captures_rejected_total 1.0" in app.metrics.render()
     tags = [dict(t) for t in lake.read("raw_traces").column("tags").to_pylist()]
     assert {"route_version": "v3"} in tags
     table = RoutingTable()
