@@ -867,13 +867,41 @@ def _line_blocks(path: Path, block_bytes: int,
                  on_bytes: Callable[[int], None] | None) -> Iterator[BlockTask]:
     """Blocks of whole lines of a JSON Lines file, about ``block_bytes`` each.
 
-    A plain file's blocks are byte ranges the worker reads itself (this process reads the
-    file only to cut it at newlines and number the lines); a compressed file's blocks carry
-    their bytes.
+    A plain file's blocks are byte ranges the worker reads itself: this process reads the
+    file only to cut it at newlines and number the lines, into one reused buffer. A
+    compressed file's blocks carry their bytes.
     """
-    plain = not path.name.endswith(".gz")
+    if path.name.endswith(".gz"):
+        yield from _gz_blocks(path, block_bytes, on_bytes)
+        return
     first = 1
     pos = 0
+    buf = bytearray(block_bytes)
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            fh.seek(pos)
+            num = fh.readinto(buf)
+            if not num:
+                return
+            end = num
+            if num == len(buf):  # more may follow: end at the last newline
+                cut = buf.rfind(b"\n")
+                if cut < 0:  # one line longer than a block: read it whole
+                    buf = bytearray(2 * len(buf))
+                    continue
+                end = cut + 1
+            if on_bytes:
+                on_bytes(end)
+            yield BlockTask(name=path.name, first_lineno=first, path=str(path), start=pos,
+                            end=pos + end)
+            first += buf.count(b"\n", 0, end)
+            pos += end
+
+
+def _gz_blocks(path: Path, block_bytes: int,
+               on_bytes: Callable[[int], None] | None) -> Iterator[BlockTask]:
+    """Blocks of whole lines of a compressed JSON Lines file, with their bytes."""
+    first = 1
     rest = b""
     with _open_binary(path) as fh:
         while True:
@@ -882,23 +910,15 @@ def _line_blocks(path: Path, block_bytes: int,
                 on_bytes(len(data))
             if not data:
                 if rest:
-                    yield _task(path, plain, first, pos, rest)
+                    yield BlockTask(name=path.name, first_lineno=first, data=rest)
                 return
             cut = data.rfind(b"\n")
             if cut < 0:  # one line longer than a block: keep reading until it ends
                 rest += data
                 continue
             block, rest = rest + data[:cut + 1], data[cut + 1:]
-            yield _task(path, plain, first, pos, block)
+            yield BlockTask(name=path.name, first_lineno=first, data=block)
             first += block.count(b"\n")
-            pos += len(block)
-
-
-def _task(path: Path, plain: bool, first: int, pos: int, block: bytes) -> BlockTask:
-    if plain:
-        return BlockTask(name=path.name, first_lineno=first, path=str(path), start=pos,
-                         end=pos + len(block))
-    return BlockTask(name=path.name, first_lineno=first, data=block)
 
 
 class _BlockWorkers:
