@@ -185,8 +185,7 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def phase_ingest(path: Path, background_writes: bool = False,
-                 workers: int | None = None) -> dict[str, Any]:
+def phase_ingest(path: Path, workers: int | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from factory.ingest import default_workers, ingest_paths
     from factory.lake import Lake
@@ -195,7 +194,7 @@ def phase_ingest(path: Path, background_writes: bool = False,
     lake.table("raw_traces"), lake.table("samples"), lake.table("rejected_traces")
     base_rss = _peak_rss_mb()
     start, cpu, child_cpu = time.perf_counter(), time.process_time(), _children_cpu()
-    summary = ingest_paths(lake, [path], background_writes=background_writes, workers=workers)
+    summary = ingest_paths(lake, [path], workers=workers)
     seconds = time.perf_counter() - start
     # The worker processes have exited (the pool is shut down inside ingest_paths), so their
     # CPU time and peak RSS are in RUSAGE_CHILDREN.
@@ -229,8 +228,6 @@ def main() -> int:
                         help="records per run; a comma list runs several sizes")
     parser.add_argument("--phase", choices=["parse", "ingest"], help=argparse.SUPPRESS)
     parser.add_argument("--file", help=argparse.SUPPRESS)
-    parser.add_argument("--background-writes", action="store_true",
-                        help="commit batches on a thread while the next one is normalized")
     parser.add_argument("--workers", type=int, default=None,
                         help="normalizing processes (default: one per CPU; 1: in process)")
     args = parser.parse_args()
@@ -238,9 +235,9 @@ def main() -> int:
         print(json.dumps(phase_parse(Path(args.file))))
         return 0
     if args.phase == "ingest":
-        print(json.dumps(phase_ingest(Path(args.file), args.background_writes, args.workers)))
+        print(json.dumps(phase_ingest(Path(args.file), args.workers)))
         return 0
-    extra = ["--background-writes"] if args.background_writes else []
+    extra: list[str] = []
     if args.workers is not None:
         extra += ["--workers", str(args.workers)]
     print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": _loadavg()}))

@@ -56,6 +56,7 @@ from factory.normalize.rows import (
     first_line,
     id_and_text,
     id_of,
+    invalid_json_reason,
     known_mask,
     outcome,
     parse_json,
@@ -370,8 +371,9 @@ class _Writer:
     With ``threaded=False`` each batch is committed inline when submitted. That is the default:
     on a loaded 2-core machine the thread measured more CPU and no better wall time (one run of
     100k records: 21.5 s CPU / 55 s wall threaded, 16.1 s / 48 s inline), since every thread
-    there competes for the same cores. Re-measure with ``bench/ingest.py --background-writes``
-    on an idle or larger machine before making it the default.
+    there competes for the same cores (measured on the file path, which since writes data
+    files in worker processes instead). Re-measure on an idle or larger machine before making
+    it the default for ``ingest_records``.
     """
 
     def __init__(self, lake: Lake, summary: IngestSummary, lineage: Lineage | None,
@@ -770,8 +772,7 @@ def ingest_paths(lake: Lake, paths: Iterable[str | Path], *, format: str = "auto
                  tags: Mapping[str, str] | None = None, source: str = "upload",
                  project: str | None = None, lineage: Lineage | None = None,
                  lineages: Mapping[str, Lineage] | None = None, batch_rows: int = 1_000_000,
-                 on_bytes: Callable[[int], None] | None = None,
-                 background_writes: bool = False, workers: int | None = None,
+                 on_bytes: Callable[[int], None] | None = None, workers: int | None = None,
                  batch_bytes: int = 1 << 30) -> IngestSummary:
     """Ingest files and folders (``.jsonl``, ``.json``, ``.gz``) as one stream of records.
 
@@ -807,8 +808,7 @@ def ingest_paths(lake: Lake, paths: Iterable[str | Path], *, format: str = "auto
         ctx = FileContext(source=source, received_at=datetime.now(tz=UTC), tags=dict(tags or {}),
                           project=project, format_hint=format)
         run = _FileIngest(lake, known, ctx, lineage=lineage, lineages=lineages or {},
-                          batch_rows=batch_rows, batch_bytes=batch_bytes,
-                          background_writes=background_writes)
+                          batch_rows=batch_rows, batch_bytes=batch_bytes)
         blocks = _BlockWorkers(num_workers, known, lake, ctx,
                                eager=num_line_bytes > block_bytes)
         try:
@@ -867,41 +867,41 @@ def _line_blocks(path: Path, block_bytes: int,
                  on_bytes: Callable[[int], None] | None) -> Iterator[BlockTask]:
     """Blocks of whole lines of a JSON Lines file, about ``block_bytes`` each.
 
-    A plain file's blocks are byte ranges the worker reads itself: this process reads the
-    file only to cut it at newlines and number the lines, into one reused buffer. A
-    compressed file's blocks carry their bytes.
+    A plain file's blocks are byte ranges the worker reads itself: this process only reads a
+    little past each cut to find the end of the line there (the lines are numbered from the
+    newline counts the workers report). A compressed file's blocks carry their bytes.
     """
     if path.name.endswith(".gz"):
         yield from _gz_blocks(path, block_bytes, on_bytes)
         return
-    first = 1
+    size = path.stat().st_size
     pos = 0
-    buf = bytearray(block_bytes)
-    with open(path, "rb", buffering=0) as fh:
-        while True:
-            fh.seek(pos)
-            num = fh.readinto(buf)
-            if not num:
-                return
-            end = num
-            if num == len(buf):  # more may follow: end at the last newline
-                cut = buf.rfind(b"\n")
-                if cut < 0:  # one line longer than a block: read it whole
-                    buf = bytearray(2 * len(buf))
-                    continue
-                end = cut + 1
+    with open(path, "rb") as fh:
+        while pos < size:
+            end = min(pos + block_bytes, size)
+            if end < size:
+                fh.seek(end - 1)
+                while True:  # to the end of the line the cut falls in
+                    piece = fh.read(1 << 16)
+                    if not piece:
+                        end = size
+                        break
+                    newline = piece.find(b"\n")
+                    if newline >= 0:
+                        end += newline
+                        break
+                    end += len(piece)
+                end = min(end, size)
             if on_bytes:
-                on_bytes(end)
-            yield BlockTask(name=path.name, first_lineno=first, path=str(path), start=pos,
-                            end=pos + end)
-            first += buf.count(b"\n", 0, end)
-            pos += end
+                on_bytes(end - pos)
+            yield BlockTask(name=path.name, path=str(path), start=pos, end=end)
+            pos = end
 
 
 def _gz_blocks(path: Path, block_bytes: int,
                on_bytes: Callable[[int], None] | None) -> Iterator[BlockTask]:
     """Blocks of whole lines of a compressed JSON Lines file, with their bytes."""
-    first = 1
+    pos = 0
     rest = b""
     with _open_binary(path) as fh:
         while True:
@@ -910,15 +910,17 @@ def _gz_blocks(path: Path, block_bytes: int,
                 on_bytes(len(data))
             if not data:
                 if rest:
-                    yield BlockTask(name=path.name, first_lineno=first, data=rest)
+                    yield BlockTask(name=path.name, path=str(path), start=pos,
+                                    end=pos + len(rest), data=rest)
                 return
             cut = data.rfind(b"\n")
             if cut < 0:  # one line longer than a block: keep reading until it ends
                 rest += data
                 continue
             block, rest = rest + data[:cut + 1], data[cut + 1:]
-            yield BlockTask(name=path.name, first_lineno=first, data=block)
-            first += block.count(b"\n")
+            yield BlockTask(name=path.name, path=str(path), start=pos, end=pos + len(block),
+                            data=block)
+            pos += len(block)
 
 
 class _BlockWorkers:
@@ -1006,23 +1008,27 @@ class _FileIngest:
 
     def __init__(self, lake: Lake, known: _KnownIds, ctx: FileContext, *,
                  lineage: Lineage | None, lineages: Mapping[str, Lineage], batch_rows: int,
-                 batch_bytes: int, background_writes: bool) -> None:
+                 batch_bytes: int) -> None:
         self.lake = lake
         self.known = known
         self.ctx = ctx
         self.batch_rows = batch_rows
         self.batch_bytes = batch_bytes
         self.summary = IngestSummary()
-        self.writer = _Writer(lake, self.summary, lineage, lineages,
-                              threaded=background_writes)
+        self.writer = _Writer(lake, self.summary, lineage, lineages, threaded=False)
         self.pipeline = _Pipeline(lake, known, BlobStore(lake.settings), self.summary,
                                   self.writer)
+        self.targets = {name: lake.file_target(name) for name in TABLE_NAMES}
         self.batch = _Batch()
-        """Records handled here (from .json files, or held back by a worker as maybe known)."""
+        """Records handled here (from .json files, lines that are not JSON, records a worker
+        held back as known to the lake), written as data files like a block's rows."""
         self.files: dict[str, list[str]] = {name: [] for name in TABLE_NAMES}
-        """Data files written by blocks and not committed yet."""
+        """Data files written and not committed yet: every table's are committed together,
+        raw_traces first, so a crash never leaves a derived row without its raw row."""
         self.num_rows = 0
         self.num_bytes = 0
+        self.next_lineno = 1
+        """The line number of the next block's first line (blocks come in file order)."""
 
     def items(self, items: list[_Item]) -> None:
         while items:
@@ -1033,9 +1039,20 @@ class _FileIngest:
                 self._submit_batch()
 
     def _submit_batch(self) -> None:
-        if self.batch.num_read:
-            self.pipeline.submit(self.batch)
-            self.batch = _Batch()
+        batch = self.batch
+        if not batch.num_read:
+            return
+        self.summary.num_samples += batch.num_samples
+        self.known.remember(batch.raw["raw_trace_id"])
+        for name, table in batch.tables():
+            if table.num_rows:
+                location = self.lake.new_data_locations(name, 1)[0]
+                self.files[name].append(self.targets[name].write(table, location))
+        self.num_rows += batch.num_read
+        self.num_bytes += batch.num_bytes
+        self.batch = _Batch()
+        if self.num_rows >= self.batch_rows or self.num_bytes >= self.batch_bytes:
+            self._commit_files()
 
     def block(self, result: BlockResult) -> None:
         summary = self.summary
@@ -1044,7 +1061,7 @@ class _FileIngest:
         earlier = self.known.existing(result.ids) | (set(result.ids) & self.batch.ids)
         if earlier:
             self._drop(result, earlier)
-        summary.read += result.num_read - len(result.held)
+        summary.read += result.num_read - len(result.held) - len(result.invalid)
         summary.duplicates += result.num_duplicates + len(earlier)
         for rid, rejected, num in zip(result.ids, result.rejected, result.num_samples,
                                       strict=True):
@@ -1061,8 +1078,15 @@ class _FileIngest:
             self.files[name].extend(data_files)
         self.num_rows += result.num_read
         self.num_bytes += result.num_bytes
+        ctx = self.ctx
+        first = 1 if result.start == 0 else self.next_lineno
+        self.next_lineno = first + result.num_lines
+        if result.invalid:  # rejected here: only this process knows the line numbers
+            self.items([_Item(rid, "unknown", ctx.source, ctx.received_at, ctx.tags,
+                              ctx.project, text=text, rows=[],
+                              reason=invalid_json_reason(result.name, first + index, error))
+                        for index, rid, text, error in result.invalid])
         if result.held:
-            ctx = self.ctx
             self.items([_Item(rid, fmt, ctx.source, ctx.received_at, ctx.tags, ctx.project,
                               line=held if isinstance(held, bytes) else None,
                               text=held if isinstance(held, str) else None, reason=reason,
@@ -1091,14 +1115,12 @@ class _FileIngest:
     def finish(self) -> None:
         self._submit_batch()
         self._commit_files()
-        self.writer.close()
 
     def abandon(self) -> None:
-        """After a failure: batches already handed over are committed (as they would have
-        been had each been written before the next was read); uncommitted files removed."""
+        """After a failure: the data files not committed are removed (commits already made
+        stand, as they would have had the ingest stopped there)."""
         _delete_files(self.lake, self.files)
         self.files = {name: [] for name in TABLE_NAMES}
-        self.writer.close()
 
 
 @contextmanager

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from factory.normalize.rows import (
+    LineError,
     LineResult,
     SampleRow,
     init_worker,
@@ -56,21 +57,20 @@ class BlockTask:
 
     name: str
     """The file's name, for rejection reasons."""
-    first_lineno: int
-    """The line number of the block's first line."""
-    path: str | None = None
-    """The file to read ``start:end`` of (a plain file, so a worker reads it itself)."""
-    start: int = 0
-    end: int = 0
+    path: str
+    """The file."""
+    start: int
+    """Where the block starts in the file (decompressed, for ``.gz``)."""
+    end: int
     data: bytes | None = None
-    """The block itself, when the file cannot be read at an offset (``.gz``)."""
+    """The block itself, when the file cannot be read at an offset (``.gz``); else a worker
+    reads ``start:end`` of ``path`` itself."""
     locations: dict[str, str] = field(default_factory=dict)
     """Where to write each table's data file (``Lake.new_data_locations``)."""
 
     def read(self) -> bytes:
         if self.data is not None:
             return self.data
-        assert self.path is not None, "a block has a path or its data"
         with open(self.path, "rb") as fh:
             fh.seek(self.start)
             data = fh.read(self.end - self.start)
@@ -83,6 +83,10 @@ class BlockTask:
 class BlockResult:
     """What a block gave: data files not committed yet, and what the main process needs."""
 
+    name: str = ""
+    """The file's name."""
+    start: int = 0
+    """Where the block starts in the file (0: its first line is line 1)."""
     num_read: int = 0
     """Records read (an OTLP export line counts one per trace), including everything below."""
     num_duplicates: int = 0
@@ -101,6 +105,11 @@ class BlockResult:
     an outcome by a crash)."""
     num_bytes: int = 0
     """Bytes of the block (for batching commits)."""
+    num_lines: int = 0
+    """Newlines in the block (the main process numbers the lines of the next blocks)."""
+    invalid: list[LineError] = field(default_factory=list)
+    """Lines that are not JSON, not written: their rejection reason names the line number,
+    which only the main process knows (it does not read the file)."""
 
 
 # -- the worker process --------------------------------------------------------------------------
@@ -131,9 +140,12 @@ def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTa
     """Read, normalize and write one block (see the module docstring)."""
     block = task.read()
     lines = block.split(b"\n")
-    results = process_lines(lines, name=task.name, first_lineno=task.first_lineno,
-                            format_hint=ctx.format_hint, known=known, blobs=blobs)
-    out = BlockResult(num_read=len(results), num_bytes=len(block))
+    invalid: list[LineError] = []
+    results = process_lines(lines, name=task.name, first_lineno=1, format_hint=ctx.format_hint,
+                            known=known, blobs=blobs, line_errors=invalid)
+    out = BlockResult(name=task.name, start=task.start,
+                      num_read=len(results) + len(invalid), num_bytes=len(block),
+                      num_lines=len(lines) - 1, invalid=invalid)
     rows = _Rows(block, lines)
     seen: set[str] = set()
     # Ids the lake may hold: records process_lines skipped, and rejections (a line that is not

@@ -169,12 +169,22 @@ def init_worker(known: list[bytes], settings: Any) -> None:
     _WORKER["blobs"] = BlobStore(settings)
 
 
+LineError = tuple[int, str, str, str]
+"""A line that is not JSON: (line index in the chunk, raw_trace_id, text, parse error)."""
+
+
+def invalid_json_reason(name: str, lineno: int, error: str) -> str:
+    """The rejection reason of a line that is not JSON."""
+    return f"{name}:{lineno}: invalid JSON ({error})"
+
+
 def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, format_hint: str,
-                  known: Sequence[np.ndarray] = (),
-                  blobs: BlobStore | None = None) -> list[LineResult]:
+                  known: Sequence[np.ndarray] = (), blobs: BlobStore | None = None,
+                  line_errors: list[LineError] | None = None) -> list[LineResult]:
     """Every record of a chunk of JSON Lines, in order (see ``LineResult``).
 
-    A line that is not JSON is a record rejected with its file name and line number; an OTLP
+    A line that is not JSON is a record rejected with its file name and line number (or,
+    with ``line_errors``, put there for a caller that numbers the lines itself); an OTLP
     export on one line is one record per trace. Records whose id may be in ``known`` are not
     normalized (re-ingesting a file then costs little more than hashing it).
     """
@@ -193,8 +203,11 @@ def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, forma
             value = parse_json(stripped)
         except (ValueError, RecursionError) as exc:
             text = stripped.decode("utf-8", "replace")
-            reason = f"{name}:{first_lineno + index}: invalid JSON ({first_line(exc)})"
-            out.append((index, sha256_hex(text), text, "unknown", reason, []))
+            if line_errors is not None:
+                line_errors.append((index, sha256_hex(text), text, first_line(exc)))
+            else:
+                reason = invalid_json_reason(name, first_lineno + index, first_line(exc))
+                out.append((index, sha256_hex(text), text, "unknown", reason, []))
             continue
         if is_otlp_export(value):
             try:
