@@ -168,6 +168,11 @@ class SpoolWriter:
             except OSError as exc:
                 log.error("spool: fsync/seal failed: %s", exc)
                 time.sleep(0.1)
+            except Exception:
+                # Anything else is a bug, but the thread must outlive it: were it to die,
+                # captures would stop being sealed (and flushed) with nothing said.
+                log.exception("spool: the seal thread hit an unexpected error; continuing")
+                time.sleep(0.1)
 
     def _sync_and_maybe_seal(self) -> None:
         with self._lock:

@@ -53,6 +53,31 @@ def test_writer_recovers_segments_of_dead_processes(tmp_path: Path) -> None:
     assert ids == ["id-1", "id-2"] and not list(tmp_path.glob("*.open"))
 
 
+def test_seal_thread_outlives_an_unexpected_error(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in one seal pass is logged; the thread keeps sealing later captures."""
+    writer = SpoolWriter(tmp_path, segment_max_age_s=0.05)
+    real = writer._sync_and_maybe_seal
+    calls = {"n": 0}
+
+    def flaky() -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("a bug")
+        real()
+
+    monkeypatch.setattr(writer, "_sync_and_maybe_seal", flaky)
+    writer.start()
+    try:
+        writer.append(_capture(1))
+        wait_until(lambda: calls["n"] >= 2 and bool(sealed_segments(tmp_path)), timeout_s=10)
+        assert writer._thread is not None and writer._thread.is_alive()
+    finally:
+        writer.stop()
+    ids = [e.header["id"] for s in sealed_segments(tmp_path) for e in read_segment(s)[0]]
+    assert ids == ["id-1"]
+
+
 def test_flusher_keeps_segments_while_lake_fails_then_drains(tmp_path: Path) -> None:
     (tmp_path / f"{1:020d}-1-000001.seg").write_bytes(_capture(1) + _capture(2))
     calls: list[int] = []
