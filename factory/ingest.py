@@ -808,7 +808,7 @@ def ingest_paths(lake: Lake, paths: Iterable[str | Path], *, format: str = "auto
         ctx = FileContext(source=source, received_at=datetime.now(tz=UTC), tags=dict(tags or {}),
                           project=project, format_hint=format)
         run = _FileIngest(lake, known, ctx, lineage=lineage, lineages=lineages or {},
-                          batch_rows=batch_rows, batch_bytes=batch_bytes)
+                          batch_rows=batch_rows, batch_bytes=batch_bytes, on_bytes=on_bytes)
         blocks = _BlockWorkers(num_workers, known, lake, ctx,
                                eager=num_line_bytes > block_bytes)
         try:
@@ -869,7 +869,8 @@ def _line_blocks(path: Path, block_bytes: int,
 
     A plain file's blocks are byte ranges the worker reads itself: this process only reads a
     little past each cut to find the end of the line there (the lines are numbered from the
-    newline counts the workers report). A compressed file's blocks carry their bytes.
+    newline counts the workers report, and progress is reported as their results come back).
+    A compressed file's blocks carry their bytes.
     """
     if path.name.endswith(".gz"):
         yield from _gz_blocks(path, block_bytes, on_bytes)
@@ -892,8 +893,6 @@ def _line_blocks(path: Path, block_bytes: int,
                         break
                     end += len(piece)
                 end = min(end, size)
-            if on_bytes:
-                on_bytes(end - pos)
             yield BlockTask(name=path.name, path=str(path), start=pos, end=end)
             pos = end
 
@@ -1008,8 +1007,9 @@ class _FileIngest:
 
     def __init__(self, lake: Lake, known: _KnownIds, ctx: FileContext, *,
                  lineage: Lineage | None, lineages: Mapping[str, Lineage], batch_rows: int,
-                 batch_bytes: int) -> None:
+                 batch_bytes: int, on_bytes: Callable[[int], None] | None = None) -> None:
         self.lake = lake
+        self.on_bytes = on_bytes
         self.known = known
         self.ctx = ctx
         self.batch_rows = batch_rows
@@ -1078,6 +1078,8 @@ class _FileIngest:
             self.files[name].extend(data_files)
         self.num_rows += result.num_read
         self.num_bytes += result.num_bytes
+        if self.on_bytes and result.plain:
+            self.on_bytes(result.num_bytes)
         ctx = self.ctx
         first = 1 if result.start == 0 else self.next_lineno
         self.next_lineno = first + result.num_lines

@@ -105,6 +105,8 @@ class BlockResult:
     an outcome by a crash)."""
     num_bytes: int = 0
     """Bytes of the block (for batching commits)."""
+    plain: bool = True
+    """Read from the file by the worker (its bytes are the file's, for progress)."""
     num_lines: int = 0
     """Newlines in the block (the main process numbers the lines of the next blocks)."""
     invalid: list[LineError] = field(default_factory=list)
@@ -143,7 +145,7 @@ def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTa
     invalid: list[LineError] = []
     results = process_lines(lines, name=task.name, first_lineno=1, format_hint=ctx.format_hint,
                             known=known, blobs=blobs, line_errors=invalid)
-    out = BlockResult(name=task.name, start=task.start,
+    out = BlockResult(name=task.name, start=task.start, plain=task.data is None,
                       num_read=len(results) + len(invalid), num_bytes=len(block),
                       num_lines=len(lines) - 1, invalid=invalid)
     rows = _Rows(block, lines)

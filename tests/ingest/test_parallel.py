@@ -187,3 +187,19 @@ def test_id_digests_are_exact_per_spelling() -> None:
     assert bytes(digests(["0" * 64])[0]).ljust(32, b"\0") == bytes(32)
     known = [np.sort(digests(ids[:3]))]
     assert known_mask(ids, known).tolist() == [True, True, True, False, False]
+
+
+def test_progress_counts_every_byte_of_the_files_once(
+        factory_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress bar of `factory ingest` ends at the files' total size, block by block."""
+    import factory.ingest as ingest_mod
+
+    path = tmp_path / "mixed.jsonl"
+    _write(path)
+    other = tmp_path / "one.json"
+    other.write_text(json.dumps(GOOD[0]))
+    monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
+    seen: list[int] = []
+    ingest_paths(Lake(), [path, other], workers=1, on_bytes=seen.append)
+    assert sum(seen) == path.stat().st_size + other.stat().st_size
+    assert len(seen) > 3 and all(n > 0 for n in seen)
