@@ -1098,15 +1098,22 @@ class _FileIngest:
             self._commit_files()
 
     def _drop(self, result: BlockResult, ids: set[str]) -> None:
+        """Rewrite the block's files without the rows of ``ids`` (all of them: just delete
+        the files, as for a file ingested twice in one go)."""
+        everything = len(ids) == len(result.ids)
         drop = pa.array(sorted(ids), type=pa.string())
+        kept: dict[str, list[str]] = {}
         for name, data_files in result.files.items():
             if not data_files:
                 continue
-            rows = self.lake.read_files(name, data_files)
-            keep = rows.filter(pc.invert(pc.is_in(rows.column("raw_trace_id"), drop)))
-            result.files[name] = [self.lake.file_target(name).write(
-                keep, self.lake.new_data_locations(name, 1)[0])] if keep.num_rows else []
+            if not everything:
+                rows = self.lake.read_files(name, data_files)
+                keep = rows.filter(pc.invert(pc.is_in(rows.column("raw_trace_id"), drop)))
+                if keep.num_rows:
+                    location = self.lake.new_data_locations(name, 1)[0]
+                    kept[name] = [self.targets[name].write(keep, location)]
             self.lake.delete_files(name, data_files)
+        result.files = kept
 
     def _commit_files(self) -> None:
         if any(self.files.values()):

@@ -203,3 +203,29 @@ def test_progress_counts_every_byte_of_the_files_once(
     ingest_paths(Lake(), [path, other], workers=1, on_bytes=seen.append)
     assert sum(seen) == path.stat().st_size + other.stat().st_size
     assert len(seen) > 3 and all(n > 0 for n in seen)
+
+
+def test_a_file_given_twice_adds_nothing_the_second_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks that repeat earlier blocks of the same ingest are dropped whole: their data
+    files are removed, never committed."""
+    import factory.ingest as ingest_mod
+
+    path = tmp_path / "mixed.jsonl"
+    _write(path)
+    monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home1"))
+    once = ingest_paths(Lake(), [path], workers=1)
+    home = tmp_path / "home2"
+    monkeypatch.setenv("FACTORY_HOME", str(home))
+    lake = Lake()
+    twice = ingest_paths(lake, [path, path], workers=1)
+    assert twice.as_dict() == {"read": 2 * once.read, "ingested": once.ingested,
+                               "rejected": once.rejected,
+                               "duplicates": once.duplicates + once.read}
+    assert lake.read("raw_traces").num_rows == once.ingested + once.rejected
+    on_disk = sorted(p.name for p in (home / "warehouse").rglob("data/*.parquet"))
+    committed = sorted(Path(row["file_path"]).name
+                       for name in ("raw_traces", "samples", "rejected_traces")
+                       for row in lake.table(name).inspect.data_files().to_pylist())
+    assert on_disk == committed  # nothing left behind by the dropped blocks
