@@ -11,6 +11,7 @@ duplicate and nothing is written for it: re-ingesting a file commits no snapshot
 
 from __future__ import annotations
 
+import codecs
 import concurrent.futures
 import dataclasses
 import functools
@@ -425,15 +426,26 @@ class _Writer:
             snap = commit(lineage=lineage)
             if snap is not None:
                 self.summary.snapshots[name] = snap
-                if name == "raw_traces":
-                    raw_snap = snap
+            if name == "raw_traces":
+                # No raw rows this round (all healed: their raw rows are older): the derived
+                # rows still come from the raw table as it is now.
+                raw_snap = snap if snap is not None else self.lake.snapshot_id("raw_traces")
 
-    def commit_files(self, files: Mapping[str, list[str]]) -> None:
-        """Commit data files written elsewhere (``Lake.write_files``), after every batch
-        submitted before them; one snapshot per table, raw_traces first."""
+    def commit_files(self, files: dict[str, list[str]]) -> None:
+        """Commit data files written elsewhere (``FileTarget.write``), after every batch
+        submitted before them; one snapshot per table, raw_traces first.
+
+        Each table's list is emptied once its commit is made: after a failure ``files`` holds
+        exactly the files no snapshot references (for the caller to remove).
+        """
         self.wait_idle()
-        self._commit_tables([(name, functools.partial(self.lake.commit_files, name,
-                                                      files.get(name, [])))
+
+        def commit(name: str, *, lineage: Lineage) -> int | None:
+            snap = self.lake.commit_files(name, files.get(name, []), lineage=lineage)
+            files[name] = []
+            return snap
+
+        self._commit_tables([(name, functools.partial(commit, name))
                              for name in ("raw_traces", "samples", "rejected_traces")])
 
     def submit(self, batch: _Batch) -> None:
@@ -583,8 +595,13 @@ class _Pipeline:
                 payload = item.payload
                 if payload is None:  # skipped by a worker as maybe known: parse it again
                     # (a trace split from an OTLP export line has its own text)
-                    payload = parse_json(item.payload_text())
-                item.reason, item.rows = outcome(payload, item.fmt, self.blobs)
+                    try:
+                        payload = parse_json(item.line.strip() if item.line is not None
+                                             else item.payload_text())
+                    except (ValueError, RecursionError) as exc:  # a record, never a crash
+                        item.reason, item.rows = f"invalid JSON ({first_line(exc)})", []
+                if item.reason is None:
+                    item.reason, item.rows = outcome(payload, item.fmt, self.blobs)
             if item.reason is not None:
                 summary.rejected += 1
                 batch.add_rejected(item)
@@ -608,9 +625,11 @@ def iter_files(paths: Iterable[str | Path]) -> Iterator[Path]:
 
 
 def _open_text(path: Path) -> IO[str]:
+    # utf-8-sig: a byte order mark at the start is dropped, not read as part of the JSON.
     if path.name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="surrogateescape")
-    return open(path, encoding="utf-8", errors="surrogateescape")
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig",
+                                errors="surrogateescape")
+    return open(path, encoding="utf-8-sig", errors="surrogateescape")
 
 
 def _open_binary(path: Path) -> IO[bytes]:
@@ -683,6 +702,8 @@ def read_file(path: Path, *, source: str = "upload", tags: Mapping[str, str] | N
         for lineno, line in enumerate(bfh, start=1):
             if on_bytes:
                 on_bytes(len(line))
+            if lineno == 1 and line.startswith(codecs.BOM_UTF8):
+                line = line[len(codecs.BOM_UTF8):]
             stripped = line.strip()
             if not stripped:
                 continue
@@ -927,22 +948,25 @@ class _BlockWorkers:
 
     At most ``2 * workers`` blocks are in flight. The worker processes are spawned (not
     forked: this process may hold threads and open catalogs) at the first block when
-    ``eager``, else when a second block arrives, and get the known ids as of then so records
-    already in the lake are not normalized again.
+    ``eager``, else when a second block arrives. Every block, in a worker or here, checks
+    against the ids the lake held when the ingest started, so records already there are not
+    normalized again (ids given by earlier blocks are the main process's to drop).
+
+    A block that fails leaves no data file behind: the locations it was given are removed.
     """
 
     def __init__(self, workers: int, known: _KnownIds, lake: Lake, ctx: FileContext, *,
                  eager: bool) -> None:
         self.workers = workers
         self.eager = eager
-        self.known = known
+        self.known_at_start = list(known.arrays)
         self.lake = lake
         self.ctx = ctx
         self.blobs = BlobStore(lake.settings)
         self.targets = {name: lake.file_target(name) for name in TABLE_NAMES}
         self._locations: dict[str, list[str]] = {name: [] for name in TABLE_NAMES}
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._pending: deque[Future[BlockResult] | BlockResult] = deque()
+        self._pending: deque[tuple[BlockTask, Future[BlockResult] | BlockResult]] = deque()
         self._num_blocks = 0
 
     def _new_locations(self) -> dict[str, str]:
@@ -961,13 +985,19 @@ class _BlockWorkers:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=init_block_worker,
-                initargs=([a.tobytes() for a in self.known.arrays], self.lake.settings,
+                initargs=([a.tobytes() for a in self.known_at_start], self.lake.settings,
                           self.targets))
+        result: Future[BlockResult] | BlockResult
         if self._pool is None:
-            self._pending.append(ingest_block(task, self.ctx, targets=self.targets,
-                                              known=self.known.arrays, blobs=self.blobs))
+            try:
+                result = ingest_block(task, self.ctx, targets=self.targets,
+                                      known=self.known_at_start, blobs=self.blobs)
+            except BaseException:
+                self._forget(task)
+                raise
         else:
-            self._pending.append(self._pool.submit(worker_block, task, self.ctx))
+            result = self._pool.submit(worker_block, task, self.ctx)
+        self._pending.append((task, result))
         while len(self._pending) > 2 * self.workers:
             yield self._take()
 
@@ -976,8 +1006,18 @@ class _BlockWorkers:
             yield self._take()
 
     def _take(self) -> BlockResult:
-        result = self._pending.popleft()
-        return result if isinstance(result, BlockResult) else result.result()
+        task, result = self._pending.popleft()
+        if isinstance(result, BlockResult):
+            return result
+        try:
+            return result.result()
+        except BaseException:  # a worker failed (or died) mid-block
+            self._forget(task)
+            raise
+
+    def _forget(self, task: BlockTask) -> None:
+        """Remove whatever a failed block may have written."""
+        _delete_files(self.lake, {name: [loc] for name, loc in task.locations.items()})
 
     def close(self) -> None:
         """Stop the workers; the data files of blocks never taken out are removed."""
@@ -986,12 +1026,13 @@ class _BlockWorkers:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-        for result in pending:
-            if isinstance(result, Future):
-                if result.cancelled() or result.exception() is not None:
-                    continue
-                result = result.result()
-            _delete_files(self.lake, result.files)
+        for task, result in pending:
+            if isinstance(result, Future) and (result.cancelled()
+                                               or result.exception() is not None):
+                self._forget(task)
+                continue
+            done = result if isinstance(result, BlockResult) else result.result()
+            _delete_files(self.lake, done.files)
 
 
 def _delete_files(lake: Lake, files: Mapping[str, list[str]]) -> None:
@@ -1055,6 +1096,13 @@ class _FileIngest:
             self._commit_files()
 
     def block(self, result: BlockResult) -> None:
+        try:
+            self._block(result)
+        except BaseException:  # its files are not in self.files yet: remove them here
+            _delete_files(self.lake, result.files)
+            raise
+
+    def _block(self, result: BlockResult) -> None:
         summary = self.summary
         # Repeats of records an earlier block (or a .json file) of this ingest gave: the files
         # are rewritten without them, as if the block had known those ids.
@@ -1076,7 +1124,9 @@ class _FileIngest:
                             else result.ids)
         for name, data_files in result.files.items():
             self.files[name].extend(data_files)
-        self.num_rows += result.num_read
+        result.files = {}  # self.files has them now
+        # held and invalid records are counted when their batch is written
+        self.num_rows += result.num_read - len(result.held) - len(result.invalid)
         self.num_bytes += result.num_bytes
         if self.on_bytes and result.plain:
             self.on_bytes(result.num_bytes)
@@ -1117,8 +1167,7 @@ class _FileIngest:
 
     def _commit_files(self) -> None:
         if any(self.files.values()):
-            files, self.files = self.files, {name: [] for name in TABLE_NAMES}
-            self.writer.commit_files(files)
+            self.writer.commit_files(self.files)  # empties each table's list once committed
         self.num_rows = self.num_bytes = 0
 
     def finish(self) -> None:

@@ -16,6 +16,7 @@ ingest scales with the worker processes.
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -141,12 +142,14 @@ def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTa
                  known: list[np.ndarray], blobs: BlobStore) -> BlockResult:
     """Read, normalize and write one block (see the module docstring)."""
     block = task.read()
+    if task.start == 0 and block.startswith(codecs.BOM_UTF8):
+        block = block[len(codecs.BOM_UTF8):]  # a byte order mark is not part of the record
     lines = block.split(b"\n")
     invalid: list[LineError] = []
     results = process_lines(lines, name=task.name, first_lineno=1, format_hint=ctx.format_hint,
                             known=known, blobs=blobs, line_errors=invalid)
     out = BlockResult(name=task.name, start=task.start, plain=task.data is None,
-                      num_read=len(results) + len(invalid), num_bytes=len(block),
+                      num_read=len(results) + len(invalid), num_bytes=task.end - task.start,
                       num_lines=len(lines) - 1, invalid=invalid)
     rows = _Rows(block, lines)
     seen: set[str] = set()

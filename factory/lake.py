@@ -323,7 +323,7 @@ class Lake:
         parts = []
         for loc in locations:
             with tbl.io.new_input(loc).open() as fh:
-                parts.append(to_arrow(name, pq.read_table(fh).cast(schema)))
+                parts.append(to_arrow(name, pq.read_table(fh)))  # by column name
         return pa.concat_tables(parts) if parts else schema.empty_table()
 
     def delete_files(self, name: str, locations: Sequence[str]) -> None:
