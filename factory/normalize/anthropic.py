@@ -69,7 +69,8 @@ def convert_tools(body: dict[str, Any], where: str) -> list[dict[str, Any]]:
     out = []
     for i, tool in enumerate(expect_list(body["tools"], f"{where}.tools")):
         at = f"{where}.tools[{i}]"
-        tool = expect_dict(tool, at)
+        if not isinstance(tool, dict):
+            expect_dict(tool, at)
         out.append(tool_def(tool.get("name"), tool.get("description"), tool.get("input_schema"),
                             at))
     return out
@@ -92,13 +93,17 @@ def convert_request(body: dict[str, Any], blobs: dict[str, bytes],
                 parts.append(text_part(block.get("text"), f"{where}.system[{k}].text"))
         out.append({"role": "system", "content": parts})
     for i, msg in enumerate(expect_list(body.get("messages"), f"{where}.messages")):
-        at = f"{where}.messages[{i}]"
-        msg = expect_dict(msg, at)
+        if not isinstance(msg, dict):
+            expect_dict(msg, f"{where}.messages[{i}]")
         role = msg.get("role")
         if role not in ("user", "assistant"):
-            raise NormalizeError(f"{at}.role: unknown role {role!r} (Anthropic has user and "
-                                 f"assistant)")
-        out += _turn(role, msg.get("content"), f"{at}.content", blobs)
+            raise NormalizeError(f"{where}.messages[{i}].role: unknown role {role!r} (Anthropic "
+                                 f"has user and assistant)")
+        content = msg.get("content")
+        if isinstance(content, str):  # as _turn does, without formatting the path it would name
+            out.append({"role": role, "content": [{"type": "text", "text": content}]})
+        else:
+            out += _turn(role, content, f"{where}.messages[{i}].content", blobs)
     return out
 
 
@@ -119,14 +124,33 @@ def _turn(role: str, content: Any, where: str, blobs: dict[str, bytes]) -> list[
                 text_part(text, f"{where}[{k}].text")
             parts.append({"type": "text", "text": text})
             continue
+        # The blocks of every turn (text, thinking, tool results) name their path only in an
+        # error; the rarer ones below format it up front.
+        if btype == "thinking":
+            if role != "assistant":
+                raise NormalizeError(f"{where}[{k}].type: thinking blocks belong to assistant "
+                                     f"turns")
+            thinking = block.get("thinking")
+            if not isinstance(thinking, str):
+                text_part(thinking, f"{where}[{k}].thinking")
+            parts.append({"type": "reasoning", "text": thinking})
+            continue
+        if btype == "tool_result":
+            if role != "user":
+                raise NormalizeError(f"{where}[{k}].type: tool_result blocks belong to user turns")
+            use_id = block.get("tool_use_id")
+            if not use_id or not isinstance(use_id, str):
+                raise NormalizeError(f"{where}[{k}].tool_use_id: expected a non-empty string")
+            result = block.get("content")
+            if isinstance(result, str):  # as _result reads it, without formatting its path
+                result_parts = tool_result_parts(result)
+            else:
+                result_parts = _result(result, f"{where}[{k}].content", blobs)
+            tools.append(tool_message(use_id, None, result_parts))
+            continue
         at = f"{where}[{k}]"
         if btype == "image":
             parts.append(_image(block.get("source"), f"{at}.source", blobs))
-        elif btype == "thinking":
-            if role != "assistant":
-                raise NormalizeError(f"{at}.type: thinking blocks belong to assistant turns")
-            parts.append({"type": "reasoning",
-                          "text": text_part(block.get("thinking"), f"{at}.thinking")["text"]})
         elif btype == "redacted_thinking":
             continue
         elif btype == "tool_use":
@@ -135,13 +159,6 @@ def _turn(role: str, content: Any, where: str, blobs: dict[str, bytes]) -> list[
             if not isinstance(block.get("input", {}), dict):
                 raise NormalizeError(f"{at}.input: expected an object")
             calls.append(tool_call(block.get("id"), block.get("name"), block.get("input"), at))
-        elif btype == "tool_result":
-            if role != "user":
-                raise NormalizeError(f"{at}.type: tool_result blocks belong to user turns")
-            if not block.get("tool_use_id") or not isinstance(block.get("tool_use_id"), str):
-                raise NormalizeError(f"{at}.tool_use_id: expected a non-empty string")
-            tools.append(tool_message(block["tool_use_id"], None,
-                                      _result(block.get("content"), f"{at}.content", blobs)))
         else:
             raise NormalizeError(f"{at}.type: unsupported content block type {btype!r}")
     out = list(tools)
@@ -185,52 +202,73 @@ def _image(source: Any, where: str, blobs: dict[str, bytes]) -> dict[str, Any]:
     raise NormalizeError(f"{where}.type: unsupported image source {stype!r} (base64 or url)")
 
 
+# The delta types that carry a block's text, and the key of that text in the delta and block.
+_DELTA_TEXT = {"text_delta": "text", "thinking_delta": "thinking"}
+
+
 def reassemble_stream(events: list[Any]) -> dict[str, Any]:
     """SSE event objects (``message_start`` ... ``message_stop``) into one message."""
+    # An event per token: paths (``stream[i]...``) are formatted only for an error, and the
+    # text of each block is gathered as pieces joined once at the end (adding every delta to
+    # the block's string copied the whole text so far, quadratic in the length of a reply).
     message: dict[str, Any] | None = None
     blocks: dict[int, dict[str, Any]] = {}
+    pieces: dict[int, dict[str, list[str]]] = {}  # block index -> "text"/"thinking" -> pieces
     partial_json: dict[int, list[str]] = {}
     for i, event in enumerate(events):
-        at = f"stream[{i}]"
-        event = expect_dict(event, at)
+        if not isinstance(event, dict):
+            expect_dict(event, f"stream[{i}]")
         if "type" not in event and isinstance(event.get("data"), dict):
             event = event["data"]  # an {"event": ..., "data": ...} SSE frame
         etype = event.get("type")
-        if etype == "message_start":
-            message = dict(expect_dict(event.get("message"), f"{at}.message"))
-        elif etype == "content_block_start":
-            index = _index(event, at)
-            blocks[index] = dict(expect_dict(event.get("content_block"), f"{at}.content_block"))
-        elif etype == "content_block_delta":
-            index = _index(event, at)
+        if etype == "content_block_delta":
+            index = _index(event, i)
             if index not in blocks:
-                raise NormalizeError(f"{at}.index: delta for block {index} that never started")
-            block = blocks[index]
-            delta = expect_dict(event.get("delta"), f"{at}.delta")
+                raise NormalizeError(f"stream[{i}].index: delta for block {index} that never "
+                                     f"started")
+            delta = event.get("delta")
+            if not isinstance(delta, dict):
+                expect_dict(delta, f"stream[{i}].delta")
             dtype = delta.get("type")
-            if dtype == "text_delta":
-                block["text"] = block.get("text", "") + text_part(delta.get("text"),
-                                                                  f"{at}.delta.text")["text"]
-            elif dtype == "thinking_delta":
-                block["thinking"] = block.get("thinking", "") + text_part(
-                    delta.get("thinking"), f"{at}.delta.thinking")["text"]
+            key = _DELTA_TEXT.get(dtype) if isinstance(dtype, str) else None
+            if key is not None:  # text_delta, thinking_delta
+                text = delta.get(key)
+                if not isinstance(text, str):
+                    text_part(text, f"stream[{i}].delta.{key}")
+                block_pieces = pieces.setdefault(index, {})
+                if key in block_pieces:
+                    block_pieces[key].append(text)
+                else:  # the first delta: added to the block's own text, as every one was
+                    block = blocks[index]
+                    block[key] = block.get(key, "") + text
+                    block_pieces[key] = [block[key]]
             elif dtype == "input_json_delta":
                 partial_json.setdefault(index, []).append(
-                    text_part(delta.get("partial_json"), f"{at}.delta.partial_json")["text"])
+                    text_part(delta.get("partial_json"), f"stream[{i}].delta.partial_json")["text"])
             elif dtype in ("signature_delta", "citations_delta"):
                 continue
             else:
-                raise NormalizeError(f"{at}.delta.type: unknown delta type {dtype!r}")
+                raise NormalizeError(f"stream[{i}].delta.type: unknown delta type {dtype!r}")
+        elif etype == "message_start":
+            message = dict(expect_dict(event.get("message"), f"stream[{i}].message"))
+        elif etype == "content_block_start":
+            index = _index(event, i)
+            blocks[index] = dict(expect_dict(event.get("content_block"),
+                                             f"stream[{i}].content_block"))
+            pieces.pop(index, None)  # a restarted block starts over from its own text
         elif etype == "error":
-            raise NormalizeError(f"{at}.type: the stream reported an error")
+            raise NormalizeError(f"stream[{i}].type: the stream reported an error")
         elif etype in ("content_block_stop", "message_delta", "message_stop", "ping"):
             continue
         else:
-            raise NormalizeError(f"{at}.type: unknown stream event {etype!r}")
+            raise NormalizeError(f"stream[{i}].type: unknown stream event {etype!r}")
     if message is None:
         raise NormalizeError("stream: no message_start event")
-    for index, pieces in partial_json.items():
-        text = "".join(pieces)
+    for index, block_pieces in pieces.items():
+        for key, texts in block_pieces.items():
+            blocks[index][key] = "".join(texts)
+    for index, json_pieces in partial_json.items():
+        text = "".join(json_pieces)
         try:
             blocks[index]["input"] = json.loads(text) if text else {}
         except ValueError:
@@ -240,8 +278,8 @@ def reassemble_stream(events: list[Any]) -> dict[str, Any]:
     return message
 
 
-def _index(event: dict[str, Any], at: str) -> int:
+def _index(event: dict[str, Any], i: int) -> int:
     index = event.get("index")
     if not isinstance(index, int) or isinstance(index, bool):
-        raise NormalizeError(f"{at}.index: expected an integer")
+        raise NormalizeError(f"stream[{i}].index: expected an integer")
     return index

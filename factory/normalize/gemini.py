@@ -141,8 +141,12 @@ def convert_request(body: dict[str, Any], blobs: dict[str, bytes],
             system = expect_dict(system, at)
             parts = []
             for k, part in enumerate(expect_list(get(system, "parts"), f"{at}.parts")):
-                part = expect_dict(part, f"{at}.parts[{k}]")
-                parts.append(text_part(part.get("text"), f"{at}.parts[{k}].text"))
+                if not isinstance(part, dict):
+                    expect_dict(part, f"{at}.parts[{k}]")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    text_part(text, f"{at}.parts[{k}].text")
+                parts.append({"type": "text", "text": text})
         out.append({"role": "system", "content": parts})
     contents = get(body, "contents")
     if contents is None:
@@ -156,7 +160,8 @@ def convert_request(body: dict[str, Any], blobs: dict[str, bytes],
 
 def _turn(content: Any, where: str, blobs: dict[str, bytes],
           default_role: str) -> list[dict[str, Any]]:
-    content = expect_dict(content, where)
+    if not isinstance(content, dict):
+        expect_dict(content, where)
     role = content.get("role") or default_role
     if role not in _ROLE:
         raise NormalizeError(f"{where}.role: unknown role {role!r} (Gemini has user, model "
@@ -165,7 +170,10 @@ def _turn(content: Any, where: str, blobs: dict[str, bytes],
     tools: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
-    for k, part in enumerate(expect_list(get(content, "parts"), f"{where}.parts")):
+    content_parts = get(content, "parts")
+    if not isinstance(content_parts, list):
+        expect_list(content_parts, f"{where}.parts")
+    for k, part in enumerate(content_parts):
         if not isinstance(part, dict):
             expect_dict(part, f"{where}.parts[{k}]")
         if "text" in part:
@@ -227,7 +235,11 @@ def _turn(content: Any, where: str, blobs: dict[str, bytes],
 
 def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
     """``streamGenerateContent`` chunks into one response: parts merged per candidate."""
+    # Adjacent text parts (same ``thought``) merge into the first of them. Their texts are
+    # gathered and joined once the run ends: merging chunk by chunk copied the text so far
+    # each time, quadratic in the length of a reply.
     cands: dict[int, dict[str, Any]] = {}
+    runs: dict[int, list[str]] = {}  # candidate -> texts of its last part, while more merge in
     model = None
     feedback = None
     for i, chunk in enumerate(chunks):
@@ -254,11 +266,24 @@ def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
                 if ("text" in part and isinstance(part["text"], str) and prev is not None
                         and "text" in prev and isinstance(prev["text"], str)
                         and bool(prev.get("thought")) == bool(part.get("thought"))):
-                    acc["parts"][-1] = {**prev, "text": prev["text"] + part["text"]}
+                    run = runs.get(index)
+                    if run is None:
+                        runs[index] = [prev["text"], part["text"]]
+                    else:
+                        run.append(part["text"])
                 else:
+                    if index in runs:
+                        _merge_run(acc, runs.pop(index))
                     acc["parts"].append(part)
             if get(cand, "finishReason"):
                 acc["finishReason"] = get(cand, "finishReason")
+    for index, run in runs.items():
+        _merge_run(cands[index], run)
     candidates = [{"index": k, "content": {"role": v["role"], "parts": v["parts"]},
                    "finishReason": v.get("finishReason")} for k, v in sorted(cands.items())]
     return {"candidates": candidates, "modelVersion": model, "promptFeedback": feedback}
+
+
+def _merge_run(acc: dict[str, Any], texts: list[str]) -> None:
+    """The candidate's last part with the texts of the parts merged into it."""
+    acc["parts"][-1] = {**acc["parts"][-1], "text": "".join(texts)}

@@ -61,7 +61,9 @@ def normalize_call(request: Any, response: Any, stream: list[Any] | None,
     resp = expect_dict(response, where)
     if "error" in resp and "choices" not in resp:
         raise NormalizeError(f"{where}.error: the upstream call failed")
-    choices = expect_list(resp.get("choices"), f"{where}.choices")
+    choices = resp.get("choices")
+    if not isinstance(choices, list):
+        expect_list(choices, f"{where}.choices")
     if not choices:
         raise NormalizeError(f"{where}.choices: empty (no completion returned)")
     model = resp.get("model") or req.get("model")
@@ -69,13 +71,16 @@ def normalize_call(request: Any, response: Any, stream: list[Any] | None,
     created = unix_time(resp.get("created"))
     out = []
     for i, choice in enumerate(choices):
-        choice = expect_dict(choice, f"{where}.choices[{i}]")
-        msg = expect_dict(choice.get("message"), f"{where}.choices[{i}].message")
+        at = f"{where}.choices[{i}].message"
+        if not isinstance(choice, dict):
+            expect_dict(choice, f"{where}.choices[{i}]")
+        msg = choice.get("message")
+        if not isinstance(msg, dict):
+            expect_dict(msg, at)
         role = msg.get("role", "assistant")
         if role != "assistant":
-            raise NormalizeError(f"{where}.choices[{i}].message.role: expected 'assistant', "
-                                 f"got {role!r}")
-        reply = _message(msg, "assistant", f"{where}.choices[{i}].message", blobs)
+            raise NormalizeError(f"{at}.role: expected 'assistant', got {role!r}")
+        reply = _message(msg, "assistant", at, blobs)
         convo = append_response(messages, reply)
         out.append(finish(convo, tools, provider=PROVIDER, model=model, blobs=blobs,
                           created_at=created))
@@ -86,15 +91,19 @@ def convert_tools(body: dict[str, Any], where: str = "record") -> list[dict[str,
     tools: list[dict[str, Any]] = []
     if body.get("tools") is not None:
         for i, tool in enumerate(expect_list(body["tools"], f"{where}.tools")):
-            at = f"{where}.tools[{i}]"
-            tool = expect_dict(tool, at)
+            # Paths other than the one tool_def needs are formatted only for an error.
+            if not isinstance(tool, dict):
+                expect_dict(tool, f"{where}.tools[{i}]")
             kind_ = tool.get("type", "function")
             if kind_ != "function":
-                raise NormalizeError(f"{at}.type: {kind_!r} tools are not supported "
-                                     f"(only function tools)")
-            fn = expect_dict(tool.get("function"), f"{at}.function")
+                raise NormalizeError(f"{where}.tools[{i}].type: {kind_!r} tools are not "
+                                     f"supported (only function tools)")
+            at = f"{where}.tools[{i}].function"
+            fn = tool.get("function")
+            if not isinstance(fn, dict):
+                expect_dict(fn, at)
             tools.append(tool_def(fn.get("name"), fn.get("description"), fn.get("parameters"),
-                                  f"{at}.function"))
+                                  at))
     if body.get("functions") is not None:
         for i, fn in enumerate(expect_list(body["functions"], f"{where}.functions")):
             at = f"{where}.functions[{i}]"
@@ -114,19 +123,28 @@ def convert_messages(raw: Any, blobs: dict[str, bytes],
         role = msg.get("role")
         if not isinstance(role, str) or role not in _ROLE:
             raise NormalizeError(f"{where}[{i}].role: unknown role {role!r}")
-        if role in _PLAIN_ROLES:
-            content = msg.get("content")
-            if isinstance(content, str):  # the common case, read nothing else (as _message)
-                out.append({"role": _ROLE[role], "content": [{"type": "text", "text": content}]})
-                continue
+        content = msg.get("content")
+        # The common case, text and nothing else to read: what _message returns for it, without
+        # the call and its path. An assistant message qualifies only when it has no other key
+        # (no tool calls, refusal or reasoning).
+        if isinstance(content, str) and (role in _PLAIN_ROLES
+                                         or (role == "assistant" and len(msg) == 2)):
+            out.append({"role": _ROLE[role], "content": [{"type": "text", "text": content}]})
+            continue
         out.append(_message(msg, role, f"{where}[{i}]", blobs))
     return out
 
 
 def _message(msg: dict[str, Any], role: str, at: str, blobs: dict[str, bytes]) -> dict[str, Any]:
+    # ``at`` is the message's path; the paths below it are only formatted for an error (this
+    # runs for every assistant and tool message).
     canon_role = _ROLE[role]
+    content = msg.get("content")
     if canon_role == "tool":
-        parts = _content(msg.get("content"), f"{at}.content", blobs, tool=True)
+        if isinstance(content, str):
+            parts = tool_result_parts(content)
+        else:
+            parts = _content(content, f"{at}.content", blobs, tool=True)
         name = msg.get("name") if isinstance(msg.get("name"), str) else None
         if role == "tool" and msg.get("tool_call_id") is None and name is None:
             raise NormalizeError(f"{at}.tool_call_id: missing on a tool message")
@@ -136,7 +154,10 @@ def _message(msg: dict[str, Any], role: str, at: str, blobs: dict[str, bytes]) -
         reasoning = msg.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:
             parts.append({"type": "reasoning", "text": reasoning})
-    parts += _content(msg.get("content"), f"{at}.content", blobs)
+    if isinstance(content, str):
+        parts.append({"type": "text", "text": content})
+    elif content is not None:
+        parts += _content(content, f"{at}.content", blobs)
     new: dict[str, Any] = {"role": canon_role, "content": parts}
     if canon_role != "assistant":
         return new
@@ -144,16 +165,24 @@ def _message(msg: dict[str, Any], role: str, at: str, blobs: dict[str, bytes]) -
     if refusal is not None:
         parts.append(text_part(refusal, f"{at}.refusal"))
     calls = []
-    if msg.get("tool_calls") is not None:
-        for j, call in enumerate(expect_list(msg["tool_calls"], f"{at}.tool_calls")):
-            cat = f"{at}.tool_calls[{j}]"
-            call = expect_dict(call, cat)
+    tool_calls = msg.get("tool_calls")
+    if tool_calls is not None:
+        if not isinstance(tool_calls, list):
+            expect_list(tool_calls, f"{at}.tool_calls")
+        for j, call in enumerate(tool_calls):
+            if not isinstance(call, dict):
+                expect_dict(call, f"{at}.tool_calls[{j}]")
             if call.get("type", "function") != "function":
-                raise NormalizeError(f"{cat}.type: {call.get('type')!r} calls are not supported")
-            fn = expect_dict(call.get("function"), f"{cat}.function")
-            calls.append(tool_call(call.get("id"), fn.get("name"),
-                                   _arguments(fn.get("arguments"), f"{cat}.function.arguments"),
-                                   f"{cat}.function"))
+                raise NormalizeError(f"{at}.tool_calls[{j}].type: {call.get('type')!r} calls "
+                                     f"are not supported")
+            fn = call.get("function")
+            if not isinstance(fn, dict):
+                expect_dict(fn, f"{at}.tool_calls[{j}].function")
+            args = fn.get("arguments")
+            if not (args is None or isinstance(args, _ARGUMENTS)):
+                _arguments(args, f"{at}.tool_calls[{j}].function.arguments")
+            calls.append(tool_call(call.get("id"), fn.get("name"), args,
+                                   f"{at}.tool_calls[{j}].function"))
     if msg.get("function_call") is not None:
         fn = expect_dict(msg["function_call"], f"{at}.function_call")
         calls.append(tool_call(None, fn.get("name"),
@@ -164,8 +193,11 @@ def _message(msg: dict[str, Any], role: str, at: str, blobs: dict[str, bytes]) -
     return new
 
 
+_ARGUMENTS = (str, dict, list)
+
+
 def _arguments(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, str | dict | list):
+    if value is None or isinstance(value, _ARGUMENTS):
         return value
     raise NormalizeError(f"{where}: expected a JSON string, got {kind(value)}")
 
@@ -205,17 +237,33 @@ def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
     choices: dict[int, dict[str, Any]] = {}
     model = created = None
     for i, chunk in enumerate(chunks):
-        if chunk == "[DONE]":
-            continue
-        if not isinstance(chunk, dict):
-            expect_dict(chunk, f"stream[{i}]")
-        if "error" in chunk and not chunk.get("choices"):
-            raise NormalizeError(f"stream[{i}].error: the stream reported an error")
+        if type(chunk) is not dict or "error" in chunk:  # rare: "[DONE]", an error, not a chunk
+            if chunk == "[DONE]":
+                continue
+            if not isinstance(chunk, dict):
+                expect_dict(chunk, f"stream[{i}]")
+            if "error" in chunk and not chunk.get("choices"):
+                raise NormalizeError(f"stream[{i}].error: the stream reported an error")
         if not model:
             model = chunk.get("model")
         if not created:
             created = chunk.get("created")
         chunk_choices = chunk.get("choices", [])
+        # Fast path for nearly every chunk: one choice whose delta is one token of content,
+        # for a choice already started. Plain type checks and no loop over the choices; any
+        # other chunk (the first one, tool calls, finish, usage, bad values) goes through the
+        # general loop below, which reads it from scratch.
+        if type(chunk_choices) is list and len(chunk_choices) == 1:
+            choice = chunk_choices[0]
+            if type(choice) is dict:
+                delta = choice.get("delta")
+                index = choice.get("index", 0)
+                if type(delta) is dict and len(delta) == 1 and type(index) is int:
+                    piece = delta.get("content")
+                    acc = choices.get(index)
+                    if type(piece) is str and acc is not None:
+                        acc["content"].append(piece)
+                        continue
         if not isinstance(chunk_choices, list):
             expect_list(chunk_choices, f"stream[{i}].choices")
         for j, choice in enumerate(chunk_choices):
@@ -232,7 +280,7 @@ def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
             delta = choice.get("delta", {})
             if not isinstance(delta, dict):
                 expect_dict(delta, f"stream[{i}].choices[{j}].delta")
-            if len(delta) == 1:  # most chunks carry one token of content and nothing else
+            if len(delta) == 1:  # one token of content and nothing else
                 piece = delta.get("content")
                 if isinstance(piece, str):
                     acc["content"].append(piece)

@@ -39,13 +39,19 @@ def normalize(payload: Any) -> list[dict[str, Any]]:
     if system is not None and system != "":
         messages.append({"role": "system", "content": [text_part(system, "system")]})
     for i, turn in enumerate(turns):
-        at = f"conversations[{i}]"
-        turn = expect_dict(turn, at)
+        # Paths are formatted only for an error: this runs for every turn of every record.
+        if not isinstance(turn, dict):
+            expect_dict(turn, f"conversations[{i}]")
         speaker = turn.get("from")
         role = _SPEAKER.get(speaker) if isinstance(speaker, str) else None
         if role is None:
-            raise NormalizeError(f"{at}.from: unknown speaker {speaker!r}")
+            raise NormalizeError(f"conversations[{i}].from: unknown speaker {speaker!r}")
         value = turn.get("value")
+        if isinstance(value, str) and role != "call":
+            messages.append(tool_message(None, None, tool_result_parts(value)) if role == "tool"
+                            else {"role": role, "content": [{"type": "text", "text": value}]})
+            continue
+        at = f"conversations[{i}]"
         if role == "call":
             messages.append({"role": "assistant", "content": [],
                              "tool_calls": _calls(value, f"{at}.value")})
