@@ -38,12 +38,27 @@ class NormalizeError(ValueError):
         self.reason = reason
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escape_surrogate(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
 def canonical_json(value: Any) -> str:
-    """Compact, sorted-key JSON with non-ASCII kept (the identity serialization)."""
+    """Compact, sorted-key JSON with non-ASCII kept (the identity serialization).
+
+    A lone surrogate (JSON allows the escape ``"\\ud800"``; Python reads it into a string)
+    is written escaped, as it came: unescaped it has no UTF-8 form, and the text could not
+    be stored at all.
+    """
     try:
-        return _ENCODER.encode(value)
+        text = _ENCODER.encode(value)
     except (TypeError, ValueError) as exc:
         raise NormalizeError(f"value is not JSON-serializable: {exc}") from None
+    if not text.isascii() and _SURROGATE.search(text):
+        text = _SURROGATE.sub(_escape_surrogate, text)
+    return text
 
 
 def canonical_json_strings(value: Any) -> str:

@@ -57,6 +57,13 @@ def first_line(exc: BaseException) -> str:
 def id_and_text(payload: Any) -> tuple[str, str]:
     """(raw_trace_id, stored text) of a parsed record that came without its own text."""
     try:
+        # One dump for both (what content_hash and canonical_json_strings each write).
+        data = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        pass
+    else:
+        return hashlib.sha256(data).hexdigest(), data.decode("utf-8")
+    try:
         return content_hash(payload), canonical_json_strings(payload)
     except NormalizeError:  # not JSON-able (a caller bug): keep a readable trace of it
         text = repr(payload)
