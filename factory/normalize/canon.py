@@ -261,7 +261,8 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
     id_map: dict[str, str] = {}
     pending: list[tuple[str, str]] = []  # (canonical id, name) of calls not yet answered
     num_calls = 0
-    has_assistant = False
+    num_assistant = 0
+    has_images = False
     for i, msg in enumerate(messages):
         role = msg["role"]
         if role not in ROLES:
@@ -275,8 +276,10 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
         else:
             content = [p for p in parts if p["type"] != "text" or p["text"] != ""]
         new: dict[str, Any] = {"role": role, "content": content}
+        if not has_images:
+            has_images = any(p["type"] == "image" for p in content)
         if role == "assistant":
-            has_assistant = True
+            num_assistant += 1
             if msg.get("tool_calls"):
                 calls = []
                 for call in msg["tool_calls"]:
@@ -305,7 +308,7 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
             pending = [(c, n) for c, n in pending if c != cid]
             new["tool_call_id"] = cid
         out.append(new)
-    if not has_assistant:
+    if not num_assistant:
         raise NormalizeError(f"{where}: no assistant turn (nothing to learn from)")
     # The JSON is hashed as the bytes orjson wrote, not decoded and encoded again; the
     # reference encoder's text (what orjson refuses: lone surrogates, huge integers) is encoded.
@@ -333,6 +336,10 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
         "model": model,
         "created_at": created_at,
         "blobs": dict(blobs or {}),
+        # the samples columns that describe the conversation, known here without a scan
+        "num_turns": num_assistant,
+        "has_images": has_images,
+        "has_tool_calls": num_calls > 0 and any("tool_calls" in m for m in out),
     }
 
 

@@ -82,6 +82,10 @@ def sample_row(conv: dict[str, Any]) -> SampleRow:
     """The conversation's own ``samples`` columns (see ``SampleRow``)."""
     messages_json = conv.get("messages_json") or canonical_json(conv["messages"])
     tools_json = conv.get("tools_json") or canonical_json(conv["tools"])
+    if "num_turns" in conv:  # counted by canon.finish as it built the messages
+        return (conv["sample_id"], conv.get("provider"), conv.get("model"), messages_json,
+                tools_json, conv["num_turns"], conv["has_images"], conv["has_tool_calls"],
+                conv.get("created_at"))
     # Read off the canonical JSON instead of walking the messages again: in compact JSON a
     # quote inside a string is always escaped, so these only match the structure itself.
     return (conv["sample_id"], conv.get("provider"), conv.get("model"), messages_json,
