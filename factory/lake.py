@@ -35,7 +35,7 @@ from pyiceberg.table import Table
 from factory.datafiles import FileTarget
 from factory.errors import QueryError, SnapshotNotFoundError
 from factory.settings import Settings, get_settings
-from factory.tables import NAMESPACE, TABLE_PROPERTIES, TABLES, schema_of
+from factory.tables import DOCUMENT_COLUMNS, NAMESPACE, TABLE_PROPERTIES, TABLES, schema_of
 
 # Keys written into each snapshot summary.
 RUN_ID = "factory.run_id"
@@ -273,8 +273,10 @@ class Lake:
         from pyiceberg.io.pyarrow import _get_parquet_writer_kwargs, schema_to_pyarrow
 
         tbl = self.table(name)
-        return FileTarget(table=name, schema=schema_to_pyarrow(tbl.schema()),
-                          writer_options=_get_parquet_writer_kwargs(tbl.properties))
+        schema = schema_to_pyarrow(tbl.schema())
+        options = _get_parquet_writer_kwargs(tbl.properties)
+        options["use_dictionary"] = [f.name for f in schema if f.name not in DOCUMENT_COLUMNS]
+        return FileTarget(table=name, schema=schema, writer_options=options)
 
     def new_data_locations(self, name: str, count: int) -> list[str]:
         """``count`` fresh locations for data files of ``name`` (``FileTarget.write``)."""

@@ -302,15 +302,21 @@ TABLES: dict[str, pa.Schema] = {
 # Iceberg table properties beyond the defaults, set when a table is created (and added to an
 # existing table that lacks them; a value already set is kept).
 # The tables ingest writes hold every record's payload and messages, and writing them is on
-# ingest's hot path: LZ4 encodes them in 0.61x the CPU of zstd level 1 (pyiceberg's default),
-# for files 1.66x the size (bench/ingest.py blocks: 0.048 vs 0.079 CPU-s and 10.6 vs 6.4 MB
-# per 16 MiB of input). A later compaction may recompress them.
-_INGEST_WRITE = {"write.parquet.compression-codec": "lz4"}
+# ingest's hot path. Measured on a 16.8 MB block of bench/ingest.py input (raw_traces and
+# samples files, CPU-s / MB): zstd level 1, pyiceberg's default, 0.078 / 6.3; lz4 0.050 / 10.6;
+# snappy 0.049 / 9.8; uncompressed 0.016 / 29.8. Snappy: the cheaper codec that still keeps the
+# files smaller than their input, and the one every Parquet reader supports.
+_INGEST_WRITE = {"write.parquet.compression-codec": "snappy"}
 TABLE_PROPERTIES: dict[str, dict[str, str]] = {
     "raw_traces": _INGEST_WRITE,
     "samples": _INGEST_WRITE,
     "rejected_traces": _INGEST_WRITE,
 }
+
+# Columns whose values are whole documents, nearly all distinct: data files written by the
+# factory's own writer (factory.datafiles) do not try dictionary encoding on them, which
+# Parquet would give up on after the first page anyway (-13% write CPU on the block above).
+DOCUMENT_COLUMNS = frozenset({"payload", "messages", "tools"})
 
 
 def schema_of(name: str) -> pa.Schema:

@@ -163,7 +163,7 @@ def _turn(content: Any, where: str, blobs: dict[str, bytes],
     if not isinstance(content, dict):
         expect_dict(content, where)
     role = content.get("role") or default_role
-    if role not in _ROLE:
+    if not isinstance(role, str) or role not in _ROLE:  # a list is not hashable: no TypeError
         raise NormalizeError(f"{where}.role: unknown role {role!r} (Gemini has user, model "
                              f"and function)")
     canon_role = _ROLE[role]

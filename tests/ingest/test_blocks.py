@@ -7,7 +7,7 @@ the files raw_traces first. These tests force many tiny blocks (``_BLOCK_BYTES``
 user relies on: the first copy of a record wins and nothing is lost or doubled, line numbers in
 rejection reasons stay right across blocks, a compressed file gives the same tables as a plain
 one, a crash or failure leaves the lake consistent (and no data file nobody references), the
-files are LZ4 and their lineage leads from samples back to raw_traces.
+files are Snappy-compressed and their lineage leads from samples back to raw_traces.
 
 Tests marked ``xfail(strict=True)`` pin bugs found in review (see each reason): they fail once
 the bug is fixed, and the marker must then go.
@@ -462,7 +462,7 @@ def test_a_failed_commit_removes_the_files_it_did_not_commit(
 
 
 # -- 7. the files and their lineage ----------------------------------------------------------
-def test_committed_files_are_lz4_readable_by_duckdb_and_samples_read_their_raw_snapshot(
+def test_committed_files_are_snappy_readable_by_duckdb_and_samples_read_their_raw_snapshot(
         factory_home: Path, tmp_path: Path, small_blocks: int) -> None:
     import duckdb
 
@@ -481,7 +481,7 @@ def test_committed_files_are_lz4_readable_by_duckdb_and_samples_read_their_raw_s
             meta = pq.ParquetFile(file).metadata
             codecs = {meta.row_group(g).column(c).compression
                       for g in range(meta.num_row_groups) for c in range(meta.num_columns)}
-            assert codecs == {"LZ4"}, (name, file.name, codecs)
+            assert codecs == {"SNAPPY"}, (name, file.name, codecs)
         [(num,)] = duckdb.read_parquet([str(f) for f in files]).aggregate("count(*)").fetchall()
         assert num == lake.read(name).num_rows
     joined = lake.sql("select count(*) from samples join raw_traces using (raw_trace_id)")
@@ -517,8 +517,8 @@ def test_samples_healed_after_a_crash_lead_back_to_raw_traces(
         ("raw_traces", lake.snapshot_id("raw_traces"))]
 
 
-# -- 8. the LZ4 property on older tables -----------------------------------------------------
-def test_tables_made_without_lz4_get_it_once_and_a_chosen_codec_is_kept(
+# -- 8. the codec property on older tables -----------------------------------------------------
+def test_tables_made_without_the_codec_get_it_once_and_a_chosen_codec_is_kept(
         factory_home: Path, tmp_path: Path) -> None:
     codec = "write.parquet.compression-codec"
     catalog = Lake().catalog
@@ -528,8 +528,8 @@ def test_tables_made_without_lz4_get_it_once_and_a_chosen_codec_is_kept(
     catalog.create_table((NAMESPACE, "samples"), schema=schema_of("samples"),
                          properties={codec: "zstd"})
     lake = Lake()
-    assert lake.table("raw_traces").properties[codec] == "lz4"
-    assert lake.table("rejected_traces").properties[codec] == "lz4"
+    assert lake.table("raw_traces").properties[codec] == "snappy"
+    assert lake.table("rejected_traces").properties[codec] == "snappy"
     assert lake.table("samples").properties[codec] == "zstd"
     locations = {n: lake.table(n).metadata_location for n in TABLES}
     again = Lake()  # a new process: nothing left to add, no new metadata version
@@ -538,7 +538,8 @@ def test_tables_made_without_lz4_get_it_once_and_a_chosen_codec_is_kept(
     path = tmp_path / "a.jsonl"
     path.write_bytes(b"".join(_line(i) for i in range(3)) + BAD)
     ingest_paths(again, [path], workers=1)
-    for name, want in (("raw_traces", "LZ4"), ("samples", "ZSTD"), ("rejected_traces", "LZ4")):
+    for name, want in (("raw_traces", "SNAPPY"), ("samples", "ZSTD"),
+                       ("rejected_traces", "SNAPPY")):
         files = _committed_files(again, name)
         assert files
         assert {pq.ParquetFile(f).metadata.row_group(0).column(0).compression
