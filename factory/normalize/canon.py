@@ -272,12 +272,15 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
         parts = msg["content"]
         if len(parts) == 1:
             first = parts[0]
-            content = [first] if first["type"] != "text" or first["text"] != "" else []
+            kind = first["type"]
+            content = [first] if kind != "text" or first["text"] != "" else []
+            if kind == "image":
+                has_images = True
         else:
             content = [p for p in parts if p["type"] != "text" or p["text"] != ""]
+            if not has_images:
+                has_images = "image" in [p["type"] for p in content]
         new: dict[str, Any] = {"role": role, "content": content}
-        if not has_images:
-            has_images = any(p["type"] == "image" for p in content)
         if role == "assistant":
             num_assistant += 1
             if msg.get("tool_calls"):
