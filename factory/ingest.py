@@ -216,13 +216,14 @@ class _KnownIds:
 class _Item:
     """One record on its way to the tables: its id, text, format and (once known) outcome."""
 
-    __slots__ = ("fmt", "line", "payload", "project", "received_at", "reason", "rid", "rows",
-                 "source", "tags", "text")
+    __slots__ = ("fmt", "line", "payload", "project", "received_at", "reason", "ref", "rid",
+                 "rows", "source", "tags", "text")
 
     def __init__(self, rid: str, fmt: str, source: str, received_at: datetime,
                  tags: dict[str, str], project: str | None, *, text: str | None = None,
                  line: bytes | None = None, payload: Any = None, reason: str | None = None,
-                 rows: list[SampleRow] | None = None) -> None:
+                 rows: list[SampleRow] | None = None,
+                 ref: tuple[str | bytes, int, int] | None = None) -> None:
         self.rid = rid
         self.fmt = fmt
         self.source = source
@@ -238,11 +239,25 @@ class _Item:
         """Why it is rejected; None while accepted or not normalized yet."""
         self.rows = rows
         """Its sample rows; None (with no reason): not normalized yet."""
+        self.ref = ref
+        """Where its line is, when not given: (file path or block bytes, offset, length)."""
+
+    def line_bytes(self) -> bytes:
+        """The record's line, read from the file the first time it is needed."""
+        if self.line is None:
+            assert self.ref is not None, "an item has its text, its line or where its line is"
+            source, offset, length = self.ref
+            if isinstance(source, bytes):
+                self.line = source[offset:offset + length]
+            else:
+                with open(source, "rb") as fh:
+                    fh.seek(offset)
+                    self.line = fh.read(length)
+        return self.line
 
     def payload_text(self) -> str:
         if self.text is None:
-            assert self.line is not None, "an item has its text or its line"
-            self.text = self.line.strip().decode("utf-8", "replace")
+            self.text = self.line_bytes().strip().decode("utf-8", "replace")
         return self.text
 
 
@@ -596,8 +611,8 @@ class _Pipeline:
                 if payload is None:  # skipped by a worker as maybe known: parse it again
                     # (a trace split from an OTLP export line has its own text)
                     try:
-                        payload = parse_json(item.line.strip() if item.line is not None
-                                             else item.payload_text())
+                        payload = parse_json(item.line_bytes().strip() if item.text is None
+                                             else item.text)
                     except (ValueError, RecursionError) as exc:  # a record, never a crash
                         item.reason, item.rows = f"invalid JSON ({first_line(exc)})", []
                 if item.reason is None:
@@ -836,17 +851,17 @@ def ingest_paths(lake: Lake, paths: Iterable[str | Path], *, format: str = "auto
             for path in files:
                 if kinds[path] == "jsonl":
                     for task in _line_blocks(path, block_bytes, on_bytes):
-                        for result in blocks.submit(task):
-                            run.block(result)
+                        for done, result in blocks.submit(task):
+                            run.block(done, result)
                     continue
-                for result in blocks.drain():  # in file order: earlier lines first
-                    run.block(result)
+                for done, result in blocks.drain():  # in file order: earlier lines first
+                    run.block(done, result)
                 for items in _item_chunks(read_file(path, source=source, tags=ctx.tags,
                                                     format_hint=format, project=project,
                                                     on_bytes=on_bytes)):
                     run.items(items)
-            for result in blocks.drain():
-                run.block(result)
+            for done, result in blocks.drain():
+                run.block(done, result)
             run.finish()
         except BaseException:
             blocks.close()
@@ -977,7 +992,7 @@ class _BlockWorkers:
                 free.extend(self.lake.new_data_locations(name, 64))
         return {name: free.pop() for name, free in self._locations.items()}
 
-    def submit(self, task: BlockTask) -> Iterator[BlockResult]:
+    def submit(self, task: BlockTask) -> Iterator[tuple[BlockTask, BlockResult]]:
         """Queue a block; yields the results that must be taken out first."""
         self._num_blocks += 1
         task = dataclasses.replace(task, locations=self._new_locations())
@@ -1001,16 +1016,16 @@ class _BlockWorkers:
         while len(self._pending) > 2 * self.workers:
             yield self._take()
 
-    def drain(self) -> Iterator[BlockResult]:
+    def drain(self) -> Iterator[tuple[BlockTask, BlockResult]]:
         while self._pending:
             yield self._take()
 
-    def _take(self) -> BlockResult:
+    def _take(self) -> tuple[BlockTask, BlockResult]:
         task, result = self._pending.popleft()
         if isinstance(result, BlockResult):
-            return result
+            return task, result
         try:
-            return result.result()
+            return task, result.result()
         except BaseException:  # a worker failed (or died) mid-block
             self._forget(task)
             raise
@@ -1095,14 +1110,14 @@ class _FileIngest:
         if self.num_rows >= self.batch_rows or self.num_bytes >= self.batch_bytes:
             self._commit_files()
 
-    def block(self, result: BlockResult) -> None:
+    def block(self, task: BlockTask, result: BlockResult) -> None:
         try:
-            self._block(result)
+            self._block(task, result)
         except BaseException:  # its files are not in self.files yet: remove them here
             _delete_files(self.lake, result.files)
             raise
 
-    def _block(self, result: BlockResult) -> None:
+    def _block(self, task: BlockTask, result: BlockResult) -> None:
         summary = self.summary
         # Repeats of records an earlier block (or a .json file) of this ingest gave: the files
         # are rewritten without them, as if the block had known those ids.
@@ -1139,11 +1154,15 @@ class _FileIngest:
                               reason=invalid_json_reason(result.name, first + index, error))
                         for index, rid, text, error in result.invalid])
         if result.held:
+            # Most are duplicates, whose lines are never read; a line is read back (from the
+            # file, or a compressed file's block) only for a raw row that lacks an outcome.
+            source, base = (task.data, 0) if task.data is not None else (task.path, task.start)
             self.items([_Item(rid, fmt, ctx.source, ctx.received_at, ctx.tags, ctx.project,
-                              line=held if isinstance(held, bytes) else None,
-                              text=held if isinstance(held, str) else None, reason=reason,
-                              rows=[] if reason is not None else None)
-                        for rid, fmt, held, reason in result.held])
+                              text=where if isinstance(where, str) else None,
+                              ref=None if isinstance(where, str)
+                              else (source, base + where[0], where[1]),
+                              reason=reason, rows=[] if reason is not None else None)
+                        for rid, fmt, where, reason in result.held])
         if self.num_rows >= self.batch_rows or self.num_bytes >= self.batch_bytes:
             self._commit_files()
 

@@ -100,10 +100,13 @@ class BlockResult:
     """Per id: went to rejected_traces (else to samples)."""
     num_samples: list[int] = field(default_factory=list)
     """Per id: sample rows written."""
-    held: list[tuple[str, str, bytes | str, str | None]] = field(default_factory=list)
-    """Records whose id the lake holds already, as (id, format, line or text, rejection reason
-    if known): not written, the main process decides (a duplicate, or a raw row left without
-    an outcome by a crash)."""
+    held: list[tuple[str, str, tuple[int, int] | str, str | None]] = field(
+        default_factory=list)
+    """Records whose id the lake holds already, as (id, format, where, rejection reason if
+    known): not written, the main process decides (a duplicate, or a raw row left without an
+    outcome by a crash). ``where`` is the record's own text, or (offset, length) of its line
+    in the block: a re-ingest sends back ids, not the file, and the main process reads the
+    few lines it needs."""
     num_bytes: int = 0
     """Bytes of the block (for batching commits)."""
     plain: bool = True
@@ -142,8 +145,10 @@ def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTa
                  known: list[np.ndarray], blobs: BlobStore) -> BlockResult:
     """Read, normalize and write one block (see the module docstring)."""
     block = task.read()
+    skip = 0
     if task.start == 0 and block.startswith(codecs.BOM_UTF8):
-        block = block[len(codecs.BOM_UTF8):]  # a byte order mark is not part of the record
+        skip = len(codecs.BOM_UTF8)
+        block = block[skip:]  # a byte order mark is not part of the record
     lines = block.split(b"\n")
     invalid: list[LineError] = []
     results = process_lines(lines, name=task.name, first_lineno=1, format_hint=ctx.format_hint,
@@ -157,13 +162,21 @@ def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTa
     # JSON is rejected before any check) whose id is known.
     in_lake = (known_mask([r[1] for r in results], known) if any(len(a) for a in known)
                else None)
+    starts: np.ndarray | None = None
     for i, (index, rid, text, fmt, reason, sample_rows) in enumerate(results):
         if rid in seen:
             out.num_duplicates += 1
             continue
         seen.add(rid)
         if in_lake is not None and in_lake[i]:  # the main process decides what it is
-            out.held.append((rid, fmt, text if text is not None else lines[index].strip(),
+            if text is not None:
+                out.held.append((rid, fmt, text, reason))
+                continue
+            if starts is None:
+                starts = _line_starts(lines)
+            line = lines[index]
+            lead = len(line) - len(line.lstrip())
+            out.held.append((rid, fmt, (skip + int(starts[index]) + lead, len(line.strip())),
                              reason))
             continue
         rows.add(index, rid, text, fmt, reason, sample_rows)
@@ -299,6 +312,15 @@ class _Rows:
             "project": _repeat(ctx.project, pa.string(), num),
             "tags": _repeat(ctx.tags, pa.map_(pa.string(), pa.string()), num),
         })
+
+
+def _line_starts(lines: list[bytes]) -> np.ndarray:
+    """Where each line starts in the block they were split from (at newlines)."""
+    starts = np.zeros(len(lines), dtype=np.int64)
+    if len(lines) > 1:
+        lens = np.fromiter(map(len, lines[:-1]), dtype=np.int64, count=len(lines) - 1)
+        np.cumsum(lens + 1, out=starts[1:])
+    return starts
 
 
 def _repeat(value: Any, type_: pa.DataType, num: int) -> pa.Array:
