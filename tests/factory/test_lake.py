@@ -152,3 +152,43 @@ def test_threads_opening_a_fresh_catalog_at_once_all_succeed(factory_home: Path)
         t.join()
     assert errors == []
     assert Lake().read("raw_traces").num_rows == 8
+
+
+def test_files_written_without_the_catalog_commit_once_through_a_conflict(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two-stage writes: a FileTarget (picklable, pyarrow only) writes the data file; a commit
+    that loses a race is retried with the same file, and a writer that committed in between
+    loses nothing."""
+    import pickle
+
+    from pyiceberg.exceptions import CommitFailedException
+    from pyiceberg.table import Transaction
+
+    from factory.lake import Lineage
+
+    lake = Lake()
+    target = pickle.loads(pickle.dumps(lake.file_target("raw_traces")))
+    location = target.write(pa.Table.from_pylist([_trace(1), _trace(2)],
+                                                 schema=tables.TABLES["raw_traces"]),
+                            lake.new_data_locations("raw_traces", 1)[0])
+    lake.append("raw_traces", [_trace(3)])  # another writer commits first
+    real = Transaction.commit_transaction
+    attempts = {"n": 0}
+
+    def conflicting_once(self: Transaction) -> object:
+        attempts["n"] += 1
+        if attempts["n"] == 1:
+            raise CommitFailedException("the table moved on")
+        return real(self)
+
+    monkeypatch.setattr(Transaction, "commit_transaction", conflicting_once)
+    snap = lake.commit_files("raw_traces", [location],
+                             lineage=Lineage(run_id="r-1", asset_key="raw_traces"))
+    assert attempts["n"] == 2
+    ids = sorted(lake.read("raw_traces").column("raw_trace_id").to_pylist())
+    assert ids == ["id-1", "id-2", "id-3"]
+    info = lake.snapshot_info("raw_traces")
+    assert info["snapshot_id"] == snap and info["run_id"] == "r-1" and info["rows"] == 3
+    assert lake.commit_files("raw_traces", []) is None
+    files = lake.table("raw_traces").inspect.data_files().to_pylist()
+    assert sum(f["record_count"] for f in files) == 3 and len(files) == 2
