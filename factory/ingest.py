@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from factory.blobs import BlobStore
+from factory.datafiles import FileTarget
 from factory.ingest_blocks import (
     TABLE_NAMES,
     BlockResult,
@@ -843,9 +844,11 @@ def ingest_paths(lake: Lake, paths: Iterable[str | Path], *, format: str = "auto
         block_bytes = _block_bytes(num_line_bytes, num_workers)
         ctx = FileContext(source=source, received_at=datetime.now(tz=UTC), tags=dict(tags or {}),
                           project=project, format_hint=format)
+        targets = {name: lake.file_target(name) for name in TABLE_NAMES}
         run = _FileIngest(lake, known, ctx, lineage=lineage, lineages=lineages or {},
-                          batch_rows=batch_rows, batch_bytes=batch_bytes, on_bytes=on_bytes)
-        blocks = _BlockWorkers(num_workers, known, lake, ctx,
+                          batch_rows=batch_rows, batch_bytes=batch_bytes, targets=targets,
+                          on_bytes=on_bytes)
+        blocks = _BlockWorkers(num_workers, known, lake, ctx, targets,
                                eager=num_line_bytes > block_bytes)
         try:
             for path in files:
@@ -970,15 +973,15 @@ class _BlockWorkers:
     A block that fails leaves no data file behind: the locations it was given are removed.
     """
 
-    def __init__(self, workers: int, known: _KnownIds, lake: Lake, ctx: FileContext, *,
-                 eager: bool) -> None:
+    def __init__(self, workers: int, known: _KnownIds, lake: Lake, ctx: FileContext,
+                 targets: dict[str, FileTarget], *, eager: bool) -> None:
         self.workers = workers
         self.eager = eager
         self.known_at_start = list(known.arrays)
         self.lake = lake
         self.ctx = ctx
         self.blobs = BlobStore(lake.settings)
-        self.targets = {name: lake.file_target(name) for name in TABLE_NAMES}
+        self.targets = targets
         self._locations: dict[str, list[str]] = {name: [] for name in TABLE_NAMES}
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._pending: deque[tuple[BlockTask, Future[BlockResult] | BlockResult]] = deque()
@@ -1063,7 +1066,8 @@ class _FileIngest:
 
     def __init__(self, lake: Lake, known: _KnownIds, ctx: FileContext, *,
                  lineage: Lineage | None, lineages: Mapping[str, Lineage], batch_rows: int,
-                 batch_bytes: int, on_bytes: Callable[[int], None] | None = None) -> None:
+                 batch_bytes: int, targets: dict[str, FileTarget],
+                 on_bytes: Callable[[int], None] | None = None) -> None:
         self.lake = lake
         self.on_bytes = on_bytes
         self.known = known
@@ -1074,7 +1078,7 @@ class _FileIngest:
         self.writer = _Writer(lake, self.summary, lineage, lineages, threaded=False)
         self.pipeline = _Pipeline(lake, known, BlobStore(lake.settings), self.summary,
                                   self.writer)
-        self.targets = {name: lake.file_target(name) for name in TABLE_NAMES}
+        self.targets = targets
         self.batch = _Batch()
         """Records handled here (from .json files, lines that are not JSON, records a worker
         held back as known to the lake), written as data files like a block's rows."""
