@@ -45,6 +45,7 @@ from factory.ingest_blocks import (
     FileContext,
     ingest_block,
     init_block_worker,
+    repeat_value,
     worker_block,
 )
 from factory.lake import Lake, Lineage
@@ -298,8 +299,7 @@ def _column(values: list[Any], type_: pa.DataType) -> pa.Array:
     Python dict to an Arrow map per row was a visible part of the write.
     """
     if len(values) > 1 and values[-1] == values[0] and values.count(values[0]) == len(values):
-        one = pa.array(values[:1], type=type_)
-        return one.take(pa.array(np.zeros(len(values), dtype=np.int32)))
+        return repeat_value(values[0], type_, len(values))
     return pa.array(values, type=type_)
 
 
@@ -461,8 +461,7 @@ class _Writer:
             files[name] = []
             return snap
 
-        self._commit_tables([(name, functools.partial(commit, name))
-                             for name in ("raw_traces", "samples", "rejected_traces")])
+        self._commit_tables([(name, functools.partial(commit, name)) for name in TABLE_NAMES])
 
     def submit(self, batch: _Batch) -> None:
         self.raise_error()
@@ -1111,8 +1110,7 @@ class _FileIngest:
         self.num_rows += batch.num_read
         self.num_bytes += batch.num_bytes
         self.batch = _Batch()
-        if self.num_rows >= self.batch_rows or self.num_bytes >= self.batch_bytes:
-            self._commit_files()
+        self._commit_if_due()
 
     def block(self, task: BlockTask, result: BlockResult) -> None:
         try:
@@ -1167,8 +1165,7 @@ class _FileIngest:
                               else (source, base + where[0], where[1]),
                               reason=reason, rows=[] if reason is not None else None)
                         for rid, fmt, where, reason in result.held])
-        if self.num_rows >= self.batch_rows or self.num_bytes >= self.batch_bytes:
-            self._commit_files()
+        self._commit_if_due()
 
     def _drop(self, result: BlockResult, ids: set[str]) -> None:
         """Rewrite the block's files without the rows of ``ids`` (all of them: just delete
@@ -1187,6 +1184,10 @@ class _FileIngest:
                     kept[name] = [self.targets[name].write(keep, location)]
             self.lake.delete_files(name, data_files)
         result.files = kept
+
+    def _commit_if_due(self) -> None:
+        if self.num_rows >= self.batch_rows or self.num_bytes >= self.batch_bytes:
+            self._commit_files()
 
     def _commit_files(self) -> None:
         if any(self.files.values()):

@@ -17,6 +17,7 @@ ingest scales with the worker processes.
 from __future__ import annotations
 
 import codecs
+import functools
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -162,7 +163,6 @@ def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTa
     # JSON is rejected before any check) whose id is known.
     in_lake = (known_mask([r[1] for r in results], known) if any(len(a) for a in known)
                else None)
-    starts: np.ndarray | None = None
     for i, (index, rid, text, fmt, reason, sample_rows) in enumerate(results):
         if rid in seen:
             out.num_duplicates += 1
@@ -172,12 +172,10 @@ def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTa
             if text is not None:
                 out.held.append((rid, fmt, text, reason))
                 continue
-            if starts is None:
-                starts = _line_starts(lines)
             line = lines[index]
             lead = len(line) - len(line.lstrip())
-            out.held.append((rid, fmt, (skip + int(starts[index]) + lead, len(line.strip())),
-                             reason))
+            out.held.append((rid, fmt, (skip + int(rows.offsets[index]) + lead,
+                                        len(line.strip())), reason))
             continue
         rows.add(index, rid, text, fmt, reason, sample_rows)
     for name, table in rows.tables(ctx):
@@ -232,20 +230,35 @@ class _Rows:
         outcome = self.outcome
         return ids, [outcome[i] < 0 for i in ids], [max(outcome[i], 0) for i in ids]
 
-    def _payloads(self, indices: list[int], texts: list[str]) -> pa.Array:
-        """The stripped lines at ``indices``, then ``texts``, as one string array."""
-        if not indices:
-            return pa.array(texts, type=pa.string())
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """Where each line starts in the block, and the block's end: line ``i`` with its
+        newline is ``block[offsets[i]:offsets[i + 1]]``."""
         lens = np.fromiter(map(len, self.lines), dtype=np.int64, count=len(self.lines))
         offsets = np.zeros(len(self.lines) + 1, dtype=np.int64)
         np.cumsum(lens + 1, out=offsets[1:])  # each line with its newline...
         np.minimum(offsets, len(self.block), out=offsets)  # ...but the last may have none
-        big = len(self.block) >= 2**31 - 1
-        whole = pa.Array.from_buffers(
+        return offsets
+
+    @functools.cached_property
+    def _big(self) -> bool:
+        return len(self.block) >= 2**31 - 1
+
+    @functools.cached_property
+    def _whole(self) -> pa.Array:
+        """Every line of the block (with its newline) as one binary array over the block."""
+        big = self._big
+        return pa.Array.from_buffers(
             pa.large_binary() if big else pa.binary(), len(self.lines),
-            [None, pa.py_buffer(offsets if big else offsets.astype(np.int32)),
+            [None, pa.py_buffer(self.offsets if big else self.offsets.astype(np.int32)),
              pa.py_buffer(self.block)])
-        picked = whole.take(pa.array(indices, type=pa.int64()))
+
+    def _payloads(self, indices: list[int], texts: list[str]) -> pa.Array:
+        """The stripped lines at ``indices``, then ``texts``, as one string array."""
+        if not indices:
+            return pa.array(texts, type=pa.string())
+        big = self._big
+        picked = self._whole.take(pa.array(indices, type=pa.int64()))
         try:
             strings = pc.ascii_trim_whitespace(picked.cast(pa.large_string() if big
                                                            else pa.string()))
@@ -264,22 +277,22 @@ class _Rows:
         raw = pa.table({
             "raw_trace_id": pa.array([r[1] for r in self.raw_lines]
                                      + [r[0] for r in self.raw_texts], type=pa.string()),
-            "source": _repeat(ctx.source, pa.string(), raw_n),
+            "source": repeat_value(ctx.source, pa.string(), raw_n),
             "format": pa.array([r[2] for r in self.raw_lines] + [r[1] for r in self.raw_texts],
                                type=pa.string()),
-            "received_at": _repeat(ctx.received_at, pa.timestamp("us", tz="UTC"), raw_n),
-            "project": _repeat(ctx.project, pa.string(), raw_n),
-            "tags": _repeat(ctx.tags, pa.map_(pa.string(), pa.string()), raw_n),
+            "received_at": repeat_value(ctx.received_at, pa.timestamp("us", tz="UTC"), raw_n),
+            "project": repeat_value(ctx.project, pa.string(), raw_n),
+            "tags": repeat_value(ctx.tags, pa.map_(pa.string(), pa.string()), raw_n),
             "payload": self._payloads([r[0] for r in self.raw_lines],
                                       [r[2] for r in self.raw_texts]),
         })
         rejected = pa.table({
             "raw_trace_id": pa.array([r[1] for r in self.rej_lines]
                                      + [r[0] for r in self.rej_texts], type=pa.string()),
-            "source": _repeat(ctx.source, pa.string(), rej_n),
+            "source": repeat_value(ctx.source, pa.string(), rej_n),
             "format": pa.array([r[2] for r in self.rej_lines] + [r[1] for r in self.rej_texts],
                                type=pa.string()),
-            "received_at": _repeat(ctx.received_at, pa.timestamp("us", tz="UTC"), rej_n),
+            "received_at": repeat_value(ctx.received_at, pa.timestamp("us", tz="UTC"), rej_n),
             "reason": pa.array([r[3] for r in self.rej_lines] + [r[2] for r in self.rej_texts],
                                type=pa.string()),
             "payload": self._payloads([r[0] for r in self.rej_lines],
@@ -308,26 +321,17 @@ class _Rows:
             "has_tool_calls": pa.array(has_tool_calls, type=pa.bool_()),
             "created_at": pa.array(when, type=pa.timestamp("us", tz="UTC")),
             "raw_trace_id": pa.array(self.sample_ids, type=pa.string()),
-            "source": _repeat(ctx.source, pa.string(), num),
-            "project": _repeat(ctx.project, pa.string(), num),
-            "tags": _repeat(ctx.tags, pa.map_(pa.string(), pa.string()), num),
+            "source": repeat_value(ctx.source, pa.string(), num),
+            "project": repeat_value(ctx.project, pa.string(), num),
+            "tags": repeat_value(ctx.tags, pa.map_(pa.string(), pa.string()), num),
         })
 
 
-def _line_starts(lines: list[bytes]) -> np.ndarray:
-    """Where each line starts in the block they were split from (at newlines)."""
-    starts = np.zeros(len(lines), dtype=np.int64)
-    if len(lines) > 1:
-        lens = np.fromiter(map(len, lines[:-1]), dtype=np.int64, count=len(lines) - 1)
-        np.cumsum(lens + 1, out=starts[1:])
-    return starts
-
-
-def _repeat(value: Any, type_: pa.DataType, num: int) -> pa.Array:
+def repeat_value(value: Any, type_: pa.DataType, num: int) -> pa.Array:
     """``num`` copies of one value, converted once (a dict to an Arrow map per row was slow)."""
     one = pa.array([value], type=type_)
     return one.take(pa.array(np.zeros(num, dtype=np.int32)))
 
 
 __all__ = ["TABLE_NAMES", "BlockResult", "BlockTask", "FileContext", "LineResult",
-           "ingest_block", "init_block_worker", "worker_block"]
+           "ingest_block", "init_block_worker", "repeat_value", "worker_block"]
