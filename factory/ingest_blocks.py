@@ -30,7 +30,6 @@ from factory.normalize.rows import (
     LineError,
     LineResult,
     SampleRow,
-    init_worker,
     known_mask,
     process_lines,
 )
@@ -125,13 +124,16 @@ _WORKER: dict[str, Any] = {}
 
 def init_block_worker(known: list[bytes], settings: Any,
                       targets: dict[str, FileTarget]) -> None:
-    """Set up a worker: the known ids and blob store (``rows.init_worker``), and how to write
-    each table's files (no catalog, no pyiceberg: the worker starts faster without them)."""
-    from factory.normalize import rows
+    """Set up a worker: the digests of the known ids, the blob store it writes images to, and
+    how to write each table's files (no catalog, no pyiceberg: the worker starts faster)."""
+    import gc
 
-    init_worker(known, settings)
-    _WORKER["known"] = rows._WORKER["known"]
-    _WORKER["blobs"] = rows._WORKER["blobs"]
+    from factory.blobs import BlobStore
+
+    # Parsed records are acyclic: the cyclic GC only re-walks them (see factory.ingest).
+    gc.set_threshold(50_000, *gc.get_threshold()[1:])
+    _WORKER["known"] = [np.frombuffer(b, dtype="S32") for b in known]
+    _WORKER["blobs"] = BlobStore(settings)
     _WORKER["targets"] = targets
 
 

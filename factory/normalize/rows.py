@@ -161,25 +161,6 @@ def known_mask(ids: Sequence[str], known: Sequence[np.ndarray]) -> np.ndarray:
     return found
 
 
-# -- worker processes ----------------------------------------------------------------------------
-_WORKER: dict[str, Any] = {}
-
-
-def init_worker(known: list[bytes], settings: Any) -> None:
-    """Set up a worker process: the digests of the known ids and the blob store it writes images to."""
-    import gc
-
-    # Parsed records are acyclic: the cyclic GC only re-walks them (see factory.ingest).
-    gc.set_threshold(50_000, *gc.get_threshold()[1:])
-    if known:
-        import numpy as np
-
-        _WORKER["known"] = [np.frombuffer(b, dtype="S32") for b in known]
-    else:
-        _WORKER["known"] = []
-    _WORKER["blobs"] = BlobStore(settings)
-
-
 LineError = tuple[int, str, str, str]
 """A line that is not JSON: (line index in the chunk, raw_trace_id, text, parse error)."""
 
