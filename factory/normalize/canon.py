@@ -263,6 +263,7 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
     num_calls = 0
     num_assistant = 0
     has_images = False
+    has_tool_calls = False
     for i, msg in enumerate(messages):
         role = msg["role"]
         if role not in ROLES:
@@ -294,6 +295,7 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
                     calls.append({"id": new_id, "name": call["name"],
                                   "arguments": call["arguments"]})
                 new["tool_calls"] = calls
+                has_tool_calls = True
         elif role == "tool":
             pid, name = msg.get("tool_call_id"), msg.get("_name")
             cid = id_map.get(pid) if pid is not None else None
@@ -342,7 +344,7 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
         # the samples columns that describe the conversation, known here without a scan
         "num_turns": num_assistant,
         "has_images": has_images,
-        "has_tool_calls": num_calls > 0 and any("tool_calls" in m for m in out),
+        "has_tool_calls": has_tool_calls,
     }
 
 
