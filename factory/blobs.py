@@ -85,10 +85,19 @@ def decode_image(data: str, media_type: str | None, where: str) -> tuple[str, by
 
 
 class BlobStore:
-    """Files named by the sha256 of their bytes; writing the same bytes twice stores them once."""
+    """Files named by the sha256 of their bytes; writing the same bytes twice stores them once.
+
+    Blobs are never deleted, so a store remembers the digests it has written or seen on disk:
+    putting an image it already stored (the same screenshot or logo in many records) costs a
+    set lookup, not a hash and a ``stat``. At most ``_REMEMBER`` digests are kept (the
+    gateway's store lives as long as the server).
+    """
+
+    _REMEMBER = 100_000
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.root = (settings or get_settings()).blobs
+        self._stored: set[str] = set()
 
     def path(self, sha256: str) -> Path:
         if not re.fullmatch(r"[0-9a-f]{64}", sha256):
@@ -96,11 +105,18 @@ class BlobStore:
         return self.root / sha256[:2] / sha256
 
     def put(self, data: bytes, sha256: str | None = None) -> str:
-        """Store ``data`` (atomically, once); returns its sha256."""
+        """Store ``data`` (atomically, once); returns its sha256.
+
+        ``sha256``, when given, is the caller's digest of ``data``: a digest this store has
+        stored already is not checked against the bytes again.
+        """
+        if sha256 is not None and sha256 in self._stored:
+            return sha256
         digest = hashlib.sha256(data).hexdigest()
         assert sha256 is None or sha256 == digest, "blob bytes do not match their name"
         dest = self.path(digest)
         if dest.exists():
+            self._remember(digest)
             return digest
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
@@ -111,7 +127,13 @@ class BlobStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        self._remember(digest)
         return digest
+
+    def _remember(self, digest: str) -> None:
+        if len(self._stored) >= self._REMEMBER:
+            self._stored.clear()
+        self._stored.add(digest)
 
     def get(self, sha256: str) -> bytes:
         return self.path(sha256).read_bytes()
