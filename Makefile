@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256s
 # Every pip call is constrained to the local CPU build of torch: anything else pulls CUDA wheels.
 PIP := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip
 
-.PHONY: install demo test lint typecheck contracts unit bench clean ui
+.PHONY: install native demo test lint typecheck contracts unit bench clean ui
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,7 +22,16 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-demo: install
+# The normalizers compiled with mypyc (factory/native.py), rebuilt when one of them changes; a
+# stale build is never used (the source runs). FACTORY_NATIVE=0 skips it: pure Python.
+NATIVE := factory/normalize/_native.json
+$(NATIVE): $(STAMP) $(wildcard factory/normalize/*.py) factory/native.py
+	@if [ "$${FACTORY_NATIVE:-1}" = 0 ]; then echo "FACTORY_NATIVE=0: normalizers not compiled"; \
+	else $(BIN)/python -m factory.native build; fi
+
+native: $(NATIVE)
+
+demo: install native
 	$(BIN)/factory demo
 
 lint: install
@@ -34,7 +43,7 @@ typecheck: install
 contracts: install
 	$(BIN)/lint-imports
 
-unit: install
+unit: install native
 	$(BIN)/pytest -q
 
 test: lint typecheck contracts unit
@@ -43,4 +52,5 @@ ui: install
 	$(BIN)/factory ui
 
 clean:
+	-$(BIN)/python -m factory.native clean
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

@@ -7,7 +7,8 @@ Generates a JSONL file of mixed realistic records (OpenAI calls with tools and s
 Anthropic calls with thinking and tool use, Gemini calls, ShareGPT and fine-tuning lines, a few
 small images and ~2% broken lines), then times (1) reading and ``orjson.loads`` of every line and
 (2) ``factory ingest`` of the same file into a fresh ``FACTORY_HOME``, each in its own process so
-peak RSS is that phase's own. Prints a first JSON line with the CPU count and load average, then
+peak RSS is that phase's own. Prints a first JSON line with the CPU count, the load average and
+whether the normalizers run compiled (`make native`, `factory.native`), then
 one per size: wall and CPU seconds of both phases and their ratios (ingest CPU counts the worker
 processes), peak RSS of the ingest process and of its largest worker, and the load average
 before and after (other work on the machine inflates wall times, not CPU times or memory).
@@ -240,7 +241,12 @@ def main() -> int:
     extra: list[str] = []
     if args.workers is not None:
         extra += ["--workers", str(args.workers)]
-    print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": _loadavg()}))
+    sys.path.insert(0, str(ROOT))
+    from factory.native import status
+
+    # compiled (make native) or the Python source: the ingest phase runs whichever this says
+    print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": _loadavg(),
+                      "normalizers": status()}))
     for size in [int(s) for s in args.records.split(",")]:
         with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
             path = Path(tmp) / "records.jsonl"

@@ -17,6 +17,7 @@ from factory.normalize.canon import (
     expect_dict,
     expect_list,
     finish,
+    kind,
     text_part,
     tool_call,
     tool_def,
@@ -240,7 +241,12 @@ def reassemble_stream(events: list[Any]) -> dict[str, Any]:
                     block_pieces[key].append(text)
                 else:  # the first delta: added to the block's own text, as every one was
                     block = blocks[index]
-                    block[key] = block.get(key, "") + text
+                    start = block.get(key, "")
+                    if not isinstance(start, str):
+                        raise NormalizeError(
+                            f"stream[{i}]: block {index} started with a {key} that is "
+                            f"{kind(start)}, not a string, so its {dtype} cannot extend it")
+                    block[key] = start + text
                     block_pieces[key] = [block[key]]
             elif dtype == "input_json_delta":
                 partial_json.setdefault(index, []).append(

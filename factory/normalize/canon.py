@@ -38,7 +38,8 @@ class NormalizeError(ValueError):
         self.reason = reason
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+# (built with chr: mypyc refuses surrogates in string literals)
+_SURROGATE = re.compile("[" + chr(0xD800) + "-" + chr(0xDFFF) + "]")
 
 
 def _escape_surrogate(match: re.Match[str]) -> str:

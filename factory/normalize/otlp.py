@@ -68,8 +68,8 @@ def split_otlp(body: bytes, content_type: str,
     if ctype in ("application/json", "text/json", ""):
         try:
             obj = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise NormalizeError(f"body: invalid JSON ({exc})") from None
+        except (ValueError, RecursionError) as bad:  # its own name (compiled: one type each)
+            raise NormalizeError(f"body: invalid JSON ({bad})") from None
         return split_otlp_json(obj)
     raise NormalizeError(f"Content-Type: unsupported {content_type!r} "
                          f"(application/x-protobuf or application/json)")

@@ -107,8 +107,9 @@ def outcome(payload: Any, fmt: str,
         return exc.reason, []
     except RecursionError:
         return "record: nested too deeply to normalize", []
-    except Exception as exc:  # a normalizer bug quarantines one record, not a batch
-        return f"normalizer failed ({type(exc).__name__}: {exc})", []
+    # Each handler binds its own name: compiled (factory.native), one name has one type.
+    except Exception as bug:  # a normalizer bug quarantines one record, not a batch
+        return f"normalizer failed ({type(bug).__name__}: {bug})", []
     rows = []
     for conv in convs:
         if blobs is not None:
@@ -204,10 +205,10 @@ def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, forma
         if is_otlp_export(value):
             try:
                 split = split_otlp_json(value)
-            except NormalizeError as exc:
+            except NormalizeError as bad:  # (a name of its own: see outcome)
                 text = stripped.decode("utf-8", "replace")
                 out.append((index, sha256_hex(text), text, "unknown",
-                            f"{name}: OTLP export: {exc.reason}", []))
+                            f"{name}: OTLP export: {bad.reason}", []))
                 continue
             for trace in split:
                 rid, text = id_and_text(trace)

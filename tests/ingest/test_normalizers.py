@@ -118,6 +118,15 @@ def test_anthropic_stream_with_thinking_and_tool_input_json() -> None:
     assert last["tool_calls"] == [{"id": "call_0", "name": "f", "arguments": '{"q":"weather"}'}]
 
 
+@pytest.mark.parametrize("start", [None, 7, [], {}])
+def test_anthropic_stream_block_started_with_non_text_is_a_precise_rejection(start: Any) -> None:
+    record = conv.anthropic_stream_call()
+    record["stream"][1]["content_block"]["text"] = start
+    with pytest.raises(NormalizeError, match=r"stream\[3\]: block 0 started with a text that "
+                                             r"is .*, not a string"):
+        normalize_record(record, "anthropic")
+
+
 def test_gemini_parallel_calls_matched_by_order_and_name() -> None:
     record = {"contents": [
         {"role": "user", "parts": [{"text": "both"}]},

@@ -1,0 +1,175 @@
+"""Compiled normalizers: the modules of ``factory.normalize`` built as C extensions with mypyc.
+
+Normalizing is plain Python and most of a file ingest's CPU. ``make install`` compiles these
+modules with mypyc (``python -m factory.native build``): each gets a C extension next
+to its source, which Python imports instead of the ``.py``. Nothing else changes; the compiled
+modules give the same rows byte for byte (``tests/ingest/test_native.py`` compares them with
+the source's on every format).
+
+A build is used only while it matches the sources it was built from. The build writes a stamp
+with the sha256 of each source; at import (``factory.normalize`` calls ``install_guard``) an
+edited source, a missing stamp or ``FACTORY_NATIVE=0`` makes every compiled module load from its
+``.py`` instead, with one warning on the ``factory.normalize`` logger when it is stale. It is
+all or none: compiled modules call each other directly, so one left compiled would still run
+the old code of the others. ``make native`` (which ``make test`` runs) rebuilds after an edit.
+
+This module is never compiled and imports nothing of the factory.
+
+    python -m factory.native build    # compile (needs mypy and a C compiler)
+    python -m factory.native status   # compiled, stale, disabled or not built
+    python -m factory.native clean    # remove the extensions and the stamp
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+PACKAGE = "factory.normalize"
+MODULES = ("canon", "images", "detect", "openai", "anthropic", "gemini", "sharegpt", "otlp",
+           "rows")
+"""The compiled modules, in dependency order."""
+GROUP = "_native"
+"""The shared library that holds their code (``_native__mypyc``), in the package."""
+HERE = Path(__file__).resolve().parent / "normalize"
+"""Where the modules and their extensions are."""
+STAMP = HERE / "_native.json"
+DISABLE_ENV = "FACTORY_NATIVE"
+
+log = logging.getLogger(PACKAGE)
+
+
+def source_digests(directory: Path = HERE) -> dict[str, str]:
+    """sha256 of each compiled module's source, by module name."""
+    return {m: hashlib.sha256((directory / f"{m}.py").read_bytes()).hexdigest()
+            for m in MODULES}
+
+
+def extensions(directory: Path = HERE) -> list[Path]:
+    """The compiled extension files present (for this Python), shared library included."""
+    found = []
+    for name in (*MODULES, f"{GROUP}__mypyc"):
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = directory / f"{name}{suffix}"
+            if path.exists():
+                found.append(path)
+    return found
+
+
+def stale_sources(stamp: dict[str, object], digests: dict[str, str]) -> list[str]:
+    """The modules whose source differs from the one the stamp says was compiled."""
+    built = stamp.get("sources")
+    built = built if isinstance(built, dict) else {}
+    return [m for m in MODULES if built.get(m) != digests.get(m)]
+
+
+def status(directory: Path = HERE) -> str:
+    """``compiled``, ``disabled``, ``not built`` or ``stale (...)``: what imports will load."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return f"disabled ({DISABLE_ENV}=0)"
+    if len(extensions(directory)) < len(MODULES) + 1:
+        return "not built"
+    try:
+        stamp = json.loads((directory / STAMP.name).read_text())
+    except (OSError, ValueError):
+        return "stale (no build stamp)"
+    stale = stale_sources(stamp if isinstance(stamp, dict) else {}, source_digests(directory))
+    if stale:
+        return "stale (" + ", ".join(f"{m}.py" for m in stale) + " changed since the build)"
+    return "compiled"
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Loads the compiled modules from their ``.py`` files."""
+
+    def __init__(self, directory: Path) -> None:
+        self.paths = {f"{PACKAGE}.{m}": directory / f"{m}.py" for m in MODULES}
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        source = self.paths.get(fullname)
+        return importlib.util.spec_from_file_location(fullname, source) if source else None
+
+
+_GUARD: list[str] = []
+
+
+def install_guard() -> str:
+    """Make the imports of the compiled modules load their sources unless the build is
+    current (see the module docstring); returns ``status()``. Idempotent."""
+    if _GUARD:
+        return _GUARD[0]
+    state = status()
+    _GUARD.append(state)
+    if state != "compiled" and extensions():
+        if any(f"{PACKAGE}.{m}" in sys.modules for m in MODULES):
+            raise ImportError(f"{PACKAGE}: install_guard must run before its modules load")
+        sys.meta_path.insert(0, _SourceFinder(HERE))
+        if state.startswith("stale"):
+            log.warning("compiled normalizers not used, %s: the Python source runs (slower); "
+                        "`make native` rebuilds them", state)
+    return state
+
+
+def build(root: Path | None = None) -> None:
+    """Compile the modules with mypyc into the package (needs mypy and a C compiler)."""
+    import tempfile
+
+    from mypyc.build import mypycify
+    from setuptools import Distribution
+
+    root = root or HERE.parent.parent
+    directory = root / PACKAGE.replace(".", "/")
+    clean(directory)
+    digests = source_digests(directory)  # what is compiled (read before, not after)
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="factory-native-") as tmp:
+        os.chdir(root)  # mypy reads the project's configuration, and paths are relative
+        try:
+            ext = mypycify([f"{PACKAGE.replace('.', '/')}/{m}.py" for m in MODULES],
+                           group_name=f"{PACKAGE}.{GROUP}", target_dir=f"{tmp}/c")
+            dist = Distribution({"name": "factory-native", "ext_modules": ext})
+            dist.script_args = ["-q", "build_ext", "--inplace", "--build-temp", f"{tmp}/o"]
+            dist.parse_command_line()
+            dist.run_commands()
+        finally:
+            os.chdir(cwd)
+    import mypy.version
+
+    (directory / STAMP.name).write_text(json.dumps(
+        {"sources": digests, "mypy": mypy.version.__version__,
+         "python": sys.version.split()[0]}, indent=1, sort_keys=True) + "\n")
+
+
+def clean(directory: Path = HERE) -> None:
+    """Remove the compiled extensions and the stamp."""
+    for path in [*extensions(directory), directory / STAMP.name]:
+        path.unlink(missing_ok=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m factory.native",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["build", "status", "clean"])
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        build()
+    elif args.command == "clean":
+        clean()
+    print(status())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Compiled normalizers (``factory.native``): the same rows as the source, and never stale.
+
+``make test`` compiles the normalizers first (``make native``), so the whole suite runs against
+the compiled modules; these tests check the compiled build against the Python source it came
+from, and that an edited source is never shadowed by an old build.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import factory
+from factory import native
+from tests.ingest import conversations as conv
+from tests.ingest.test_fuzz import _mutate, _paths
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPILED = native.status() == "compiled"
+needs_build = pytest.mark.skipif(not COMPILED, reason=f"normalizers {native.status()}: "
+                                 "`make native` compiles them")
+
+# Runs process_lines over a file's lines and prints every result as JSON (the rows' datetimes
+# as text): in this process the compiled modules, in a FACTORY_NATIVE=0 one the source.
+_DUMP = """
+import json, sys
+from factory.normalize.rows import process_lines
+import factory.normalize.canon as canon
+lines = open(sys.argv[1], "rb").read().split(b"\\n")
+out = process_lines(lines, name="corpus", first_lineno=1, format_hint=sys.argv[2])
+print(canon.__file__)
+for r in out:
+    print(json.dumps(r, default=str, ensure_ascii=False))
+"""
+
+
+def _corpus(path: Path) -> int:
+    """Every form of the shared conversation, each mutated at every path in several ways
+    (the error branches and their reasons), and the benchmark's realistic records."""
+    lines = []
+    for make in conv.ALL_FORMS.values():
+        record = make()
+        lines.append(json.dumps(record, ensure_ascii=False))
+        for where in _paths(record)[1:]:
+            for action, new in (("delete", None), ("replace", None), ("replace", 7),
+                                ("replace", "x"), ("replace", []), ("replace", {}),
+                                ("stringify", None), ("truncate", None)):
+                try:
+                    mutated = _mutate(record, where, action, new)
+                except (KeyError, IndexError, TypeError):
+                    continue
+                lines.append(json.dumps(mutated, ensure_ascii=False))
+    spec = importlib.util.spec_from_file_location("bench_ingest", ROOT / "bench" / "ingest.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    realistic = path.with_suffix(".bench.jsonl")
+    bench.generate(realistic, 1500, seed=7)
+    text = "\n".join(lines) + "\n" + realistic.read_text(encoding="utf-8")
+    path.write_text(text, encoding="utf-8")
+    return text.count("\n")
+
+
+def _dump(path: Path, fmt: str, *, source: bool) -> tuple[str, list[Any]]:
+    env = {**os.environ, native.DISABLE_ENV: "0" if source else "1"}
+    out = subprocess.run([sys.executable, "-c", _DUMP, str(path), fmt], env=env, cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    return out[0], [json.loads(line) for line in out[1:]]
+
+
+@needs_build
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["auto", "openai", "anthropic", "gemini", "otlp"])
+def test_compiled_normalizers_give_the_source_s_rows_byte_for_byte(tmp_path: Path,
+                                                                   fmt: str) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    num_lines = _corpus(corpus)
+    compiled_file, compiled = _dump(corpus, fmt, source=False)
+    source_file, source = _dump(corpus, fmt, source=True)
+    assert compiled_file.endswith(".so") and source_file.endswith(".py")
+    assert len(compiled) == len(source) > num_lines * 0.9
+    num_samples = sum(1 for r in source if r[5])
+    num_rejected = sum(1 for r in source if r[4])
+    assert num_samples > 100 and num_rejected > 100  # both branches are exercised
+    # and every rejection names the field: none is a normalizer's own crash
+    assert [r[4] for r in source if r[4] and "normalizer failed" in r[4]] == []
+    for mine, theirs in zip(compiled, source, strict=True):
+        assert mine == theirs
+
+
+def _copy_package(tmp_path: Path) -> Path:
+    """The factory package with its compiled normalizers, as another checkout would have it."""
+    dest = tmp_path / "checkout"
+    shutil.copytree(Path(factory.__file__).parent, dest / "factory",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def _probe(checkout: Path, **env: str) -> tuple[str, str, str]:
+    code = ("import factory.normalize.canon as c, factory.native as n; "
+            "print(c.__file__); print(n.status())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
+                          text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(checkout), **env})
+    loaded, state = done.stdout.splitlines()
+    return loaded, state, done.stderr
+
+
+@needs_build
+def test_a_current_build_is_loaded(tmp_path: Path) -> None:
+    checkout = _copy_package(tmp_path)
+    loaded, state, _ = _probe(checkout)
+    assert loaded.startswith(str(checkout)) and loaded.endswith(".so")
+    assert state == "compiled"
+
+
+@needs_build
+def test_an_edited_source_is_never_shadowed_by_an_old_build(tmp_path: Path) -> None:
+    checkout = _copy_package(tmp_path)
+    rows = checkout / "factory" / "normalize" / "rows.py"
+    rows.write_text(rows.read_text() + "\n# edited after the build\n")
+    loaded, state, stderr = _probe(checkout)
+    # all or none: canon.py did not change, but runs from source too
+    assert loaded == str(checkout / "factory" / "normalize" / "canon.py")
+    assert state == "stale (rows.py changed since the build)"
+    assert "make native" in stderr
+
+
+@needs_build
+def test_factory_native_0_runs_the_source(tmp_path: Path) -> None:
+    checkout = _copy_package(tmp_path)
+    loaded, state, stderr = _probe(checkout, FACTORY_NATIVE="0")
+    assert loaded.endswith("canon.py")
+    assert state == "disabled (FACTORY_NATIVE=0)"
+    assert "make native" not in stderr
+
+
+def test_status_of_a_checkout_that_never_built(tmp_path: Path) -> None:
+    for m in native.MODULES:
+        (tmp_path / f"{m}.py").write_text("")
+    assert native.status(tmp_path) == "not built"
+    assert native.stale_sources({"sources": native.source_digests(tmp_path)},
+                                native.source_digests(tmp_path)) == []
+    assert native.stale_sources({}, native.source_digests(tmp_path)) == list(native.MODULES)
