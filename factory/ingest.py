@@ -19,7 +19,6 @@ import gc
 import gzip
 import io
 import json
-import multiprocessing
 import os
 import queue
 import threading
@@ -43,6 +42,7 @@ from factory.ingest_blocks import (
     BlockResult,
     BlockTask,
     FileContext,
+    WorkerContext,
     ingest_block,
     init_block_worker,
     repeat_value,
@@ -1000,7 +1000,7 @@ class _BlockWorkers:
         task = dataclasses.replace(task, locations=self._new_locations())
         if self.workers > 1 and self._pool is None and (self.eager or self._num_blocks == 2):
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                max_workers=self.workers, mp_context=WorkerContext(),
                 initializer=init_block_worker,
                 initargs=([a.tobytes() for a in self.known_at_start], self.lake.settings,
                           self.targets))
