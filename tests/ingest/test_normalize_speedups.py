@@ -143,8 +143,10 @@ def test_anthropic_stream_errors_as_the_first_bad_event() -> None:
 
     assert _outcome(reassemble_anthropic, [start, block, delta(5)]) == (
         "NormalizeError", "stream[2].delta.text: expected a string, got a number")
-    with pytest.raises(TypeError):  # a block whose own text is null cannot be added to
-        reassemble_anthropic([start, block, delta("a")])
+    # a block whose own text is null cannot be extended: a rejection naming it, not a crash
+    assert _outcome(reassemble_anthropic, [start, block, delta("a")]) == (
+        "NormalizeError", "stream[2]: block 0 started with a text that is null, not a string, "
+        "so its text_delta cannot extend it")
     assert _outcome(reassemble_anthropic, [start, delta("a")]) == (
         "NormalizeError", "stream[1].index: delta for block 0 that never started")
     assert _outcome(reassemble_anthropic, [start, {**block, "index": True}]) == (
