@@ -21,7 +21,9 @@ import ctypes
 import functools
 import gc
 import multiprocessing.context
+import multiprocessing.spawn
 import os
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -135,21 +137,43 @@ WORKER_ENV = {
 """Environment of the worker processes (read as they start; a variable the user set wins)."""
 
 
+_SPAWNING = threading.Lock()
+
+
+def _without_main(name: str) -> dict[str, Any]:
+    """Spawn preparation data that does not re-import the parent's ``__main__``."""
+    data: dict[str, Any] = _PREPARE(name)
+    data.pop("init_main_from_name", None)
+    data.pop("init_main_from_path", None)
+    return data
+
+
+_PREPARE = multiprocessing.spawn.get_preparation_data
+
+
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
-        # A spawned child gets this process's environment as it starts: set for that moment.
-        added = {k: v for k, v in WORKER_ENV.items() if k not in os.environ}
-        os.environ.update(added)
-        try:
-            return multiprocessing.context.SpawnProcess._Popen(process_obj)
-        finally:
-            for k in added:
-                os.environ.pop(k, None)
+        # Set for the moment the child starts: it gets this environment, and preparation data
+        # without the parent's main module. A spawned child normally imports that module
+        # again: the dagster or factory command that called ingest (seconds of imports per
+        # worker), or a user's script without a ``__main__`` guard, which would then start
+        # an ingest of its own in every worker. Workers need only factory modules.
+        with _SPAWNING:
+            added = {k: v for k, v in WORKER_ENV.items() if k not in os.environ}
+            os.environ.update(added)
+            multiprocessing.spawn.get_preparation_data = _without_main
+            try:
+                return multiprocessing.context.SpawnProcess._Popen(process_obj)
+            finally:
+                multiprocessing.spawn.get_preparation_data = _PREPARE
+                for k in added:
+                    os.environ.pop(k, None)
 
 
 class WorkerContext(multiprocessing.context.SpawnContext):
-    """The spawn start method, with ``WORKER_ENV`` in the children's environment."""
+    """The spawn start method, with ``WORKER_ENV`` in the children's environment and no
+    re-import of the parent's ``__main__`` in them."""
 
     Process = _WorkerProcess
 

@@ -229,3 +229,40 @@ def test_a_file_given_twice_adds_nothing_the_second_time(
                        for name in ("raw_traces", "samples", "rejected_traces")
                        for row in lake.table(name).inspect.data_files().to_pylist())
     assert on_disk == committed  # nothing left behind by the dropped blocks
+
+
+_SCRIPT_WITHOUT_MAIN_GUARD = """
+import json, os, sys
+import factory.ingest as ingest_mod
+from factory.ingest import ingest_paths
+from factory.lake import Lake
+
+print("script body ran in", os.getpid(), flush=True)
+ingest_mod._BLOCK_BYTES = 400  # many blocks: the workers are used
+summary = ingest_paths(Lake(), [sys.argv[1]], workers=2)
+print(json.dumps(summary.as_dict()), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_ingests_through_workers(
+        factory_home: Path, tmp_path: Path) -> None:
+    """Spawned workers do not run the caller's main module again (a script without an
+    ``if __name__ == "__main__"`` guard would start an ingest in each worker)."""
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "mixed.jsonl"
+    lines = _write(data)
+    script = tmp_path / "ingest_script.py"
+    script.write_text(_SCRIPT_WITHOUT_MAIN_GUARD)
+    done = subprocess.run([sys.executable, str(script), str(data)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert sum(1 for line in out if line.startswith("script body ran")) == 1
+    summary = json.loads(out[-1])
+    assert summary["ingested"] == len(GOOD) + 1  # and the OTLP export's one trace
+    assert summary["rejected"] + summary["ingested"] + summary["duplicates"] == summary["read"]
+    assert summary["read"] == len([line for line in lines if line])
