@@ -317,8 +317,24 @@ class ControlPlane:
         return len(rows)
 
     # -- observe -------------------------------------------------------------------------------
-    def observe(self) -> list[Segment]:
-        """Move segments forward from their events and provider status; returns changed ones."""
+    def provider_states(self) -> dict[str, Any]:
+        """The provider's status of each live segment, by segment id."""
+        out = {}
+        for seg in self.segments():
+            provider = self.by_name.get(seg.provider)
+            if seg.live and provider is not None:
+                out[seg.segment_id] = provider.status(seg.handle)
+        return out
+
+    def observe(self, states: dict[str, Any] | None = None) -> list[Segment]:
+        """Move segments forward from their events and provider status; returns changed ones.
+
+        ``states`` (``provider_states``), when given, were read before the events were
+        synced: a trainer writes its last event before it exits, so a segment seen done then
+        has its terminal event in the table now. Reading the status after the events let a
+        trainer write its ``nan`` event and exit in between, and the segment was called
+        ``failed`` without it.
+        """
         now = self.clock()
         by_seg: dict[str, list[dict[str, Any]]] = {}
         for ev in self.events():
@@ -350,7 +366,10 @@ class ControlPlane:
                     reason = "rollover"
             else:
                 provider = self.by_name.get(seg.provider)
-                status = provider.status(seg.handle) if provider else None
+                if states is not None and seg.segment_id in states:
+                    status = states[seg.segment_id]
+                else:
+                    status = provider.status(seg.handle) if provider else None
                 if status is not None and status.done:
                     if seg.status == "rolling":
                         reason = "rollover"
@@ -618,8 +637,9 @@ class ControlPlane:
 
     def tick(self) -> dict[str, Any]:
         """One full pass, in order; returns what happened (for logs and sensor metadata)."""
+        states = self.provider_states()  # before the events: see observe
         synced = self.sync_events()
-        changed = self.observe()
+        changed = self.observe(states)
         stopped = self.early_stop()
         decisions = self.dispatch()
         rolled = self.rollover()

@@ -3,8 +3,10 @@ with backoff, rollover hand-over, and idempotent ticks (fast, no trainer process
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 
 from factory.control.base import Handle, ProviderStatus
 from factory.control.loop import ControlConfig, ControlPlane, event_row, store_events
@@ -144,3 +146,39 @@ def test_an_early_stop_from_the_evals_stops_the_run(factory_home, make_job) -> N
     p.state["r-s000"] = ProviderStatus(state="failed", exit_code=75)
     plane.tick()
     assert len(plane.segments("r")) == 1  # never recovered
+
+
+class ExitsWhenAsked(Scripted):
+    """Its trainers write their last event and exit at the moment their status is read: the
+    race between reading a segment's events file and asking its provider about it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.dying: dict[str, dict] = {}  # segment -> the event it writes as it exits
+
+    def status(self, handle: Handle) -> ProviderStatus:
+        last = self.dying.pop(handle.handle_id, None)
+        if last is not None:
+            path = Path(self.jobs[handle.handle_id].events_file or "")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps(last) + "\n")
+            self.state[handle.handle_id] = ProviderStatus(state="failed", exit_code=3)
+        return self.state[handle.handle_id]
+
+
+def test_a_trainer_that_writes_nan_and_exits_during_a_tick_is_a_nan_segment(
+        factory_home, make_job) -> None:
+    p = ExitsWhenAsked("local")
+    plane, _ = _plane(p, heartbeat_timeout_s=60, backoff_s=0, nan_lr_backoff=0.5,
+                      max_recoveries=1)
+    plane.submit(make_job("r"))
+    plane.tick()
+    assert [s.segment_id for s in plane.segments("r")] == ["r-s000"]
+    p.dying["r-s000"] = {"event_id": uuid.uuid4().hex, "run_id": "r", "type": "nan",
+                         "step": 5, "seq": 3, "segment": "x", "time": p.now}
+    plane.tick()
+    first = plane.segments("r")[0]
+    assert first.end_reason == "nan"  # not "failed": its event was read after the status
+    assert [e["type"] for e in plane.events("r")] == ["nan"]
+    assert plane.segments("r")[-1].learning_rate < first.learning_rate  # the NaN backoff
