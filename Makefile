@@ -22,17 +22,16 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The normalizers compiled with mypyc (factory/native.py), rebuilt when one of them changes; a
-# stale build is never used (the source runs). FACTORY_NATIVE=0 skips it, and so does a machine
-# without a C compiler: pure Python, slower. With a compiler, a failed build is an error.
-NATIVE := factory/normalize/_native.json
-$(NATIVE): $(STAMP) $(wildcard factory/normalize/*.py) factory/native.py
+# The normalizers compiled with mypyc (factory/native.py), built unless the build is current
+# (sha256 of the sources, not file dates); a stale build is never used (the source runs).
+# FACTORY_NATIVE=0 skips it, and so does a machine without a C compiler: pure Python, slower.
+# With a compiler, a failed build is an error.
+native: $(STAMP)
 	@if [ "$${FACTORY_NATIVE:-1}" = 0 ]; then echo "FACTORY_NATIVE=0: normalizers not compiled"; \
+	elif [ "$$($(BIN)/python -m factory.native status)" = compiled ]; then :; \
 	elif ! command -v "$${CC:-cc}" >/dev/null 2>&1; then \
 	echo "no C compiler ($${CC:-cc}): normalizers not compiled, the Python source runs"; \
 	else $(BIN)/python -m factory.native build; fi
-
-native: $(NATIVE)
 
 demo: install native
 	$(BIN)/factory demo

@@ -22,7 +22,6 @@ import functools
 import gc
 import multiprocessing.context
 import multiprocessing.spawn
-import os
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -127,53 +126,39 @@ class BlockResult:
 # -- the worker process --------------------------------------------------------------------------
 _WORKER: dict[str, Any] = {}
 
-WORKER_ENV = {
-    # Arrow's allocator (mimalloc) hands freed pages back to the kernel at once, and the next
-    # block's buffers fault them in again, zeroed: page faults are dear on a virtual machine.
-    "MIMALLOC_PURGE_DELAY": "-1",
-    # numpy's OpenBLAS starts a thread per core that spins for work; workers never use BLAS.
-    "OPENBLAS_NUM_THREADS": "1",
-}
-"""Environment of the worker processes (read as they start; a variable the user set wins)."""
-
-
 _SPAWNING = threading.Lock()
-
-
-def _without_main(name: str) -> dict[str, Any]:
-    """Spawn preparation data that does not re-import the parent's ``__main__``."""
-    data: dict[str, Any] = _PREPARE(name)
-    data.pop("init_main_from_name", None)
-    data.pop("init_main_from_path", None)
-    return data
-
-
-_PREPARE = multiprocessing.spawn.get_preparation_data
+_SPAWNER: list[int] = []
+"""The thread starting a worker, while it does (only its spawns are changed)."""
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
-        # Set for the moment the child starts: it gets this environment, and preparation data
-        # without the parent's main module. A spawned child normally imports that module
-        # again: the dagster or factory command that called ingest (seconds of imports per
-        # worker), or a user's script without a ``__main__`` guard, which would then start
-        # an ingest of its own in every worker. Workers need only factory modules.
+        # The preparation data a spawned child gets names its main module: this thread's
+        # workers get factory.worker_env instead of the parent's (see there). Only for this
+        # thread: another one spawning meanwhile gets the usual data.
         with _SPAWNING:
-            added = {k: v for k, v in WORKER_ENV.items() if k not in os.environ}
-            os.environ.update(added)
-            multiprocessing.spawn.get_preparation_data = _without_main
+            prepare = multiprocessing.spawn.get_preparation_data
+
+            def worker_preparation(name: str) -> dict[str, Any]:
+                data: dict[str, Any] = prepare(name)
+                if _SPAWNER and _SPAWNER[0] == threading.get_ident():
+                    data.pop("init_main_from_path", None)
+                    data["init_main_from_name"] = "factory.worker_env"
+                return data
+
+            _SPAWNER.append(threading.get_ident())
+            multiprocessing.spawn.get_preparation_data = worker_preparation
             try:
                 return multiprocessing.context.SpawnProcess._Popen(process_obj)
             finally:
-                multiprocessing.spawn.get_preparation_data = _PREPARE
-                for k in added:
-                    os.environ.pop(k, None)
+                multiprocessing.spawn.get_preparation_data = prepare
+                _SPAWNER.clear()
 
 
 class WorkerContext(multiprocessing.context.SpawnContext):
-    """The spawn start method, with ``WORKER_ENV`` in the children's environment and no
-    re-import of the parent's ``__main__`` in them."""
+    """The spawn start method, with ``factory.worker_env`` as the children's main module
+    (not the parent's), which also sets their environment."""
 
     Process = _WorkerProcess
 
@@ -419,5 +404,5 @@ def repeat_value(value: Any, type_: pa.DataType, num: int) -> pa.Array:
     return one.take(pa.array(np.zeros(num, dtype=np.int32)))
 
 
-__all__ = ["TABLE_NAMES", "WORKER_ENV", "BlockResult", "BlockTask", "FileContext", "LineResult",
+__all__ = ["TABLE_NAMES", "BlockResult", "BlockTask", "FileContext", "LineResult",
            "WorkerContext", "ingest_block", "init_block_worker", "repeat_value", "worker_block"]

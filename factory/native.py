@@ -48,10 +48,23 @@ DISABLE_ENV = "FACTORY_NATIVE"
 log = logging.getLogger(PACKAGE)
 
 
+DEPENDENCIES = ("blobs",)
+"""Modules of ``factory`` (not compiled) whose names the compiled ones import: mypyc builds
+their declared types (and constants) into the compiled code, so editing one makes a build
+stale too."""
+
+
 def source_digests(directory: Path = HERE) -> dict[str, str]:
-    """sha256 of each compiled module's source, by module name."""
-    return {m: hashlib.sha256((directory / f"{m}.py").read_bytes()).hexdigest()
-            for m in MODULES}
+    """sha256 of each compiled module's source and of each dependency, by module name."""
+    files = {m: directory / f"{m}.py" for m in MODULES}
+    files.update({d: directory.parent / f"{d}.py" for d in DEPENDENCIES})
+    out = {}
+    for name, path in files.items():
+        try:
+            out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        except FileNotFoundError:
+            out[name] = "missing"
+    return out
 
 
 def extensions(directory: Path = HERE) -> list[Path]:
@@ -66,18 +79,23 @@ def extensions(directory: Path = HERE) -> list[Path]:
 
 
 def stale_sources(stamp: dict[str, object], digests: dict[str, str]) -> list[str]:
-    """The modules whose source differs from the one the stamp says was compiled."""
+    """The modules (and dependencies) whose source differs from the one the stamp says was
+    compiled."""
     built = stamp.get("sources")
     built = built if isinstance(built, dict) else {}
-    return [m for m in MODULES if built.get(m) != digests.get(m)]
+    return [m for m in (*MODULES, *DEPENDENCIES) if built.get(m) != digests.get(m)]
 
 
 def status(directory: Path = HERE) -> str:
     """``compiled``, ``disabled``, ``not built`` or ``stale (...)``: what imports will load."""
     if os.environ.get(DISABLE_ENV) == "0":
         return f"disabled ({DISABLE_ENV}=0)"
-    if len(extensions(directory)) < len(MODULES) + 1:
+    have = {path.name.split(".", 1)[0] for path in extensions(directory)}
+    missing = [n for n in (*MODULES, f"{GROUP}__mypyc") if n not in have]
+    if len(missing) == len(MODULES) + 1:
         return "not built"
+    if missing:
+        return "stale (partly built: no " + ", ".join(missing) + ")"
     try:
         stamp = json.loads((directory / STAMP.name).read_text())
     except (OSError, ValueError):
@@ -110,7 +128,7 @@ def install_guard() -> str:
         return _GUARD[0]
     state = status()
     _GUARD.append(state)
-    if state != "compiled" and extensions():
+    if state != "compiled":  # (with nothing built too: a build may land while this runs)
         if any(f"{PACKAGE}.{m}" in sys.modules for m in MODULES):
             raise ImportError(f"{PACKAGE}: install_guard must run before its modules load")
         sys.meta_path.insert(0, _SourceFinder(HERE))
@@ -138,7 +156,8 @@ def build(root: Path | None = None) -> None:
             ext = mypycify([f"{PACKAGE.replace('.', '/')}/{m}.py" for m in MODULES],
                            group_name=f"{PACKAGE}.{GROUP}", target_dir=f"{tmp}/c")
             dist = Distribution({"name": "factory-native", "ext_modules": ext})
-            dist.script_args = ["-q", "build_ext", "--inplace", "--build-temp", f"{tmp}/o"]
+            dist.script_args = ["-q", "build_ext", "--inplace", "--build-temp", f"{tmp}/o",
+                                "--build-lib", f"{tmp}/lib"]
             dist.parse_command_line()
             dist.run_commands()
         finally:
@@ -151,8 +170,10 @@ def build(root: Path | None = None) -> None:
 
 
 def clean(directory: Path = HERE) -> None:
-    """Remove the compiled extensions and the stamp."""
-    for path in [*extensions(directory), directory / STAMP.name]:
+    """Remove the stamp, then the compiled extensions (a process that looks meanwhile finds
+    the build stale, never half of one current)."""
+    (directory / STAMP.name).unlink(missing_ok=True)
+    for path in extensions(directory):
         path.unlink(missing_ok=True)
 
 

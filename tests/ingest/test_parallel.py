@@ -266,3 +266,36 @@ def test_a_script_without_a_main_guard_ingests_through_workers(
     assert summary["ingested"] == len(GOOD) + 1  # and the OTLP export's one trace
     assert summary["rejected"] + summary["ingested"] + summary["duplicates"] == summary["read"]
     assert summary["read"] == len([line for line in lines if line])
+
+
+def _worker_probe() -> tuple[dict[str, str | None], str]:
+    import os
+    import sys
+
+    from factory.worker_env import WORKER_ENV
+
+    main = sys.modules["__main__"]
+    return ({k: os.environ.get(k) for k in WORKER_ENV},
+            getattr(main.__spec__, "name", None) or getattr(main, "__file__", "?"))
+
+
+def test_workers_get_their_environment_and_not_this_process_s_main_module(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import concurrent.futures
+    import multiprocessing.spawn
+    import os
+
+    from factory.ingest_blocks import WorkerContext
+    from factory.worker_env import WORKER_ENV
+
+    for name in WORKER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")  # the user's setting wins
+    prepare = multiprocessing.spawn.get_preparation_data
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=WorkerContext()) as pool:
+        env, main = pool.submit(_worker_probe).result(timeout=120)
+    assert env == {**WORKER_ENV, "OPENBLAS_NUM_THREADS": "3"}
+    assert main == "factory.worker_env"
+    # and this process is as it was
+    assert multiprocessing.spawn.get_preparation_data is prepare
+    assert "MIMALLOC_PURGE_DELAY" not in os.environ
