@@ -33,7 +33,7 @@ def test_a_store_remembers_what_it_stored_and_a_new_one_checks_the_disk(
     assert fresh.get(digest) == data
 
 
-def test_an_existing_file_is_remembered_without_writing_it_again(factory_home: Path) -> None:
+def test_an_existing_blob_is_not_written_again(factory_home: Path) -> None:
     data = b"seen before"
     digest = BlobStore().put(data)
     mtime = BlobStore().path(digest).stat().st_mtime_ns
