@@ -1,7 +1,7 @@
 """Compiled normalizers: the modules of ``factory.normalize`` built as C extensions with mypyc.
 
-Normalizing is plain Python and most of a file ingest's CPU. ``make install`` compiles these
-modules with mypyc (``python -m factory.native build``): each gets a C extension next
+Normalizing is plain Python and most of a file ingest's CPU. ``make native`` (which ``make
+test`` and ``make demo`` run) compiles these modules with mypyc (``python -m factory.native build``): each gets a C extension next
 to its source, which Python imports instead of the ``.py``. Nothing else changes; the compiled
 modules give the same rows byte for byte (``tests/ingest/test_native.py`` compares them with
 the source's on every format).
@@ -67,15 +67,20 @@ def source_digests(directory: Path = HERE) -> dict[str, str]:
     return out
 
 
+_EXTENSIONS = (*MODULES, f"{GROUP}__mypyc")
+"""The names a build gives extension files: one per module, and the shared library."""
+
+
+def _extension_files(directory: Path) -> dict[str, list[Path]]:
+    """The extension files present for this Python, by name."""
+    return {name: [p for suffix in importlib.machinery.EXTENSION_SUFFIXES
+                   if (p := directory / f"{name}{suffix}").exists()]
+            for name in _EXTENSIONS}
+
+
 def extensions(directory: Path = HERE) -> list[Path]:
     """The compiled extension files present (for this Python), shared library included."""
-    found = []
-    for name in (*MODULES, f"{GROUP}__mypyc"):
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            path = directory / f"{name}{suffix}"
-            if path.exists():
-                found.append(path)
-    return found
+    return [p for paths in _extension_files(directory).values() for p in paths]
 
 
 def stale_sources(stamp: dict[str, object], digests: dict[str, str]) -> list[str]:
@@ -90,9 +95,8 @@ def status(directory: Path = HERE) -> str:
     """``compiled``, ``disabled``, ``not built`` or ``stale (...)``: what imports will load."""
     if os.environ.get(DISABLE_ENV) == "0":
         return f"disabled ({DISABLE_ENV}=0)"
-    have = {path.name.split(".", 1)[0] for path in extensions(directory)}
-    missing = [n for n in (*MODULES, f"{GROUP}__mypyc") if n not in have]
-    if len(missing) == len(MODULES) + 1:
+    missing = [n for n, paths in _extension_files(directory).items() if not paths]
+    if len(missing) == len(_EXTENSIONS):
         return "not built"
     if missing:
         return "stale (partly built: no " + ", ".join(missing) + ")"
