@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from factory.normalize.rows import (
     LineError,
@@ -259,8 +258,8 @@ def ingest_block(task: BlockTask, ctx: FileContext, *, targets: dict[str, FileTa
 class _Rows:
     """The rows of one block's three tables, the payloads kept as ranges of the block.
 
-    A record's stored payload is its line, stripped; those are cut out of the block in one
-    Arrow ``take`` (no Python string per line). Records with a text of their own (a trace
+    A record's stored payload is its line, stripped; those are cut out of the block as an
+    Arrow view array (no Python string per line, see ``_payloads``). Records with a text of their own (a trace
     split from an OTLP export line, a line that is not valid JSON, stored decoded with
     replacement characters) are kept as strings.
     """
@@ -302,42 +301,68 @@ class _Rows:
         return ids, [outcome[i] < 0 for i in ids], [max(outcome[i], 0) for i in ids]
 
     @functools.cached_property
+    def _lengths(self) -> np.ndarray:
+        """Each line's length (without its newline)."""
+        return np.fromiter(map(len, self.lines), dtype=np.int64, count=len(self.lines))
+
+    @functools.cached_property
     def offsets(self) -> np.ndarray:
         """Where each line starts in the block, and the block's end: line ``i`` with its
         newline is ``block[offsets[i]:offsets[i + 1]]``."""
-        lens = np.fromiter(map(len, self.lines), dtype=np.int64, count=len(self.lines))
         offsets = np.zeros(len(self.lines) + 1, dtype=np.int64)
-        np.cumsum(lens + 1, out=offsets[1:])  # each line with its newline...
+        np.cumsum(self._lengths + 1, out=offsets[1:])  # each line with its newline...
         np.minimum(offsets, len(self.block), out=offsets)  # ...but the last may have none
         return offsets
 
     @functools.cached_property
-    def _big(self) -> bool:
-        return len(self.block) >= 2**31 - 1
+    def _bytes(self) -> np.ndarray:
+        return np.frombuffer(self.block, dtype=np.uint8)
 
-    @functools.cached_property
-    def _whole(self) -> pa.Array:
-        """Every line of the block (with its newline) as one binary array over the block."""
-        big = self._big
-        return pa.Array.from_buffers(
-            pa.large_binary() if big else pa.binary(), len(self.lines),
-            [None, pa.py_buffer(self.offsets if big else self.offsets.astype(np.int32)),
-             pa.py_buffer(self.block)])
+    def _spans(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(start in the block, length) of each line at ``indices``, stripped of ASCII
+        whitespace as ``bytes.strip`` does (what the record was parsed from)."""
+        index = np.array(indices, dtype=np.int64)
+        starts = self.offsets[index]
+        lengths = self._lengths[index]
+        data = self._bytes
+        # One byte at a time off the ends that have whitespace (a CRLF file's "\r"); a line
+        # with more than a few is measured in Python.
+        for _ in range(5):
+            lead = (lengths > 0) & np.isin(data[np.minimum(starts, len(data) - 1)],
+                                           _WHITESPACE)
+            trail = (lengths > 0) & np.isin(data[np.maximum(starts + lengths - 1, 0)],
+                                            _WHITESPACE)
+            padded = lead | trail
+            if not padded.any():
+                break
+            starts += lead
+            lengths -= lead
+            lengths -= trail & (lengths > 0)
+        else:
+            for k in np.flatnonzero(padded).tolist():
+                line = self.lines[indices[k]]
+                starts[k] = self.offsets[indices[k]] + len(line) - len(line.lstrip())
+                lengths[k] = len(line.strip())
+        return starts, lengths
 
     def _payloads(self, indices: list[int], texts: list[str]) -> pa.Array:
-        """The stripped lines at ``indices``, then ``texts``, as one string array."""
+        """The stripped lines at ``indices``, then ``texts``, as one string array.
+
+        The lines are cut out of the block as a view array (16 bytes per line pointing into
+        the block), checked as UTF-8 and copied once into a string array: 7x cheaper than
+        taking the lines out of a binary array over the block, then trimming them (measured:
+        0.021 s against 0.003 s per 16 MiB block in isolation; -0.1 CPU-s per 200k bench records
+        in the pipeline).
+        """
         if not indices:
             return pa.array(texts, type=pa.string())
-        big = self._big
-        picked = self._whole.take(pa.array(indices, type=pa.int64()))
+        starts, lengths = self._spans(indices)
         try:
-            strings = pc.ascii_trim_whitespace(picked.cast(pa.large_string() if big
-                                                           else pa.string()))
+            strings = _views(self.block, self._bytes, starts, lengths).cast(
+                pa.string_view()).cast(pa.string())
         except pa.ArrowInvalid:  # not UTF-8 (a line json.loads took): stored as decoded
             strings = pa.array([self.lines[i].strip().decode("utf-8", "replace")
                                 for i in indices], type=pa.string())
-        if big:
-            strings = strings.cast(pa.string())
         return strings if not texts else pa.concat_arrays(
             [strings, pa.array(texts, type=pa.string())])
 
@@ -396,6 +421,48 @@ class _Rows:
             "project": repeat_value(ctx.project, pa.string(), num),
             "tags": repeat_value(ctx.tags, pa.map_(pa.string(), pa.string()), num),
         })
+
+
+_WHITESPACE = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
+"""What ``bytes.strip`` strips."""
+
+_VIEW_BUFFER_BYTES = 2**31 - 1
+"""A view addresses its buffer with a 32-bit offset: a block at least this large (one line of
+gigabytes) gets a buffer per line."""
+
+_INLINE = 12
+"""A view of at most this many bytes holds them itself."""
+
+
+def _views(block: bytes, data: np.ndarray, starts: np.ndarray,
+           lengths: np.ndarray) -> pa.Array:
+    """A ``binary_view`` array of ``block[start:start + length]`` for each span, without
+    copying the block (Arrow's view layout: length, then the bytes themselves when at most 12,
+    else their first 4, the buffer's index and the offset in it)."""
+    num = len(starts)
+    views = np.zeros((num, 16), dtype=np.uint8)
+    views[:, 0:4] = lengths.astype("<i4").view(np.uint8).reshape(num, 4)
+    short = lengths <= _INLINE
+    if short.any():  # the bytes in the view, zero-padded
+        at = starts[short, None] + np.arange(_INLINE)
+        inside = np.arange(_INLINE) < lengths[short, None]
+        views[short, 4:16] = np.where(inside, data[np.minimum(at, len(data) - 1)], 0)
+    long = ~short
+    if long.any():
+        views[long, 4:8] = data[starts[long, None] + np.arange(4)]
+        if len(block) < _VIEW_BUFFER_BYTES:
+            buffers = [pa.py_buffer(block)]
+            views[long, 12:16] = starts[long].astype("<i4").view(np.uint8).reshape(-1, 4)
+        else:
+            whole = pa.py_buffer(block)
+            buffers = [whole.slice(int(s), int(n)) for s, n in zip(starts[long].tolist(),
+                                                                  lengths[long].tolist(),
+                                                                  strict=True)]
+            views[long, 8:12] = np.arange(len(buffers), dtype="<i4").view(
+                np.uint8).reshape(-1, 4)
+    else:
+        buffers = []
+    return pa.Array.from_buffers(pa.binary_view(), num, [None, pa.py_buffer(views), *buffers])
 
 
 def repeat_value(value: Any, type_: pa.DataType, num: int) -> pa.Array:

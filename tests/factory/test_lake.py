@@ -192,3 +192,80 @@ def test_files_written_without_the_catalog_commit_once_through_a_conflict(
     assert lake.commit_files("raw_traces", []) is None
     files = lake.table("raw_traces").inspect.data_files().to_pylist()
     assert sum(f["record_count"] for f in files) == 3 and len(files) == 2
+
+
+def test_data_files_are_described_as_pyiceberg_describes_them(factory_home: Path) -> None:
+    """commit_files describes its files once per schema (factory.lake.describe_data_files):
+    the same DataFile, statistics included, as pyiceberg's own per-file function, and a file
+    whose schema does not fit the table is still refused."""
+    from pyiceberg.io.pyarrow import parquet_file_to_data_file
+
+    from factory.lake import describe_data_files
+
+    lake = Lake()
+    target = lake.file_target("samples")
+    rows = [{"sample_id": f"s{i}", "raw_trace_id": f"id-{i}", "messages": "[]", "tools": "[]",
+             "num_turns": i, "has_images": i % 2 == 0, "source": "upload",
+             "tags": {"k": str(i)}} for i in range(5)]
+    locations = [target.write(pa.Table.from_pylist(rows[:n], schema=tables.TABLES["samples"]),
+                              loc)
+                 for n, loc in zip((2, 5), lake.new_data_locations("samples", 2), strict=True)]
+    tbl = lake.table("samples")
+    described = describe_data_files(tbl, locations)
+    assert described == [parquet_file_to_data_file(tbl.io, tbl.metadata, loc)
+                         for loc in locations]
+    assert [f.record_count for f in described] == [2, 5]
+    assert described[1].lower_bounds and described[1].null_value_counts
+
+    # A column of another type than the table's: not this table's file.
+    alien = pa.schema([f.with_type(pa.string()) if f.name == "num_turns" else f
+                       for f in target.schema])
+    bad = lake.new_data_locations("samples", 1)[0]
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{**r, "num_turns": "many"} for r in rows],
+                                        schema=alien), bad.removeprefix("file://"))
+    with pytest.raises(ValueError, match="num_turns"):
+        parquet_file_to_data_file(tbl.io, tbl.metadata, bad)
+    with pytest.raises(ValueError, match="num_turns"):
+        describe_data_files(tbl, [locations[0], bad])
+
+
+def test_files_described_ahead_are_described_again_after_the_table_changed(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file ingest describes its files as they are written (Lake.describer) and commits
+    later: a description is used as it is while the table stays as it was, and made again
+    against the table the commit sees once a property (say, the metrics mode) changed."""
+    from pyiceberg.io.pyarrow import parquet_file_to_data_file
+
+    from factory.lake import FileDescriber
+
+    lake = Lake()
+    target = lake.file_target("raw_traces")
+    locations = [target.write(pa.Table.from_pylist([_trace(i)], schema=tables.TABLES["raw_traces"]),
+                              loc) for i, loc in enumerate(lake.new_data_locations("raw_traces", 3))]
+    described: list[str] = []
+    real = FileDescriber.describe
+
+    def counting(self: FileDescriber, locs: list[str]) -> list[object]:
+        described.extend(locs)
+        return real(self, locs)
+
+    monkeypatch.setattr(FileDescriber, "describe", counting)
+    describer = lake.describer("raw_traces")
+    describer.add(locations[:2])
+    lake.commit_files("raw_traces", locations[:1], describer=describer)
+    assert described == locations[:2]  # the first file was not read again
+
+    with lake.catalog.load_table(("factory", "raw_traces")).transaction() as tx:
+        tx.set_properties({"write.metadata.metrics.default": "counts"})
+    lake.commit_files("raw_traces", locations[1:], describer=describer)
+    assert described == [*locations[:2], *locations[1:]]
+    tbl = lake.table("raw_traces")
+    committed = {f.file_path: f for f in tbl.scan().plan_files() for f in [f.file]}
+    for loc in locations[1:]:  # no bounds under "counts", as pyiceberg itself describes them
+        assert committed[loc] == parquet_file_to_data_file(tbl.io, tbl.metadata, loc)
+        assert not committed[loc].lower_bounds
+    assert committed[locations[0]].lower_bounds
+    assert sorted(lake.read("raw_traces").column("raw_trace_id").to_pylist()) == [
+        "id-0", "id-1", "id-2"]

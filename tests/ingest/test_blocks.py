@@ -266,6 +266,42 @@ def test_long_lines_crlf_blank_lines_bad_utf8_and_no_final_newline(
     assert LONG.decode() in stored
 
 
+PADDED_LINES = [
+    b"  " + json.dumps(_chat(20)).encode(),  # leading spaces
+    b"\t" + json.dumps(_chat(21)).encode() + b" \r",  # a tab before, space and CR after
+    json.dumps(_chat(22)).encode() + b" " * 9,  # more trailing whitespace than is trimmed
+    b"\x0b\x0c" + json.dumps(_chat(23)).encode() + b"\r",  # vertical tab, form feed
+    b"{}", b" [] ", b'"x"',  # short records (held in the view itself), rejected
+    b'{"a": 1234}', b'{"ab": 1234}', b'{"abc": 1234}',  # 11, 12 and 13 bytes
+    json.dumps({"messages": [{"role": "user", "content": "caf\u00e9 \u2603"},
+                             {"role": "assistant", "content": "\u00e0 toi"}]},
+               ensure_ascii=False).encode(),  # not ASCII
+]
+
+
+@pytest.mark.parametrize("buffer_per_line", [False, True])
+def test_each_payload_is_its_line_stripped_as_it_was_parsed(
+        factory_home: Path, tmp_path: Path, small_blocks: int, buffer_per_line: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Payloads are cut out of the block as Arrow views: every kind of whitespace at either
+    end is off, records of 12 bytes or less (stored in the view itself) and over, and a block
+    too large for one view buffer (a line of gigabytes; here the limit is lowered) gets one
+    buffer per line."""
+    if buffer_per_line:
+        monkeypatch.setattr(factory.ingest_blocks, "_VIEW_BUFFER_BYTES", 1)
+    path = tmp_path / "padded.jsonl"
+    path.write_bytes(b"\n".join(PADDED_LINES * 3) + b"\n")  # three copies: duplicates
+    lake = Lake()
+    summary = ingest_paths(lake, [path], workers=1)
+    assert summary.as_dict() == {"read": 33, "ingested": 5, "rejected": 6, "duplicates": 22}
+    want = {line.strip().decode() for line in PADDED_LINES}
+    assert len(want) == 11
+    assert set(lake.read("raw_traces").column("payload").to_pylist()) == want
+    rejected = lake.read("rejected_traces")
+    assert set(rejected.column("payload").to_pylist()) == {
+        "{}", "[]", '"x"', '{"a": 1234}', '{"ab": 1234}', '{"abc": 1234}'}
+
+
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_line_numbers_count_across_blocks_and_restart_in_each_file(
         factory_home: Path, tmp_path: Path, small_blocks: int, workers: int) -> None:
