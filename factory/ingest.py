@@ -42,13 +42,13 @@ from factory.ingest_blocks import (
     BlockResult,
     BlockTask,
     FileContext,
-    WorkerContext,
     ingest_block,
     init_block_worker,
     repeat_value,
     worker_block,
+    worker_context,
 )
-from factory.lake import FileDescriber, Lake, Lineage
+from factory.lake import FileDescriber, Lake, Lineage, stop_idle_reader_pool
 from factory.normalize import FORMATS, NormalizeError, detect_format
 from factory.normalize import normalize_record as _normalize
 from factory.normalize.canon import content_hash, sha256_hex
@@ -150,6 +150,8 @@ class _KnownIds:
         self.lake = lake
         self.arrays: list[np.ndarray] = []
         """Sorted digests of the ids (several arrays, merged now and then)."""
+        self.prefixes: list[np.ndarray] = []
+        """The first 8 bytes of each of ``arrays``, as big-endian integers (as sorted)."""
         self._orphans: set[bytes] | None = None
         """Digests of ids in raw_traces without an outcome yet (read when first needed)."""
         self._snap = lake.snapshot_id("raw_traces")
@@ -182,15 +184,30 @@ class _KnownIds:
     def _add(self, ids: list[str]) -> None:
         if not ids:
             return
-        self.arrays.append(np.sort(digests(ids)))
+        self.arrays.append(digests(ids))
+        self.prefixes.append(_prefixes(self.arrays[-1]))
+        _sort_keys(self.arrays, self.prefixes, -1)
         if len(self.arrays) > 8:
-            self.arrays = [np.sort(np.concatenate(self.arrays))]
+            self.arrays = [np.concatenate(self.arrays)]
+            self.prefixes = [np.concatenate(self.prefixes)]
+            _sort_keys(self.arrays, self.prefixes, 0)
 
     def existing(self, ids: list[str]) -> set[str]:
         """The subset of ``ids`` already in raw_traces (or in a batch handed to the writer)."""
         if not ids or not self.arrays:
             return set()
-        found = known_mask(ids, self.arrays)
+        keys = digests(ids)
+        wanted = _prefixes(keys)
+        found = np.zeros(len(ids), dtype=bool)
+        for arr, pre in zip(self.arrays, self.prefixes, strict=True):
+            if not len(arr):
+                continue
+            # The 8-byte prefixes first (a search over integers, 3x faster than over 32-byte
+            # strings), then the few ids whose prefix is there, in full.
+            pos = np.minimum(np.searchsorted(pre, wanted), len(pre) - 1)
+            maybe = np.flatnonzero(pre[pos] == wanted)
+            if len(maybe):
+                found[maybe] |= known_mask([ids[i] for i in maybe.tolist()], [arr])
         return {i for i, f in zip(ids, found, strict=True) if f}
 
     def orphans_among(self, ids: set[str]) -> set[str]:
@@ -212,6 +229,25 @@ class _KnownIds:
 
     def remember(self, ids: list[str]) -> None:
         self._add(ids)
+
+
+def _prefixes(keys: np.ndarray) -> np.ndarray:
+    """The first 8 bytes of each 32-byte digest as a big-endian integer: ordered as the
+    digests are (byte by byte)."""
+    return keys.view(np.uint8).reshape(-1, 32)[:, :8].copy().view(">u8").ravel().astype(
+        np.uint64)
+
+
+def _sort_keys(arrays: list[np.ndarray], prefixes: list[np.ndarray], at: int) -> None:
+    """Sort ``arrays[at]`` and ``prefixes[at]`` together, by the integers (fast), or by the
+    digests themselves when two share a prefix."""
+    order = np.argsort(prefixes[at], kind="stable")
+    pre = prefixes[at][order]
+    if len(pre) > 1 and bool((pre[1:] == pre[:-1]).any()):
+        order = np.argsort(arrays[at], kind="stable")
+        pre = prefixes[at][order]
+    arrays[at] = arrays[at][order]
+    prefixes[at] = pre
 
 
 # -- the pipeline --------------------------------------------------------------------------------
@@ -971,9 +1007,9 @@ def _gz_blocks(path: Path, block_bytes: int,
 class _BlockWorkers:
     """Blocks through ``ingest_block``, in worker processes or in process, results in order.
 
-    At most ``2 * workers`` blocks are in flight. The worker processes are spawned (not
-    forked: this process may hold threads and open catalogs) at the first block when
-    ``eager``, else when a second block arrives. Every block, in a worker or here, checks
+    At most ``2 * workers`` blocks are in flight. The worker processes start (forked when
+    this process has no other thread, else spawned: ``worker_context``) at the first block
+    when ``eager``, else when a second block arrives. Every block, in a worker or here, checks
     against the ids the lake held when the ingest started, so records already there are not
     normalized again (ids given by earlier blocks are the main process's to drop).
 
@@ -1007,8 +1043,9 @@ class _BlockWorkers:
         self._num_blocks += 1
         task = dataclasses.replace(task, locations=self._new_locations())
         if self.workers > 1 and self._pool is None and (self.eager or self._num_blocks == 2):
+            stop_idle_reader_pool()  # (the workers can then be forked)
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=WorkerContext(),
+                max_workers=self.workers, mp_context=worker_context(),
                 initializer=init_block_worker,
                 initargs=([a.tobytes() for a in self.known_at_start], self.lake.settings,
                           self.targets))

@@ -438,6 +438,32 @@ class Lake:
         }
 
 
+def stop_idle_reader_pool() -> None:
+    """Stop pyiceberg's reader threads when they are this process's only other threads.
+
+    pyiceberg reads manifests and data files on a thread pool it keeps for the process's
+    life (and makes again when next needed). A file ingest reads the ids the lake holds that
+    way, then starts its workers, which are forked only from a process with no other thread
+    (``factory.ingest_blocks.worker_context``): without this, every ingest into a lake that
+    had data would spawn them. Called from the main thread, between two reads: the pool is
+    idle then, and nothing else can be using it. Does nothing otherwise.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pyiceberg.utils.concurrent import ExecutorFactory
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    others = {t for t in threading.enumerate() if t is not threading.current_thread()}
+    pool = getattr(ExecutorFactory, "_instance", None)
+    if not others or not isinstance(pool, ThreadPoolExecutor):
+        return
+    if not others <= set(getattr(pool, "_threads", ())):
+        return
+    ExecutorFactory._instance = None
+    pool.shutdown(wait=True)
+
+
 def describe_data_files(tbl: Table, locations: Sequence[str]) -> list[Any]:
     """The Iceberg ``DataFile`` of each Parquet file, from its footer.
 

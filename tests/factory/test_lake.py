@@ -269,3 +269,42 @@ def test_files_described_ahead_are_described_again_after_the_table_changed(
     assert committed[locations[0]].lower_bounds
     assert sorted(lake.read("raw_traces").column("raw_trace_id").to_pylist()) == [
         "id-0", "id-1", "id-2"]
+
+
+def test_pyiceberg_s_idle_reader_pool_is_stopped_only_when_its_threads_are_the_only_ones(
+        factory_home: Path) -> None:
+    """A file ingest forks its workers only from a process without other threads; pyiceberg's
+    reader pool (left running by any read) is stopped for it when its threads are the only
+    others, and reads still work after. Another thread alive: the pool is left alone. (In a
+    process of its own: this one may hold other tests' threads.)"""
+    script = textwrap.dedent("""
+        import threading
+        from pyiceberg.utils.concurrent import ExecutorFactory
+        from factory.lake import Lake, stop_idle_reader_pool
+
+        lake = Lake()
+        lake.append("raw_traces", [{"raw_trace_id": "id-1", "source": "upload",
+                                    "format": "openai", "payload": "{}"}])
+        def ids():
+            return lake.table("raw_traces").scan().to_arrow().column(
+                "raw_trace_id").to_pylist()
+
+        assert ids() == ["id-1"]
+        pool = ExecutorFactory._instance
+        assert pool is not None and threading.active_count() > 1
+        stop_idle_reader_pool()
+        assert threading.active_count() == 1 and ExecutorFactory._instance is None
+        assert ids() == ["id-1"]  # on a new pool
+        stop = threading.Event()
+        other = threading.Thread(target=stop.wait, daemon=True)
+        other.start()
+        pool = ExecutorFactory._instance
+        stop_idle_reader_pool()
+        assert ExecutorFactory._instance is pool and pool is not None
+        stop.set()
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"

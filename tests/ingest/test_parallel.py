@@ -232,12 +232,16 @@ def test_a_file_given_twice_adds_nothing_the_second_time(
 
 
 _SCRIPT_WITHOUT_MAIN_GUARD = """
-import json, os, sys
+import json, os, sys, threading, time
 import factory.ingest as ingest_mod
 from factory.ingest import ingest_paths
+from factory.ingest_blocks import worker_context
 from factory.lake import Lake
 
 print("script body ran in", os.getpid(), flush=True)
+if sys.argv[2] == "thread":  # another thread alive, as in a Dagster run
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+print("workers", worker_context().get_start_method(), flush=True)
 ingest_mod._BLOCK_BYTES = 400  # many blocks: the workers are used
 summary = ingest_paths(Lake(), [sys.argv[1]], workers=2)
 print(json.dumps(summary.as_dict()), flush=True)
@@ -245,10 +249,12 @@ print(json.dumps(summary.as_dict()), flush=True)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("threads", "start"), [("main", "fork"), ("thread", "spawn")])
 def test_a_script_without_a_main_guard_ingests_through_workers(
-        factory_home: Path, tmp_path: Path) -> None:
-    """Spawned workers do not run the caller's main module again (a script without an
-    ``if __name__ == "__main__"`` guard would start an ingest in each worker)."""
+        factory_home: Path, tmp_path: Path, threads: str, start: str) -> None:
+    """Workers do not run the caller's main module again (a script without an
+    ``if __name__ == "__main__"`` guard would start an ingest in each worker): forked, as
+    from a process with one thread, or spawned, as from one with more."""
     import os
     import subprocess
     import sys
@@ -257,11 +263,13 @@ def test_a_script_without_a_main_guard_ingests_through_workers(
     lines = _write(data)
     script = tmp_path / "ingest_script.py"
     script.write_text(_SCRIPT_WITHOUT_MAIN_GUARD)
-    done = subprocess.run([sys.executable, str(script), str(data)], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ), cwd=tmp_path)
+    done = subprocess.run([sys.executable, str(script), str(data), threads],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ),
+                          cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout.splitlines()
     assert sum(1 for line in out if line.startswith("script body ran")) == 1
+    assert f"workers {start}" in out
     summary = json.loads(out[-1])
     assert summary["ingested"] == len(GOOD) + 1  # and the OTLP export's one trace
     assert summary["rejected"] + summary["ingested"] + summary["duplicates"] == summary["read"]
@@ -299,3 +307,22 @@ def test_workers_get_their_environment_and_not_this_process_s_main_module(
     # and this process is as it was
     assert multiprocessing.spawn.get_preparation_data is prepare
     assert "MIMALLOC_PURGE_DELAY" not in os.environ
+
+
+def test_workers_are_spawned_from_a_process_with_other_threads() -> None:
+    """A fork copies every lock as it is: with another thread alive (a Dagster run, the
+    gateway) the workers are spawned instead (forked ones: the script test above)."""
+    import threading
+
+    from factory.ingest_blocks import WorkerContext, worker_context
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        context = worker_context()
+        assert isinstance(context, WorkerContext)
+        assert context.get_start_method() == "spawn"
+    finally:
+        stop.set()
+        other.join()
