@@ -197,7 +197,10 @@ class _KnownIds:
         if not ids or not self.arrays:
             return set()
         keys = digests(ids)
+        # In order: numpy's binary search starts each key where the one before ended.
         wanted = _prefixes(keys)
+        order = np.argsort(wanted)
+        wanted = wanted[order]
         found = np.zeros(len(ids), dtype=bool)
         for arr, pre in zip(self.arrays, self.prefixes, strict=True):
             if not len(arr):
@@ -205,7 +208,7 @@ class _KnownIds:
             # The 8-byte prefixes first (a search over integers, 3x faster than over 32-byte
             # strings), then the few ids whose prefix is there, in full.
             pos = np.minimum(np.searchsorted(pre, wanted), len(pre) - 1)
-            maybe = np.flatnonzero(pre[pos] == wanted)
+            maybe = order[pre[pos] == wanted]
             if len(maybe):
                 found[maybe] |= known_mask([ids[i] for i in maybe.tolist()], [arr])
         return {i for i, f in zip(ids, found, strict=True) if f}

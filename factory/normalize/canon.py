@@ -331,7 +331,12 @@ def finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
     else:
         tools_json = tools_bytes.decode("utf-8")
     # Same bytes as canonical_json({"messages": ..., "tools": ...}): keys sort that way.
-    digest = hashlib.sha256(b'{"messages":%b,"tools":%b}' % (messages_bytes, tools_bytes))
+    # (hashed piece by piece: the document is not copied into one bytes object first)
+    digest = hashlib.sha256(b'{"messages":')
+    digest.update(messages_bytes)
+    digest.update(b',"tools":')
+    digest.update(tools_bytes)
+    digest.update(b"}")
     return {
         "messages": out,
         "tools": tools,
