@@ -1047,8 +1047,10 @@ class _BlockWorkers:
         task = dataclasses.replace(task, locations=self._new_locations())
         if self.workers > 1 and self._pool is None and (self.eager or self._num_blocks == 2):
             stop_idle_reader_pool()  # (the workers can then be forked)
+            local = all(loc.startswith("file:") or "://" not in loc
+                        for loc in task.locations.values())
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=worker_context(),
+                max_workers=self.workers, mp_context=worker_context(local_files=local),
                 initializer=init_block_worker,
                 initargs=([a.tobytes() for a in self.known_at_start], self.lake.settings,
                           self.targets))

@@ -22,6 +22,7 @@ import functools
 import gc
 import multiprocessing.context
 import multiprocessing.spawn
+import sys
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -162,18 +163,26 @@ class WorkerContext(multiprocessing.context.SpawnContext):
     Process = _WorkerProcess
 
 
-def worker_context() -> multiprocessing.context.BaseContext:
-    """How the workers start: forked when this process runs no thread but the main one, else
-    spawned (``WorkerContext``).
+def worker_context(*, local_files: bool = True) -> multiprocessing.context.BaseContext:
+    """How the workers start: forked on Linux when this process runs no Python thread but the
+    main one and the data files are local (``local_files``), else spawned (``WorkerContext``).
 
     A forked worker has every module loaded already, where a spawned one imports numpy,
     pyarrow and the normalizers first (0.2 CPU-s each, a few percent of the bench's 200k
     records on two cores: measured 5.69-5.82 s forked, 5.96-6.02 s spawned). A fork copies
-    the locks of every thread as they are at that moment, so a process with other threads (a
-    Dagster run, the gateway, pyiceberg's reader pool after a scan) spawns its workers: no
-    lock another thread holds can be copied held into a worker.
+    the locks of every thread as they are at that moment, so a process with other Python
+    threads (a Dagster run, the gateway, pyiceberg's reader pool after a scan) spawns its
+    workers. Native threads are not seen here: those of numpy's OpenBLAS and of Arrow's pools,
+    which this process may run, reset themselves in a forked child; an object store's client
+    (S3 data files) is not known to, so its workers are spawned. Other systems than Linux
+    spawn, as Python does by default there.
+
+    A forked worker keeps the memory allocator settings of this process: ``WORKER_ENV``
+    (``factory.worker_env``) applies to spawned workers only (measured: no difference in CPU
+    for the forked ones, with glibc's or Arrow's system allocator instead).
     """
-    if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods():
+    if (local_files and sys.platform == "linux" and threading.active_count() == 1
+            and "fork" in multiprocessing.get_all_start_methods()):
         return multiprocessing.get_context("fork")
     return WorkerContext()
 
@@ -456,6 +465,9 @@ def _views(block: bytes, data: np.ndarray, starts: np.ndarray,
     copying the block (Arrow's view layout: length, then the bytes themselves when at most 12,
     else their first 4, the buffer's index and the offset in it)."""
     num = len(starts)
+    if num and int(lengths.max()) >= 2**31 - 1:  # a view's length is 32-bit, as is a value's
+        raise ValueError(f"a record of {int(lengths.max())} bytes: over the 2 GiB a stored "
+                         "payload can hold")
     views = np.zeros((num, 16), dtype=np.uint8)
     views[:, 0:4] = lengths.astype("<i4").view(np.uint8).reshape(num, 4)
     short = lengths <= _INLINE

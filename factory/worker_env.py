@@ -1,4 +1,6 @@
-"""The main module of the ingest worker processes, in place of their parent's.
+"""The main module of the spawned ingest worker processes, in place of their parent's.
+(Forked workers, ``factory.ingest_blocks.worker_context``, run nothing again and keep their
+parent's environment.)
 
 A spawned child first runs its parent's main module again: for an ingest that is the
 ``dagster`` or ``factory`` command (seconds of imports per worker), or a user's script, which

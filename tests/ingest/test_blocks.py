@@ -302,6 +302,17 @@ def test_each_payload_is_its_line_stripped_as_it_was_parsed(
         "{}", "[]", '"x"', '{"a": 1234}', '{"ab": 1234}', '{"abc": 1234}'}
 
 
+def test_a_record_too_long_for_a_view_is_a_clear_error() -> None:
+    """A payload's length is 32-bit in Arrow (and in the view that cuts it out of its block):
+    a record of 2 GiB or more is refused with its size, not wrapped to a negative length."""
+    import numpy as np
+
+    block = b"x" * 64
+    with pytest.raises(ValueError, match="2147483648 bytes"):
+        factory.ingest_blocks._views(block, np.frombuffer(block, dtype=np.uint8),
+                                     np.array([0]), np.array([2**31]))
+
+
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_line_numbers_count_across_blocks_and_restart_in_each_file(
         factory_home: Path, tmp_path: Path, small_blocks: int, workers: int) -> None:

@@ -326,3 +326,11 @@ def test_workers_are_spawned_from_a_process_with_other_threads() -> None:
     finally:
         stop.set()
         other.join()
+
+
+def test_workers_writing_to_an_object_store_are_spawned() -> None:
+    """An object store's client may hang in a forked child: its workers are spawned, whatever
+    the threads."""
+    from factory.ingest_blocks import WorkerContext, worker_context
+
+    assert isinstance(worker_context(local_files=False), WorkerContext)
