@@ -302,6 +302,22 @@ def test_each_payload_is_its_line_stripped_as_it_was_parsed(
         "{}", "[]", '"x"', '{"a": 1234}', '{"ab": 1234}', '{"abc": 1234}'}
 
 
+def test_lines_that_are_not_json_go_with_each_commit_not_all_at_the_end(
+        factory_home: Path, tmp_path: Path, small_blocks: int) -> None:
+    """The main process rejects the lines that are not JSON (it alone knows their numbers):
+    they are written with every commit, so a long file does not hold them all until its end."""
+    path = tmp_path / "broken.jsonl"
+    lines = [_line(i) if i % 4 else b"{not json %d\n" % i for i in range(40)]
+    path.write_bytes(b"".join(lines))
+    lake = Lake()
+    summary = ingest_paths(lake, [path], workers=1, batch_rows=8)
+    assert summary.rejected == 10 and summary.ingested == 30
+    commits = [int(snap.summary["added-records"])
+               for snap in lake.table("rejected_traces").snapshots()]
+    assert len(commits) >= 3 and sum(commits) == 10, commits
+    _assert_consistent(lake)
+
+
 def test_a_record_too_long_for_a_view_is_a_clear_error() -> None:
     """A payload's length is 32-bit in Arrow (and in the view that cuts it out of its block):
     a record of 2 GiB or more is refused with its size, not wrapped to a negative length."""

@@ -334,3 +334,37 @@ def test_workers_writing_to_an_object_store_are_spawned() -> None:
     from factory.ingest_blocks import WorkerContext, worker_context
 
     assert isinstance(worker_context(local_files=False), WorkerContext)
+
+
+def test_the_ids_seen_in_an_ingest_are_found_exactly_however_they_arrive(
+        factory_home: Path) -> None:
+    """Cross-block dedupe (the main process's ``_KnownIds``): ids remembered in blocks of any
+    size, merged as they pile up, are all found and nothing else is, including ids that share
+    their first 8 bytes (searched by those first) and caller ids that are not hex digests."""
+    import hashlib
+    import random
+
+    from factory.ingest import _KnownIds
+    from factory.lake import Lake
+
+    known = _KnownIds(Lake(), None)
+    rng = random.Random(7)
+    seen: set[str] = set()
+    twin_prefix = "ab" * 4
+    for block in range(60):
+        ids = [hashlib.sha256(f"{block}-{i}".encode()).hexdigest()
+               for i in range(rng.choice([1, 3, 50, 400, 2300]))]
+        ids += [twin_prefix + hashlib.sha256(f"t{block}".encode()).hexdigest()[8:],
+                f"capture-{block}"]
+        probe = ids + [hashlib.sha256(f"new-{block}-{i}".encode()).hexdigest()
+                       for i in range(20)] + [twin_prefix + "0" * 56, f"capture-x{block}"]
+        assert known.existing(probe) == seen & set(probe)
+        known.remember(ids)
+        seen.update(ids)
+        assert known.existing(probe) == seen & set(probe)
+        for arr, pre in zip(known.arrays, known.prefixes, strict=True):
+            assert (arr[1:] >= arr[:-1]).all()
+            assert (pre[1:] >= pre[:-1]).all()
+        sizes = [len(a) for a in known.arrays]
+        assert all(2 * b < a for a, b in zip(sizes, sizes[1:], strict=False)), sizes
+    assert sum(len(a) for a in known.arrays) == len(seen)
