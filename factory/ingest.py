@@ -213,7 +213,7 @@ class _KnownIds:
         for arr, pre in zip(self.arrays, self.prefixes, strict=True):
             if not len(arr):
                 continue
-            # The 8-byte prefixes first (a search over integers, 3x faster than over 32-byte
+            # The 8-byte prefixes first (a search over integers, 4x faster than over 32-byte
             # strings), then the few ids whose prefix is there, in full.
             pos = np.minimum(np.searchsorted(pre, wanted), len(pre) - 1)
             maybe = order[pre[pos] == wanted]
@@ -1193,6 +1193,8 @@ class _FileIngest:
                 summary.num_samples += num
         self.known.remember([i for i in result.ids if i not in earlier] if earlier
                             else result.ids)
+        # All described before any is listed: should a footer not read, the block's files are
+        # all still its own to remove (``block``).
         for name, data_files in result.files.items():
             self.describers[name].add(data_files)
         for name, data_files in result.files.items():

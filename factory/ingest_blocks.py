@@ -284,9 +284,9 @@ class _Rows:
     """The rows of one block's three tables, the payloads kept as ranges of the block.
 
     A record's stored payload is its line, stripped; those are cut out of the block as an
-    Arrow view array (no Python string per line, see ``_payloads``). Records with a text of their own (a trace
-    split from an OTLP export line, a line that is not valid JSON, stored decoded with
-    replacement characters) are kept as strings.
+    Arrow view array (no Python string per line, see ``_payloads``). Records with a text of
+    their own (a trace split from an OTLP export line, a line that is not valid JSON, stored
+    decoded with replacement characters) are kept as strings.
     """
 
     def __init__(self, block: bytes, lines: list[bytes]) -> None:
