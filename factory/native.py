@@ -1,8 +1,9 @@
 """Compiled normalizers: the modules of ``factory.normalize`` built as C extensions with mypyc.
 
 Normalizing is plain Python and most of a file ingest's CPU. ``make native`` (which ``make
-test`` and ``make demo`` run) compiles these modules with mypyc (``python -m factory.native build``): each gets a C extension next
-to its source, which Python imports instead of the ``.py``. Nothing else changes; the compiled
+test`` and ``make demo`` run) compiles these modules with mypyc (``python -m factory.native
+build``): each gets a C extension next to its source, which Python imports instead of the
+``.py``. Nothing else changes; the compiled
 modules give the same rows byte for byte (``tests/ingest/test_native.py`` compares them with
 the source's on every format).
 
@@ -11,7 +12,7 @@ with the sha256 of each source; at import (``factory.normalize`` calls ``install
 edited source, a missing stamp or ``FACTORY_NATIVE=0`` makes every compiled module load from its
 ``.py`` instead, with one warning on the ``factory.normalize`` logger when it is stale. It is
 all or none: compiled modules call each other directly, so one left compiled would still run
-the old code of the others. ``make native`` (which ``make test`` runs) rebuilds after an edit.
+the old code of the others. ``make native`` rebuilds after an edit.
 
 This module is never compiled and imports nothing of the factory.
 
