@@ -39,6 +39,10 @@ PACKAGE = "factory.normalize"
 MODULES = ("canon", "images", "detect", "openai", "anthropic", "gemini", "sharegpt", "otlp",
            "rows")
 """The compiled modules, in dependency order."""
+C_MODULES = ("_streams",)
+"""Modules written in C (``<name>.c``), built with the others. ``_streams`` reads a streamed
+OpenAI capture without building its chunks as Python objects. The code that uses one runs
+without it where it cannot be imported: not built, or the build is stale."""
 GROUP = "_native"
 """The shared library that holds their code (``_native__mypyc``), in the package."""
 HERE = Path(__file__).resolve().parent / "normalize"
@@ -55,10 +59,16 @@ their declared types (and constants) into the compiled code, so editing one make
 stale too."""
 
 
+def _source(name: str, directory: Path = HERE) -> Path:
+    """The source file of a compiled module or of a dependency."""
+    if name in DEPENDENCIES:
+        return directory.parent / f"{name}.py"
+    return directory / (f"{name}.c" if name in C_MODULES else f"{name}.py")
+
+
 def source_digests(directory: Path = HERE) -> dict[str, str]:
     """sha256 of each compiled module's source and of each dependency, by module name."""
-    files = {m: directory / f"{m}.py" for m in MODULES}
-    files.update({d: directory.parent / f"{d}.py" for d in DEPENDENCIES})
+    files = {m: _source(m, directory) for m in (*MODULES, *C_MODULES, *DEPENDENCIES)}
     out = {}
     for name, path in files.items():
         try:
@@ -68,7 +78,7 @@ def source_digests(directory: Path = HERE) -> dict[str, str]:
     return out
 
 
-_EXTENSIONS = (*MODULES, f"{GROUP}__mypyc")
+_EXTENSIONS = (*MODULES, f"{GROUP}__mypyc", *C_MODULES)
 """The names a build gives extension files: one per module, and the shared library."""
 
 
@@ -89,7 +99,8 @@ def stale_sources(stamp: dict[str, object], digests: dict[str, str]) -> list[str
     compiled."""
     built = stamp.get("sources")
     built = built if isinstance(built, dict) else {}
-    return [m for m in (*MODULES, *DEPENDENCIES) if built.get(m) != digests.get(m)]
+    return [m for m in (*MODULES, *C_MODULES, *DEPENDENCIES)
+            if built.get(m) != digests.get(m)]
 
 
 def status(directory: Path = HERE) -> str:
@@ -107,18 +118,23 @@ def status(directory: Path = HERE) -> str:
         return "stale (no build stamp)"
     stale = stale_sources(stamp if isinstance(stamp, dict) else {}, source_digests(directory))
     if stale:
-        return "stale (" + ", ".join(f"{m}.py" for m in stale) + " changed since the build)"
+        return "stale (" + ", ".join(_source(m, directory).name for m in stale) \
+            + " changed since the build)"
     return "compiled"
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder):
-    """Loads the compiled modules from their ``.py`` files."""
+    """Loads the compiled modules from their ``.py`` files, and none written in C."""
 
     def __init__(self, directory: Path) -> None:
         self.paths = {f"{PACKAGE}.{m}": directory / f"{m}.py" for m in MODULES}
+        self.c_modules = {f"{PACKAGE}.{m}" for m in C_MODULES}
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname in self.c_modules:
+            raise ModuleNotFoundError(f"{fullname}: the compiled build is not used "
+                                      f"({_GUARD[0] if _GUARD else status()})", name=fullname)
         source = self.paths.get(fullname)
         return importlib.util.spec_from_file_location(fullname, source) if source else None
 
@@ -148,7 +164,7 @@ def build(root: Path | None = None) -> None:
     import tempfile
 
     from mypyc.build import mypycify
-    from setuptools import Distribution
+    from setuptools import Distribution, Extension
 
     root = root or HERE.parent.parent
     directory = root / PACKAGE.replace(".", "/")
@@ -160,6 +176,8 @@ def build(root: Path | None = None) -> None:
         try:
             ext = mypycify([f"{PACKAGE.replace('.', '/')}/{m}.py" for m in MODULES],
                            group_name=f"{PACKAGE}.{GROUP}", target_dir=f"{tmp}/c")
+            ext += [Extension(f"{PACKAGE}.{m}", [f"{PACKAGE.replace('.', '/')}/{m}.c"])
+                    for m in C_MODULES]
             dist = Distribution({"name": "factory-native", "ext_modules": ext})
             dist.script_args = ["-q", "build_ext", "--inplace", "--build-temp", f"{tmp}/o",
                                 "--build-lib", f"{tmp}/lib"]

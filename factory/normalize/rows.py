@@ -10,8 +10,9 @@ chunk of lines; the in-process path calls the same functions, so both give the s
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -119,6 +120,48 @@ def outcome(payload: Any, fmt: str,
     return None, rows
 
 
+def _load_collapse() -> Callable[[bytes], tuple[bytes, bytes] | None] | None:
+    """``factory.normalize._streams.collapse_stream`` (C, built by ``make native``), or None
+    where it is not built or the build is stale (``factory.native``)."""
+    try:
+        module = importlib.import_module("factory.normalize._streams")
+    except ImportError:
+        return None
+    found: Callable[[bytes], tuple[bytes, bytes] | None] = module.collapse_stream
+    return found
+
+
+_COLLAPSE = _load_collapse()
+
+
+def stream_outcome(line: bytes, format_hint: str,
+                   blobs: BlobStore | None) -> tuple[str, list[SampleRow]] | None:
+    """(raw_trace_id, sample rows) of a streamed OpenAI capture, read with the text-only chunks
+    of its stream merged (``factory.normalize._streams``: the same response, without a Python
+    object per token), or None: the C module is not built, the line is not such a capture, or
+    it is not accepted (the caller then reads the line itself, and a rejection's reason names
+    the chunk by its place in the stream as it came)."""
+    if _COLLAPSE is None:
+        return None
+    found = _COLLAPSE(line)
+    if found is None:
+        return None
+    canonical, collapsed = found
+    try:
+        value = orjson.loads(collapsed)
+    except orjson.JSONDecodeError:  # (valid JSON by construction: only to be safe)
+        return None
+    if is_otlp_export(value):
+        return None
+    fmt = format_hint if format_hint != "auto" else detect_format(value)
+    if fmt != "openai":
+        return None
+    reason, rows = outcome(value, fmt, blobs)
+    if reason is not None:
+        return None
+    return hashlib.sha256(canonical).hexdigest(), rows
+
+
 def digests(ids: Sequence[str]) -> np.ndarray:
     """Each id as 32 bytes (numpy ``S32``): a sha256 hex id is its digest, any other id (a
     caller's own, like a gateway capture id) the sha256 of its text."""
@@ -192,6 +235,11 @@ def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, forma
         stripped = line.strip()
         if not stripped:
             continue
+        if not check and _COLLAPSE is not None and b'"stream"' in stripped:
+            fast = stream_outcome(stripped, format_hint, blobs)
+            if fast is not None:
+                out.append((index, fast[0], None, "openai", None, fast[1]))
+                continue
         try:
             value = parse_json(stripped)
         except (ValueError, RecursionError) as exc:

@@ -151,6 +151,24 @@ def test_an_edited_source_is_never_shadowed_by_an_old_build(tmp_path: Path) -> N
 
 
 @needs_build
+def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
+    checkout = _copy_package(tmp_path)
+    code = "import factory.normalize.rows as r; print(r._COLLAPSE is not None)"
+
+    def c_module_used() -> bool:
+        done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
+                              text=True, check=True, env={**os.environ,
+                                                          "PYTHONPATH": str(checkout)})
+        return done.stdout.strip() == "True"
+
+    assert c_module_used()
+    source = checkout / "factory" / "normalize" / "_streams.c"
+    source.write_text(source.read_text() + "\n/* edited after the build */\n")
+    assert native.status(source.parent) == "stale (_streams.c changed since the build)"
+    assert not c_module_used()
+
+
+@needs_build
 def test_a_partial_build_loads_no_compiled_module(tmp_path: Path) -> None:
     checkout = _copy_package(tmp_path)
     for path in native.extensions(checkout / "factory" / "normalize"):
@@ -187,5 +205,5 @@ def test_status_of_a_checkout_that_never_built(tmp_path: Path) -> None:
     assert native.status(tmp_path) == "not built"
     assert native.stale_sources({"sources": native.source_digests(tmp_path)},
                                 native.source_digests(tmp_path)) == []
-    assert native.stale_sources({}, native.source_digests(tmp_path)) == [*native.MODULES,
-                                                                      *native.DEPENDENCIES]
+    assert native.stale_sources({}, native.source_digests(tmp_path)) == [
+        *native.MODULES, *native.C_MODULES, *native.DEPENDENCIES]

@@ -1,0 +1,799 @@
+/* Streamed OpenAI captures made small before Python reads them.
+ *
+ * A logged streaming call holds a chunk per token: a record of 16 KB is ~700 small objects
+ * that orjson.loads builds and the normalizer then walks, only to join the tokens again (the
+ * benchmark's streams are 7% of its records and a third of the normalizing time).
+ *
+ * collapse_stream(line) reads the line once, in C, and returns (canonical, collapsed) or None:
+ *
+ * - canonical: orjson.dumps(orjson.loads(line), option=orjson.OPT_SORT_KEYS), the bytes the
+ *   record's raw_trace_id hashes (compact, keys sorted by their UTF-8 bytes, strings escaped
+ *   as orjson escapes them). Numbers other than short integers are read and written by orjson
+ *   itself, one at a time.
+ * - collapsed: the line with its top-level "stream" array rewritten, each run of chunks that
+ *   only add text to one choice (a single choice whose delta is exactly {"content": a
+ *   string}) merged into one chunk holding their text; every other chunk is kept as it is, in
+ *   order, the first always. factory.normalize.openai.reassemble_stream gives the same
+ *   response for both (it reads nothing else of those chunks, and a merged chunk carries the
+ *   model or created time the first chunk of its run gave when none was known before).
+ *
+ * None whenever it cannot be sure: text that is not strict JSON, an object with a repeated key
+ * (a dict keeps the last value), a lone surrogate, nesting deeper than MAX_DEPTH, no stream
+ * array, nothing to merge. The caller then parses the line as usual; it also uses the
+ * collapsed record only when the format is OpenAI and the record normalizes (a rejection's
+ * reason names the chunk by its place in the original stream).
+ *
+ * factory.native builds this module with the mypyc-compiled normalizers (``make native``);
+ * tests/ingest/test_streams.py holds both results to orjson and to the Python path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+#define MAX_DEPTH 512
+#define MAX_PLAIN_DIGITS 18 /* an integer of up to 18 digits fits in 64 bits: copied as is */
+
+enum { N_OBJ, N_ARR, N_STR, N_ESTR, N_RAW, N_ARENA };
+/* N_STR: a string without escapes (its bytes are the input's).
+ * N_ESTR: a string with escapes, decoded (UTF-8) into the arena, escaped again when written.
+ * N_RAW: a literal or a short integer, copied from the input.
+ * N_ARENA: a number as orjson wrote it, in the arena. */
+
+typedef struct {
+    uint8_t type;
+    Py_ssize_t start, len; /* string contents / token, in the input or the arena; a
+                              container's len is its number of members */
+    Py_ssize_t src, src_end; /* the whole value's span in the input */
+    Py_ssize_t next;         /* the node after this one and all it holds */
+} Node;
+
+typedef struct {
+    unsigned char *data;
+    Py_ssize_t len, cap;
+} Buf;
+
+typedef struct {
+    const unsigned char *base, *p, *end;
+    Node *nodes;
+    Py_ssize_t n_nodes, cap_nodes;
+    Buf arena, out, collapsed, run;
+    Py_ssize_t *members; /* a stack of key nodes: the objects being written, sorted */
+    Py_ssize_t n_members, cap_members;
+    int error; /* 1: not sure (None); 2: a Python exception is set */
+    int cache; /* the buffers are the cached ones (see acquire) */
+} State;
+
+static PyObject *orjson_loads, *orjson_dumps;
+
+static int fail(State *s) {
+    if (!s->error) s->error = 1;
+    return -1;
+}
+
+static int grow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item, State *s) {
+    if (need <= *cap) return 0;
+    Py_ssize_t cap2 = *cap ? *cap : 256;
+    while (cap2 < need) cap2 *= 2;
+    void *p = PyMem_Realloc(*buf, (size_t)cap2 * item);
+    if (!p) {
+        PyErr_NoMemory();
+        s->error = 2;
+        return -1;
+    }
+    *buf = p;
+    *cap = cap2;
+    return 0;
+}
+
+static inline int reserve(State *s, Buf *b, Py_ssize_t n) {
+    return b->len + n <= b->cap ? 0 : grow((void **)&b->data, &b->cap, b->len + n, 1, s);
+}
+
+static inline int put(State *s, Buf *b, const void *data, Py_ssize_t n) {
+    if (reserve(s, b, n)) return -1;
+    memcpy(b->data + b->len, data, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+static inline int put_byte(State *s, Buf *b, unsigned char c) {
+    if (reserve(s, b, 1)) return -1;
+    b->data[b->len++] = c;
+    return 0;
+}
+
+static Py_ssize_t new_node(State *s, uint8_t type, Py_ssize_t start, Py_ssize_t len) {
+    if (s->n_nodes == s->cap_nodes &&
+        grow((void **)&s->nodes, &s->cap_nodes, s->n_nodes + 1, sizeof(Node), s))
+        return -1;
+    Node *n = &s->nodes[s->n_nodes];
+    n->type = type;
+    n->start = start;
+    n->len = len;
+    n->next = s->n_nodes + 1;
+    return s->n_nodes++;
+}
+
+static inline void skip_ws(State *s) {
+    while (s->p < s->end && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t'))
+        s->p++;
+}
+
+/* One UTF-8 sequence at p (its first byte >= 0x80): its length, or 0 where it is not valid
+ * (overlong, a surrogate, past U+10FFFF, cut short): what orjson refuses. */
+static Py_ssize_t utf8_len(const unsigned char *p, const unsigned char *end) {
+    unsigned char c = p[0];
+    if (c >= 0xC2 && c <= 0xDF) return (end - p >= 2 && (p[1] & 0xC0) == 0x80) ? 2 : 0;
+    if (c >= 0xE0 && c <= 0xEF) {
+        if (end - p < 3 || (p[1] & 0xC0) != 0x80 || (p[2] & 0xC0) != 0x80) return 0;
+        if (c == 0xE0 && p[1] < 0xA0) return 0;
+        if (c == 0xED && p[1] >= 0xA0) return 0;
+        return 3;
+    }
+    if (c >= 0xF0 && c <= 0xF4) {
+        if (end - p < 4 || (p[1] & 0xC0) != 0x80 || (p[2] & 0xC0) != 0x80 ||
+            (p[3] & 0xC0) != 0x80)
+            return 0;
+        if (c == 0xF0 && p[1] < 0x90) return 0;
+        if (c == 0xF4 && p[1] >= 0x90) return 0;
+        return 4;
+    }
+    return 0;
+}
+
+static int hex4(const unsigned char *p, unsigned *value) {
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        unsigned char c = p[i];
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= (unsigned)(c - '0');
+        else if (c >= 'a' && c <= 'f') v |= (unsigned)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') v |= (unsigned)(c - 'A' + 10);
+        else return -1;
+    }
+    *value = v;
+    return 0;
+}
+
+static int put_utf8(State *s, unsigned cp) {
+    unsigned char b[4];
+    Py_ssize_t n;
+    if (cp < 0x80) {
+        b[0] = (unsigned char)cp;
+        n = 1;
+    } else if (cp < 0x800) {
+        b[0] = (unsigned char)(0xC0 | (cp >> 6));
+        b[1] = (unsigned char)(0x80 | (cp & 0x3F));
+        n = 2;
+    } else if (cp < 0x10000) {
+        b[0] = (unsigned char)(0xE0 | (cp >> 12));
+        b[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+        b[2] = (unsigned char)(0x80 | (cp & 0x3F));
+        n = 3;
+    } else {
+        b[0] = (unsigned char)(0xF0 | (cp >> 18));
+        b[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F));
+        b[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+        b[3] = (unsigned char)(0x80 | (cp & 0x3F));
+        n = 4;
+    }
+    return put(s, &s->arena, b, n);
+}
+
+/* A string; s->p is past its opening quote. */
+static Py_ssize_t parse_string(State *s) {
+    const unsigned char *start = s->p, *p = s->p, *end = s->end;
+    int escaped = 0;
+    for (;;) {
+#ifdef __SSE2__
+        /* 16 bytes at a time while none is a quote, a backslash, a control character or
+         * non-ASCII (a signed compare: bytes from 0x80 are negative, so "below 0x20" too) */
+        const __m128i quote = _mm_set1_epi8('"'), bslash = _mm_set1_epi8('\\'),
+                      space = _mm_set1_epi8(0x20);
+        while (end - p >= 16) {
+            __m128i v = _mm_loadu_si128((const __m128i *)p);
+            __m128i m = _mm_or_si128(
+                _mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, bslash)),
+                _mm_cmplt_epi8(v, space));
+            int mask = _mm_movemask_epi8(m);
+            if (mask) {
+                p += __builtin_ctz((unsigned)mask);
+                break;
+            }
+            p += 16;
+        }
+#endif
+        if (p >= end) return fail(s);
+        unsigned char c = *p;
+        if (c == '"') break;
+        if (c == '\\') {
+            escaped = 1;
+            if (end - p < 2) return fail(s);
+            p += (p[1] == 'u') ? 6 : 2;
+            if (p > end) return fail(s);
+            continue;
+        }
+        if (c < 0x20) return fail(s);
+        if (c >= 0x80) {
+            Py_ssize_t n = utf8_len(p, end);
+            if (!n) return fail(s);
+            p += n;
+            continue;
+        }
+        p++;
+    }
+    s->p = p + 1;
+    if (!escaped) return new_node(s, N_STR, start - s->base, p - start);
+    /* decode the escapes into the arena */
+    Py_ssize_t at = s->arena.len;
+    const unsigned char *q = start;
+    while (q < p) {
+        const unsigned char *run = q;
+        while (q < p && *q != '\\') q++;
+        if (q > run && put(s, &s->arena, run, q - run)) return -1;
+        if (q >= p) break;
+        unsigned char one;
+        switch (q[1]) {
+            case '"': one = '"'; break;
+            case '\\': one = '\\'; break;
+            case '/': one = '/'; break;
+            case 'b': one = '\b'; break;
+            case 'f': one = '\f'; break;
+            case 'n': one = '\n'; break;
+            case 'r': one = '\r'; break;
+            case 't': one = '\t'; break;
+            case 'u': {
+                unsigned cp, low;
+                if (hex4(q + 2, &cp)) return fail(s);
+                q += 6;
+                if (cp >= 0xDC00 && cp <= 0xDFFF) return fail(s); /* a lone low surrogate */
+                if (cp >= 0xD800 && cp <= 0xDBFF) {
+                    if (p - q < 6 || q[0] != '\\' || q[1] != 'u' || hex4(q + 2, &low) ||
+                        low < 0xDC00 || low > 0xDFFF)
+                        return fail(s); /* a lone high surrogate */
+                    q += 6;
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+                }
+                if (put_utf8(s, cp)) return -1;
+                continue;
+            }
+            default: return fail(s);
+        }
+        if (put_byte(s, &s->arena, one)) return -1;
+        q += 2;
+    }
+    return new_node(s, N_ESTR, at, s->arena.len - at);
+}
+
+/* A number: a short integer is copied; any other is read and written by orjson. */
+static Py_ssize_t parse_number(State *s) {
+    const unsigned char *start = s->p, *p = s->p, *end = s->end;
+    int plain = 1;
+    if (p < end && *p == '-') p++;
+    const unsigned char *digits = p;
+    if (p < end && *p == '0') {
+        p++;
+    } else if (p < end && *p >= '1' && *p <= '9') {
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    } else {
+        return fail(s);
+    }
+    if (p - digits > MAX_PLAIN_DIGITS) plain = 0;
+    if (p < end && *p == '.') {
+        plain = 0;
+        p++;
+        if (p >= end || *p < '0' || *p > '9') return fail(s);
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        plain = 0;
+        p++;
+        if (p < end && (*p == '+' || *p == '-')) p++;
+        if (p >= end || *p < '0' || *p > '9') return fail(s);
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    }
+    s->p = p;
+    if (plain && !(p - start == 2 && start[0] == '-' && start[1] == '0'))
+        return new_node(s, N_RAW, start - s->base, p - start);
+    /* -0 (an integer, written 0), a float, or an integer that may not fit 64 bits */
+    PyObject *text = PyBytes_FromStringAndSize((const char *)start, p - start);
+    if (!text) {
+        s->error = 2;
+        return -1;
+    }
+    PyObject *value = PyObject_CallOneArg(orjson_loads, text);
+    Py_DECREF(text);
+    if (!value) {
+        PyErr_Clear();
+        return fail(s);
+    }
+    PyObject *out = PyObject_CallOneArg(orjson_dumps, value);
+    Py_DECREF(value);
+    if (!out) {
+        PyErr_Clear();
+        return fail(s);
+    }
+    Py_ssize_t at = s->arena.len;
+    int bad = put(s, &s->arena, PyBytes_AS_STRING(out), PyBytes_GET_SIZE(out));
+    Py_DECREF(out);
+    if (bad) return -1;
+    return new_node(s, N_ARENA, at, s->arena.len - at);
+}
+
+static Py_ssize_t parse_value(State *s, int depth);
+
+static Py_ssize_t parse_container(State *s, int depth, int object) {
+    if (depth > MAX_DEPTH) return fail(s);
+    Py_ssize_t self = new_node(s, object ? N_OBJ : N_ARR, 0, 0);
+    if (self < 0) return -1;
+    Py_ssize_t count = 0;
+    unsigned char close = object ? '}' : ']';
+    s->p++;
+    skip_ws(s);
+    if (s->p < s->end && *s->p == close) {
+        s->p++;
+    } else {
+        for (;;) {
+            if (object) {
+                skip_ws(s);
+                if (s->p >= s->end || *s->p != '"') return fail(s);
+                Py_ssize_t src = s->p - s->base;
+                s->p++;
+                Py_ssize_t key = parse_string(s);
+                if (key < 0) return -1;
+                s->nodes[key].src = src;
+                s->nodes[key].src_end = s->p - s->base;
+                skip_ws(s);
+                if (s->p >= s->end || *s->p != ':') return fail(s);
+                s->p++;
+            }
+            if (parse_value(s, depth + 1) < 0) return -1;
+            count++;
+            skip_ws(s);
+            if (s->p >= s->end) return fail(s);
+            if (*s->p == ',') {
+                s->p++;
+                continue;
+            }
+            if (*s->p == close) {
+                s->p++;
+                break;
+            }
+            return fail(s);
+        }
+    }
+    s->nodes[self].len = count;
+    s->nodes[self].next = s->n_nodes;
+    return self;
+}
+
+static Py_ssize_t parse_value(State *s, int depth) {
+    skip_ws(s);
+    if (s->p >= s->end) return fail(s);
+    Py_ssize_t src = s->p - s->base, node;
+    unsigned char c = *s->p;
+    if (c == '{' || c == '[') {
+        node = parse_container(s, depth, c == '{');
+    } else if (c == '"') {
+        s->p++;
+        node = parse_string(s);
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+        node = parse_number(s);
+    } else if (s->end - s->p >= 4 && memcmp(s->p, "true", 4) == 0) {
+        s->p += 4;
+        node = new_node(s, N_RAW, src, 4);
+    } else if (s->end - s->p >= 5 && memcmp(s->p, "false", 5) == 0) {
+        s->p += 5;
+        node = new_node(s, N_RAW, src, 5);
+    } else if (s->end - s->p >= 4 && memcmp(s->p, "null", 4) == 0) {
+        s->p += 4;
+        node = new_node(s, N_RAW, src, 4);
+    } else {
+        return fail(s);
+    }
+    if (node < 0) return -1;
+    s->nodes[node].src = src;
+    s->nodes[node].src_end = s->p - s->base;
+    return node;
+}
+
+/* -- canonical bytes ------------------------------------------------------------------------ */
+static inline const unsigned char *str_bytes(State *s, const Node *n) {
+    return n->type == N_STR ? s->base + n->start : s->arena.data + n->start;
+}
+
+static int key_cmp(State *s, Py_ssize_t a, Py_ssize_t b) {
+    const Node *na = &s->nodes[a], *nb = &s->nodes[b];
+    int c = memcmp(str_bytes(s, na), str_bytes(s, nb),
+                   (size_t)(na->len < nb->len ? na->len : nb->len));
+    if (c) return c;
+    return na->len < nb->len ? -1 : (na->len > nb->len ? 1 : 0);
+}
+
+static const char HEX[] = "0123456789abcdef";
+
+static int write_string(State *s, const Node *n) {
+    Buf *b = &s->out;
+    if (n->type == N_STR) {
+        if (reserve(s, b, n->len + 2)) return -1;
+        b->data[b->len++] = '"';
+        memcpy(b->data + b->len, s->base + n->start, (size_t)n->len);
+        b->len += n->len;
+        b->data[b->len++] = '"';
+        return 0;
+    }
+    /* decoded: escaped as orjson escapes (", \ and control characters, nothing else) */
+    if (reserve(s, b, n->len * 6 + 2)) return -1;
+    unsigned char *o = b->data + b->len;
+    *o++ = '"';
+    const unsigned char *p = s->arena.data + n->start, *end = p + n->len;
+    for (; p < end; p++) {
+        unsigned char c = *p;
+        if (c == '"' || c == '\\') {
+            *o++ = '\\';
+            *o++ = c;
+        } else if (c < 0x20) {
+            *o++ = '\\';
+            switch (c) {
+                case '\b': *o++ = 'b'; break;
+                case '\t': *o++ = 't'; break;
+                case '\n': *o++ = 'n'; break;
+                case '\f': *o++ = 'f'; break;
+                case '\r': *o++ = 'r'; break;
+                default:
+                    *o++ = 'u';
+                    *o++ = '0';
+                    *o++ = '0';
+                    *o++ = (unsigned char)HEX[c >> 4];
+                    *o++ = (unsigned char)HEX[c & 15];
+            }
+        } else {
+            *o++ = c;
+        }
+    }
+    *o++ = '"';
+    b->len = o - b->data;
+    return 0;
+}
+
+static int write_value(State *s, Py_ssize_t index) {
+    const Node *n = &s->nodes[index];
+    switch (n->type) {
+        case N_STR:
+        case N_ESTR: return write_string(s, n);
+        case N_RAW: return put(s, &s->out, s->base + n->start, n->len);
+        case N_ARENA: return put(s, &s->out, s->arena.data + n->start, n->len);
+        case N_ARR: {
+            if (put_byte(s, &s->out, '[')) return -1;
+            Py_ssize_t child = index + 1, count = n->len;
+            for (Py_ssize_t i = 0; i < count; i++) {
+                if (i && put_byte(s, &s->out, ',')) return -1;
+                if (write_value(s, child)) return -1;
+                child = s->nodes[child].next;
+            }
+            return put_byte(s, &s->out, ']');
+        }
+        case N_OBJ: {
+            Py_ssize_t count = n->len, base = s->n_members;
+            if (grow((void **)&s->members, &s->cap_members, base + count, sizeof(Py_ssize_t), s))
+                return -1;
+            /* the keys, insertion-sorted (objects are small, and often sorted already) */
+            Py_ssize_t *m = s->members + base, key = index + 1;
+            for (Py_ssize_t i = 0; i < count; i++) {
+                Py_ssize_t j = i;
+                int c = 1;
+                while (j > 0 && (c = key_cmp(s, m[j - 1], key)) > 0) {
+                    m[j] = m[j - 1];
+                    j--;
+                }
+                if (j > 0 && c == 0) return fail(s); /* a repeated key */
+                m[j] = key;
+                key = s->nodes[key + 1].next; /* past the key and its value */
+            }
+            s->n_members = base + count;
+            if (put_byte(s, &s->out, '{')) return -1;
+            for (Py_ssize_t i = 0; i < count; i++) {
+                Py_ssize_t k = s->members[base + i];
+                if (i && put_byte(s, &s->out, ',')) return -1;
+                if (write_string(s, &s->nodes[k]) || put_byte(s, &s->out, ':') ||
+                    write_value(s, k + 1))
+                    return -1;
+            }
+            s->n_members = base;
+            return put_byte(s, &s->out, '}');
+        }
+    }
+    return fail(s);
+}
+
+/* -- the stream ------------------------------------------------------------------------------ */
+/* The value node of ``key`` in object node ``obj``, or -1. */
+static Py_ssize_t member(State *s, Py_ssize_t obj, const char *key) {
+    Py_ssize_t len = (Py_ssize_t)strlen(key), k = obj + 1;
+    for (Py_ssize_t i = 0; i < s->nodes[obj].len; i++) {
+        const Node *n = &s->nodes[k];
+        if (n->len == len && memcmp(str_bytes(s, n), key, (size_t)len) == 0) return k + 1;
+        k = s->nodes[k + 1].next;
+    }
+    return -1;
+}
+
+/* Python's truth of a value: 1, 0, or -1 where this does not know it (a float). */
+static int truth(State *s, Py_ssize_t index) {
+    const Node *n = &s->nodes[index];
+    switch (n->type) {
+        case N_STR:
+        case N_ESTR:
+        case N_OBJ:
+        case N_ARR: return n->len > 0;
+        case N_RAW: {
+            const unsigned char *t = s->base + n->start;
+            if (t[0] == 'f' || t[0] == 'n') return 0; /* false, null */
+            if (t[0] == 't') return 1;
+            return !(n->len == 1 && t[0] == '0'); /* an integer (-0 is N_ARENA) */
+        }
+    }
+    return -1;
+}
+
+typedef struct {
+    Py_ssize_t index;  /* the choice's index token (a node), or -1: none, which reads as 0 */
+    Py_ssize_t text;   /* the delta's content (a string node) */
+    Py_ssize_t model, created; /* the chunk's, or -1 */
+} Piece;
+
+/* Whether chunk node ``c`` only adds text to one choice (see the top), and its parts. */
+static int only_text(State *s, Py_ssize_t c, Piece *piece) {
+    if (s->nodes[c].type != N_OBJ || member(s, c, "error") >= 0) return 0;
+    Py_ssize_t choices = member(s, c, "choices");
+    if (choices < 0 || s->nodes[choices].type != N_ARR || s->nodes[choices].len != 1) return 0;
+    Py_ssize_t choice = choices + 1;
+    if (s->nodes[choice].type != N_OBJ) return 0;
+    Py_ssize_t delta = member(s, choice, "delta");
+    if (delta < 0 || s->nodes[delta].type != N_OBJ || s->nodes[delta].len != 1) return 0;
+    Py_ssize_t text = member(s, delta, "content");
+    if (text < 0 || (s->nodes[text].type != N_STR && s->nodes[text].type != N_ESTR)) return 0;
+    Py_ssize_t index = member(s, choice, "index");
+    if (index >= 0) { /* an integer (a bool is not one here: Python's check is type() is int) */
+        const Node *n = &s->nodes[index];
+        unsigned char t = s->base[n->start];
+        if (n->type != N_RAW || !(t == '-' || (t >= '0' && t <= '9'))) return 0;
+    }
+    piece->index = index;
+    piece->text = text;
+    piece->model = member(s, c, "model");
+    piece->created = member(s, c, "created");
+    return 1;
+}
+
+static int same_index(State *s, Py_ssize_t a, Py_ssize_t b) {
+    const Node *na = a >= 0 ? &s->nodes[a] : NULL, *nb = b >= 0 ? &s->nodes[b] : NULL;
+    const unsigned char *ta = na ? s->base + na->start : (const unsigned char *)"0";
+    const unsigned char *tb = nb ? s->base + nb->start : (const unsigned char *)"0";
+    Py_ssize_t la = na ? na->len : 1, lb = nb ? nb->len : 1;
+    return la == lb && memcmp(ta, tb, (size_t)la) == 0;
+}
+
+static int put_src(State *s, Buf *b, Py_ssize_t node) {
+    const Node *n = &s->nodes[node];
+    return put(s, b, s->base + n->src, n->src_end - n->src);
+}
+
+/* One more element of the collapsed stream: a comma before all but the first. */
+static int element(State *s, int *written) {
+    return (*written)++ ? put_byte(s, &s->collapsed, ',') : 0;
+}
+
+/* The merged chunk of a run, if one is open: its model and created time (where the run's
+ * first chunk gave ones that are read), its choice's index and the text of all its chunks. */
+static int flush(State *s, Piece *run, int *written) {
+    Buf *b = &s->collapsed;
+    if (run->text < 0) return 0;
+    if (element(s, written) || put_byte(s, b, '{')) return -1;
+    if (run->model >= 0 &&
+        (put(s, b, "\"model\":", 8) || put_src(s, b, run->model) || put_byte(s, b, ',')))
+        return -1;
+    if (run->created >= 0 &&
+        (put(s, b, "\"created\":", 10) || put_src(s, b, run->created) || put_byte(s, b, ',')))
+        return -1;
+    if (put(s, b, "\"choices\":[{\"index\":", 20)) return -1;
+    if (run->index >= 0 ? put_src(s, b, run->index) : put_byte(s, b, '0')) return -1;
+    if (put(s, b, ",\"delta\":{\"content\":\"", 21) || put(s, b, s->run.data, s->run.len) ||
+        put(s, b, "\"}}]}", 5))
+        return -1;
+    s->run.len = 0;
+    run->text = -1;
+    return 0;
+}
+
+/* What reassemble_stream reads of a chunk's model or created time: whether it is known (true)
+ * after this chunk; -1 where this cannot tell (a float). */
+static int learn(State *s, Py_ssize_t value, int *known) {
+    if (*known || value < 0) return 0;
+    int t = truth(s, value);
+    if (t < 0) return -1;
+    *known = t;
+    return 0;
+}
+
+/* The line with its stream's text-only chunks merged (see the top) into s->collapsed: 0, 1
+ * when there is nothing to collapse or this cannot be sure, -1 on an error. */
+static int collapse(State *s) {
+    if (s->nodes[0].type != N_OBJ) return 1;
+    Py_ssize_t stream = member(s, 0, "stream");
+    if (stream < 0 || s->nodes[stream].type != N_ARR || s->nodes[stream].len < 3) return 1;
+    Buf *b = &s->collapsed;
+    const Node *sn = &s->nodes[stream];
+    if (put(s, b, s->base, sn->src) || put_byte(s, b, '[')) return -1;
+    int model_known = 0, created_known = 0, written = 0, merges = 0;
+    Piece run = {-1, -1, -1, -1}, piece;
+    Py_ssize_t chunk = stream + 1, count = sn->len;
+    for (Py_ssize_t i = 0; i < count; i++, chunk = s->nodes[chunk].next) {
+        if (i > 0 && only_text(s, chunk, &piece)) {
+            /* a chunk whose model or created time is read starts a run of its own */
+            int reads = (!model_known && piece.model >= 0) ||
+                        (!created_known && piece.created >= 0);
+            if (run.text >= 0 && (reads || !same_index(s, run.index, piece.index))) {
+                if (flush(s, &run, &written)) return -1;
+            }
+            if (run.text < 0) {
+                run = piece;
+                if (!model_known && piece.model >= 0) {
+                    if (learn(s, piece.model, &model_known)) return 1;
+                } else {
+                    run.model = -1;
+                }
+                if (!created_known && piece.created >= 0) {
+                    if (learn(s, piece.created, &created_known)) return 1;
+                } else {
+                    run.created = -1;
+                }
+            } else {
+                merges++;
+            }
+            const Node *t = &s->nodes[piece.text];
+            if (put(s, &s->run, s->base + t->src + 1, t->src_end - t->src - 2)) return -1;
+            continue;
+        }
+        if (flush(s, &run, &written) || element(s, &written) || put_src(s, b, chunk)) return -1;
+        if (s->nodes[chunk].type == N_OBJ &&
+            (learn(s, member(s, chunk, "model"), &model_known) ||
+             learn(s, member(s, chunk, "created"), &created_known)))
+            return 1;
+    }
+    if (flush(s, &run, &written)) return -1;
+    if (!merges) return 1; /* nothing gained */
+    if (put_byte(s, b, ']') || put(s, b, s->base + sn->src_end, (s->end - s->base) - sn->src_end))
+        return -1;
+    return 0;
+}
+
+/* The buffers of the last call, kept for the next one: a streamed record's ~100 KB of nodes
+ * malloc'ed afresh each call were mapped and faulted in again every time. A call made while
+ * they are in use (from another thread, while this one runs Python code: the GC when a
+ * result is built) gets buffers of its own. */
+static State cache;
+static int cache_busy;
+
+#define CACHE_MAX_BYTES (8 << 20) /* larger buffers are freed after the call */
+
+static void acquire(State *s) {
+    memset(s, 0, sizeof(*s));
+    if (cache_busy) return;
+    cache_busy = 1;
+    s->nodes = cache.nodes;
+    s->cap_nodes = cache.cap_nodes;
+    s->arena = cache.arena;
+    s->out = cache.out;
+    s->collapsed = cache.collapsed;
+    s->run = cache.run;
+    s->members = cache.members;
+    s->cap_members = cache.cap_members;
+    s->arena.len = s->out.len = s->collapsed.len = s->run.len = 0;
+    s->cache = 1;
+}
+
+static void release(State *s) {
+    if (s->cache && (Py_ssize_t)(s->cap_nodes * sizeof(Node)) + s->arena.cap + s->out.cap +
+                            s->collapsed.cap + s->run.cap <= CACHE_MAX_BYTES) {
+        cache.nodes = s->nodes;
+        cache.cap_nodes = s->cap_nodes;
+        cache.arena = s->arena;
+        cache.out = s->out;
+        cache.collapsed = s->collapsed;
+        cache.run = s->run;
+        cache.members = s->members;
+        cache.cap_members = s->cap_members;
+        cache_busy = 0;
+        return;
+    }
+    PyMem_Free(s->nodes);
+    PyMem_Free(s->arena.data);
+    PyMem_Free(s->out.data);
+    PyMem_Free(s->collapsed.data);
+    PyMem_Free(s->run.data);
+    PyMem_Free(s->members);
+    if (s->cache) {
+        memset(&cache, 0, sizeof(cache));
+        cache_busy = 0;
+    }
+}
+
+/* Parse the whole text and write its canonical bytes into s->out: 0, or -1 (s->error). */
+static int canonical(State *s, Py_buffer *view) {
+    s->base = s->p = (const unsigned char *)view->buf;
+    s->end = s->p + view->len;
+    if (grow((void **)&s->nodes, &s->cap_nodes, view->len / 16 + 16, sizeof(Node), s) ||
+        grow((void **)&s->out.data, &s->out.cap, view->len + 16, 1, s))
+        return -1;
+    if (parse_value(s, 0) < 0) return -1;
+    skip_ws(s);
+    if (s->p != s->end) return fail(s);
+    return write_value(s, 0);
+}
+
+static PyObject *canonical_bytes(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    State s;
+    acquire(&s);
+    PyObject *result;
+    if (canonical(&s, &view) == 0) result = PyBytes_FromStringAndSize((char *)s.out.data, s.out.len);
+    else result = s.error == 2 ? NULL : Py_NewRef(Py_None);
+    release(&s);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyObject *collapse_stream(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    State s;
+    acquire(&s);
+    PyObject *result = NULL;
+    int done = canonical(&s, &view);
+    if (done == 0) {
+        done = collapse(&s);
+        if (done == 0) {
+            result = Py_BuildValue("(y#y#)", (char *)s.out.data, s.out.len,
+                                   (char *)s.collapsed.data, s.collapsed.len);
+        } else if (done == 1) {
+            result = Py_NewRef(Py_None);
+        }
+    } else if (s.error != 2) {
+        result = Py_NewRef(Py_None);
+    }
+    release(&s);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"canonical_bytes", canonical_bytes, METH_O,
+     "canonical_bytes(line, /)\n--\n\n"
+     "orjson.dumps(orjson.loads(line), option=OPT_SORT_KEYS), or None where not sure."},
+    {"collapse_stream", collapse_stream, METH_O,
+     "collapse_stream(line, /)\n--\n\n"
+     "(canonical bytes, the line with its stream's text chunks merged), or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_streams",
+    "Streamed OpenAI captures made small before Python reads them (see collapse_stream).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__streams(void) {
+    PyObject *orjson = PyImport_ImportModule("orjson");
+    if (!orjson) return NULL;
+    orjson_loads = PyObject_GetAttrString(orjson, "loads");
+    orjson_dumps = PyObject_GetAttrString(orjson, "dumps");
+    Py_DECREF(orjson);
+    if (!orjson_loads || !orjson_dumps) return NULL;
+    return PyModule_Create(&moduledef);
+}

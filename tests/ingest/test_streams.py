@@ -1,0 +1,241 @@
+"""Streamed OpenAI captures read in C (``factory/normalize/_streams.c``): the same bytes as
+orjson, the same rows as the Python path, and None wherever it cannot be sure."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import factory.normalize.rows as rows
+from factory import native
+from tests.ingest import conversations as conv
+from tests.ingest.test_fuzz import _mutate, _paths
+
+pytestmark = pytest.mark.skipif(native.status() != "compiled",
+                                reason=f"normalizers {native.status()}: `make native` builds "
+                                "the C module")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module() -> Any:
+    from factory.normalize import _streams
+
+    return _streams
+
+
+def _reference(text: bytes) -> bytes | None:
+    try:
+        return orjson.dumps(orjson.loads(text), option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+        return None
+
+
+# -- canonical bytes -----------------------------------------------------------------------------
+_text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12) \
+    | st.sampled_from(["\x00\x1f\b\f\n\r\t\"\\/", "é", "😀 \U0010ffff", "\u2028\x7f", ""])
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.sampled_from([0, -0.0, 1.0, 1e16, 1e-7, 123456789012345678, 10**19]) | _text,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(_text, children, max_size=5), max_leaves=25)
+_SETTINGS = settings(max_examples=300, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@_SETTINGS
+@given(value=_values, ascii_=st.booleans(), indent=st.sampled_from([None, 0, 2]),
+       compact=st.booleans())
+def test_canonical_bytes_are_orjson_s(value: Any, ascii_: bool, indent: int | None,
+                                      compact: bool) -> None:
+    # every spelling json writes: escaped or not, indented or not, any key order
+    text = json.dumps(value, ensure_ascii=ascii_, indent=indent,
+                      separators=(",", ":") if compact else None).encode()
+    expected = _reference(text)
+    got = _module().canonical_bytes(text)
+    if expected is None:  # (infinities: json writes what orjson refuses)
+        assert got is None
+    else:
+        assert got == expected
+
+
+@_SETTINGS
+@given(data=st.data(), form=st.sampled_from(sorted(conv.ALL_FORMS)))
+def test_mutated_bytes_are_orjson_s_or_none(data: st.DataObject, form: str) -> None:
+    text = bytearray(json.dumps(conv.ALL_FORMS[form](), ensure_ascii=data.draw(st.booleans()))
+                     .encode())
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(text) - 1))
+        action = data.draw(st.sampled_from(["delete", "insert", "replace"]))
+        byte = data.draw(st.sampled_from([b'"', b"\\", b"{", b"]", b",", b":", b"\x00", b"\xff",
+                                          b"\xc3", b"u", b"0", b"-", b"e", b" ", b"\n"]))
+        if action == "delete":
+            del text[at]
+        elif action == "insert":
+            text[at:at] = byte
+        else:
+            text[at:at + 1] = byte
+    got = _module().canonical_bytes(bytes(text))
+    assert got is None or got == _reference(bytes(text))
+
+
+@pytest.mark.parametrize("text", [
+    b'{"a":1,"a":2}',  # a dict keeps the last value
+    b'{"a":1,"\\u0061":2}',  # the same key, escaped
+    b'"\\ud800"', b'"\\udc00\\ud800"', b'"\\ud83d x"',  # lone surrogates
+    b'"\xed\xa0\x80"', b'"\xc0\xaf"', b'"\xff"',  # not UTF-8
+    b"NaN", b"[Infinity]", b"1e999", b"[1,]", b"{}x", b"01", b"[1 2]", b'"a\tb"', b"",
+    b"[" * 600 + b"]" * 600,  # deeper than the C module goes
+])
+def test_canonical_bytes_refuse_what_they_cannot_be_sure_of(text: bytes) -> None:
+    assert _module().canonical_bytes(text) is None
+
+
+def test_canonical_bytes_of_escapes_numbers_and_keys() -> None:
+    text = (b'{ "b" : [1, -0, 0.5, 1E2, 18446744073709551615, 123456789012345678901],'
+            b' "a\\u00e9": "\\ud83d\\ude00\\u0001\\/\\"", "a": true, "": null }')
+    assert _module().canonical_bytes(text) == _reference(text)
+
+
+# -- collapsed streams ---------------------------------------------------------------------------
+def _chunk(content: str | None = None, *, index: int = 0, **extra: Any) -> dict[str, Any]:
+    delta = {} if content is None else {"content": content}
+    return {"id": "c1", "object": "chat.completion.chunk", **extra,
+            "choices": [{"index": index, "delta": delta, "logprobs": None,
+                         "finish_reason": None}]}
+
+
+def _stream(chunks: list[Any], **top: Any) -> dict[str, Any]:
+    return {"provider": "openai", "endpoint": "/v1/chat/completions",
+            "request": {**conv.openai_request(), "stream": True}, "stream": chunks, **top}
+
+
+def _variants() -> list[dict[str, Any]]:
+    """Streams that exercise every rule: what is merged, what is kept, model and created."""
+    role = {"id": "c1", "object": "chat.completion.chunk", "created": 1767225600,
+            "model": "gpt-4o", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                   "content": ""}}]}
+    words = [_chunk(w, created=1767225600, model="gpt-4o")
+             for w in ["It ", "is ", "sunny ", "é😀\n\"q\" ", "\\ ", "done."]]
+    finish = {"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    usage = {"id": "c1", "choices": [], "usage": {"total_tokens": 9}}
+    call = {"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\""}}]}}]}
+    call_more = {"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": ": \"Paris\"}"}}]}}]}
+    return [
+        _stream([role, *words, finish, usage]),
+        _stream([role, *words, finish, usage, "[DONE]"]),
+        # no model or created time until the third chunk, then a model that is empty first
+        _stream([_chunk("a"), _chunk("b"), _chunk("c", model="", created=0),
+                 _chunk("d", model="m1"), _chunk("e", model="m2", created=5), _chunk("f")]),
+        # two choices interleaved, and an index given as -0 and left out
+        _stream([role, *[_chunk(w, index=i % 2) for i, w in enumerate("abcdefgh")],
+                 {"choices": [{"delta": {"content": "x"}}]},
+                 {"choices": [{"delta": {"content": "y"}}]}]),
+        # text, then a tool call, then text again; a refusal and reasoning are kept
+        _stream([role, *words[:3], call, call_more, *words[3:],
+                 {"choices": [{"index": 0, "delta": {"refusal": "no"}}]},
+                 {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]},
+                 _chunk("z")]),
+        # what is not a text-only chunk: an error key, extra delta keys, two choices, a bool
+        # index, a float model, a non-string content
+        _stream([role, _chunk("a"), {**_chunk("b"), "error": None}, _chunk("c"),
+                 {"choices": [{"index": 0, "delta": {"content": "d", "role": "assistant"}}]},
+                 _chunk("e"), {"choices": [_chunk("f")["choices"][0]] * 2}, _chunk("g"),
+                 {"choices": [{"index": True, "delta": {"content": "h"}}]}, _chunk("i"),
+                 {"choices": [{"index": 0, "delta": {"content": 7}}]}, _chunk("j"),
+                 _chunk("k")]),
+        _stream([_chunk("a", model=1.5), _chunk("b", model="m"), _chunk("c")]),
+        _stream([role, _chunk("a"), _chunk("b"), _chunk("c")], status=500),
+        _stream([role, _chunk("a"), _chunk("b"), _chunk("c")], partial=True),
+        _stream([{"type": "message_start"}, _chunk("a"), _chunk("b")]),  # Anthropic's events
+        {**_stream([role, _chunk("a"), _chunk("b")]), "provider": "anthropic"},
+        _stream([role, _chunk("a"), {"error": {"message": "overloaded"}}, _chunk("b"),
+                 _chunk("c")]),
+        conv.openai_stream_call(),
+    ]
+
+
+def _bench_streams(tmp_path: Path, count: int) -> list[bytes]:
+    spec = importlib.util.spec_from_file_location("bench_ingest", ROOT / "bench" / "ingest.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = tmp_path / "bench.jsonl"
+    bench.generate(path, count, seed=11)
+    return [line for line in path.read_bytes().split(b"\n") if b'"stream"' in line]
+
+
+def _both(lines: list[bytes], fmt: str = "auto") -> tuple[list[Any], list[Any]]:
+    """process_lines of ``lines`` with the C module and without it."""
+    collapse = rows._COLLAPSE
+    assert collapse is not None
+    fast = rows.process_lines(lines, name="t", first_lineno=1, format_hint=fmt,
+                              line_errors=[])
+    try:
+        rows._COLLAPSE = None
+        slow = rows.process_lines(lines, name="t", first_lineno=1, format_hint=fmt,
+                                  line_errors=[])
+    finally:
+        rows._COLLAPSE = collapse
+    return fast, slow
+
+
+def test_collapsed_streams_give_the_python_path_s_rows(tmp_path: Path) -> None:
+    records = _variants()
+    lines = [json.dumps(r, ensure_ascii=ascii_).encode() for r in records
+             for ascii_ in (False, True)]
+    lines += _bench_streams(tmp_path, 400)
+    collapsed = [_module().collapse_stream(line) for line in lines]
+    assert sum(c is not None for c in collapsed) > len(lines) * 0.8  # the C path is taken
+    for line, found in zip(lines, collapsed, strict=True):
+        if found is not None:
+            assert found[0] == _reference(line)
+            assert len(found[1]) < len(line)
+    for fmt in ("auto", "openai"):
+        fast, slow = _both(lines, fmt)
+        assert fast == slow
+    fast, _ = _both(lines)
+    assert sum(1 for r in fast if r[4] is None) > len(lines) * 0.6  # most are accepted
+
+
+def test_a_collapsed_stream_keeps_every_chunk_but_text_only_ones() -> None:
+    record = conv.openai_stream_call()  # role, three words, finish, usage
+    found = _module().collapse_stream(json.dumps(record).encode())
+    assert found is not None
+    stream = orjson.loads(found[1])["stream"]
+    assert stream[0] == record["stream"][0] and stream[2:] == record["stream"][4:]
+    assert stream[1] == {"choices": [{"index": 0, "delta": {
+        "content": "It is sunny and 21 °C in Paris."}}]}
+    assert {k: v for k, v in orjson.loads(found[1]).items() if k != "stream"} == \
+        {k: v for k, v in record.items() if k != "stream"}
+
+
+def test_mutated_streams_give_the_python_path_s_rows_and_reasons() -> None:
+    rng = random.Random(3)
+    lines = []
+    for record in _variants()[:6]:
+        paths = _paths(record)
+        for path in rng.sample(paths, min(40, len(paths))):
+            for action, new in (("delete", None), ("replace", None), ("replace", 7),
+                                ("replace", ""), ("replace", []), ("replace", {}),
+                                ("stringify", None), ("truncate", None)):
+                try:
+                    mutated = _mutate(copy.deepcopy(record), path, action, new)
+                except (KeyError, IndexError, TypeError):
+                    continue
+                lines.append(json.dumps(mutated, ensure_ascii=False).encode())
+    fast, slow = _both(lines)
+    assert fast == slow
+    assert sum(1 for r in slow if r[4]) > 50  # rejections, with the same reasons
