@@ -45,10 +45,12 @@ enum { N_OBJ, N_ARR, N_STR, N_ESTR, N_RAW, N_ARENA };
 
 typedef struct {
     uint8_t type;
-    Py_ssize_t start, len; /* string contents / token, in the input or the arena; a
-                              container's len is its number of members */
-    Py_ssize_t src, src_end; /* the whole value's span in the input */
-    Py_ssize_t next;         /* the node after this one and all it holds */
+    /* 32-bit offsets (a line of 2 GiB or more is not read here): the nodes of a streamed
+     * record take half the memory, and it is read faster */
+    int32_t start, len; /* string contents / token, in the input or the arena; a container's
+                           len is its number of members */
+    int32_t src, src_end; /* the whole value's span in the input */
+    int32_t next;         /* the node after this one and all it holds */
 } Node;
 
 typedef struct {
@@ -408,9 +410,10 @@ static inline const unsigned char *str_bytes(State *s, const Node *n) {
 
 static int key_cmp(State *s, Py_ssize_t a, Py_ssize_t b) {
     const Node *na = &s->nodes[a], *nb = &s->nodes[b];
-    int c = memcmp(str_bytes(s, na), str_bytes(s, nb),
-                   (size_t)(na->len < nb->len ? na->len : nb->len));
-    if (c) return c;
+    const unsigned char *ka = str_bytes(s, na), *kb = str_bytes(s, nb);
+    Py_ssize_t n = na->len < nb->len ? na->len : nb->len;
+    for (Py_ssize_t i = 0; i < n; i++) /* keys are short: no call to memcmp */
+        if (ka[i] != kb[i]) return ka[i] < kb[i] ? -1 : 1;
     return na->len < nb->len ? -1 : (na->len > nb->len ? 1 : 0);
 }
 
@@ -725,6 +728,8 @@ static void release(State *s) {
 
 /* Parse the whole text and write its canonical bytes into s->out: 0, or -1 (s->error). */
 static int canonical(State *s, Py_buffer *view) {
+    if (view->len >= INT32_MAX / 2) return fail(s); /* (offsets are 32-bit, and the arena's
+                                                       decoded strings are within the line) */
     s->base = s->p = (const unsigned char *)view->buf;
     s->end = s->p + view->len;
     if (grow((void **)&s->nodes, &s->cap_nodes, view->len / 16 + 16, sizeof(Node), s) ||
