@@ -39,8 +39,8 @@ PACKAGE = "factory.normalize"
 MODULES = ("canon", "images", "detect", "openai", "anthropic", "gemini", "sharegpt", "otlp",
            "rows")
 """The compiled modules, in dependency order."""
-C_MODULES = ("_streams",)
-"""Modules written in C (``<name>.c``), built with the others. ``_streams`` reads a streamed
+C_MODULES = ("_openai_fast",)
+"""Modules written in C (``<name>.c``), built with the others. ``_openai_fast`` reads a streamed
 OpenAI capture without building its chunks as Python objects. The code that uses one runs
 without it where it cannot be imported: not built, or the build is stale."""
 GROUP = "_native"

@@ -24,6 +24,7 @@ from factory.normalize.canon import (
     canonical_json_strings,
     content_hash,
     sha256_hex,
+    unix_time,
 )
 from factory.normalize.detect import detect_format, normalize_record
 from factory.normalize.otlp import is_otlp_export, split_otlp_json
@@ -120,46 +121,67 @@ def outcome(payload: Any, fmt: str,
     return None, rows
 
 
-def _load_collapse() -> Callable[[bytes], tuple[bytes, bytes] | None] | None:
-    """``factory.normalize._streams.collapse_stream`` (C, built by ``make native``), or None
+def _load_fast() -> Callable[[bytes], tuple[Any, ...] | None] | None:
+    """``factory.normalize._openai_fast.fast_record`` (C, built by ``make native``), or None
     where it is not built or the build is stale (``factory.native``)."""
     try:
-        module = importlib.import_module("factory.normalize._streams")
+        module = importlib.import_module("factory.normalize._openai_fast")
     except ImportError:
         return None
-    found: Callable[[bytes], tuple[bytes, bytes] | None] = module.collapse_stream
+    found: Callable[[bytes], tuple[Any, ...] | None] = module.fast_record
     return found
 
 
-_COLLAPSE = _load_collapse()
+_FAST = _load_fast()
 
 
-def stream_outcome(line: bytes, format_hint: str,
-                   blobs: BlobStore | None) -> tuple[str, list[SampleRow]] | None:
-    """(raw_trace_id, sample rows) of a streamed OpenAI capture, read with the text-only chunks
-    of its stream merged (``factory.normalize._streams``: the same response, without a Python
-    object per token), or None: the C module is not built, the line is not such a capture, or
-    it is not accepted (the caller then reads the line itself, and a rejection's reason names
-    the chunk by its place in the stream as it came)."""
-    if _COLLAPSE is None:
+def fast_outcome(line: bytes, format_hint: str,
+                 blobs: BlobStore | None) -> tuple[str, list[SampleRow]] | None:
+    """(raw_trace_id, sample rows) of a logged OpenAI call read by the C module
+    (``factory.normalize._openai_fast``), or None: it is not built, the line is not such a
+    call, or the C module is not sure to give what the Python path gives (the caller then
+    reads the line itself).
+
+    - A streamed call is read with the text-only chunks of its stream merged (the same
+      response, without a Python object per token) and normalized here as usual; kept only
+      when accepted, since a rejection's reason names a chunk by its place in the stream as it
+      came.
+    - A call with a response, in the common shape (text content, tool calls and results,
+      function tools, one choice), is normalized in C: only the row is built here.
+    """
+    if _FAST is None:
         return None
-    found = _COLLAPSE(line)
+    found = _FAST(line)
     if found is None:
         return None
-    canonical, collapsed = found
-    try:
-        value = orjson.loads(collapsed)
-    except orjson.JSONDecodeError:  # (valid JSON by construction: only to be safe)
+    if found[0] == "stream":
+        canonical, collapsed = found[1], found[2]
+        try:
+            value = orjson.loads(collapsed)
+        except orjson.JSONDecodeError:  # (valid JSON by construction: only to be safe)
+            return None
+        if is_otlp_export(value):
+            return None
+        fmt = format_hint if format_hint != "auto" else detect_format(value)
+        if fmt != "openai":
+            return None
+        reason, rows = outcome(value, fmt, blobs)
+        if reason is not None:
+            return None
+        return hashlib.sha256(canonical).hexdigest(), rows
+    if format_hint not in ("auto", "openai"):
         return None
-    if is_otlp_export(value):
-        return None
-    fmt = format_hint if format_hint != "auto" else detect_format(value)
-    if fmt != "openai":
-        return None
-    reason, rows = outcome(value, fmt, blobs)
-    if reason is not None:
-        return None
-    return hashlib.sha256(canonical).hexdigest(), rows
+    canonical, messages, tools = found[1], found[2], found[3]
+    model, created, turns, calls = found[4], found[5], found[6], found[7]
+    digest = hashlib.sha256(b'{"messages":')  # as canon.finish hashes it
+    digest.update(messages)
+    digest.update(b',"tools":')
+    digest.update(tools)
+    digest.update(b"}")
+    created_at = unix_time(orjson.loads(created)) if isinstance(created, bytes) else None
+    row = (digest.hexdigest(), "openai", model, messages.decode("utf-8"),
+           tools.decode("utf-8"), turns, False, calls != 0, created_at)
+    return hashlib.sha256(canonical).hexdigest(), [row]
 
 
 def digests(ids: Sequence[str]) -> np.ndarray:
@@ -235,8 +257,9 @@ def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, forma
         stripped = line.strip()
         if not stripped:
             continue
-        if not check and _COLLAPSE is not None and b'"stream"' in stripped:
-            fast = stream_outcome(stripped, format_hint, blobs)
+        if not check and _FAST is not None and (b'"stream"' in stripped
+                                                 or b'"choices"' in stripped):
+            fast = fast_outcome(stripped, format_hint, blobs)
             if fast is not None:
                 out.append((index, fast[0], None, "openai", None, fast[1]))
                 continue

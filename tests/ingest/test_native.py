@@ -153,7 +153,7 @@ def test_an_edited_source_is_never_shadowed_by_an_old_build(tmp_path: Path) -> N
 @needs_build
 def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
     checkout = _copy_package(tmp_path)
-    code = "import factory.normalize.rows as r; print(r._COLLAPSE is not None)"
+    code = "import factory.normalize.rows as r; print(r._FAST is not None)"
 
     def c_module_used() -> bool:
         done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
@@ -162,9 +162,9 @@ def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
         return done.stdout.strip() == "True"
 
     assert c_module_used()
-    source = checkout / "factory" / "normalize" / "_streams.c"
+    source = checkout / "factory" / "normalize" / "_openai_fast.c"
     source.write_text(source.read_text() + "\n/* edited after the build */\n")
-    assert native.status(source.parent) == "stale (_streams.c changed since the build)"
+    assert native.status(source.parent) == "stale (_openai_fast.c changed since the build)"
     assert not c_module_used()
 
 

@@ -24,7 +24,7 @@
  * reason names the chunk by its place in the original stream).
  *
  * factory.native builds this module with the mypyc-compiled normalizers (``make native``);
- * tests/ingest/test_streams.py holds both results to orjson and to the Python path.
+ * tests/ingest/test_openai_fast.py holds both results to orjson and to the Python path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -63,6 +63,7 @@ typedef struct {
     Node *nodes;
     Py_ssize_t n_nodes, cap_nodes;
     Buf arena, out, collapsed, run;
+    Buf msgs, tools, tmp; /* an OpenAI call's canonical messages and tools, and scratch */
     Py_ssize_t *members; /* a stack of key nodes: the objects being written, sorted */
     Py_ssize_t n_members, cap_members;
     int error; /* 1: not sure (None); 2: a Python exception is set */
@@ -70,6 +71,7 @@ typedef struct {
 } State;
 
 static PyObject *orjson_loads, *orjson_dumps;
+static void release(State *s);
 
 static int fail(State *s) {
     if (!s->error) s->error = 1;
@@ -419,21 +421,12 @@ static int key_cmp(State *s, Py_ssize_t a, Py_ssize_t b) {
 
 static const char HEX[] = "0123456789abcdef";
 
-static int write_string(State *s, const Node *n) {
-    Buf *b = &s->out;
-    if (n->type == N_STR) {
-        if (reserve(s, b, n->len + 2)) return -1;
-        b->data[b->len++] = '"';
-        memcpy(b->data + b->len, s->base + n->start, (size_t)n->len);
-        b->len += n->len;
-        b->data[b->len++] = '"';
-        return 0;
-    }
-    /* decoded: escaped as orjson escapes (", \ and control characters, nothing else) */
-    if (reserve(s, b, n->len * 6 + 2)) return -1;
+/* ``data`` as the contents of a JSON string, escaped as orjson escapes (", \ and control
+ * characters, nothing else). */
+static int write_escaped(State *s, Buf *b, const unsigned char *p, Py_ssize_t len) {
+    if (reserve(s, b, len * 6)) return -1;
     unsigned char *o = b->data + b->len;
-    *o++ = '"';
-    const unsigned char *p = s->arena.data + n->start, *end = p + n->len;
+    const unsigned char *end = p + len;
     for (; p < end; p++) {
         unsigned char c = *p;
         if (c == '"' || c == '\\') {
@@ -458,27 +451,74 @@ static int write_string(State *s, const Node *n) {
             *o++ = c;
         }
     }
-    *o++ = '"';
     b->len = o - b->data;
     return 0;
 }
 
-static int write_value(State *s, Py_ssize_t index) {
+static int write_string(State *s, Buf *b, const Node *n) {
+    if (n->type == N_STR) { /* its bytes in the input are already escaped that way */
+        if (reserve(s, b, n->len + 2)) return -1;
+        b->data[b->len++] = '"';
+        memcpy(b->data + b->len, s->base + n->start, (size_t)n->len);
+        b->len += n->len;
+        b->data[b->len++] = '"';
+        return 0;
+    }
+    return put_byte(s, b, '"') || write_escaped(s, b, s->arena.data + n->start, n->len) ||
+           put_byte(s, b, '"');
+}
+
+enum {
+    F_LOWER = 1,   /* a JSON Schema: upper-case type names lower-cased (lower_schema_types) */
+    F_NOFLOAT = 2, /* refuse numbers orjson writes (the reference encoder may differ) */
+};
+
+static inline int is_string(const Node *n) { return n->type == N_STR || n->type == N_ESTR; }
+
+static int str_is(State *s, const Node *n, const char *text) {
+    size_t len = strlen(text);
+    return is_string(n) && (size_t)n->len == len && memcmp(str_bytes(s, n), text, len) == 0;
+}
+
+static const char *const SCHEMA_TYPES[] = {"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY",
+                                           "OBJECT", "NULL", NULL};
+static const char *const USER_DATA[] = {"enum", "const", "default", "example", "examples", NULL};
+
+static int str_in(State *s, const Node *n, const char *const *set) {
+    for (; *set; set++)
+        if (str_is(s, n, *set)) return 1;
+    return 0;
+}
+
+/* A string, lower-cased when it is an OpenAPI type name (``STRING``). */
+static int write_type_name(State *s, Buf *b, const Node *n) {
+    if (!str_in(s, n, SCHEMA_TYPES)) return write_string(s, b, n);
+    if (reserve(s, b, n->len + 2)) return -1;
+    const unsigned char *t = str_bytes(s, n);
+    b->data[b->len++] = '"';
+    for (Py_ssize_t i = 0; i < n->len; i++) b->data[b->len++] = (unsigned char)(t[i] | 0x20);
+    b->data[b->len++] = '"';
+    return 0;
+}
+
+static int write_value(State *s, Buf *b, Py_ssize_t index, int flags) {
     const Node *n = &s->nodes[index];
     switch (n->type) {
         case N_STR:
-        case N_ESTR: return write_string(s, n);
-        case N_RAW: return put(s, &s->out, s->base + n->start, n->len);
-        case N_ARENA: return put(s, &s->out, s->arena.data + n->start, n->len);
+        case N_ESTR: return write_string(s, b, n);
+        case N_RAW: return put(s, b, s->base + n->start, n->len);
+        case N_ARENA:
+            if (flags & F_NOFLOAT) return fail(s);
+            return put(s, b, s->arena.data + n->start, n->len);
         case N_ARR: {
-            if (put_byte(s, &s->out, '[')) return -1;
+            if (put_byte(s, b, '[')) return -1;
             Py_ssize_t child = index + 1, count = n->len;
             for (Py_ssize_t i = 0; i < count; i++) {
-                if (i && put_byte(s, &s->out, ',')) return -1;
-                if (write_value(s, child)) return -1;
+                if (i && put_byte(s, b, ',')) return -1;
+                if (write_value(s, b, child, flags)) return -1;
                 child = s->nodes[child].next;
             }
-            return put_byte(s, &s->out, ']');
+            return put_byte(s, b, ']');
         }
         case N_OBJ: {
             Py_ssize_t count = n->len, base = s->n_members;
@@ -498,16 +538,38 @@ static int write_value(State *s, Py_ssize_t index) {
                 key = s->nodes[key + 1].next; /* past the key and its value */
             }
             s->n_members = base + count;
-            if (put_byte(s, &s->out, '{')) return -1;
+            if (put_byte(s, b, '{')) return -1;
             for (Py_ssize_t i = 0; i < count; i++) {
                 Py_ssize_t k = s->members[base + i];
-                if (i && put_byte(s, &s->out, ',')) return -1;
-                if (write_string(s, &s->nodes[k]) || put_byte(s, &s->out, ':') ||
-                    write_value(s, k + 1))
+                const Node *v = &s->nodes[k + 1];
+                if ((i && put_byte(s, b, ',')) || write_string(s, b, &s->nodes[k]) ||
+                    put_byte(s, b, ':'))
                     return -1;
+                int vflags = flags, done = 0;
+                if ((flags & F_LOWER) && str_is(s, &s->nodes[k], "type")) {
+                    if (is_string(v)) {
+                        if (write_type_name(s, b, v)) return -1;
+                        done = 1;
+                    } else if (v->type == N_ARR) { /* names lowered, anything else as is */
+                        if (put_byte(s, b, '[')) return -1;
+                        Py_ssize_t item = k + 2;
+                        for (Py_ssize_t j = 0; j < v->len; j++) {
+                            if (j && put_byte(s, b, ',')) return -1;
+                            if (is_string(&s->nodes[item]) ? write_type_name(s, b, &s->nodes[item])
+                                : write_value(s, b, item, flags & ~F_LOWER))
+                                return -1;
+                            item = s->nodes[item].next;
+                        }
+                        if (put_byte(s, b, ']')) return -1;
+                        done = 1;
+                    }
+                } else if ((flags & F_LOWER) && str_in(s, &s->nodes[k], USER_DATA)) {
+                    vflags &= ~F_LOWER; /* user data inside a schema: as it is */
+                }
+                if (!done && write_value(s, b, k + 1, vflags)) return -1;
             }
             s->n_members = base;
-            return put_byte(s, &s->out, '}');
+            return put_byte(s, b, '}');
         }
     }
     return fail(s);
@@ -675,6 +737,384 @@ static int collapse(State *s) {
     return 0;
 }
 
+/* -- logged OpenAI calls ------------------------------------------------------------------- */
+/* A logged Chat Completions call ({"request", "response"}) normalized here, as
+ * factory.normalize.openai.normalize_call and canon.finish would: the canonical messages and
+ * tools (their JSON), model, created time, turns and whether it calls tools. Only the common
+ * shape: text content (a string or nothing), tool calls and tool results, function tools, one
+ * choice. Anything else (images, content parts, legacy functions, a prefilled assistant turn,
+ * several choices, floats in tool schemas or arguments, anything the Python code would
+ * reject) returns "not sure", and the Python path reads the record. */
+
+#define MAX_CALLS 256
+
+typedef struct {
+    const unsigned char *id; /* the provisional id (decoded), or NULL */
+    Py_ssize_t id_len;
+    int number;              /* its canonical id: call_<number> */
+} IdMap;
+
+typedef struct {
+    int number;               /* call_<number> */
+    const unsigned char *name;
+    Py_ssize_t name_len;
+} Pending;
+
+typedef struct {
+    IdMap ids[MAX_CALLS];
+    int n_ids;
+    Pending pending[MAX_CALLS];
+    int n_pending;
+    int num_calls, num_assistant, has_tool_calls, num_messages;
+    int last_plain_assistant; /* the last message is an assistant turn without tool calls */
+} Finish;
+
+static int put_call_id(State *s, Buf *b, int number) {
+    char text[32];
+    int n = snprintf(text, sizeof(text), "\"call_%d\"", number);
+    return put(s, b, text, n);
+}
+
+/* canon_json_text of a string node into s->tmp (unescaped): the canonical JSON of an object
+ * or array it holds, else the string itself. 0, or 1: not sure (the caller gives up). */
+static int json_text(State *s, const Node *n) {
+    const unsigned char *text = str_bytes(s, n);
+    Py_ssize_t len = n->len;
+    s->tmp.len = 0;
+    if (len && (text[0] == '{' || text[0] == '[')) {
+        State sub;
+        memset(&sub, 0, sizeof(sub));
+        sub.base = sub.p = text;
+        sub.end = text + len;
+        int bad = parse_value(&sub, 0) < 0;
+        if (!bad) {
+            skip_ws(&sub);
+            bad = sub.p != sub.end || write_value(&sub, &s->tmp, 0, F_NOFLOAT) != 0;
+        }
+        int error = sub.error;
+        release(&sub);
+        if (error == 2) s->error = 2;
+        return bad ? 1 : 0;
+    }
+    /* Python strips leading whitespace (any Unicode space) before looking: not here */
+    if (len && (text[0] >= 0x80 || text[0] == ' ' || (text[0] >= 0x09 && text[0] <= 0x0d) ||
+                (text[0] >= 0x1c && text[0] <= 0x1f)))
+        return 1;
+    return put(s, &s->tmp, text, len) ? 1 : 0;
+}
+
+/* One text part (dropped when empty, as finish drops it), with a comma before all but the
+ * first part of its message. */
+static int text_part(State *s, const Node *text, const char *type, int *parts) {
+    if (text->len == 0) return 0;
+    Buf *b = &s->msgs;
+    if ((*parts)++ && put_byte(s, b, ',')) return -1;
+    return put(s, b, "{\"text\":", 8) || write_string(s, b, text) ||
+           put(s, b, ",\"type\":\"", 9) || put(s, b, type, (Py_ssize_t)strlen(type)) ||
+           put(s, b, "\"}", 2);
+}
+
+/* A part whose text is in s->tmp (a tool result): the same, escaped from there. */
+static int tmp_part(State *s, int *parts) {
+    if (s->tmp.len == 0) return 0;
+    Buf *b = &s->msgs;
+    if ((*parts)++ && put_byte(s, b, ',')) return -1;
+    return put(s, b, "{\"text\":\"", 9) || write_escaped(s, b, s->tmp.data, s->tmp.len) ||
+           put(s, b, "\",\"type\":\"text\"}", 16);
+}
+
+static int begin_message(State *s, Finish *f) {
+    Buf *b = &s->msgs;
+    if (f->num_messages++ && put_byte(s, b, ',')) return -1;
+    return put(s, b, "{\"content\":[", 12);
+}
+
+static int end_message(State *s, const char *role) {
+    Buf *b = &s->msgs;
+    return put(s, b, "],\"role\":\"", 10) || put(s, b, role, (Py_ssize_t)strlen(role)) ||
+           put_byte(s, b, '"');
+}
+
+/* A tool result: its message, with the call it answers (finish's matching). 0, 1 (not
+ * sure) or -1. */
+static int tool_result(State *s, Finish *f, Py_ssize_t msg, int is_tool_role) {
+    Py_ssize_t content = member(s, msg, "content"), name = member(s, msg, "name");
+    Py_ssize_t call_id = member(s, msg, "tool_call_id");
+    if (content < 0 || !is_string(&s->nodes[content])) return 1;
+    const Node *nn = name >= 0 && is_string(&s->nodes[name]) ? &s->nodes[name] : NULL;
+    const Node *pid = NULL;
+    if (call_id >= 0 && s->nodes[call_id].type == N_RAW && s->base[s->nodes[call_id].start] == 'n')
+        call_id = -1; /* null */
+    if (call_id >= 0) {
+        if (!is_string(&s->nodes[call_id])) return 1; /* (a number: str() of it) */
+        if (s->nodes[call_id].len) pid = &s->nodes[call_id]; /* "" reads as none */
+    }
+    if (is_tool_role && call_id < 0 && !nn) return 1; /* Python rejects it */
+    if (json_text(s, &s->nodes[content])) return 1;
+    int parts = 0;
+    if (begin_message(s, f) || tmp_part(s, &parts) || end_message(s, "tool")) return -1;
+    /* which call it answers */
+    const unsigned char *nm = nn && nn->len ? str_bytes(s, nn) : NULL; /* finish: _name if name */
+    Py_ssize_t nm_len = nm ? nn->len : 0;
+    int cid = -1;
+    if (pid) {
+        const unsigned char *p = str_bytes(s, pid);
+        for (int i = f->n_ids - 1; i >= 0; i--)
+            if (f->ids[i].id_len == pid->len && memcmp(f->ids[i].id, p, (size_t)pid->len) == 0) {
+                cid = f->ids[i].number;
+                break;
+            }
+    }
+    if (cid < 0) {
+        int match = -1;
+        if (nm)
+            for (int i = 0; i < f->n_pending; i++)
+                if (f->pending[i].name_len == nm_len &&
+                    memcmp(f->pending[i].name, nm, (size_t)nm_len) == 0) {
+                    match = f->pending[i].number;
+                    break;
+                }
+        if (match >= 0) {
+            cid = match;
+        } else if (!pid && f->n_pending && !nm) {
+            cid = f->pending[0].number;
+        } else {
+            cid = f->num_calls++;
+            if (pid) {
+                if (f->n_ids == MAX_CALLS) return 1;
+                f->ids[f->n_ids].id = str_bytes(s, pid);
+                f->ids[f->n_ids].id_len = pid->len;
+                f->ids[f->n_ids++].number = cid;
+            }
+        }
+    }
+    int kept = 0;
+    for (int i = 0; i < f->n_pending; i++)
+        if (f->pending[i].number != cid) f->pending[kept++] = f->pending[i];
+    f->n_pending = kept;
+    f->last_plain_assistant = 0;
+    return put(s, &s->msgs, ",\"tool_call_id\":", 16) || put_call_id(s, &s->msgs, cid) ||
+           put_byte(s, &s->msgs, '}') ? -1 : 0;
+}
+
+/* An assistant turn (_message): reasoning, content, refusal, tool calls. 0, 1 or -1. */
+static int assistant(State *s, Finish *f, Py_ssize_t msg) {
+    if (member(s, msg, "function_call") >= 0) {
+        Py_ssize_t fc = member(s, msg, "function_call");
+        if (!(s->nodes[fc].type == N_RAW && s->base[s->nodes[fc].start] == 'n')) return 1;
+    }
+    Py_ssize_t reasoning = member(s, msg, "reasoning_content");
+    Py_ssize_t content = member(s, msg, "content"), refusal = member(s, msg, "refusal");
+    Py_ssize_t calls = member(s, msg, "tool_calls");
+    int null_content = content < 0 || (s->nodes[content].type == N_RAW &&
+                                       s->base[s->nodes[content].start] == 'n');
+    if (!null_content && !is_string(&s->nodes[content])) return 1;
+    int null_refusal = refusal < 0 || (s->nodes[refusal].type == N_RAW &&
+                                       s->base[s->nodes[refusal].start] == 'n');
+    if (!null_refusal && !is_string(&s->nodes[refusal])) return 1;
+    int null_calls = calls < 0 || (s->nodes[calls].type == N_RAW &&
+                                   s->base[s->nodes[calls].start] == 'n');
+    if (!null_calls && s->nodes[calls].type != N_ARR) return 1;
+    int parts = 0;
+    if (begin_message(s, f)) return -1;
+    if (reasoning >= 0 && is_string(&s->nodes[reasoning]) &&
+        text_part(s, &s->nodes[reasoning], "reasoning", &parts))
+        return -1;
+    if (!null_content && text_part(s, &s->nodes[content], "text", &parts)) return -1;
+    if (!null_refusal && text_part(s, &s->nodes[refusal], "text", &parts)) return -1;
+    if (end_message(s, "assistant")) return -1;
+    f->num_assistant++;
+    Py_ssize_t count = null_calls ? 0 : s->nodes[calls].len;
+    if (count) {
+        Buf *b = &s->msgs;
+        if (put(s, b, ",\"tool_calls\":[", 15)) return -1;
+        Py_ssize_t call = calls + 1;
+        for (Py_ssize_t j = 0; j < count; j++, call = s->nodes[call].next) {
+            if (s->nodes[call].type != N_OBJ) return 1;
+            Py_ssize_t type = member(s, call, "type"), fn = member(s, call, "function");
+            Py_ssize_t id = member(s, call, "id");
+            if (type >= 0 && !str_is(s, &s->nodes[type], "function")) return 1;
+            if (fn < 0 || s->nodes[fn].type != N_OBJ) return 1;
+            Py_ssize_t name = member(s, fn, "name"), args = member(s, fn, "arguments");
+            if (name < 0 || !is_string(&s->nodes[name]) || !s->nodes[name].len) return 1;
+            if (id >= 0 && s->nodes[id].type == N_RAW && s->base[s->nodes[id].start] == 'n')
+                id = -1;
+            if (id >= 0 && !is_string(&s->nodes[id])) return 1; /* (a number: str() of it) */
+            /* the arguments, canonical where JSON (canon_json_text) */
+            if (args < 0 || (s->nodes[args].type == N_RAW && s->base[s->nodes[args].start] == 'n')) {
+                s->tmp.len = 0;
+                if (put(s, &s->tmp, "{}", 2)) return -1;
+            } else if (is_string(&s->nodes[args])) {
+                if (json_text(s, &s->nodes[args])) return 1;
+            } else if (s->nodes[args].type == N_OBJ || s->nodes[args].type == N_ARR) {
+                s->tmp.len = 0;
+                if (write_value(s, &s->tmp, args, F_NOFLOAT)) return s->error == 2 ? -1 : 1;
+            } else {
+                return 1;
+            }
+            int number = f->num_calls++;
+            if (id >= 0 && s->nodes[id].len) { /* "" reads as no id */
+                if (f->n_ids == MAX_CALLS) return 1;
+                f->ids[f->n_ids].id = str_bytes(s, &s->nodes[id]);
+                f->ids[f->n_ids].id_len = s->nodes[id].len;
+                f->ids[f->n_ids++].number = number;
+            }
+            if (f->n_pending == MAX_CALLS) return 1;
+            f->pending[f->n_pending].number = number;
+            f->pending[f->n_pending].name = str_bytes(s, &s->nodes[name]);
+            f->pending[f->n_pending++].name_len = s->nodes[name].len;
+            if ((j && put_byte(s, b, ',')) || put(s, b, "{\"arguments\":\"", 14) ||
+                write_escaped(s, b, s->tmp.data, s->tmp.len) || put(s, b, "\",\"id\":", 7) ||
+                put_call_id(s, b, number) || put(s, b, ",\"name\":", 8) ||
+                write_string(s, b, &s->nodes[name]) || put_byte(s, b, '}'))
+                return -1;
+        }
+        if (put_byte(s, b, ']')) return -1;
+        f->has_tool_calls = 1;
+    }
+    f->last_plain_assistant = count == 0;
+    return put_byte(s, &s->msgs, '}') ? -1 : 0;
+}
+
+static int is_null(State *s, Py_ssize_t node) {
+    return node < 0 || (s->nodes[node].type == N_RAW && s->base[s->nodes[node].start] == 'n');
+}
+
+/* One request message (convert_messages, then finish). 0, 1 or -1. */
+static int request_message(State *s, Finish *f, Py_ssize_t msg) {
+    if (s->nodes[msg].type != N_OBJ) return 1;
+    Py_ssize_t role = member(s, msg, "role");
+    if (role < 0) return 1;
+    const Node *r = &s->nodes[role];
+    const char *canon;
+    if (str_is(s, r, "system") || str_is(s, r, "developer")) canon = "system";
+    else if (str_is(s, r, "user")) canon = "user";
+    else if (str_is(s, r, "assistant")) return assistant(s, f, msg);
+    else if (str_is(s, r, "tool")) return tool_result(s, f, msg, 1);
+    else if (str_is(s, r, "function")) return tool_result(s, f, msg, 0);
+    else return 1;
+    Py_ssize_t content = member(s, msg, "content");
+    int parts = 0;
+    if (!is_null(s, content) && !is_string(&s->nodes[content])) return 1; /* parts, images */
+    if (begin_message(s, f) ||
+        (!is_null(s, content) && text_part(s, &s->nodes[content], "text", &parts)) ||
+        end_message(s, canon) || put_byte(s, &s->msgs, '}'))
+        return -1;
+    f->last_plain_assistant = 0;
+    return 0;
+}
+
+/* The tools (convert_tools, tool_def) into s->tools. 0, 1 or -1. */
+static int request_tools(State *s, Py_ssize_t request) {
+    Buf *b = &s->tools;
+    if (!is_null(s, member(s, request, "functions"))) return 1;
+    Py_ssize_t tools = member(s, request, "tools");
+    if (put_byte(s, b, '[')) return -1;
+    if (!is_null(s, tools)) {
+        if (s->nodes[tools].type != N_ARR) return 1;
+        Py_ssize_t tool = tools + 1;
+        for (Py_ssize_t i = 0; i < s->nodes[tools].len; i++, tool = s->nodes[tool].next) {
+            if (s->nodes[tool].type != N_OBJ) return 1;
+            Py_ssize_t type = member(s, tool, "type"), fn = member(s, tool, "function");
+            if (type >= 0 && !str_is(s, &s->nodes[type], "function")) return 1;
+            if (fn < 0 || s->nodes[fn].type != N_OBJ) return 1;
+            Py_ssize_t name = member(s, fn, "name"), desc = member(s, fn, "description");
+            Py_ssize_t params = member(s, fn, "parameters");
+            if (name < 0 || !is_string(&s->nodes[name]) || !s->nodes[name].len) return 1;
+            if (!is_null(s, desc) && !is_string(&s->nodes[desc])) return 1;
+            if (!is_null(s, params) && s->nodes[params].type != N_OBJ) return 1;
+            if ((i && put_byte(s, b, ',')) || put(s, b, "{\"description\":", 15) ||
+                (is_null(s, desc) ? put(s, b, "\"\"", 2) : write_string(s, b, &s->nodes[desc])) ||
+                put(s, b, ",\"name\":", 8) || write_string(s, b, &s->nodes[name]) ||
+                put(s, b, ",\"parameters\":", 14))
+                return -1;
+            if (is_null(s, params)) {
+                if (put(s, b, "{}", 2)) return -1;
+            } else if (write_value(s, b, params, F_LOWER | F_NOFLOAT)) {
+                return s->error == 2 ? -1 : 1;
+            }
+            if (put_byte(s, b, '}')) return -1;
+        }
+    }
+    return put_byte(s, b, ']');
+}
+
+typedef struct {
+    Py_ssize_t model;   /* the model's string node, or -1: none */
+    Py_ssize_t created; /* the response's created node, or -1 */
+    Finish f;
+} Call;
+
+/* A logged OpenAI call (see the top of this part) into s->msgs and s->tools. 0, 1 (not
+ * sure, or not such a call) or -1. */
+static int openai_call(State *s, Call *call) {
+    if (s->nodes[0].type != N_OBJ) return 1;
+    if (member(s, 0, "otlp_trace") >= 0 || member(s, 0, "resourceSpans") >= 0 ||
+        member(s, 0, "resource_spans") >= 0)
+        return 1;
+    Py_ssize_t request = member(s, 0, "request"), response = member(s, 0, "response");
+    if (request < 0 || response < 0 || s->nodes[request].type != N_OBJ ||
+        s->nodes[response].type != N_OBJ)
+        return 1;
+    Py_ssize_t provider = member(s, 0, "provider");
+    if (!is_null(s, provider)) {
+        if (!str_is(s, &s->nodes[provider], "openai")) return 1;
+    } else { /* _call_format: a response with choices and nothing of another provider */
+        if (member(s, response, "candidates") >= 0 || member(s, response, "promptFeedback") >= 0 ||
+            member(s, response, "type") >= 0 || member(s, response, "choices") < 0)
+            return 1;
+    }
+    Py_ssize_t status = member(s, 0, "status"), partial = member(s, 0, "partial");
+    if (status >= 0 && !(s->nodes[status].type == N_RAW && s->nodes[status].len == 3 &&
+                         memcmp(s->base + s->nodes[status].start, "200", 3) == 0))
+        return 1;
+    if (partial >= 0 && !is_null(s, partial) &&
+        !(s->nodes[partial].type == N_RAW && s->base[s->nodes[partial].start] == 'f'))
+        return 1;
+    /* the response: one choice, an assistant message */
+    if (member(s, response, "error") >= 0) return 1;
+    Py_ssize_t choices = member(s, response, "choices");
+    if (choices < 0 || s->nodes[choices].type != N_ARR || s->nodes[choices].len != 1) return 1;
+    Py_ssize_t choice = choices + 1;
+    if (s->nodes[choice].type != N_OBJ) return 1;
+    Py_ssize_t reply = member(s, choice, "message");
+    if (reply < 0 || s->nodes[reply].type != N_OBJ) return 1;
+    Py_ssize_t role = member(s, reply, "role");
+    if (role >= 0 && !str_is(s, &s->nodes[role], "assistant")) return 1;
+    /* the request's conversation */
+    Py_ssize_t messages = member(s, request, "messages");
+    if (messages < 0 || s->nodes[messages].type != N_ARR) return 1;
+    Finish *f = &call->f;
+    memset(f, 0, sizeof(*f));
+    if (put_byte(s, &s->msgs, '[')) return -1;
+    Py_ssize_t msg = messages + 1;
+    for (Py_ssize_t i = 0; i < s->nodes[messages].len; i++, msg = s->nodes[msg].next) {
+        int done = request_message(s, f, msg);
+        if (done) return done;
+    }
+    if (f->last_plain_assistant) return 1; /* a prefill: the reply continues it */
+    int done = request_tools(s, request);
+    if (done) return done;
+    done = assistant(s, f, reply);
+    if (done) return done;
+    if (put_byte(s, &s->msgs, ']')) return -1;
+    /* model: the response's if it has one (truthy), else the request's */
+    Py_ssize_t model = member(s, response, "model");
+    int t = model >= 0 ? truth(s, model) : 0;
+    if (t < 0) return 1;
+    if (!t) model = member(s, request, "model");
+    call->model = model >= 0 && is_string(&s->nodes[model]) ? model : -1;
+    call->created = member(s, response, "created");
+    return 0;
+}
+
+static PyObject *node_text(State *s, Py_ssize_t node) {
+    if (node < 0) Py_RETURN_NONE;
+    const Node *n = &s->nodes[node];
+    if (is_string(n)) return PyUnicode_DecodeUTF8((const char *)str_bytes(s, n), n->len, NULL);
+    return PyBytes_FromStringAndSize((const char *)s->base + n->src, n->src_end - n->src);
+}
+
 /* The buffers of the last call, kept for the next one: a streamed record's ~100 KB of nodes
  * malloc'ed afresh each call were mapped and faulted in again every time. A call made while
  * they are in use (from another thread, while this one runs Python code: the GC when a
@@ -694,21 +1134,29 @@ static void acquire(State *s) {
     s->out = cache.out;
     s->collapsed = cache.collapsed;
     s->run = cache.run;
+    s->msgs = cache.msgs;
+    s->tools = cache.tools;
+    s->tmp = cache.tmp;
     s->members = cache.members;
     s->cap_members = cache.cap_members;
     s->arena.len = s->out.len = s->collapsed.len = s->run.len = 0;
+    s->msgs.len = s->tools.len = s->tmp.len = 0;
     s->cache = 1;
 }
 
 static void release(State *s) {
     if (s->cache && (Py_ssize_t)(s->cap_nodes * sizeof(Node)) + s->arena.cap + s->out.cap +
-                            s->collapsed.cap + s->run.cap <= CACHE_MAX_BYTES) {
+                            s->collapsed.cap + s->run.cap + s->msgs.cap + s->tools.cap +
+                            s->tmp.cap <= CACHE_MAX_BYTES) {
         cache.nodes = s->nodes;
         cache.cap_nodes = s->cap_nodes;
         cache.arena = s->arena;
         cache.out = s->out;
         cache.collapsed = s->collapsed;
         cache.run = s->run;
+        cache.msgs = s->msgs;
+        cache.tools = s->tools;
+        cache.tmp = s->tmp;
         cache.members = s->members;
         cache.cap_members = s->cap_members;
         cache_busy = 0;
@@ -719,6 +1167,9 @@ static void release(State *s) {
     PyMem_Free(s->out.data);
     PyMem_Free(s->collapsed.data);
     PyMem_Free(s->run.data);
+    PyMem_Free(s->msgs.data);
+    PyMem_Free(s->tools.data);
+    PyMem_Free(s->tmp.data);
     PyMem_Free(s->members);
     if (s->cache) {
         memset(&cache, 0, sizeof(cache));
@@ -738,7 +1189,7 @@ static int canonical(State *s, Py_buffer *view) {
     if (parse_value(s, 0) < 0) return -1;
     skip_ws(s);
     if (s->p != s->end) return fail(s);
-    return write_value(s, 0);
+    return write_value(s, &s->out, 0, 0);
 }
 
 static PyObject *canonical_bytes(PyObject *module, PyObject *arg) {
@@ -777,6 +1228,49 @@ static PyObject *collapse_stream(PyObject *module, PyObject *arg) {
     return result;
 }
 
+/* What the Python side needs of a line (see rows.fast_record): None, ("stream", canonical,
+ * collapsed) or ("call", canonical, messages JSON, tools JSON, model, created, turns,
+ * has_tool_calls). */
+static PyObject *fast_record(PyObject *module, PyObject *arg) {
+    (void)module;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    State s;
+    acquire(&s);
+    PyObject *result = NULL;
+    int done = canonical(&s, &view);
+    if (done == 0) {
+        done = collapse(&s);
+        if (done == 0) {
+            result = Py_BuildValue("(sy#y#)", "stream", (char *)s.out.data, s.out.len,
+                                   (char *)s.collapsed.data, s.collapsed.len);
+        } else if (done == 1) {
+            Call call;
+            s.error = 0;
+            done = openai_call(&s, &call);
+            if (done == 0) {
+                PyObject *model = node_text(&s, call.model);
+                PyObject *created = call.created >= 0 ? node_text(&s, call.created)
+                                                      : Py_NewRef(Py_None);
+                if (model && created)
+                    result = Py_BuildValue("(sy#y#y#OOii)", "call", (char *)s.out.data,
+                                           s.out.len, (char *)s.msgs.data, s.msgs.len,
+                                           (char *)s.tools.data, s.tools.len, model, created,
+                                           call.f.num_assistant, call.f.has_tool_calls);
+                Py_XDECREF(model);
+                Py_XDECREF(created);
+            } else if (done == 1 && s.error != 2) {
+                result = Py_NewRef(Py_None);
+            }
+        }
+    } else if (s.error != 2) {
+        result = Py_NewRef(Py_None);
+    }
+    release(&s);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"canonical_bytes", canonical_bytes, METH_O,
      "canonical_bytes(line, /)\n--\n\n"
@@ -784,16 +1278,18 @@ static PyMethodDef methods[] = {
     {"collapse_stream", collapse_stream, METH_O,
      "collapse_stream(line, /)\n--\n\n"
      "(canonical bytes, the line with its stream's text chunks merged), or None."},
+    {"fast_record", fast_record, METH_O,
+     "fast_record(line, /)\n--\n\nA streamed or logged OpenAI call read in C, or None."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "_streams",
+    PyModuleDef_HEAD_INIT, "_openai_fast",
     "Streamed OpenAI captures made small before Python reads them (see collapse_stream).", -1,
     methods,
 };
 
-PyMODINIT_FUNC PyInit__streams(void) {
+PyMODINIT_FUNC PyInit__openai_fast(void) {
     PyObject *orjson = PyImport_ImportModule("orjson");
     if (!orjson) return NULL;
     orjson_loads = PyObject_GetAttrString(orjson, "loads");

@@ -1,4 +1,4 @@
-"""Streamed OpenAI captures read in C (``factory/normalize/_streams.c``): the same bytes as
+"""Logged OpenAI calls read in C (``factory/normalize/_openai_fast.c``): the same bytes as
 orjson, the same rows as the Python path, and None wherever it cannot be sure."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module() -> Any:
-    from factory.normalize import _streams
+    from factory.normalize import _openai_fast
 
-    return _streams
+    return _openai_fast
 
 
 def _reference(text: bytes) -> bytes | None:
@@ -167,7 +167,7 @@ def _variants() -> list[dict[str, Any]]:
     ]
 
 
-def _bench_streams(tmp_path: Path, count: int) -> list[bytes]:
+def _bench_openai_fast(tmp_path: Path, count: int) -> list[bytes]:
     spec = importlib.util.spec_from_file_location("bench_ingest", ROOT / "bench" / "ingest.py")
     assert spec and spec.loader
     bench = importlib.util.module_from_spec(spec)
@@ -179,16 +179,16 @@ def _bench_streams(tmp_path: Path, count: int) -> list[bytes]:
 
 def _both(lines: list[bytes], fmt: str = "auto") -> tuple[list[Any], list[Any]]:
     """process_lines of ``lines`` with the C module and without it."""
-    collapse = rows._COLLAPSE
-    assert collapse is not None
+    fast_record = rows._FAST
+    assert fast_record is not None
     fast = rows.process_lines(lines, name="t", first_lineno=1, format_hint=fmt,
                               line_errors=[])
     try:
-        rows._COLLAPSE = None
+        rows._FAST = None
         slow = rows.process_lines(lines, name="t", first_lineno=1, format_hint=fmt,
                                   line_errors=[])
     finally:
-        rows._COLLAPSE = collapse
+        rows._FAST = fast_record
     return fast, slow
 
 
@@ -196,13 +196,13 @@ def test_collapsed_streams_give_the_python_path_s_rows(tmp_path: Path) -> None:
     records = _variants()
     lines = [json.dumps(r, ensure_ascii=ascii_).encode() for r in records
              for ascii_ in (False, True)]
-    lines += _bench_streams(tmp_path, 400)
-    collapsed = [_module().collapse_stream(line) for line in lines]
+    lines += _bench_openai_fast(tmp_path, 400)
+    collapsed = [_module().fast_record(line) for line in lines]
     assert sum(c is not None for c in collapsed) > len(lines) * 0.8  # the C path is taken
     for line, found in zip(lines, collapsed, strict=True):
         if found is not None:
-            assert found[0] == _reference(line)
-            assert len(found[1]) < len(line)
+            assert found[0] == "stream" and found[1] == _reference(line)
+            assert len(found[2]) < len(line)
     for fmt in ("auto", "openai"):
         fast, slow = _both(lines, fmt)
         assert fast == slow
@@ -212,13 +212,13 @@ def test_collapsed_streams_give_the_python_path_s_rows(tmp_path: Path) -> None:
 
 def test_a_collapsed_stream_keeps_every_chunk_but_text_only_ones() -> None:
     record = conv.openai_stream_call()  # role, three words, finish, usage
-    found = _module().collapse_stream(json.dumps(record).encode())
-    assert found is not None
-    stream = orjson.loads(found[1])["stream"]
+    found = _module().fast_record(json.dumps(record).encode())
+    assert found is not None and found[0] == "stream"
+    stream = orjson.loads(found[2])["stream"]
     assert stream[0] == record["stream"][0] and stream[2:] == record["stream"][4:]
     assert stream[1] == {"choices": [{"index": 0, "delta": {
         "content": "It is sunny and 21 °C in Paris."}}]}
-    assert {k: v for k, v in orjson.loads(found[1]).items() if k != "stream"} == \
+    assert {k: v for k, v in orjson.loads(found[2]).items() if k != "stream"} == \
         {k: v for k, v in record.items() if k != "stream"}
 
 
@@ -239,3 +239,132 @@ def test_mutated_streams_give_the_python_path_s_rows_and_reasons() -> None:
     fast, slow = _both(lines)
     assert fast == slow
     assert sum(1 for r in slow if r[4]) > 50  # rejections, with the same reasons
+
+
+# -- logged calls normalized in C ----------------------------------------------------------------
+def _call(messages: list[Any], reply: dict[str, Any], *, tools: Any = None,
+          **top: Any) -> dict[str, Any]:
+    request: dict[str, Any] = {"model": "gpt-4o", "messages": messages}
+    if tools is not None:
+        request["tools"] = tools
+    return {"provider": "openai", "endpoint": "/v1/chat/completions", "request": request,
+            "response": {"id": "r", "object": "chat.completion", "created": 1767225600,
+                         "model": "gpt-4o-2024", "choices": [
+                             {"index": 0, "message": reply, "finish_reason": "stop"}]},
+            "status": 200, **top}
+
+
+def _tool(name: str, parameters: Any = None, **extra: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "description": "d " + name,
+                                             "parameters": parameters, **extra}}
+
+
+_SCHEMA = {"type": "OBJECT", "properties": {
+    "q": {"type": "STRING", "description": "the query", "enum": ["STRING", "B"]},
+    "n": {"type": ["INTEGER", "NULL", {"type": "STRING"}], "default": {"type": "OBJECT"}},
+    "any": {"anyOf": [{"type": "NUMBER"}, {"type": "string"}], "examples": [{"type": "ARRAY"}]},
+    "t": {"type": {"type": "BOOLEAN"}}}, "required": ["q"]}
+
+
+def _call_variants() -> list[dict[str, Any]]:
+    """Calls in the shape the C module reads, and next to each rule of that shape one that
+    breaks it (the Python path must then read it, and give the same)."""
+    system = {"role": "system", "content": "Be brief.\n\"quoted\" é😀"}
+    user = {"role": "user", "content": "Weather in Paris?"}
+    call: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_a", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"n\": 2}"}}]}
+    result = {"role": "tool", "tool_call_id": "call_a", "content": "{\"temp\": 21, \"ok\": true}"}
+    answer = {"role": "assistant", "content": "Sunny, 21."}
+    weather = [_tool("get_weather", _SCHEMA)]
+    two_calls = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "x", "function": {"name": "a", "arguments": "[1, {\"b\": null}]"}},
+        {"id": "", "function": {"name": "b", "arguments": {"z": [1, 2], "a": {"y": None}}}},
+        {"function": {"name": "c"}}]}
+    return [
+        _call([system, user], answer),
+        _call([user, call, result], answer, tools=weather),
+        _call([system, user, call, result, answer, user], call, tools=weather),
+        _call([developer := {"role": "developer", "content": "dev"}, user, two_calls,
+               {"role": "tool", "tool_call_id": "x", "content": "plain text"},
+               {"role": "tool", "name": "b", "content": ""},
+               {"role": "tool", "tool_call_id": None, "name": "c", "content": "  {\"a\": 1}"},
+               {"role": "function", "name": "zz", "content": "[]"},
+               {"role": "tool", "tool_call_id": "unknown", "content": "{}"}], answer,
+              tools=[_tool("a"), _tool("b", {"type": "object"}), _tool("c", None)]),
+        _call([developer, {"role": "user", "content": None}, {"role": "user"}], {
+            "content": "x", "refusal": "I can't", "reasoning_content": "hm"}),
+        _call([user], {"role": "assistant", "content": "", "refusal": ""}),
+        _call([user], {"role": "assistant", "content": "a", "reasoning_content": 5}),
+        _call([user, {"role": "assistant", "content": "prefill"}], answer),  # continued
+        _call([user], answer, tools=[_tool("f", {"type": "object", "x": 0.5})]),  # a float
+        _call([user], {**call, "tool_calls": [{**call["tool_calls"][0], "function": {
+            "name": "f", "arguments": "{\"a\": 1.5}"}}]}),
+        _call([user], {**call, "tool_calls": [{**call["tool_calls"][0], "function": {
+            "name": "f", "arguments": "{not json"}}]}),
+        _call([user], {**call, "tool_calls": [{**call["tool_calls"][0], "id": 7}]}),
+        _call([user], answer, tools=[_tool("f", "{\"type\": \"object\"}")]),
+        _call([user], answer, tools=[{"type": "retrieval"}]),
+        _call([{"role": "user", "content": [{"type": "text", "text": "parts"}]}], answer),
+        _call([{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + conv.PNG_B64}}]}], answer),
+        _call([{"role": "critic", "content": "?"}], answer),
+        _call([user, {"role": "tool", "content": "no id"}], answer),
+        _call([user], {"role": "user", "content": "not the assistant"}),
+        _call([user], {"role": "assistant", "content": "x", "function_call": {
+            "name": "f", "arguments": "{}"}}),
+        _call([user], answer, status=500), _call([user], answer, status=200.0),
+        _call([user], answer, partial=True), _call([user], answer, partial=False),
+        _call([user], answer, provider=None), _call([user], answer, provider="anthropic"),
+        {**_call([user], answer), "response": {"choices": [], "model": "m"}},
+        {**_call([user], answer), "response": {"error": {"message": "x"}, "choices": [
+            {"message": answer}]}},
+        {**_call([user], answer), "response": {"type": "message", "choices": [
+            {"message": answer}]}},
+        {**_call([user], answer), "response": {"model": "", "created": "soon", "choices": [
+            {"message": answer}, {"message": answer}]}},
+        {**_call([user], answer), "response": {"model": 0, "created": 1.5, "choices": [
+            {"message": answer}]}},
+        {**_call([user], answer), "response": {"model": [1], "choices": [{"message": answer}]}},
+        {k: v for k, v in _call([user], answer).items() if k != "provider"},
+        {**_call([user], answer), "request": {"messages": [user], "functions": [
+            {"name": "f", "parameters": {}}]}},
+        {**_call([user], answer), "resourceSpans": []},
+        conv.openai_call(),
+    ]
+
+
+def test_calls_normalized_in_c_give_the_python_path_s_rows() -> None:
+    records = _call_variants()
+    lines = [json.dumps(r, ensure_ascii=ascii_).encode() for r in records
+             for ascii_ in (False, True)]
+    found = [_module().fast_record(line) for line in lines]
+    assert sum(1 for f in found if f is not None and f[0] == "call") > len(lines) * 0.3
+    for line, f in zip(lines, found, strict=True):
+        if f is not None:
+            assert f[1] == _reference(line)
+    for fmt in ("auto", "openai", "anthropic"):
+        fast, slow = _both(lines, fmt)
+        assert fast == slow
+
+
+def test_mutated_calls_give_the_python_path_s_rows_and_reasons() -> None:
+    rng = random.Random(5)
+    lines = []
+    for record in _call_variants()[:5]:
+        paths = _paths(record)
+        for path in rng.sample(paths, min(60, len(paths))):
+            for action, new in (("delete", None), ("replace", None), ("replace", 7),
+                                ("replace", ""), ("replace", []), ("replace", {}),
+                                ("replace", "OBJECT"), ("replace", 0.5),
+                                ("stringify", None), ("truncate", None)):
+                try:
+                    mutated = _mutate(copy.deepcopy(record), path, action, new)
+                except (KeyError, IndexError, TypeError):
+                    continue
+                lines.append(json.dumps(mutated, ensure_ascii=False).encode())
+    fast, slow = _both(lines)
+    assert fast == slow
+    assert sum(1 for r in slow if r[4]) > 50
+    assert sum(1 for line in lines if (f := _module().fast_record(line)) and f[0] == "call") \
+        > len(lines) * 0.3
