@@ -803,10 +803,10 @@ static int json_text(State *s, const Node *n) {
     return put(s, &s->tmp, text, len) ? 1 : 0;
 }
 
-/* One text part (dropped when empty, as finish drops it), with a comma before all but the
- * first part of its message. */
+/* One text part (a text one dropped when empty, as finish drops it; a reasoning one is kept),
+ * with a comma before all but the first part of its message. */
 static int text_part(State *s, const Node *text, const char *type, int *parts) {
-    if (text->len == 0) return 0;
+    if (text->len == 0 && type[0] == 't') return 0;
     Buf *b = &s->msgs;
     if ((*parts)++ && put_byte(s, b, ',')) return -1;
     return put(s, b, "{\"text\":", 8) || write_string(s, b, text) ||
@@ -835,6 +835,71 @@ static int end_message(State *s, const char *role) {
            put_byte(s, b, '"');
 }
 
+/* One canonical tool call (finish renumbers it), its arguments' text in s->tmp: with a comma
+ * before all but the first (j). ``id``: its provisional id node (a string), or -1. */
+static int emit_call(State *s, Finish *f, Py_ssize_t j, Py_ssize_t id, Py_ssize_t name) {
+    Buf *b = &s->msgs;
+    int number = f->num_calls++;
+    if (id >= 0 && s->nodes[id].len) { /* "" reads as no id */
+        if (f->n_ids == MAX_CALLS) return 1;
+        f->ids[f->n_ids].id = str_bytes(s, &s->nodes[id]);
+        f->ids[f->n_ids].id_len = s->nodes[id].len;
+        f->ids[f->n_ids++].number = number;
+    }
+    if (f->n_pending == MAX_CALLS) return 1;
+    f->pending[f->n_pending].number = number;
+    f->pending[f->n_pending].name = str_bytes(s, &s->nodes[name]);
+    f->pending[f->n_pending++].name_len = s->nodes[name].len;
+    if ((j && put_byte(s, b, ',')) || put(s, b, "{\"arguments\":\"", 14) ||
+        write_escaped(s, b, s->tmp.data, s->tmp.len) || put(s, b, "\",\"id\":", 7) ||
+        put_call_id(s, b, number) || put(s, b, ",\"name\":", 8) ||
+        write_string(s, b, &s->nodes[name]) || put_byte(s, b, '}'))
+        return -1;
+    return 0;
+}
+
+/* Which call a tool result answers (finish): by its provisional id, else by name among the
+ * calls not answered yet, else the first of those when it names neither, else a new number. */
+static int answer(Finish *f, const unsigned char *pid, Py_ssize_t pid_len,
+                  const unsigned char *nm, Py_ssize_t nm_len) {
+    int cid = -1;
+    if (pid)
+        for (int i = f->n_ids - 1; i >= 0; i--) /* the latest: a dict's last assignment */
+            if (f->ids[i].id_len == pid_len && memcmp(f->ids[i].id, pid, (size_t)pid_len) == 0) {
+                cid = f->ids[i].number;
+                break;
+            }
+    if (cid < 0) {
+        int match = -1;
+        if (nm)
+            for (int i = 0; i < f->n_pending; i++)
+                if (f->pending[i].name_len == nm_len &&
+                    memcmp(f->pending[i].name, nm, (size_t)nm_len) == 0) {
+                    match = f->pending[i].number;
+                    break;
+                }
+        if (match >= 0) {
+            cid = match;
+        } else if (!pid && f->n_pending && !nm) {
+            cid = f->pending[0].number;
+        } else {
+            cid = f->num_calls++;
+            if (pid) {
+                if (f->n_ids == MAX_CALLS) return -1;
+                f->ids[f->n_ids].id = pid;
+                f->ids[f->n_ids].id_len = pid_len;
+                f->ids[f->n_ids++].number = cid;
+            }
+        }
+    }
+    int kept = 0;
+    for (int i = 0; i < f->n_pending; i++)
+        if (f->pending[i].number != cid) f->pending[kept++] = f->pending[i];
+    f->n_pending = kept;
+    f->last_plain_assistant = 0;
+    return cid;
+}
+
 /* A tool result: its message, with the call it answers (finish's matching). 0, 1 (not
  * sure) or -1. */
 static int tool_result(State *s, Finish *f, Py_ssize_t msg, int is_tool_role) {
@@ -855,44 +920,8 @@ static int tool_result(State *s, Finish *f, Py_ssize_t msg, int is_tool_role) {
     if (begin_message(s, f) || tmp_part(s, &parts) || end_message(s, "tool")) return -1;
     /* which call it answers */
     const unsigned char *nm = nn && nn->len ? str_bytes(s, nn) : NULL; /* finish: _name if name */
-    Py_ssize_t nm_len = nm ? nn->len : 0;
-    int cid = -1;
-    if (pid) {
-        const unsigned char *p = str_bytes(s, pid);
-        for (int i = f->n_ids - 1; i >= 0; i--)
-            if (f->ids[i].id_len == pid->len && memcmp(f->ids[i].id, p, (size_t)pid->len) == 0) {
-                cid = f->ids[i].number;
-                break;
-            }
-    }
-    if (cid < 0) {
-        int match = -1;
-        if (nm)
-            for (int i = 0; i < f->n_pending; i++)
-                if (f->pending[i].name_len == nm_len &&
-                    memcmp(f->pending[i].name, nm, (size_t)nm_len) == 0) {
-                    match = f->pending[i].number;
-                    break;
-                }
-        if (match >= 0) {
-            cid = match;
-        } else if (!pid && f->n_pending && !nm) {
-            cid = f->pending[0].number;
-        } else {
-            cid = f->num_calls++;
-            if (pid) {
-                if (f->n_ids == MAX_CALLS) return 1;
-                f->ids[f->n_ids].id = str_bytes(s, pid);
-                f->ids[f->n_ids].id_len = pid->len;
-                f->ids[f->n_ids++].number = cid;
-            }
-        }
-    }
-    int kept = 0;
-    for (int i = 0; i < f->n_pending; i++)
-        if (f->pending[i].number != cid) f->pending[kept++] = f->pending[i];
-    f->n_pending = kept;
-    f->last_plain_assistant = 0;
+    int cid = answer(f, pid ? str_bytes(s, pid) : NULL, pid ? pid->len : 0, nm, nm ? nn->len : 0);
+    if (cid < 0) return 1;
     return put(s, &s->msgs, ",\"tool_call_id\":", 16) || put_call_id(s, &s->msgs, cid) ||
            put_byte(s, &s->msgs, '}') ? -1 : 0;
 }
@@ -917,7 +946,7 @@ static int assistant(State *s, Finish *f, Py_ssize_t msg) {
     if (!null_calls && s->nodes[calls].type != N_ARR) return 1;
     int parts = 0;
     if (begin_message(s, f)) return -1;
-    if (reasoning >= 0 && is_string(&s->nodes[reasoning]) &&
+    if (reasoning >= 0 && is_string(&s->nodes[reasoning]) && s->nodes[reasoning].len &&
         text_part(s, &s->nodes[reasoning], "reasoning", &parts))
         return -1;
     if (!null_content && text_part(s, &s->nodes[content], "text", &parts)) return -1;
@@ -952,22 +981,8 @@ static int assistant(State *s, Finish *f, Py_ssize_t msg) {
             } else {
                 return 1;
             }
-            int number = f->num_calls++;
-            if (id >= 0 && s->nodes[id].len) { /* "" reads as no id */
-                if (f->n_ids == MAX_CALLS) return 1;
-                f->ids[f->n_ids].id = str_bytes(s, &s->nodes[id]);
-                f->ids[f->n_ids].id_len = s->nodes[id].len;
-                f->ids[f->n_ids++].number = number;
-            }
-            if (f->n_pending == MAX_CALLS) return 1;
-            f->pending[f->n_pending].number = number;
-            f->pending[f->n_pending].name = str_bytes(s, &s->nodes[name]);
-            f->pending[f->n_pending++].name_len = s->nodes[name].len;
-            if ((j && put_byte(s, b, ',')) || put(s, b, "{\"arguments\":\"", 14) ||
-                write_escaped(s, b, s->tmp.data, s->tmp.len) || put(s, b, "\",\"id\":", 7) ||
-                put_call_id(s, b, number) || put(s, b, ",\"name\":", 8) ||
-                write_string(s, b, &s->nodes[name]) || put_byte(s, b, '}'))
-                return -1;
+            int done = emit_call(s, f, j, id, name);
+            if (done) return done;
         }
         if (put_byte(s, b, ']')) return -1;
         f->has_tool_calls = 1;
@@ -1004,10 +1019,12 @@ static int request_message(State *s, Finish *f, Py_ssize_t msg) {
     return 0;
 }
 
-/* The tools (convert_tools, tool_def) into s->tools. 0, 1 or -1. */
-static int request_tools(State *s, Py_ssize_t request) {
+/* The tools (convert_tools, tool_def) into s->tools: OpenAI's ({"type": "function",
+ * "function": {name, description, parameters}}) or Anthropic's ({name, description,
+ * input_schema}). 0, 1 or -1. */
+static int request_tools(State *s, Py_ssize_t request, int anthropic) {
     Buf *b = &s->tools;
-    if (!is_null(s, member(s, request, "functions"))) return 1;
+    if (!anthropic && !is_null(s, member(s, request, "functions"))) return 1;
     Py_ssize_t tools = member(s, request, "tools");
     if (put_byte(s, b, '[')) return -1;
     if (!is_null(s, tools)) {
@@ -1015,11 +1032,15 @@ static int request_tools(State *s, Py_ssize_t request) {
         Py_ssize_t tool = tools + 1;
         for (Py_ssize_t i = 0; i < s->nodes[tools].len; i++, tool = s->nodes[tool].next) {
             if (s->nodes[tool].type != N_OBJ) return 1;
-            Py_ssize_t type = member(s, tool, "type"), fn = member(s, tool, "function");
-            if (type >= 0 && !str_is(s, &s->nodes[type], "function")) return 1;
-            if (fn < 0 || s->nodes[fn].type != N_OBJ) return 1;
+            Py_ssize_t fn = tool;
+            if (!anthropic) {
+                Py_ssize_t type = member(s, tool, "type");
+                fn = member(s, tool, "function");
+                if (type >= 0 && !str_is(s, &s->nodes[type], "function")) return 1;
+                if (fn < 0 || s->nodes[fn].type != N_OBJ) return 1;
+            }
             Py_ssize_t name = member(s, fn, "name"), desc = member(s, fn, "description");
-            Py_ssize_t params = member(s, fn, "parameters");
+            Py_ssize_t params = member(s, fn, anthropic ? "input_schema" : "parameters");
             if (name < 0 || !is_string(&s->nodes[name]) || !s->nodes[name].len) return 1;
             if (!is_null(s, desc) && !is_string(&s->nodes[desc])) return 1;
             if (!is_null(s, params) && s->nodes[params].type != N_OBJ) return 1;
@@ -1039,38 +1060,45 @@ static int request_tools(State *s, Py_ssize_t request) {
     return put_byte(s, b, ']');
 }
 
+static int anthropic_turn(State *s, Finish *f, Py_ssize_t content, int is_assistant);
+static int text_message(State *s, Finish *f, const Node *text, const char *role);
+static int anthropic_request(State *s, Finish *f, Py_ssize_t request);
+
 typedef struct {
+    const char *provider;
     Py_ssize_t model;   /* the model's string node, or -1: none */
     Py_ssize_t created; /* the response's created node, or -1 */
     Finish f;
 } Call;
 
-/* A logged OpenAI call (see the top of this part) into s->msgs and s->tools. 0, 1 (not
- * sure, or not such a call) or -1. */
-static int openai_call(State *s, Call *call) {
-    if (s->nodes[0].type != N_OBJ) return 1;
-    if (member(s, 0, "otlp_trace") >= 0 || member(s, 0, "resourceSpans") >= 0 ||
-        member(s, 0, "resource_spans") >= 0)
-        return 1;
-    Py_ssize_t request = member(s, 0, "request"), response = member(s, 0, "response");
-    if (request < 0 || response < 0 || s->nodes[request].type != N_OBJ ||
-        s->nodes[response].type != N_OBJ)
-        return 1;
-    Py_ssize_t provider = member(s, 0, "provider");
-    if (!is_null(s, provider)) {
-        if (!str_is(s, &s->nodes[provider], "openai")) return 1;
-    } else { /* _call_format: a response with choices and nothing of another provider */
-        if (member(s, response, "candidates") >= 0 || member(s, response, "promptFeedback") >= 0 ||
-            member(s, response, "type") >= 0 || member(s, response, "choices") < 0)
-            return 1;
-    }
+/* _call's checks of a logged call: status 200, not partial. */
+static int completed(State *s) {
     Py_ssize_t status = member(s, 0, "status"), partial = member(s, 0, "partial");
     if (status >= 0 && !(s->nodes[status].type == N_RAW && s->nodes[status].len == 3 &&
                          memcmp(s->base + s->nodes[status].start, "200", 3) == 0))
-        return 1;
+        return 0;
     if (partial >= 0 && !is_null(s, partial) &&
         !(s->nodes[partial].type == N_RAW && s->base[s->nodes[partial].start] == 'f'))
-        return 1;
+        return 0;
+    return 1;
+}
+
+/* The model: the response's if it has one (truthy), else the request's; -1: none, -2: not
+ * sure. */
+static Py_ssize_t call_model(State *s, Py_ssize_t response, Py_ssize_t request) {
+    Py_ssize_t model = member(s, response, "model");
+    int t = model >= 0 ? truth(s, model) : 0;
+    if (t < 0) return -2;
+    if (!t) model = member(s, request, "model");
+    return model >= 0 && is_string(&s->nodes[model]) ? model : -1;
+}
+
+/* A logged OpenAI call (see the top of this part) into s->msgs and s->tools. 0, 1 (not
+ * sure, or not such a call) or -1. */
+static int openai_call(State *s, Call *call) {
+    Py_ssize_t request = member(s, 0, "request"), response = member(s, 0, "response");
+    if (s->nodes[request].type != N_OBJ) return 1;
+    if (!completed(s)) return 1;
     /* the response: one choice, an assistant message */
     if (member(s, response, "error") >= 0) return 1;
     Py_ssize_t choices = member(s, response, "choices");
@@ -1093,18 +1121,264 @@ static int openai_call(State *s, Call *call) {
         if (done) return done;
     }
     if (f->last_plain_assistant) return 1; /* a prefill: the reply continues it */
-    int done = request_tools(s, request);
+    int done = request_tools(s, request, 0);
     if (done) return done;
     done = assistant(s, f, reply);
     if (done) return done;
     if (put_byte(s, &s->msgs, ']')) return -1;
-    /* model: the response's if it has one (truthy), else the request's */
-    Py_ssize_t model = member(s, response, "model");
-    int t = model >= 0 ? truth(s, model) : 0;
-    if (t < 0) return 1;
-    if (!t) model = member(s, request, "model");
-    call->model = model >= 0 && is_string(&s->nodes[model]) ? model : -1;
+    call->model = call_model(s, response, request);
+    if (call->model == -2) return 1;
     call->created = member(s, response, "created");
+    call->provider = "openai";
+    return 0;
+}
+
+/* A logged Anthropic Messages call (anthropic.normalize_call, then finish), in the shape read
+ * here: text, thinking, tool use and tool results, tools. 0, 1 or -1. */
+static int anthropic_call(State *s, Call *call) {
+    Py_ssize_t request = member(s, 0, "request"), response = member(s, 0, "response");
+    if (request < 0 || response < 0 || s->nodes[request].type != N_OBJ ||
+        s->nodes[response].type != N_OBJ || !completed(s))
+        return 1;
+    Py_ssize_t type = member(s, response, "type"), role = member(s, response, "role");
+    Py_ssize_t content = member(s, response, "content");
+    if (type >= 0 && str_is(s, &s->nodes[type], "error")) return 1;
+    if (role >= 0 && !str_is(s, &s->nodes[role], "assistant")) return 1;
+    if (content < 0) return 1;
+    Finish *f = &call->f;
+    memset(f, 0, sizeof(*f));
+    if (put_byte(s, &s->msgs, '[')) return -1;
+    int done = anthropic_request(s, f, request);
+    if (done) return done;
+    if (f->last_plain_assistant) return 1; /* a prefill: the reply continues it */
+    done = request_tools(s, request, 1);
+    if (done) return done;
+    done = is_string(&s->nodes[content]) ? text_message(s, f, &s->nodes[content], "assistant")
+                                          : anthropic_turn(s, f, content, 1);
+    if (done) return done;
+    if (put_byte(s, &s->msgs, ']')) return -1;
+    call->model = call_model(s, response, request);
+    if (call->model == -2) return 1;
+    call->created = -1;
+    call->provider = "anthropic";
+    return 0;
+}
+
+/* An OpenAI fine-tuning line ({"messages", "tools"?, "model"?}: openai.normalize). */
+static int openai_line(State *s, Call *call) {
+    Py_ssize_t messages = member(s, 0, "messages");
+    if (messages < 0 || s->nodes[messages].type != N_ARR) return 1;
+    Finish *f = &call->f;
+    memset(f, 0, sizeof(*f));
+    if (put_byte(s, &s->msgs, '[')) return -1;
+    Py_ssize_t msg = messages + 1;
+    for (Py_ssize_t i = 0; i < s->nodes[messages].len; i++, msg = s->nodes[msg].next) {
+        int done = request_message(s, f, msg);
+        if (done) return done;
+    }
+    if (!f->num_assistant) return 1; /* rejected: nothing to learn from */
+    int done = request_tools(s, 0, 0);
+    if (done) return done;
+    if (put_byte(s, &s->msgs, ']')) return -1;
+    Py_ssize_t model = member(s, 0, "model");
+    call->model = model >= 0 && is_string(&s->nodes[model]) ? model : -1;
+    call->created = -1;
+    call->provider = "openai";
+    return 0;
+}
+
+/* The record's format as detect_format would find it, for the shapes read here, then the
+ * record itself. 0, 1 (not one of them, or not sure) or -1. */
+static int normalize_c(State *s, Call *call) {
+    if (s->nodes[0].type != N_OBJ) return 1;
+    if (member(s, 0, "otlp_trace") >= 0 || member(s, 0, "resourceSpans") >= 0 ||
+        member(s, 0, "resource_spans") >= 0)
+        return 1;
+    Py_ssize_t request = member(s, 0, "request"), response = member(s, 0, "response");
+    if (request >= 0 && (response >= 0 || member(s, 0, "stream") >= 0)) {
+        if (response < 0 || s->nodes[response].type != N_OBJ) return 1;
+        Py_ssize_t provider = member(s, 0, "provider");
+        if (!is_null(s, provider)) {
+            if (str_is(s, &s->nodes[provider], "openai")) return openai_call(s, call);
+            if (str_is(s, &s->nodes[provider], "anthropic")) return anthropic_call(s, call);
+            return 1;
+        }
+        /* _call_format: by the response */
+        if (member(s, response, "candidates") >= 0 || member(s, response, "promptFeedback") >= 0)
+            return 1;
+        Py_ssize_t type = member(s, response, "type");
+        if (type >= 0) {
+            if (str_is(s, &s->nodes[type], "message")) return anthropic_call(s, call);
+            return 1;
+        }
+        return member(s, response, "choices") >= 0 ? openai_call(s, call) : 1;
+    }
+    if (member(s, 0, "conversations") >= 0 || member(s, 0, "contents") >= 0) return 1;
+    if (member(s, 0, "messages") < 0) return 1;
+    /* _looks_anthropic: a system prompt, input_schema tools (messages with block content
+     * are not read here, and a string content says nothing) */
+    if (member(s, 0, "system") >= 0) return 1;
+    Py_ssize_t tools = member(s, 0, "tools");
+    if (tools >= 0 && s->nodes[tools].type == N_ARR) {
+        Py_ssize_t tool = tools + 1;
+        for (Py_ssize_t i = 0; i < s->nodes[tools].len; i++, tool = s->nodes[tool].next)
+            if (s->nodes[tool].type == N_OBJ && member(s, tool, "input_schema") >= 0) return 1;
+    }
+    return openai_line(s, call);
+}
+
+/* -- Anthropic Messages ---------------------------------------------------------------------- */
+/* anthropic._turn of a turn with block content, then finish: its tool results as tool
+ * messages, then the rest as one message (text and thinking parts, tool calls). 0, 1 or -1. */
+static int anthropic_turn(State *s, Finish *f, Py_ssize_t content, int is_assistant) {
+    if (s->nodes[content].type != N_ARR) return 1;
+    Py_ssize_t count = s->nodes[content].len, block = content + 1;
+    int n_parts = 0, n_calls = 0, n_tools = 0;
+    /* the tool results first (they are their own messages), checking every block */
+    for (Py_ssize_t k = 0; k < count; k++, block = s->nodes[block].next) {
+        if (s->nodes[block].type != N_OBJ) return 1;
+        Py_ssize_t type = member(s, block, "type");
+        if (type < 0) return 1;
+        const Node *t = &s->nodes[type];
+        if (str_is(s, t, "text") || str_is(s, t, "thinking")) {
+            int thinking = t->len == 8;
+            if (thinking && !is_assistant) return 1;
+            Py_ssize_t text = member(s, block, thinking ? "thinking" : "text");
+            if (text < 0 || !is_string(&s->nodes[text])) return 1;
+            n_parts++;
+        } else if (str_is(s, t, "tool_use")) {
+            if (!is_assistant) return 1;
+            Py_ssize_t input = member(s, block, "input"), name = member(s, block, "name");
+            Py_ssize_t id = member(s, block, "id");
+            if (input >= 0 && s->nodes[input].type != N_OBJ) return 1;
+            if (name < 0 || !is_string(&s->nodes[name]) || !s->nodes[name].len) return 1;
+            if (!is_null(s, id) && !is_string(&s->nodes[id])) return 1;
+            n_calls++;
+        } else if (str_is(s, t, "tool_result")) {
+            if (is_assistant) return 1;
+            Py_ssize_t use_id = member(s, block, "tool_use_id");
+            Py_ssize_t result = member(s, block, "content");
+            if (use_id < 0 || !is_string(&s->nodes[use_id]) || !s->nodes[use_id].len) return 1;
+            int parts = 0;
+            if (begin_message(s, f)) return -1;
+            if (!is_null(s, result)) {
+                if (is_string(&s->nodes[result])) {
+                    if (json_text(s, &s->nodes[result])) return 1;
+                    if (tmp_part(s, &parts)) return -1;
+                } else if (s->nodes[result].type == N_ARR) {
+                    Py_ssize_t rb = result + 1;
+                    for (Py_ssize_t j = 0; j < s->nodes[result].len; j++, rb = s->nodes[rb].next) {
+                        if (s->nodes[rb].type != N_OBJ) return 1;
+                        Py_ssize_t rt = member(s, rb, "type"), rtext = member(s, rb, "text");
+                        if (rt < 0 || !str_is(s, &s->nodes[rt], "text")) return 1; /* images */
+                        if (rtext < 0 || !is_string(&s->nodes[rtext])) return 1;
+                        if (json_text(s, &s->nodes[rtext])) return 1;
+                        if (tmp_part(s, &parts)) return -1;
+                    }
+                } else {
+                    return 1;
+                }
+            }
+            const Node *pid = &s->nodes[use_id];
+            int cid = answer(f, str_bytes(s, pid), pid->len, NULL, 0);
+            if (cid < 0) return 1;
+            if (end_message(s, "tool") || put(s, &s->msgs, ",\"tool_call_id\":", 16) ||
+                put_call_id(s, &s->msgs, cid) || put_byte(s, &s->msgs, '}'))
+                return -1;
+            n_tools++;
+        } else if (!str_is(s, t, "redacted_thinking")) {
+            return 1; /* images, documents, unknown blocks */
+        }
+    }
+    if (!(n_parts || n_calls || !n_tools)) return 0;
+    /* the turn's own message */
+    int parts = 0;
+    if (begin_message(s, f)) return -1;
+    block = content + 1;
+    for (Py_ssize_t k = 0; k < count; k++, block = s->nodes[block].next) {
+        const Node *t = &s->nodes[member(s, block, "type")];
+        if (str_is(s, t, "text")) {
+            if (text_part(s, &s->nodes[member(s, block, "text")], "text", &parts)) return -1;
+        } else if (str_is(s, t, "thinking")) {
+            if (text_part(s, &s->nodes[member(s, block, "thinking")], "reasoning", &parts))
+                return -1;
+        }
+    }
+    if (end_message(s, is_assistant ? "assistant" : "user")) return -1;
+    if (is_assistant) f->num_assistant++;
+    if (n_calls) {
+        if (put(s, &s->msgs, ",\"tool_calls\":[", 15)) return -1;
+        Py_ssize_t j = 0;
+        block = content + 1;
+        for (Py_ssize_t k = 0; k < count; k++, block = s->nodes[block].next) {
+            if (!str_is(s, &s->nodes[member(s, block, "type")], "tool_use")) continue;
+            Py_ssize_t input = member(s, block, "input"), id = member(s, block, "id");
+            s->tmp.len = 0;
+            if (input < 0) {
+                if (put(s, &s->tmp, "{}", 2)) return -1;
+            } else if (write_value(s, &s->tmp, input, F_NOFLOAT)) {
+                return s->error == 2 ? -1 : 1;
+            }
+            int done = emit_call(s, f, j++, is_null(s, id) ? -1 : id, member(s, block, "name"));
+            if (done) return done;
+        }
+        if (put_byte(s, &s->msgs, ']')) return -1;
+        f->has_tool_calls = 1;
+    }
+    f->last_plain_assistant = is_assistant && !n_calls;
+    return put_byte(s, &s->msgs, '}') ? -1 : 0;
+}
+
+/* A plain-text message of ``role`` (its content a string). */
+static int text_message(State *s, Finish *f, const Node *text, const char *role) {
+    int parts = 0;
+    if (begin_message(s, f) || text_part(s, text, "text", &parts) || end_message(s, role) ||
+        put_byte(s, &s->msgs, '}'))
+        return -1;
+    if (strcmp(role, "assistant") == 0) f->num_assistant++;
+    f->last_plain_assistant = strcmp(role, "assistant") == 0;
+    return 0;
+}
+
+/* anthropic.convert_request: the system prompt, then every message. 0, 1 or -1. */
+static int anthropic_request(State *s, Finish *f, Py_ssize_t request) {
+    Py_ssize_t system = member(s, request, "system");
+    if (!is_null(s, system)) {
+        const Node *sys = &s->nodes[system];
+        int parts = 0;
+        if (is_string(sys)) {
+            if (begin_message(s, f) || text_part(s, sys, "text", &parts)) return -1;
+        } else if (sys->type == N_ARR) {
+            if (begin_message(s, f)) return -1;
+            Py_ssize_t block = system + 1;
+            for (Py_ssize_t k = 0; k < sys->len; k++, block = s->nodes[block].next) {
+                if (s->nodes[block].type != N_OBJ) return 1;
+                Py_ssize_t type = member(s, block, "type"), text = member(s, block, "text");
+                if (type < 0 || !str_is(s, &s->nodes[type], "text")) return 1;
+                if (text < 0 || !is_string(&s->nodes[text])) return 1;
+                if (text_part(s, &s->nodes[text], "text", &parts)) return -1;
+            }
+        } else {
+            return 1;
+        }
+        if (end_message(s, "system") || put_byte(s, &s->msgs, '}')) return -1;
+        f->last_plain_assistant = 0;
+    }
+    Py_ssize_t messages = member(s, request, "messages");
+    if (messages < 0 || s->nodes[messages].type != N_ARR) return 1;
+    Py_ssize_t msg = messages + 1;
+    for (Py_ssize_t i = 0; i < s->nodes[messages].len; i++, msg = s->nodes[msg].next) {
+        if (s->nodes[msg].type != N_OBJ) return 1;
+        Py_ssize_t role = member(s, msg, "role"), content = member(s, msg, "content");
+        if (role < 0) return 1;
+        int is_assistant = str_is(s, &s->nodes[role], "assistant");
+        if (!is_assistant && !str_is(s, &s->nodes[role], "user")) return 1;
+        if (content < 0) return 1;
+        int done = is_string(&s->nodes[content])
+            ? text_message(s, f, &s->nodes[content], is_assistant ? "assistant" : "user")
+            : anthropic_turn(s, f, content, is_assistant);
+        if (done) return done;
+    }
     return 0;
 }
 
@@ -1247,16 +1521,17 @@ static PyObject *fast_record(PyObject *module, PyObject *arg) {
         } else if (done == 1) {
             Call call;
             s.error = 0;
-            done = openai_call(&s, &call);
+            done = normalize_c(&s, &call);
             if (done == 0) {
                 PyObject *model = node_text(&s, call.model);
                 PyObject *created = call.created >= 0 ? node_text(&s, call.created)
                                                       : Py_NewRef(Py_None);
                 if (model && created)
-                    result = Py_BuildValue("(sy#y#y#OOii)", "call", (char *)s.out.data,
+                    result = Py_BuildValue("(sy#y#y#OOiis)", "call", (char *)s.out.data,
                                            s.out.len, (char *)s.msgs.data, s.msgs.len,
                                            (char *)s.tools.data, s.tools.len, model, created,
-                                           call.f.num_assistant, call.f.has_tool_calls);
+                                           call.f.num_assistant, call.f.has_tool_calls,
+                                           call.provider);
                 Py_XDECREF(model);
                 Py_XDECREF(created);
             } else if (done == 1 && s.error != 2) {

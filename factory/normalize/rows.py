@@ -136,8 +136,8 @@ _FAST = _load_fast()
 
 
 def fast_outcome(line: bytes, format_hint: str,
-                 blobs: BlobStore | None) -> tuple[str, list[SampleRow]] | None:
-    """(raw_trace_id, sample rows) of a logged OpenAI call read by the C module
+                 blobs: BlobStore | None) -> tuple[str, str, list[SampleRow]] | None:
+    """(raw_trace_id, format, sample rows) of a record read by the C module
     (``factory.normalize._openai_fast``), or None: it is not built, the line is not such a
     call, or the C module is not sure to give what the Python path gives (the caller then
     reads the line itself).
@@ -168,20 +168,20 @@ def fast_outcome(line: bytes, format_hint: str,
         reason, rows = outcome(value, fmt, blobs)
         if reason is not None:
             return None
-        return hashlib.sha256(canonical).hexdigest(), rows
-    if format_hint not in ("auto", "openai"):
-        return None
+        return hashlib.sha256(canonical).hexdigest(), fmt, rows
     canonical, messages, tools = found[1], found[2], found[3]
-    model, created, turns, calls = found[4], found[5], found[6], found[7]
+    model, created, turns, calls, provider = found[4], found[5], found[6], found[7], found[8]
+    if format_hint not in ("auto", provider):
+        return None
     digest = hashlib.sha256(b'{"messages":')  # as canon.finish hashes it
     digest.update(messages)
     digest.update(b',"tools":')
     digest.update(tools)
     digest.update(b"}")
     created_at = unix_time(orjson.loads(created)) if isinstance(created, bytes) else None
-    row = (digest.hexdigest(), "openai", model, messages.decode("utf-8"),
+    row = (digest.hexdigest(), provider, model, messages.decode("utf-8"),
            tools.decode("utf-8"), turns, False, calls != 0, created_at)
-    return hashlib.sha256(canonical).hexdigest(), [row]
+    return hashlib.sha256(canonical).hexdigest(), provider, [row]
 
 
 def digests(ids: Sequence[str]) -> np.ndarray:
@@ -257,11 +257,11 @@ def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, forma
         stripped = line.strip()
         if not stripped:
             continue
-        if not check and _FAST is not None and (b'"stream"' in stripped
-                                                 or b'"choices"' in stripped):
+        if not check and _FAST is not None and (b'"request"' in stripped
+                                                 or stripped.startswith(b'{"messages"')):
             fast = fast_outcome(stripped, format_hint, blobs)
             if fast is not None:
-                out.append((index, fast[0], None, "openai", None, fast[1]))
+                out.append((index, fast[0], None, fast[1], None, fast[2]))
                 continue
         try:
             value = parse_json(stripped)

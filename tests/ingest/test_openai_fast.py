@@ -368,3 +368,121 @@ def test_mutated_calls_give_the_python_path_s_rows_and_reasons() -> None:
     assert sum(1 for r in slow if r[4]) > 50
     assert sum(1 for line in lines if (f := _module().fast_record(line)) and f[0] == "call") \
         > len(lines) * 0.3
+
+
+def _anthropic(messages: list[Any], content: Any, *, system: Any = None, tools: Any = None,
+               **top: Any) -> dict[str, Any]:
+    request: dict[str, Any] = {"model": "claude-sonnet-4-5", "max_tokens": 1024,
+                               "messages": messages}
+    if system is not None:
+        request["system"] = system
+    if tools is not None:
+        request["tools"] = tools
+    return {"request": request, "response": {"type": "message", "role": "assistant",
+                                             "model": "claude-sonnet-4-5-2025",
+                                             "content": content}, **top}
+
+
+def _anthropic_variants() -> list[dict[str, Any]]:
+    user = {"role": "user", "content": "Weather in Paris?"}
+    use = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "look it up", "signature": "sig"},
+        {"type": "text", "text": "Let me check."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+         "input": {"city": "Paris", "units": {"c": True, "z": None}}}]}
+    result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "{\"temp\": 21}"},
+        {"type": "text", "text": "and tomorrow?"}]}
+    reply = [{"type": "text", "text": "Sunny, 21 °C."}]
+    tools = [{"name": "get_weather", "description": "weather", "input_schema": _SCHEMA}]
+    return [
+        _anthropic([user], reply),
+        _anthropic([user, use, result], reply, system="Be brief.", tools=tools),
+        _anthropic([user, use, result], [{"type": "redacted_thinking", "data": "x"},
+                                         *use["content"]], system=[
+            {"type": "text", "text": "one"}, {"type": "text", "text": ""}], tools=tools),
+        _anthropic([user, use, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "text", "text": "[1, 2]"}, {"type": "text", "text": ""}]},
+            {"type": "tool_result", "tool_use_id": "toolu_9"},
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": None}]}], reply),
+        _anthropic([user, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "", "name": "a"}, {"type": "tool_use", "name": "b",
+                                                          "input": {}}]}], "plain reply"),
+        _anthropic([user, {"role": "assistant", "content": []}, {"role": "user",
+                                                                 "content": ""}], reply),
+        _anthropic([user, {"role": "assistant", "content": "prefill"}], reply),  # continued
+        _anthropic([user], [{"type": "tool_use", "id": "t", "name": "f", "input": None}]),
+        _anthropic([user], [{"type": "tool_use", "id": "t", "name": "f", "input": {"x": 1.5}}]),
+        _anthropic([user], [{"type": "tool_use", "id": 3, "name": "f"}]),
+        _anthropic([{"role": "user", "content": [{"type": "thinking", "thinking": "no"}]}],
+                   reply),
+        _anthropic([{"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": conv.PNG_B64}}]}], reply),
+        _anthropic([{"role": "user", "content": [{"type": "document", "source": {}}]}], reply),
+        _anthropic([{"role": "system", "content": "x"}], reply),
+        _anthropic([user], reply, system=[{"type": "image"}]),
+        _anthropic([user], reply, system=7),
+        _anthropic([user], None), _anthropic([user], reply, status=529),
+        {**_anthropic([user], reply), "response": {"type": "error", "error": {}}},
+        {**_anthropic([user], reply), "response": {"type": "message", "role": "user",
+                                                   "content": reply}},
+        {**_anthropic([user], reply), "response": {"type": "message", "content": reply,
+                                                   "model": ""}},
+        {**_anthropic([user], reply), "provider": "anthropic"},
+        {**_anthropic([user], reply), "provider": "gemini"},
+        conv.anthropic_call(),
+    ]
+
+
+def _line_variants() -> list[dict[str, Any]]:
+    """OpenAI fine-tuning lines, and lines that are not (another format, or not read here)."""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"}]
+    return [
+        {"messages": msgs}, {"messages": msgs, "model": "ft:gpt-4o"}, {"messages": msgs[:2]},
+        {"messages": msgs, "tools": [_tool("f", _SCHEMA)], "model": 5},
+        {"messages": msgs, "tools": [{"name": "f", "input_schema": {}}]},
+        {"messages": msgs, "system": "anthropic"}, {"messages": "x"}, {"messages": []},
+        {"messages": [*msgs, {"role": "assistant", "content": [{"type": "text", "text": "p"}]}]},
+        {"messages": msgs, "conversations": []}, {"messages": msgs, "contents": []},
+        {"messages": msgs, "request": {}}, conv.openai_finetune_line(),
+    ]
+
+
+@pytest.mark.parametrize("variants", [_anthropic_variants, _line_variants])
+def test_anthropic_calls_and_lines_normalized_in_c_give_the_python_path_s_rows(
+        variants: Any) -> None:
+    records = variants()
+    lines = [json.dumps(r, ensure_ascii=ascii_).encode() for r in records
+             for ascii_ in (False, True)]
+    found = [_module().fast_record(line) for line in lines]
+    assert sum(1 for f in found if f is not None and f[0] == "call") > len(lines) * 0.3
+    for fmt in ("auto", "openai", "anthropic", "gemini"):
+        fast, slow = _both(lines, fmt)
+        assert fast == slow
+
+
+@pytest.mark.parametrize("variants", [_anthropic_variants, _line_variants])
+def test_mutated_anthropic_calls_and_lines_give_the_python_path_s_rows_and_reasons(
+        variants: Any) -> None:
+    rng = random.Random(7)
+    lines = []
+    for record in variants()[:5]:
+        paths = _paths(record)
+        for path in rng.sample(paths, min(60, len(paths))):
+            for action, new in (("delete", None), ("replace", None), ("replace", 7),
+                                ("replace", ""), ("replace", []), ("replace", {}),
+                                ("replace", "tool_use"), ("replace", "text"),
+                                ("stringify", None), ("truncate", None)):
+                try:
+                    mutated = _mutate(copy.deepcopy(record), path, action, new)
+                except (KeyError, IndexError, TypeError):
+                    continue
+                text = json.dumps(mutated, ensure_ascii=False).encode()
+                lines += [text, text.replace(b'{"', b'{ "', 1)]
+    fast, slow = _both(lines)
+    assert fast == slow
+    assert sum(1 for r in slow if r[4]) > 20
+    assert sum(1 for line in lines if (f := _module().fast_record(line)) and f[0] == "call") \
+        > len(lines) * 0.2
