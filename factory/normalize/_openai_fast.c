@@ -1019,6 +1019,27 @@ static int request_message(State *s, Finish *f, Py_ssize_t msg) {
     return 0;
 }
 
+/* One canonical tool (tool_def) into s->tools, with a comma before all but the first (i):
+ * exactly its name, description and parameters (upper-case type names lowered). */
+static int write_tool(State *s, Py_ssize_t i, Py_ssize_t name, Py_ssize_t desc,
+                      Py_ssize_t params) {
+    Buf *b = &s->tools;
+    if (name < 0 || !is_string(&s->nodes[name]) || !s->nodes[name].len) return 1;
+    if (!is_null(s, desc) && !is_string(&s->nodes[desc])) return 1;
+    if (!is_null(s, params) && s->nodes[params].type != N_OBJ) return 1; /* (text: parsed) */
+    if ((i && put_byte(s, b, ',')) || put(s, b, "{\"description\":", 15) ||
+        (is_null(s, desc) ? put(s, b, "\"\"", 2) : write_string(s, b, &s->nodes[desc])) ||
+        put(s, b, ",\"name\":", 8) || write_string(s, b, &s->nodes[name]) ||
+        put(s, b, ",\"parameters\":", 14))
+        return -1;
+    if (is_null(s, params)) {
+        if (put(s, b, "{}", 2)) return -1;
+    } else if (write_value(s, b, params, F_LOWER | F_NOFLOAT)) {
+        return s->error == 2 ? -1 : 1;
+    }
+    return put_byte(s, b, '}') ? -1 : 0;
+}
+
 /* The tools (convert_tools, tool_def) into s->tools: OpenAI's ({"type": "function",
  * "function": {name, description, parameters}}) or Anthropic's ({name, description,
  * input_schema}). 0, 1 or -1. */
@@ -1041,20 +1062,8 @@ static int request_tools(State *s, Py_ssize_t request, int anthropic) {
             }
             Py_ssize_t name = member(s, fn, "name"), desc = member(s, fn, "description");
             Py_ssize_t params = member(s, fn, anthropic ? "input_schema" : "parameters");
-            if (name < 0 || !is_string(&s->nodes[name]) || !s->nodes[name].len) return 1;
-            if (!is_null(s, desc) && !is_string(&s->nodes[desc])) return 1;
-            if (!is_null(s, params) && s->nodes[params].type != N_OBJ) return 1;
-            if ((i && put_byte(s, b, ',')) || put(s, b, "{\"description\":", 15) ||
-                (is_null(s, desc) ? put(s, b, "\"\"", 2) : write_string(s, b, &s->nodes[desc])) ||
-                put(s, b, ",\"name\":", 8) || write_string(s, b, &s->nodes[name]) ||
-                put(s, b, ",\"parameters\":", 14))
-                return -1;
-            if (is_null(s, params)) {
-                if (put(s, b, "{}", 2)) return -1;
-            } else if (write_value(s, b, params, F_LOWER | F_NOFLOAT)) {
-                return s->error == 2 ? -1 : 1;
-            }
-            if (put_byte(s, b, '}')) return -1;
+            int done = write_tool(s, i, name, desc, params);
+            if (done) return done;
         }
     }
     return put_byte(s, b, ']');
@@ -1067,6 +1076,8 @@ static int anthropic_request(State *s, Finish *f, Py_ssize_t request);
 typedef struct {
     const char *provider;
     Py_ssize_t model;   /* the model's string node, or -1: none */
+    const unsigned char *model_text; /* or its text, where not a whole node (Gemini's) */
+    Py_ssize_t model_len;
     Py_ssize_t created; /* the response's created node, or -1 */
     Finish f;
 } Call;
@@ -1164,6 +1175,181 @@ static int anthropic_call(State *s, Call *call) {
     return 0;
 }
 
+/* -- Gemini generateContent ------------------------------------------------------------------ */
+/* gemini.get: obj[camel] if present, else obj[snake]. */
+static Py_ssize_t gget(State *s, Py_ssize_t obj, const char *camel, const char *snake) {
+    Py_ssize_t v = member(s, obj, camel);
+    return v >= 0 ? v : member(s, obj, snake);
+}
+
+/* gemini._turn of a text-only turn (text and thought parts; a part that is only a thought
+ * signature is skipped), then finish. 0, 1 or -1. */
+static int gemini_turn(State *s, Finish *f, Py_ssize_t content, const char *default_role) {
+    if (s->nodes[content].type != N_OBJ) return 1;
+    Py_ssize_t role = member(s, content, "role");
+    const char *canon;
+    int t = role >= 0 ? truth(s, role) : 0;
+    if (t < 0) return 1;
+    const Node *r = t ? &s->nodes[role] : NULL;
+    if (r ? str_is(s, r, "model") : strcmp(default_role, "model") == 0) canon = "assistant";
+    else if (r ? (str_is(s, r, "user") || str_is(s, r, "function") || str_is(s, r, "tool"))
+               : 1) canon = "user";
+    else return 1;
+    Py_ssize_t parts_node = gget(s, content, "parts", "parts");
+    if (parts_node < 0 || s->nodes[parts_node].type != N_ARR) return 1;
+    int parts = 0;
+    if (begin_message(s, f)) return -1;
+    Py_ssize_t part = parts_node + 1;
+    for (Py_ssize_t k = 0; k < s->nodes[parts_node].len; k++, part = s->nodes[part].next) {
+        if (s->nodes[part].type != N_OBJ) return 1;
+        Py_ssize_t text = member(s, part, "text");
+        if (text >= 0) {
+            if (!is_string(&s->nodes[text])) return 1;
+            Py_ssize_t thought = member(s, part, "thought");
+            int reasoning = thought >= 0 && s->nodes[thought].type == N_RAW &&
+                            s->base[s->nodes[thought].start] == 't';
+            if (text_part(s, &s->nodes[text], reasoning ? "reasoning" : "text", &parts))
+                return -1;
+            continue;
+        }
+        Py_ssize_t sig = gget(s, part, "thoughtSignature", "thought_signature");
+        if (s->nodes[part].len == 1 && !is_null(s, sig)) continue;
+        return 1; /* images, function calls and responses, anything else */
+    }
+    if (end_message(s, canon)) return -1;
+    if (canon[0] == 'a') f->num_assistant++;
+    f->last_plain_assistant = canon[0] == 'a';
+    return put_byte(s, &s->msgs, '}') ? -1 : 0;
+}
+
+/* gemini.convert_request: the system instruction, then the contents. 0, 1 or -1. */
+static int gemini_request(State *s, Finish *f, Py_ssize_t request) {
+    if (member(s, request, "config") >= 0) return 1; /* (the SDK's config: not read here) */
+    Py_ssize_t system = gget(s, request, "systemInstruction", "system_instruction");
+    if (!is_null(s, system)) {
+        int parts = 0;
+        if (begin_message(s, f)) return -1;
+        if (is_string(&s->nodes[system])) {
+            if (text_part(s, &s->nodes[system], "text", &parts)) return -1;
+        } else {
+            if (s->nodes[system].type != N_OBJ) return 1;
+            Py_ssize_t list = member(s, system, "parts");
+            if (list < 0 || s->nodes[list].type != N_ARR) return 1;
+            Py_ssize_t part = list + 1;
+            for (Py_ssize_t k = 0; k < s->nodes[list].len; k++, part = s->nodes[part].next) {
+                if (s->nodes[part].type != N_OBJ) return 1;
+                Py_ssize_t text = member(s, part, "text");
+                if (text < 0 || !is_string(&s->nodes[text])) return 1;
+                if (text_part(s, &s->nodes[text], "text", &parts)) return -1;
+            }
+        }
+        if (end_message(s, "system") || put_byte(s, &s->msgs, '}')) return -1;
+        f->last_plain_assistant = 0;
+    }
+    Py_ssize_t contents = gget(s, request, "contents", "contents");
+    if (contents < 0 || s->nodes[contents].type != N_ARR) return 1; /* (text: one user turn) */
+    Py_ssize_t content = contents + 1;
+    for (Py_ssize_t i = 0; i < s->nodes[contents].len; i++, content = s->nodes[content].next) {
+        int done = gemini_turn(s, f, content, "user");
+        if (done) return done;
+    }
+    return 0;
+}
+
+/* gemini.convert_tools: the function declarations of every tool. 0, 1 or -1. */
+static int gemini_tools(State *s, Py_ssize_t request) {
+    Buf *b = &s->tools;
+    Py_ssize_t tools = gget(s, request, "tools", "tools");
+    if (put_byte(s, b, '[')) return -1;
+    if (!is_null(s, tools)) {
+        if (s->nodes[tools].type != N_ARR) return 1;
+        Py_ssize_t tool = tools + 1, n = 0;
+        for (Py_ssize_t i = 0; i < s->nodes[tools].len; i++, tool = s->nodes[tool].next) {
+            if (s->nodes[tool].type != N_OBJ) return 1;
+            Py_ssize_t decls = gget(s, tool, "functionDeclarations", "function_declarations");
+            if (is_null(s, decls)) continue; /* a switch (googleSearch...), not a function */
+            if (s->nodes[decls].type != N_ARR) return 1;
+            Py_ssize_t decl = decls + 1;
+            for (Py_ssize_t k = 0; k < s->nodes[decls].len; k++, decl = s->nodes[decl].next) {
+                if (s->nodes[decl].type != N_OBJ) return 1;
+                Py_ssize_t params = gget(s, decl, "parameters", "parameters");
+                if (is_null(s, params))
+                    params = gget(s, decl, "parametersJsonSchema", "parameters_json_schema");
+                int done = write_tool(s, n++, member(s, decl, "name"),
+                                      member(s, decl, "description"), params);
+                if (done) return done;
+            }
+        }
+    }
+    return put_byte(s, b, ']');
+}
+
+/* A logged Gemini call (gemini.normalize_call, then finish) with one text candidate. */
+static int gemini_call(State *s, Call *call) {
+    Py_ssize_t request = member(s, 0, "request"), response = member(s, 0, "response");
+    if (request < 0 || response < 0 || s->nodes[request].type != N_OBJ ||
+        s->nodes[response].type != N_OBJ || !completed(s))
+        return 1;
+    Py_ssize_t candidates = gget(s, response, "candidates", "candidates");
+    if (candidates < 0 || s->nodes[candidates].type != N_ARR || s->nodes[candidates].len != 1)
+        return 1;
+    Py_ssize_t cand = candidates + 1;
+    if (s->nodes[cand].type != N_OBJ) return 1;
+    Py_ssize_t content = gget(s, cand, "content", "content");
+    if (content < 0 || s->nodes[content].type != N_OBJ) return 1;
+    Py_ssize_t cparts = gget(s, content, "parts", "parts");
+    if (cparts < 0 || s->nodes[cparts].type != N_ARR || !s->nodes[cparts].len) return 1;
+    Finish *f = &call->f;
+    memset(f, 0, sizeof(*f));
+    if (put_byte(s, &s->msgs, '[')) return -1;
+    int done = gemini_request(s, f, request);
+    if (done) return done;
+    if (f->last_plain_assistant) return 1; /* the reply would continue it */
+    done = gemini_tools(s, request);
+    if (done) return done;
+    int before = f->num_assistant;
+    done = gemini_turn(s, f, content, "model");
+    if (done) return done;
+    if (f->num_assistant != before + 1) return 1; /* not the model's turn: rejected */
+    if (put_byte(s, &s->msgs, ']')) return -1;
+    /* the model: modelVersion, else the request's, else the one in the endpoint's path */
+    Py_ssize_t model = gget(s, response, "modelVersion", "model_version");
+    int t = model >= 0 ? truth(s, model) : 0;
+    if (t < 0) return 1;
+    if (!t) model = member(s, request, "model");
+    t = model >= 0 ? truth(s, model) : 0;
+    if (t < 0) return 1;
+    call->model = model >= 0 && is_string(&s->nodes[model]) ? model : -1;
+    Py_ssize_t endpoint = member(s, 0, "endpoint");
+    if (!t && endpoint >= 0 && is_string(&s->nodes[endpoint])) {
+        const unsigned char *e = str_bytes(s, &s->nodes[endpoint]);
+        Py_ssize_t n = s->nodes[endpoint].len;
+        for (Py_ssize_t i = 0; i + 7 < n; i++) { /* models/([^/:?]+) */
+            if (memcmp(e + i, "models/", 7) != 0) continue;
+            Py_ssize_t j = i + 7;
+            while (j < n && e[j] != '/' && e[j] != ':' && e[j] != '?') j++;
+            if (j > i + 7) {
+                call->model = -1;
+                call->model_text = e + i + 7;
+                call->model_len = j - i - 7;
+                break;
+            }
+        }
+    }
+    if (call->model >= 0) {
+        call->model_text = str_bytes(s, &s->nodes[call->model]);
+        call->model_len = s->nodes[call->model].len;
+        call->model = -1;
+    }
+    if (call->model_text && call->model_len >= 7 && memcmp(call->model_text, "models/", 7) == 0) {
+        call->model_text += 7; /* _model_name */
+        call->model_len -= 7;
+    }
+    call->created = -1;
+    call->provider = "gemini";
+    return 0;
+}
+
 /* An OpenAI fine-tuning line ({"messages", "tools"?, "model"?}: openai.normalize). */
 static int openai_line(State *s, Call *call) {
     Py_ssize_t messages = member(s, 0, "messages");
@@ -1201,11 +1387,12 @@ static int normalize_c(State *s, Call *call) {
         if (!is_null(s, provider)) {
             if (str_is(s, &s->nodes[provider], "openai")) return openai_call(s, call);
             if (str_is(s, &s->nodes[provider], "anthropic")) return anthropic_call(s, call);
+            if (str_is(s, &s->nodes[provider], "gemini")) return gemini_call(s, call);
             return 1;
         }
         /* _call_format: by the response */
         if (member(s, response, "candidates") >= 0 || member(s, response, "promptFeedback") >= 0)
-            return 1;
+            return gemini_call(s, call);
         Py_ssize_t type = member(s, response, "type");
         if (type >= 0) {
             if (str_is(s, &s->nodes[type], "message")) return anthropic_call(s, call);
@@ -1520,10 +1707,14 @@ static PyObject *fast_record(PyObject *module, PyObject *arg) {
                                    (char *)s.collapsed.data, s.collapsed.len);
         } else if (done == 1) {
             Call call;
+            memset(&call, 0, sizeof(call));
+            call.model = call.created = -1;
             s.error = 0;
             done = normalize_c(&s, &call);
             if (done == 0) {
-                PyObject *model = node_text(&s, call.model);
+                PyObject *model = call.model_text
+                    ? PyUnicode_DecodeUTF8((const char *)call.model_text, call.model_len, NULL)
+                    : node_text(&s, call.model);
                 PyObject *created = call.created >= 0 ? node_text(&s, call.created)
                                                       : Py_NewRef(Py_None);
                 if (model && created)

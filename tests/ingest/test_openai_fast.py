@@ -450,8 +450,64 @@ def _line_variants() -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("variants", [_anthropic_variants, _line_variants])
-def test_anthropic_calls_and_lines_normalized_in_c_give_the_python_path_s_rows(
+def _gemini(contents: Any, candidate: Any, *, system: Any = None, tools: Any = None,
+            model: Any = "gemini-2.5-flash", **top: Any) -> dict[str, Any]:
+    request: dict[str, Any] = {"contents": contents}
+    if system is not None:
+        request["systemInstruction"] = system
+    if tools is not None:
+        request["tools"] = tools
+    response: dict[str, Any] = {"candidates": [candidate], "modelVersion": model}
+    return {"provider": "gemini", "endpoint": "/v1beta/models/gemini-2.5-pro:generateContent",
+            "request": request, "response": response, "status": 200, **top}
+
+
+def _gemini_variants() -> list[dict[str, Any]]:
+    user = {"role": "user", "parts": [{"text": "Weather in Paris?"}]}
+    model = {"role": "model", "parts": [{"text": "Let me think.", "thought": True},
+                                        {"text": ""}, {"thoughtSignature": "c2ln"},
+                                        {"text": "Sunny."}]}
+    reply = {"content": {"role": "model", "parts": [{"text": "Sunny, 21 °C."}]},
+             "finishReason": "STOP"}
+    tools = [{"functionDeclarations": [{"name": "get_weather", "description": "w",
+                                        "parameters": _SCHEMA},
+                                       {"name": "now", "parametersJsonSchema": {"type": "object"}},
+                                       {"name": "bare"}]}, {"googleSearch": {}}]
+    snake = {"contents": [user], "system_instruction": {"parts": [{"text": "sys"}]}}
+    return [
+        _gemini([user], reply),
+        _gemini([user, model, user], reply, system={"parts": [{"text": "Be brief."}]},
+                tools=tools),
+        _gemini([user], reply, system="plain system"),
+        _gemini([{"parts": [{"text": "no role"}]}, {"role": "function", "parts": []}], reply),
+        _gemini([user], {"content": {"parts": [{"text": "no role"}]}}),
+        _gemini([user], reply, model=""), _gemini([user], reply, model=None),
+        _gemini([user], reply, model="models/gemini-x"), _gemini([user], reply, model=5),
+        {**_gemini([user], reply, model=None), "endpoint": "/v1/models/:x/models/m2?k"},
+        {**_gemini([user], reply, model=None), "endpoint": None},
+        {**_gemini([user], reply, model=None), "request": {"contents": [user], "model": "r"}},
+        {k: v for k, v in _gemini([user], reply).items() if k != "provider"},
+        {**_gemini([user], reply), "request": snake},
+        _gemini([user, model], reply),  # the request ends with the model's turn
+        _gemini("just text", reply),
+        _gemini([user], {"content": {"role": "user", "parts": [{"text": "x"}]}}),
+        _gemini([user], {"content": {"role": "model", "parts": []}}),
+        _gemini([{"role": "user", "parts": [{"inlineData": {"mimeType": "image/png",
+                                                            "data": conv.PNG_B64}}]}], reply),
+        _gemini([user], {"content": {"role": "model", "parts": [
+            {"functionCall": {"name": "f", "args": {}}}]}}),
+        _gemini([{"role": "critic", "parts": [{"text": "x"}]}], reply),
+        _gemini([user], reply, tools=[{"functionDeclarations": [{"name": "f", "parameters": {
+            "type": "OBJECT", "x": 1.5}}]}]),
+        {**_gemini([user], reply), "request": {"contents": [user], "config": {}}},
+        {**_gemini([user], reply), "response": {"candidates": [reply, reply]}},
+        {**_gemini([user], reply), "response": {"promptFeedback": {"blockReason": "SAFETY"}}},
+        conv.gemini_call(), conv.gemini_snake_call(),
+    ]
+
+
+@pytest.mark.parametrize("variants", [_anthropic_variants, _line_variants, _gemini_variants])
+def test_other_calls_and_lines_normalized_in_c_give_the_python_path_s_rows(
         variants: Any) -> None:
     records = variants()
     lines = [json.dumps(r, ensure_ascii=ascii_).encode() for r in records
@@ -463,8 +519,8 @@ def test_anthropic_calls_and_lines_normalized_in_c_give_the_python_path_s_rows(
         assert fast == slow
 
 
-@pytest.mark.parametrize("variants", [_anthropic_variants, _line_variants])
-def test_mutated_anthropic_calls_and_lines_give_the_python_path_s_rows_and_reasons(
+@pytest.mark.parametrize("variants", [_anthropic_variants, _line_variants, _gemini_variants])
+def test_mutated_other_calls_and_lines_give_the_python_path_s_rows_and_reasons(
         variants: Any) -> None:
     rng = random.Random(7)
     lines = []
