@@ -3,9 +3,10 @@
 Normalizing is plain Python and most of a file ingest's CPU. ``make native`` (which ``make
 test`` and ``make demo`` run) compiles these modules with mypyc (``python -m factory.native
 build``): each gets a C extension next to its source, which Python imports instead of the
-``.py``. Nothing else changes; the compiled
-modules give the same rows byte for byte (``tests/ingest/test_native.py`` compares them with
-the source's on every format).
+``.py``. Nothing else changes; the compiled modules give the same rows byte for byte
+(``tests/ingest/test_native.py`` compares them with the source's on every format). The build
+also compiles the modules written in C (``C_MODULES``): a fast path in front of the Python one,
+taken only where it gives the same rows (``tests/ingest/test_fastpath.py``).
 
 A build is used only while it matches the sources it was built from. The build writes a stamp
 with the sha256 of each source; at import (``factory.normalize`` calls ``install_guard``) an
@@ -39,10 +40,11 @@ PACKAGE = "factory.normalize"
 MODULES = ("canon", "images", "detect", "openai", "anthropic", "gemini", "sharegpt", "otlp",
            "rows")
 """The compiled modules, in dependency order."""
-C_MODULES = ("_openai_fast",)
-"""Modules written in C (``<name>.c``), built with the others. ``_openai_fast`` reads a streamed
-OpenAI capture without building its chunks as Python objects. The code that uses one runs
-without it where it cannot be imported: not built, or the build is stale."""
+C_MODULES = ("_fastpath",)
+"""Modules written in C (``<name>.c``), built with the others. ``_fastpath`` reads the common
+records of a file ingest (logged OpenAI, Anthropic and Gemini calls, OpenAI fine-tuning lines)
+without Python objects, in front of the Python path (``rows.fast_outcome``). The code that
+uses one runs without it where it cannot be imported: not built, or the build is stale."""
 GROUP = "_native"
 """The shared library that holds their code (``_native__mypyc``), in the package."""
 HERE = Path(__file__).resolve().parent / "normalize"

@@ -122,10 +122,10 @@ def outcome(payload: Any, fmt: str,
 
 
 def _load_fast() -> Callable[[bytes], tuple[Any, ...] | None] | None:
-    """``factory.normalize._openai_fast.fast_record`` (C, built by ``make native``), or None
+    """``factory.normalize._fastpath.fast_record`` (C, built by ``make native``), or None
     where it is not built or the build is stale (``factory.native``)."""
     try:
-        module = importlib.import_module("factory.normalize._openai_fast")
+        module = importlib.import_module("factory.normalize._fastpath")
     except ImportError:
         return None
     found: Callable[[bytes], tuple[Any, ...] | None] = module.fast_record
@@ -138,16 +138,17 @@ _FAST = _load_fast()
 def fast_outcome(line: bytes, format_hint: str,
                  blobs: BlobStore | None) -> tuple[str, str, list[SampleRow]] | None:
     """(raw_trace_id, format, sample rows) of a record read by the C module
-    (``factory.normalize._openai_fast``), or None: it is not built, the line is not such a
-    call, or the C module is not sure to give what the Python path gives (the caller then
+    (``factory.normalize._fastpath``), or None: it is not built, the line is not one of the
+    records it reads, or it is not sure to give what the Python path gives (the caller then
     reads the line itself).
 
-    - A streamed call is read with the text-only chunks of its stream merged (the same
+    - A logged OpenAI, Anthropic or Gemini call, or an OpenAI fine-tuning line, in the common
+      shape (text, reasoning, tool calls and results, function tools, one choice) is
+      normalized in C: only its row is built here.
+    - A streamed OpenAI call is read with the text-only chunks of its stream merged (the same
       response, without a Python object per token) and normalized here as usual; kept only
       when accepted, since a rejection's reason names a chunk by its place in the stream as it
       came.
-    - A call with a response, in the common shape (text content, tool calls and results,
-      function tools, one choice), is normalized in C: only the row is built here.
     """
     if _FAST is None:
         return None
@@ -257,6 +258,9 @@ def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, forma
         stripped = line.strip()
         if not stripped:
             continue
+        # The C fast path, for the lines that look like what it reads (a logged call, a
+        # fine-tuning line; a cheap test, not a rule: it decides, and other lines would cost
+        # it a parse for nothing). Not on a re-ingest, which hashes before it normalizes.
         if not check and _FAST is not None and (b'"request"' in stripped
                                                  or stripped.startswith(b'{"messages"')):
             fast = fast_outcome(stripped, format_hint, blobs)

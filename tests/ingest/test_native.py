@@ -162,9 +162,9 @@ def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
         return done.stdout.strip() == "True"
 
     assert c_module_used()
-    source = checkout / "factory" / "normalize" / "_openai_fast.c"
+    source = checkout / "factory" / "normalize" / "_fastpath.c"
     source.write_text(source.read_text() + "\n/* edited after the build */\n")
-    assert native.status(source.parent) == "stale (_openai_fast.c changed since the build)"
+    assert native.status(source.parent) == "stale (_fastpath.c changed since the build)"
     assert not c_module_used()
 
 

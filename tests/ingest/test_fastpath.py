@@ -1,4 +1,4 @@
-"""Logged OpenAI calls read in C (``factory/normalize/_openai_fast.c``): the same bytes as
+"""Logged OpenAI calls read in C (``factory/normalize/_fastpath.c``): the same bytes as
 orjson, the same rows as the Python path, and None wherever it cannot be sure."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module() -> Any:
-    from factory.normalize import _openai_fast
+    from factory.normalize import _fastpath
 
-    return _openai_fast
+    return _fastpath
 
 
 def _reference(text: bytes) -> bytes | None:
@@ -167,7 +167,7 @@ def _variants() -> list[dict[str, Any]]:
     ]
 
 
-def _bench_openai_fast(tmp_path: Path, count: int) -> list[bytes]:
+def _bench_fastpath(tmp_path: Path, count: int) -> list[bytes]:
     spec = importlib.util.spec_from_file_location("bench_ingest", ROOT / "bench" / "ingest.py")
     assert spec and spec.loader
     bench = importlib.util.module_from_spec(spec)
@@ -196,7 +196,7 @@ def test_collapsed_streams_give_the_python_path_s_rows(tmp_path: Path) -> None:
     records = _variants()
     lines = [json.dumps(r, ensure_ascii=ascii_).encode() for r in records
              for ascii_ in (False, True)]
-    lines += _bench_openai_fast(tmp_path, 400)
+    lines += _bench_fastpath(tmp_path, 400)
     collapsed = [_module().fast_record(line) for line in lines]
     assert sum(c is not None for c in collapsed) > len(lines) * 0.8  # the C path is taken
     for line, found in zip(lines, collapsed, strict=True):

@@ -1,30 +1,37 @@
-/* Streamed OpenAI captures made small before Python reads them.
+/* The common records of a file ingest read in C: a fast path in front of the Python one.
  *
- * A logged streaming call holds a chunk per token: a record of 16 KB is ~700 small objects
- * that orjson.loads builds and the normalizer then walks, only to join the tokens again (the
- * benchmark's streams are 7% of its records and a third of the normalizing time).
+ * Parsing a record with orjson builds a Python object for every key and value, the normalizer
+ * walks them to build the canonical conversation, and orjson writes it again: most of an
+ * ingest's CPU. fast_record(line) reads the line once, in C, into a tape of nodes (no Python
+ * object), and gives:
  *
- * collapse_stream(line) reads the line once, in C, and returns (canonical, collapsed) or None:
+ * - ("call", canonical, messages, tools, model, created, turns, has_tool_calls, provider) for
+ *   a logged OpenAI Chat Completions, Anthropic Messages or Gemini generateContent call, or an
+ *   OpenAI fine-tuning line, in the shape read here (text, reasoning/thinking, tool calls and
+ *   tool results, function tools, one choice or candidate): what openai/anthropic/gemini and
+ *   canon.finish would make of it, the canonical messages and tools as their JSON bytes;
+ * - ("stream", canonical, collapsed) for a streamed OpenAI call: the line with its "stream"
+ *   array's text-only chunks (a single choice whose delta is exactly {"content": a string})
+ *   merged, run by run, into one chunk holding their text, every other chunk kept as it is,
+ *   the first always. openai.reassemble_stream gives the same response for both (it reads
+ *   nothing else of those chunks, and a merged chunk carries the model or created time the
+ *   first chunk of its run gave when none was known before). Python normalizes that
+ *   (a 16 KB record of ~700 chunk objects becomes a few).
+ * - None for anything else, and wherever this is not sure to give what the Python path gives:
+ *   text that is not strict JSON, an object with a repeated key (a dict keeps the last
+ *   value), a lone surrogate, nesting deeper than MAX_DEPTH, images, content-part lists,
+ *   several choices, floats in tool schemas or arguments (the reference encoder writes them
+ *   otherwise), any record the Python code would reject (it names the fault). The caller then
+ *   reads the line the Python way.
  *
- * - canonical: orjson.dumps(orjson.loads(line), option=orjson.OPT_SORT_KEYS), the bytes the
- *   record's raw_trace_id hashes (compact, keys sorted by their UTF-8 bytes, strings escaped
- *   as orjson escapes them). Numbers other than short integers are read and written by orjson
- *   itself, one at a time.
- * - collapsed: the line with its top-level "stream" array rewritten, each run of chunks that
- *   only add text to one choice (a single choice whose delta is exactly {"content": a
- *   string}) merged into one chunk holding their text; every other chunk is kept as it is, in
- *   order, the first always. factory.normalize.openai.reassemble_stream gives the same
- *   response for both (it reads nothing else of those chunks, and a merged chunk carries the
- *   model or created time the first chunk of its run gave when none was known before).
- *
- * None whenever it cannot be sure: text that is not strict JSON, an object with a repeated key
- * (a dict keeps the last value), a lone surrogate, nesting deeper than MAX_DEPTH, no stream
- * array, nothing to merge. The caller then parses the line as usual; it also uses the
- * collapsed record only when the format is OpenAI and the record normalizes (a rejection's
- * reason names the chunk by its place in the original stream).
+ * "canonical" is orjson.dumps(orjson.loads(line), option=orjson.OPT_SORT_KEYS), the bytes the
+ * record's raw_trace_id hashes (compact, keys sorted by their UTF-8 bytes, strings escaped as
+ * orjson escapes them); numbers other than short integers are read and written by orjson
+ * itself, one at a time. canonical_bytes(line) gives only that.
  *
  * factory.native builds this module with the mypyc-compiled normalizers (``make native``);
- * tests/ingest/test_openai_fast.py holds both results to orjson and to the Python path.
+ * tests/ingest/test_fastpath.py holds every result to orjson and to the Python path, on
+ * variants next to each rule and on mutated records.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1750,12 +1757,12 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "_openai_fast",
+    PyModuleDef_HEAD_INIT, "_fastpath",
     "Streamed OpenAI captures made small before Python reads them (see collapse_stream).", -1,
     methods,
 };
 
-PyMODINIT_FUNC PyInit__openai_fast(void) {
+PyMODINIT_FUNC PyInit__fastpath(void) {
     PyObject *orjson = PyImport_ImportModule("orjson");
     if (!orjson) return NULL;
     orjson_loads = PyObject_GetAttrString(orjson, "loads");
