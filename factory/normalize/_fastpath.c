@@ -632,8 +632,9 @@ static int only_text(State *s, Py_ssize_t c, Piece *piece) {
     Py_ssize_t index = member(s, choice, "index");
     if (index >= 0) { /* an integer (a bool is not one here: Python's check is type() is int) */
         const Node *n = &s->nodes[index];
+        if (n->type != N_RAW) return 0; /* (a float, a string: their start is in the arena) */
         unsigned char t = s->base[n->start];
-        if (n->type != N_RAW || !(t == '-' || (t >= '0' && t <= '9'))) return 0;
+        if (!(t == '-' || (t >= '0' && t <= '9'))) return 0;
     }
     piece->index = index;
     piece->text = text;

@@ -542,3 +542,15 @@ def test_mutated_other_calls_and_lines_give_the_python_path_s_rows_and_reasons(
     assert sum(1 for r in slow if r[4]) > 20
     assert sum(1 for line in lines if (f := _module().fast_record(line)) and f[0] == "call") \
         > len(lines) * 0.2
+
+
+@pytest.mark.parametrize("index", [b"1.5", b'"\\u0041"', b"true", b"-0"])
+def test_a_chunk_index_that_is_no_plain_integer_is_not_merged(index: bytes) -> None:
+    # A float or an escaped string lives in the C module's arena, not in the line: reading it
+    # as the line's bytes read past the line's end (found under AddressSanitizer, with the
+    # arena grown large by many floats first).
+    line = (b'{"a":[' + b",".join([b"1e15"] * 2000) + b'],"stream":[{},{"choices":[{"delta":'
+            b'{"content":"x"},"index":' + index + b"}]},{},{}]}")
+    assert _module().collapse_stream(line) is None
+    found = _module().fast_record(line)
+    assert found is None or found[1] == _reference(line)
