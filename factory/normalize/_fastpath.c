@@ -105,6 +105,7 @@ static inline int reserve(State *s, Buf *b, Py_ssize_t n) {
 }
 
 static inline int put(State *s, Buf *b, const void *data, Py_ssize_t n) {
+    if (n == 0) return 0; /* (data may be an empty buffer's NULL: no memcpy from it) */
     if (reserve(s, b, n)) return -1;
     memcpy(b->data + b->len, data, (size_t)n);
     b->len += n;
@@ -431,6 +432,7 @@ static const char HEX[] = "0123456789abcdef";
 /* ``data`` as the contents of a JSON string, escaped as orjson escapes (", \ and control
  * characters, nothing else). */
 static int write_escaped(State *s, Buf *b, const unsigned char *p, Py_ssize_t len) {
+    if (len == 0) return 0; /* (p may be an empty buffer's NULL) */
     if (reserve(s, b, len * 6)) return -1;
     unsigned char *o = b->data + b->len;
     const unsigned char *end = p + len;
