@@ -119,6 +119,9 @@ static inline int put_byte(State *s, Buf *b, unsigned char c) {
 }
 
 static Py_ssize_t new_node(State *s, uint8_t type, Py_ssize_t start, Py_ssize_t len) {
+    /* 32-bit offsets: the line is under 1 GiB, but the numbers orjson writes into the arena
+     * can be longer than the line's ("1e15" is "1000000000000000.0") */
+    if (start + len > INT32_MAX) return fail(s);
     if (s->n_nodes == s->cap_nodes &&
         grow((void **)&s->nodes, &s->cap_nodes, s->n_nodes + 1, sizeof(Node), s))
         return -1;
