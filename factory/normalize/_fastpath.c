@@ -41,7 +41,8 @@
 #include <emmintrin.h>
 #endif
 
-#define MAX_DEPTH 512
+#define MAX_DEPTH 253 /* containers nested at most 254 deep: orjson.dumps refuses 255 (the
+                         Python path then writes with the json module, floats otherwise) */
 #define MAX_PLAIN_DIGITS 18 /* an integer of up to 18 digits fits in 64 bits: copied as is */
 
 enum { N_OBJ, N_ARR, N_STR, N_ESTR, N_RAW, N_ARENA };

@@ -91,6 +91,8 @@ def _looks_anthropic(body: dict[str, Any]) -> bool:
                 if not isinstance(block, dict):
                     continue
                 btype = block.get("type")
+                if not isinstance(btype, str):  # (a dict or list is not hashable)
+                    continue
                 if btype in _ANTHROPIC_BLOCKS or (btype == "image" and "source" in block):
                     return True
                 if btype in _OPENAI_PARTS:

@@ -539,7 +539,7 @@ def _from_events(attrs: dict[str, Any], events: list[Any], where: str, blobs: di
         if isinstance(body.get("gen_ai.event.content"), str):
             body = expect_dict(_json_attr(body["gen_ai.event.content"], f"{at}.content"),
                                f"{at}.content")
-        if name in _MESSAGE_EVENTS:
+        if isinstance(name, str) and name in _MESSAGE_EVENTS:
             msg: dict[str, Any] = {"role": body.get("role") or _MESSAGE_EVENTS[name],
                                    "content": _json_content(body.get("content"))}
             if body.get("tool_calls") is not None:

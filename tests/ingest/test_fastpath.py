@@ -94,10 +94,17 @@ def test_mutated_bytes_are_orjson_s_or_none(data: st.DataObject, form: str) -> N
     b'"\\ud800"', b'"\\udc00\\ud800"', b'"\\ud83d x"',  # lone surrogates
     b'"\xed\xa0\x80"', b'"\xc0\xaf"', b'"\xff"',  # not UTF-8
     b"NaN", b"[Infinity]", b"1e999", b"[1,]", b"{}x", b"01", b"[1 2]", b'"a\tb"', b"",
-    b"[" * 600 + b"]" * 600,  # deeper than the C module goes
+    b"[" * 600 + b"]" * 600, b"[" * 255 + b"]" * 255,  # deeper than orjson writes
 ])
 def test_canonical_bytes_refuse_what_they_cannot_be_sure_of(text: bytes) -> None:
     assert _module().canonical_bytes(text) is None
+
+
+def test_canonical_bytes_as_deep_as_orjson_writes() -> None:
+    text = b'{"a":' * 127 + b"[" * 127 + b"[1e-7]" + b"]" * 127 + b"}" * 127  # 255 deep
+    assert _module().canonical_bytes(text) is None and _reference(text) is None
+    text = b'{"a":' * 127 + b"[" * 126 + b"[1e-7]" + b"]" * 126 + b"}" * 127  # 254 deep
+    assert _module().canonical_bytes(text) == _reference(text) is not None
 
 
 def test_canonical_bytes_of_escapes_numbers_and_keys() -> None:

@@ -110,3 +110,17 @@ def test_split_otlp_garbage_is_a_normalize_error(body: bytes, ctype: str) -> Non
     for record in records:
         json.dumps(record)
         _check(record, "otlp")
+
+
+def test_a_content_block_type_that_is_not_a_string_rejects_one_record_only() -> None:
+    from factory.normalize.rows import process_lines
+
+    # detect_format asked whether a dict was among the Anthropic block types: TypeError
+    # (unhashable), out of process_lines, so one record stopped its whole chunk.
+    lines = [b'{"messages":[{"role":"user","content":[{"type":{}}]}]}',
+             b'{"messages":[{"role":"user","content":[{"type":[1]}]},'
+             b'{"role":"assistant","content":"a"}]}',
+             json.dumps(conv.openai_finetune_line()).encode()]
+    out = process_lines(lines, name="t", first_lineno=1, format_hint="auto", line_errors=[])
+    assert [r[4] is None for r in out] == [False, False, True]
+    assert all("normalizer failed" not in (r[4] or "") for r in out)
