@@ -1680,30 +1680,7 @@ static PyObject *canonical_bytes(PyObject *module, PyObject *arg) {
     return result;
 }
 
-static PyObject *collapse_stream(PyObject *module, PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    State s;
-    acquire(&s);
-    PyObject *result = NULL;
-    int done = canonical(&s, &view);
-    if (done == 0) {
-        done = collapse(&s);
-        if (done == 0) {
-            result = Py_BuildValue("(y#y#)", (char *)s.out.data, s.out.len,
-                                   (char *)s.collapsed.data, s.collapsed.len);
-        } else if (done == 1) {
-            result = Py_NewRef(Py_None);
-        }
-    } else if (s.error != 2) {
-        result = Py_NewRef(Py_None);
-    }
-    release(&s);
-    PyBuffer_Release(&view);
-    return result;
-}
-
-/* What the Python side needs of a line (see rows.fast_record): None, ("stream", canonical,
+/* What the Python side needs of a line (see rows.fast_outcome): None, ("stream", canonical,
  * collapsed) or ("call", canonical, messages JSON, tools JSON, model, created, turns,
  * has_tool_calls). */
 static PyObject *fast_record(PyObject *module, PyObject *arg) {
@@ -1755,9 +1732,6 @@ static PyMethodDef methods[] = {
     {"canonical_bytes", canonical_bytes, METH_O,
      "canonical_bytes(line, /)\n--\n\n"
      "orjson.dumps(orjson.loads(line), option=OPT_SORT_KEYS), or None where not sure."},
-    {"collapse_stream", collapse_stream, METH_O,
-     "collapse_stream(line, /)\n--\n\n"
-     "(canonical bytes, the line with its stream's text chunks merged), or None."},
     {"fast_record", fast_record, METH_O,
      "fast_record(line, /)\n--\n\nA streamed or logged OpenAI call read in C, or None."},
     {NULL, NULL, 0, NULL},
@@ -1765,7 +1739,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "_fastpath",
-    "Streamed OpenAI captures made small before Python reads them (see collapse_stream).", -1,
+    "The common records of a file ingest read in C (see fast_record).", -1,
     methods,
 };
 
