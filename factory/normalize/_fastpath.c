@@ -1118,6 +1118,20 @@ static Py_ssize_t call_model(State *s, Py_ssize_t response, Py_ssize_t request) 
     return model >= 0 && is_string(&s->nodes[model]) ? model : -1;
 }
 
+/* The "messages" of ``body`` (convert_messages, then finish) opening s->msgs: 0, 1 or -1. */
+static int openai_messages(State *s, Finish *f, Py_ssize_t body) {
+    Py_ssize_t messages = member(s, body, "messages");
+    if (messages < 0 || s->nodes[messages].type != N_ARR) return 1;
+    memset(f, 0, sizeof(*f));
+    if (put_byte(s, &s->msgs, '[')) return -1;
+    Py_ssize_t msg = messages + 1;
+    for (Py_ssize_t i = 0; i < s->nodes[messages].len; i++, msg = s->nodes[msg].next) {
+        int done = request_message(s, f, msg);
+        if (done) return done;
+    }
+    return 0;
+}
+
 /* A logged OpenAI call (see the top of this part) into s->msgs and s->tools. 0, 1 (not
  * sure, or not such a call) or -1. */
 static int openai_call(State *s, Call *call) {
@@ -1135,18 +1149,11 @@ static int openai_call(State *s, Call *call) {
     Py_ssize_t role = member(s, reply, "role");
     if (role >= 0 && !str_is(s, &s->nodes[role], "assistant")) return 1;
     /* the request's conversation */
-    Py_ssize_t messages = member(s, request, "messages");
-    if (messages < 0 || s->nodes[messages].type != N_ARR) return 1;
     Finish *f = &call->f;
-    memset(f, 0, sizeof(*f));
-    if (put_byte(s, &s->msgs, '[')) return -1;
-    Py_ssize_t msg = messages + 1;
-    for (Py_ssize_t i = 0; i < s->nodes[messages].len; i++, msg = s->nodes[msg].next) {
-        int done = request_message(s, f, msg);
-        if (done) return done;
-    }
+    int done = openai_messages(s, f, request);
+    if (done) return done;
     if (f->last_plain_assistant) return 1; /* a prefill: the reply continues it */
-    int done = request_tools(s, request, 0);
+    done = request_tools(s, request, 0);
     if (done) return done;
     done = assistant(s, f, reply);
     if (done) return done;
@@ -1366,18 +1373,11 @@ static int gemini_call(State *s, Call *call) {
 
 /* An OpenAI fine-tuning line ({"messages", "tools"?, "model"?}: openai.normalize). */
 static int openai_line(State *s, Call *call) {
-    Py_ssize_t messages = member(s, 0, "messages");
-    if (messages < 0 || s->nodes[messages].type != N_ARR) return 1;
     Finish *f = &call->f;
-    memset(f, 0, sizeof(*f));
-    if (put_byte(s, &s->msgs, '[')) return -1;
-    Py_ssize_t msg = messages + 1;
-    for (Py_ssize_t i = 0; i < s->nodes[messages].len; i++, msg = s->nodes[msg].next) {
-        int done = request_message(s, f, msg);
-        if (done) return done;
-    }
+    int done = openai_messages(s, f, 0);
+    if (done) return done;
     if (!f->num_assistant) return 1; /* rejected: nothing to learn from */
-    int done = request_tools(s, 0, 0);
+    done = request_tools(s, 0, 0);
     if (done) return done;
     if (put_byte(s, &s->msgs, ']')) return -1;
     Py_ssize_t model = member(s, 0, "model");
