@@ -789,6 +789,11 @@ static int put_call_id(State *s, Buf *b, int number) {
     return put(s, b, text, n);
 }
 
+/* Absent or null (what ``.get`` reads as None). */
+static int is_null(State *s, Py_ssize_t node) {
+    return node < 0 || (s->nodes[node].type == N_RAW && s->base[s->nodes[node].start] == 'n');
+}
+
 /* canon_json_text of a string node into s->tmp (unescaped): the canonical JSON of an object
  * or array it holds, else the string itself. 0, or 1: not sure (the caller gives up). */
 static int json_text(State *s, const Node *n) {
@@ -922,8 +927,7 @@ static int tool_result(State *s, Finish *f, Py_ssize_t msg, int is_tool_role) {
     if (content < 0 || !is_string(&s->nodes[content])) return 1;
     const Node *nn = name >= 0 && is_string(&s->nodes[name]) ? &s->nodes[name] : NULL;
     const Node *pid = NULL;
-    if (call_id >= 0 && s->nodes[call_id].type == N_RAW && s->base[s->nodes[call_id].start] == 'n')
-        call_id = -1; /* null */
+    if (is_null(s, call_id)) call_id = -1;
     if (call_id >= 0) {
         if (!is_string(&s->nodes[call_id])) return 1; /* (a number: str() of it) */
         if (s->nodes[call_id].len) pid = &s->nodes[call_id]; /* "" reads as none */
@@ -942,21 +946,15 @@ static int tool_result(State *s, Finish *f, Py_ssize_t msg, int is_tool_role) {
 
 /* An assistant turn (_message): reasoning, content, refusal, tool calls. 0, 1 or -1. */
 static int assistant(State *s, Finish *f, Py_ssize_t msg) {
-    if (member(s, msg, "function_call") >= 0) {
-        Py_ssize_t fc = member(s, msg, "function_call");
-        if (!(s->nodes[fc].type == N_RAW && s->base[s->nodes[fc].start] == 'n')) return 1;
-    }
+    if (!is_null(s, member(s, msg, "function_call"))) return 1;
     Py_ssize_t reasoning = member(s, msg, "reasoning_content");
     Py_ssize_t content = member(s, msg, "content"), refusal = member(s, msg, "refusal");
     Py_ssize_t calls = member(s, msg, "tool_calls");
-    int null_content = content < 0 || (s->nodes[content].type == N_RAW &&
-                                       s->base[s->nodes[content].start] == 'n');
+    int null_content = is_null(s, content);
     if (!null_content && !is_string(&s->nodes[content])) return 1;
-    int null_refusal = refusal < 0 || (s->nodes[refusal].type == N_RAW &&
-                                       s->base[s->nodes[refusal].start] == 'n');
+    int null_refusal = is_null(s, refusal);
     if (!null_refusal && !is_string(&s->nodes[refusal])) return 1;
-    int null_calls = calls < 0 || (s->nodes[calls].type == N_RAW &&
-                                   s->base[s->nodes[calls].start] == 'n');
+    int null_calls = is_null(s, calls);
     if (!null_calls && s->nodes[calls].type != N_ARR) return 1;
     int parts = 0;
     if (begin_message(s, f)) return -1;
@@ -980,11 +978,10 @@ static int assistant(State *s, Finish *f, Py_ssize_t msg) {
             if (fn < 0 || s->nodes[fn].type != N_OBJ) return 1;
             Py_ssize_t name = member(s, fn, "name"), args = member(s, fn, "arguments");
             if (name < 0 || !is_string(&s->nodes[name]) || !s->nodes[name].len) return 1;
-            if (id >= 0 && s->nodes[id].type == N_RAW && s->base[s->nodes[id].start] == 'n')
-                id = -1;
+            if (is_null(s, id)) id = -1;
             if (id >= 0 && !is_string(&s->nodes[id])) return 1; /* (a number: str() of it) */
             /* the arguments, canonical where JSON (canon_json_text) */
-            if (args < 0 || (s->nodes[args].type == N_RAW && s->base[s->nodes[args].start] == 'n')) {
+            if (is_null(s, args)) {
                 s->tmp.len = 0;
                 if (put(s, &s->tmp, "{}", 2)) return -1;
             } else if (is_string(&s->nodes[args])) {
@@ -1003,10 +1000,6 @@ static int assistant(State *s, Finish *f, Py_ssize_t msg) {
     }
     f->last_plain_assistant = count == 0;
     return put_byte(s, &s->msgs, '}') ? -1 : 0;
-}
-
-static int is_null(State *s, Py_ssize_t node) {
-    return node < 0 || (s->nodes[node].type == N_RAW && s->base[s->nodes[node].start] == 'n');
 }
 
 /* One request message (convert_messages, then finish). 0, 1 or -1. */
