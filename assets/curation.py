@@ -28,14 +28,22 @@ from factory.curation.store import (
     write_dataset,
     write_profile,
 )
-from factory.curation.tokens import ChatTemplateCounter
+from factory.curation.tokens import RenderCounter
 from factory.errors import FactoryError
 from factory.evals.rejection import rejection_judge
 from factory.experiments import CURATION_ENGINES, load_experiment
+from factory.recipes import load_recipe
 from resources.judge import JudgeResource
 from resources.lake import LakeResource
 
 EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
+
+
+def curation_config(experiment: Any) -> CurationConfig:
+    """The experiment's curation settings; samples longer than ``data.max_tokens`` or the
+    recipe's context (as the trainer renders them) are dropped as ``too_long``."""
+    context = load_recipe(experiment.recipe).architecture.max_context
+    return CurationConfig.from_data_spec(experiment.data, context_limit=context)
 
 
 
@@ -68,7 +76,7 @@ _CHECKS = [
                 "near-duplicates, train decontamination, detectors, judge). Tables "
                 "dataset_train, dataset_eval, dataset_drops; trace-pattern report in metadata.",
     check_specs=_CHECKS,
-    code_version="1",
+    code_version="2",
 )
 def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: ignore[no-untyped-def]
             lake: LakeResource, judge: JudgeResource):
@@ -76,7 +84,7 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
         raise FactoryError(f"engine {config.engine!r}: choose one of {', '.join(CURATION_ENGINES)}")
     experiment = load_experiment(context.partition_key)
     engine = config.engine or experiment.data.engine
-    cur = CurationConfig.from_data_spec(experiment.data)
+    cur = curation_config(experiment)
     session = lake.session(context)
     tokenizer_dir = tokenizer_dir_for(experiment.recipe)
     judged: dict[str, str] = {}
@@ -86,7 +94,7 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
     else:
         samples, snapshot = select_samples(session, experiment.data.where)
         rejection = _rejection(judge, experiment, cur, samples)
-        result = curate(samples, cur, ChatTemplateCounter(tokenizer_dir), judge=rejection,
+        result = curate(samples, cur, RenderCounter(tokenizer_dir), judge=rejection,
                         num_workers=config.num_workers or default_workers())
         write_dataset(session, experiment.name, result)
     if rejection is not None:
@@ -160,11 +168,11 @@ def _curate_on_spark(session: Any, experiment: Any, cur: CurationConfig, tokeniz
     kinds={"iceberg", "python"},
     description="Profile of the experiment's dataset for the planner: prompt/completion token "
                 "percentiles, turns, share with images and tool calls, languages, size.",
-    code_version="1",
+    code_version="2",
 )
 def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.MaterializeResult:
     experiment = load_experiment(context.partition_key)
-    config = CurationConfig.from_data_spec(experiment.data)
+    config = curation_config(experiment)
     session = lake.session(context)
     train, ev, drops = read_dataset(session, experiment.name)
     profile = build_profile(train, ev, drops.to_pylist(),

@@ -35,7 +35,7 @@ from factory.curation.config import CurationConfig  # noqa: E402
 from factory.curation.pipeline import curate, default_workers  # noqa: E402
 from factory.curation.synthetic import planted  # noqa: E402
 from factory.curation.text import conversation_text  # noqa: E402
-from factory.curation.tokens import ChatTemplateCounter  # noqa: E402
+from factory.curation.tokens import RenderCounter  # noqa: E402
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
     load_before = os.getloadavg()
     cpu0 = _cpu()
     t0 = time.perf_counter()
-    result = curate(table, config, ChatTemplateCounter(tok), num_workers=workers)
+    result = curate(table, config, RenderCounter(tok), num_workers=workers)
     curate_s = time.perf_counter() - t0
     curate_cpu = _cpu() - cpu0
     load_after = os.getloadavg()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 IGNORE_INDEX = -100
@@ -185,32 +186,60 @@ def render(messages: Any, tools: Any = None, tokenizer: Any = None, *,
                                           add_generation_prompt=add_generation_prompt))
 
 
+def spans(messages: Any, tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the character spans of its assistant (trained) pieces."""
+    segs = segments(messages, tools)
+    out: list[tuple[int, int]] = []
+    pos = 0
+    for t, trainable in segs:
+        if trainable:
+            out.append((pos, pos + len(t)))
+        pos += len(t)
+    return "".join(t for t, _ in segs), out
+
+
+def label_ids(ids: Sequence[int], offsets: Sequence[tuple[int, int]],
+              trained: Sequence[tuple[int, int]]) -> list[int]:
+    """``labels`` for tokens ``ids`` at character ``offsets``: a token is trained when its last
+    character lies in one of the ``trained`` spans, else ``IGNORE_INDEX``."""
+    labels = []
+    span_i = 0
+    for tok, (start, end) in zip(ids, offsets, strict=True):
+        last = end - 1
+        while span_i < len(trained) and trained[span_i][1] <= last:
+            span_i += 1
+        inside = end > start and span_i < len(trained) and trained[span_i][0] <= last
+        labels.append(tok if inside else IGNORE_INDEX)
+    return labels
+
+
+def _is_backend(tokenizer: Any) -> bool:
+    """True for a ``tokenizers.Tokenizer`` (the Rust backend), False for a transformers one."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return False
+    return isinstance(tokenizer, Tokenizer)
+
+
 def encode(messages: Any, tools: Any, tokenizer: Any, *,
            max_len: int | None = None) -> tuple[list[int], list[int]]:
     """Token ids and labels (``IGNORE_INDEX`` outside assistant turns) of one sample.
 
     The whole text is tokenized once, exactly as at inference; a token is trained when its last
     character lies in an assistant span. ``labels[i]`` is the target *at* position i (the caller
-    shifts).
+    shifts). ``tokenizer`` is a transformers tokenizer or a ``tokenizers.Tokenizer`` (what
+    curation loads: the same backend, so the same ids; tests/curation/test_tokens.py holds the
+    two equal).
     """
-    segs = segments(messages, tools)
-    text = "".join(t for t, _ in segs)
-    spans = []
-    pos = 0
-    for t, trainable in segs:
-        if trainable:
-            spans.append((pos, pos + len(t)))
-        pos += len(t)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    labels = []
-    span_i = 0
-    for tok, (start, end) in zip(ids, enc["offset_mapping"], strict=True):
-        last = end - 1
-        while span_i < len(spans) and spans[span_i][1] <= last:
-            span_i += 1
-        inside = end > start and span_i < len(spans) and spans[span_i][0] <= last
-        labels.append(tok if inside else IGNORE_INDEX)
+    text, trained = spans(messages, tools)
+    if _is_backend(tokenizer):
+        enc = tokenizer.encode(text, add_special_tokens=False)
+        ids, offsets = list(enc.ids), enc.offsets
+    else:
+        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(out["input_ids"]), out["offset_mapping"]
+    labels = label_ids(ids, offsets, trained)
     if max_len is not None:
         ids, labels = ids[:max_len], labels[:max_len]
     return ids, labels

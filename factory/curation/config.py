@@ -26,7 +26,7 @@ class CurationConfig:
     eval_fraction: float = 0.1
     """Share of split groups held out for eval, decided by a stable hash of the group."""
     max_tokens: int = 2048
-    """Samples longer than this (base tokenizer + chat template) are dropped."""
+    """Samples longer than this (as ``trainer.chat.encode`` counts them) are dropped."""
     near_dup_threshold: float = 0.85
     """Word-3-gram Jaccard similarity at or above which two samples are near-duplicates."""
     decontam_ngram: int = 13
@@ -67,9 +67,11 @@ class CurationConfig:
         return self.num_bands * self.rows_per_band
 
     @classmethod
-    def from_data_spec(cls, data: Any) -> CurationConfig:
-        """Build from an experiment's ``DataSpec`` (``factory.experiments``)."""
-        return cls(eval_fraction=data.eval_fraction, max_tokens=data.max_tokens,
+    def from_data_spec(cls, data: Any, *, context_limit: int | None = None) -> CurationConfig:
+        """Build from an experiment's ``DataSpec`` (``factory.experiments``); ``max_tokens`` is
+        the smaller of ``data.max_tokens`` and the recipe's ``context_limit``."""
+        limit = data.max_tokens if context_limit is None else min(data.max_tokens, context_limit)
+        return cls(eval_fraction=data.eval_fraction, max_tokens=limit,
                    near_dup_threshold=data.near_dup_threshold,
                    decontam_ngram=data.decontam_ngram, drop=tuple(data.drop),
                    judge_threshold=data.judge_threshold, seed=data.seed)

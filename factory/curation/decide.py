@@ -35,7 +35,7 @@ class SampleFacts:
     empty_reason: str | None
     """Why it has nothing to learn from (see ``features.empty_reason``), or None."""
     num_tokens: int
-    """Length with the base tokenizer and chat template."""
+    """Tokens as the trainer renders and tokenizes it (``trainer.chat.encode``)."""
     flags: dict[str, str]
     """Detector name -> detail, for every detector that fired (format included)."""
     prefix_key: str
@@ -167,7 +167,8 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
         for sid in alive:
             n = by_id[sid].num_tokens
             if n > config.max_tokens:
-                drop_sample(sid, "max_tokens", "too_long", f"{n} tokens > {config.max_tokens}")
+                drop_sample(sid, "max_tokens", "too_long",
+                            f"{n} tokens > the {config.max_tokens}-token limit")
             else:
                 nxt.append(sid)
         # 3. exact duplicates: one row per sample id, the earliest kept

@@ -92,7 +92,7 @@ def sample_features(batch: pa.Table | pa.RecordBatch, config: CurationConfig,
     msgs = [parse_json(m) for m in raw_messages]
     tools = [parse_json(t) for t in raw_tools]
 
-    counts = counter.count(msgs)
+    counts = counter.count(msgs, tools)
     conv = [conversation_text(m) for m in msgs]
     prompts = [prompt_text(m) for m in msgs]
 
@@ -110,9 +110,10 @@ def sample_features(batch: pa.Table | pa.RecordBatch, config: CurationConfig,
         firsts = user_texts(m)
         looks, ok, cut = detectors.json_status(m)
         rows["sample_id"].append(ids[i])
-        rows["empty_reason"].append(empty_reason(m))
-        rows["num_tokens"].append(counts[i][0])
-        rows["num_prompt_tokens"].append(counts[i][1])
+        count = counts[i]
+        rows["empty_reason"].append(empty_reason(m) or (None if count else "unrenderable"))
+        rows["num_tokens"].append(count[0] if count else 0)
+        rows["num_prompt_tokens"].append(count[1] if count else 0)
         rows["prefix_key"].append(_digest(normalize(firsts[0])) if firsts else "")
         norm_prompt = normalize(prompts[i])
         rows["prompt_key"].append(_digest(norm_prompt) if norm_prompt else "")

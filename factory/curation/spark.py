@@ -25,7 +25,7 @@ from factory.curation.features import FEATURES_SCHEMA, sample_features
 from factory.curation.pipeline import ROW_ORDER, Judge, _judge_input, facts_from
 from factory.curation.profile import build_profile
 from factory.curation.report import pattern_report
-from factory.curation.tokens import ChatTemplateCounter
+from factory.curation.tokens import RenderCounter
 
 _FACT_COLUMNS = ["sample_id", "empty_reason", "num_tokens", "num_prompt_tokens", "prefix_key",
                  "prompt_key", "format_key", "is_json", "json_cut", "refusal", "truncated",
@@ -86,7 +86,7 @@ def _feature_fn(config: CurationConfig, tokenizer_dir: str) -> Callable[[Iterato
     names = [f.name for f in FEATURES_SCHEMA]
 
     def run(rows: Iterator[Any]) -> Iterator[tuple[Any, ...]]:
-        counter = ChatTemplateCounter(tokenizer_dir)
+        counter = RenderCounter(tokenizer_dir)
         chunk: list[dict[str, Any]] = []
 
         def flush() -> Iterator[tuple[Any, ...]]:

@@ -168,6 +168,11 @@ def _show(value: Any) -> str:
     return str(value)
 
 
+OUTLIER_ALLOWANCE = 1.25
+"""max_seq_len covers the longest sample when that costs at most this factor over covering the
+99th percentile; beyond it the rare long samples would set every row's memory budget."""
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -209,16 +214,26 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     # --- sequence length and packing --------------------------------------------------------
     cap = min(data.max_tokens, arch.max_context)
     longest, p99, p50 = profile.length_max, profile.length_p99, profile.length_p50
-    if longest <= cap:
-        seq = min(_round_up(max(longest, 16), 64), cap)
-        dec.set("max_seq_len", seq, "seq.cover_longest",
+    # Lengths are the trainer's own (curation counts with trainer.chat), and curation already
+    # dropped samples over the cap; a sample longer than max_seq_len is dropped before training
+    # (too_long_for_plan), never truncated, and the pre-launch check refuses more than 1%.
+    cover_p99 = min(_round_up(max(p99, 16), 64), cap)
+    cover_all = min(_round_up(max(longest, 16), 64), cap)
+    if longest <= cap and cover_all <= _round_up(int(cover_p99 * OUTLIER_ALLOWANCE), 64):
+        dec.set("max_seq_len", cover_all, "seq.cover_longest",
                 f"the longest sample has {longest} tokens (p99 {p99}, median {p50}); "
-                f"rounded up to a multiple of 64 so nothing is truncated")
-    else:
+                f"rounded up to a multiple of 64 so no sample is dropped")
+    elif p99 > cap:
         dec.set("max_seq_len", cap, "seq.cap",
-                f"the longest sample ({longest} tokens) exceeds "
+                f"the 99th percentile ({p99} tokens) exceeds "
                 f"{'data.max_tokens' if cap == data.max_tokens else 'the model context'} "
-                f"({cap}); longer samples are truncated")
+                f"({cap}); longer samples are dropped before training (too_long_for_plan) and "
+                f"the pre-launch check refuses the plan if that is over 1%")
+    else:
+        dec.set("max_seq_len", cover_p99, "seq.cover_p99",
+                f"99% of training samples have at most {p99} tokens (median {p50}); the longest "
+                f"has {longest}, over {OUTLIER_ALLOWANCE:g}x that: rounded up to a multiple of 64, "
+                f"the few longer samples are dropped before training (too_long_for_plan)")
     seq_len = plan["max_seq_len"]
     padding = 1.0 - min(p50, seq_len) / seq_len
     if p50 * 2 <= seq_len:

@@ -8,17 +8,18 @@ import pytest
 
 from factory.curation.config import CurationConfig
 from factory.curation.synthetic import Planted, planted
-from factory.curation.tokens import ChatTemplateCounter
+from factory.curation.tokens import RenderCounter
 
 # The first overwrite of an experiment's rows deletes nothing; pyiceberg warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
 
-CONFIG = CurationConfig(max_tokens=512)
+# Tool-calling samples render to ~400-570 tokens (the tools block sits in the system turn).
+CONFIG = CurationConfig(max_tokens=1024)
 
 
 @pytest.fixture(scope="session")
-def counter(smollm2_dir: Path) -> ChatTemplateCounter:
-    return ChatTemplateCounter(smollm2_dir)
+def counter(smollm2_dir: Path) -> RenderCounter:
+    return RenderCounter(smollm2_dir)
 
 
 @pytest.fixture(scope="session")

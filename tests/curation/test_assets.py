@@ -18,7 +18,7 @@ def _setup(home: Path, monkeypatch: pytest.MonkeyPatch, data: Planted, where: st
     exps = home / "experiments"
     exps.mkdir()
     (exps / "support.yaml").write_text(
-        f'name: support\ndata: {{where: "{where}", max_tokens: 512}}\n'
+        f'name: support\ndata: {{where: "{where}", max_tokens: 1024}}\n'
         "recipe: smollm2-135m-lora\n")
     monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(exps))
     Lake().append("samples", data.table())
@@ -110,3 +110,53 @@ def test_cli_materializes_with_the_chosen_engine(factory_home: Path,
     with pytest.raises(SystemExit):
         main(["dataset", "support", "--engine", "duckdb"])
     assert "invalid choice: 'duckdb'" in capsys.readouterr().err
+
+
+def test_profile_counts_are_the_trainers(factory_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                         planted_data: Planted, smollm2_dir: Path) -> None:
+    """Tool-calling samples included: the profile's lengths are what the trainer tokenizes."""
+    import numpy as np
+    import orjson
+
+    from trainer.chat import encode
+    from trainer.model import load_tokenizer
+
+    _setup(factory_home, monkeypatch, planted_data, "tags['project'] = 'support'")
+    assert _run().success
+    lake = Lake()
+    train = lake.read("dataset_train", row_filter="experiment = 'support'")
+    assert any(train.column("has_tool_calls").to_pylist())
+    tok = load_tokenizer(str(smollm2_dir))
+    lengths = [len(encode(orjson.loads(m), orjson.loads(t or "[]"), tok)[0])
+               for m, t in zip(train.column("messages").to_pylist(),
+                               train.column("tools").to_pylist(), strict=True)]
+    assert train.column("num_tokens").to_pylist() == lengths
+    profile = lake.read("dataset_profile").to_pylist()[0]
+    assert profile["total_tokens_max"] == max(lengths)
+    assert profile["total_tokens_p99"] == int(np.percentile(lengths, 99, method="higher"))
+
+
+def test_samples_over_the_recipe_context_are_dropped_as_too_long(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch, planted_data: Planted) -> None:
+    """data.max_tokens above the model's context: the recipe's limit decides."""
+    from factory.curation.synthetic import _Gen, chat
+    from factory.recipes import load_recipe
+
+    context = load_recipe("smollm2-135m-lora").architecture.max_context
+    g = _Gen(7)
+    long_row = g.row(chat(g.words(10), g.words(context + 50) + "."))
+    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(factory_home / "experiments"))
+    (factory_home / "experiments").mkdir()
+    (factory_home / "experiments" / "support.yaml").write_text(
+        'name: support\ndata: {where: "tags[\'project\'] = \'support\'", max_tokens: 100000}\n'
+        "recipe: smollm2-135m-lora\n")
+    import pyarrow as pa
+
+    table = planted_data.table()
+    Lake().append("samples", pa.concat_tables([table, pa.Table.from_pylist(
+        [long_row], schema=table.schema)]))
+    assert _run().success
+    drops = Lake().read("dataset_drops", row_filter="experiment = 'support'").to_pylist()
+    mine = [d for d in drops if d["sample_id"] == long_row["sample_id"]]
+    assert [d["reason"] for d in mine] == ["too_long"]
+    assert mine[0]["detail"].endswith(f"> the {context}-token limit")

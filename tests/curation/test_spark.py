@@ -77,7 +77,7 @@ def test_dagster_engine_spark_writes_the_embedded_datasets(
     embedded_profile = lake.read("dataset_profile").to_pylist()[0]
     # The experiment file picks the engine when the run config does not.
     exp = factory_home / "experiments" / "support.yaml"
-    exp.write_text(exp.read_text().replace("max_tokens: 512}", "max_tokens: 512, "
+    exp.write_text(exp.read_text().replace("max_tokens: 1024}", "max_tokens: 1024, "
                                            "engine: spark}"))
     spark_run = _run()
     assert spark_run.success

@@ -1,7 +1,8 @@
-"""Token counts equal transformers' ``apply_chat_template`` + tokenizer on the same messages."""
+"""Curation counts a sample's tokens exactly as the trainer tokenizes it (one rendering)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,52 +10,102 @@ import orjson
 import pytest
 
 from factory.curation.synthetic import Planted
-from factory.curation.text import last_assistant_index, template_messages
+from trainer.chat import IGNORE_INDEX, encode
+
+TOOLS = [{"name": "cancel_order", "description": "Cancel an order.",
+          "parameters": {"type": "object", "required": ["order_id", "reason"], "properties": {
+              "order_id": {"type": "string"},
+              "reason": {"type": "string", "enum": ["changed_mind", "late", "damaged"]}}}},
+         {"name": "update_address", "description": "Change where an order ships.",
+          "parameters": {"type": "object", "properties": {"address": {
+              "type": "object", "properties": {"city": {"type": "string"},
+                                               "country": {"type": "string"}}}}}}]
+
+
+def _text(t: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": t}]
+
+
+def agent_conversations() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """Tool calls, tool results, final answers, reasoning, images, no system prompt, no tools."""
+    call = {"id": "call_0", "name": "cancel_order",
+            "arguments": '{"order_id":"A-17","reason":"late"}'}
+    return [
+        ([{"role": "system", "content": _text("You help with orders.")},
+          {"role": "user", "content": _text("Cancel A-17, it is late.")},
+          {"role": "assistant", "content": [], "tool_calls": [call]}], TOOLS),
+        ([{"role": "system", "content": _text("You help with orders.")},
+          {"role": "user", "content": _text("Storniere bitte A-17, sie kommt zu spät.")},
+          {"role": "assistant", "content": [], "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "call_0", "content": _text('{"ok":true}')},
+          {"role": "assistant", "content": _text("Erledigt: A-17 ist storniert.")}], TOOLS),
+        ([{"role": "user", "content": _text("Ship it to Lyon, France instead.")},
+          {"role": "assistant", "content": [{"type": "reasoning", "text": "Address change."}],
+           "tool_calls": [{"id": "call_0", "name": "update_address",
+                           "arguments": '{"address":{"city":"Lyon","country":"FR"}}'}]}],
+         TOOLS),
+        ([{"role": "user", "content": [*_text("What is this?"),
+                                       {"type": "image", "media_type": "image/png",
+                                        "sha256": "ab" * 32}]},
+          {"role": "assistant", "content": _text("A parcel label.")}], []),
+        ([{"role": "user", "content": _text("Hi")}], TOOLS),  # no assistant turn
+    ]
+
+
+@pytest.fixture(scope="module")
+def trainer_tokenizer(smollm2_dir: Path) -> Any:
+    from trainer.model import load_tokenizer
+
+    return load_tokenizer(str(smollm2_dir))
 
 
 @pytest.mark.slow
-def test_counts_match_transformers(smollm2_dir: Path, counter: Any,
-                                   planted_data: Planted) -> None:
-    from transformers import AutoTokenizer
+def test_counts_equal_the_trainers_encoding(counter: Any, trainer_tokenizer: Any,
+                                            planted_data: Planted) -> None:
+    convs = [(orjson.loads(r["messages"]), orjson.loads(r["tools"] or "[]"))
+             for r in planted_data.rows[:40] + planted_data.rows[-12:]] + agent_conversations()
+    counts = counter.count([m for m, _ in convs], [t for _, t in convs])
+    for (messages, tools), got in zip(convs, counts, strict=True):
+        ids, labels = encode(messages, tools, trainer_tokenizer)
+        assert got is not None
+        total, prompt = got
+        assert total == len(ids)
+        # the same ids from curation's tokenizer as from the trainer's
+        assert encode(messages, tools, counter.tokenizer) == (ids, labels)
+        trained = [i for i, lab in enumerate(labels) if lab != IGNORE_INDEX]
+        if any(m["role"] == "assistant" for m in messages):
+            # the prompt ends where the last assistant turn's trained tokens begin
+            assert trained and prompt <= trained[-1]
+            assert labels[prompt] != IGNORE_INDEX and all(
+                lab == IGNORE_INDEX for lab in labels[max(0, prompt - 3):prompt])
+        else:
+            assert not trained and prompt == total
 
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    convs = [orjson.loads(r["messages"]) for r in planted_data.rows[:40] + planted_data.rows[-12:]]
-    mine = counter.count(convs)
-    for msgs, (total, prompt) in zip(convs, mine, strict=True):
-        tm = template_messages(msgs)
-        full = tok.apply_chat_template(tm, tokenize=False)
-        assert counter.render(tm, add_generation_prompt=False) == full
-        assert total == len(tok(full, add_special_tokens=False)["input_ids"])
-        cut = last_assistant_index(msgs)
-        if cut > 0:
-            head = tok.apply_chat_template(tm[:cut], tokenize=False, add_generation_prompt=True)
-            assert prompt == len(tok(head, add_special_tokens=False)["input_ids"])
+
+def test_tools_are_counted(counter: Any) -> None:
+    """The tools block sits in the system turn: it is most of an agent sample's length."""
+    messages, tools = agent_conversations()[0]
+    with_tools, without = counter.count([messages, messages], [tools, []])
+    assert with_tools is not None and without is not None
+    assert with_tools[0] > without[0] + 100
+    assert with_tools[0] - with_tools[1] == without[0] - without[1]  # same completion
 
 
-def test_skeleton_render_equals_jinja_and_falls_back_when_content_is_transformed(
-        smollm2_dir: Path, planted_data: Planted, tmp_path: Path) -> None:
-    import json
-    import shutil
+def test_unrenderable_sample_is_none(counter: Any) -> None:
+    bad = [{"role": "narrator", "content": _text("x")},
+           {"role": "assistant", "content": _text("y")}]
+    weird = [{"role": "user", "content": [{"type": "video"}]},
+             {"role": "assistant", "content": _text("y")}]
+    good = agent_conversations()[3][0]
+    assert counter.count([bad, weird, good])[:2] == [None, None]
+    assert counter.count([good])[0] is not None
 
-    from factory.curation.tokens import ChatTemplateCounter
 
-    fast = ChatTemplateCounter(smollm2_dir)
-    rows = [template_messages(orjson.loads(r["messages"])) for r in planted_data.rows]
-    for tm in rows:
-        for gen in (False, True):
-            assert fast.render(tm, add_generation_prompt=gen) == \
-                fast._jinja(tm, add_generation_prompt=gen)
-    assert any(v is not None for v in fast._skeletons.values())  # the fast path was taken
-    # a template that trims content: splicing would keep the spaces, so Jinja must render
-    trimmed = tmp_path / "trim"
-    shutil.copytree(smollm2_dir, trimmed, ignore=shutil.ignore_patterns("*.safetensors"))
-    (trimmed / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((trimmed / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                               "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}")
-    (trimmed / "tokenizer_config.json").write_text(json.dumps(config))
-    slow = ChatTemplateCounter(trimmed)
-    msgs = [{"role": "user", "content": "  hi  "}, {"role": "assistant", "content": " yo "}]
-    assert slow.render(msgs, add_generation_prompt=False) == \
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
-    assert set(slow._skeletons.values()) == {None}
+def test_counter_pickles_as_its_folder(counter: Any) -> None:
+    import pickle
+
+    again = pickle.loads(pickle.dumps(counter))
+    assert again.tokenizer_dir == counter.tokenizer_dir
+    messages, tools = agent_conversations()[1]
+    assert again.count([messages], [tools]) == counter.count([messages], [tools])
+    assert json.loads(json.dumps(again.count([messages], [tools])))  # plain ints
