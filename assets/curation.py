@@ -32,11 +32,10 @@ from factory.curation.tokens import RenderCounter
 from factory.errors import FactoryError
 from factory.evals.rejection import rejection_judge
 from factory.experiments import CURATION_ENGINES, load_experiment
+from factory.partitions import EXPERIMENTS
 from factory.recipes import load_recipe
 from resources.judge import JudgeResource
 from resources.lake import LakeResource
-
-EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
 
 
 def curation_config(experiment: Any) -> CurationConfig:

@@ -11,10 +11,9 @@ import dagster as dg
 from pydantic import Field
 
 from factory.deploy import DeploymentError
+from factory.partitions import EXPERIMENTS
 from resources.deployer import DeployerResource
 from resources.lake import LakeResource
-
-EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
 
 
 class DeploymentConfig(dg.Config):

@@ -23,6 +23,7 @@ from pathlib import Path
 import dagster as dg
 
 from factory.evals.equivalence import check_equivalence
+from factory.evals.progress import unscored_checkpoints
 from factory.evals.report import plot_png, read_curves
 from factory.evals.rubric import Rubric
 from factory.evals.runner import (
@@ -32,16 +33,17 @@ from factory.evals.runner import (
     score_reference,
 )
 from factory.evals.selection import detect_overfitting, select_best, summarize
-from factory.experiments import load_experiment
+from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServerError
 from factory.inference.sandbox import plan_of_run
+from factory.partitions import CHECKPOINTS, EXPERIMENTS
+from factory.planner.render import comparison_table
+from factory.planner.service import sweep_comparison
 from factory.settings import get_settings
 from resources.inference import InferenceResource
 from resources.judge import JudgeResource
 from resources.lake import LakeResource
 
-EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
-CHECKPOINTS = dg.DynamicPartitionsDefinition(name="checkpoints")
 _KEY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127}):(\d+)$")
 NUM_EQUIVALENCE_SAMPLES = 2
 
@@ -50,15 +52,24 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _eval_rows(session, experiment):  # type: ignore[no-untyped-def]
+def _eval_rows(session, experiment: str, spec: EvalSpec):  # type: ignore[no-untyped-def]
     rows = session.sql("SELECT sample_id, messages, tools FROM dataset_eval "
-                       "WHERE experiment = ? ORDER BY sample_id", [experiment.name]).to_pylist()
-    if experiment.eval.max_samples:
-        rows = rows[:experiment.eval.max_samples]
+                       "WHERE experiment = ? ORDER BY sample_id", [experiment]).to_pylist()
+    if spec.max_samples:
+        rows = rows[:spec.max_samples]
     if not rows:
-        raise dg.Failure(f"experiment {experiment.name!r} has no eval samples; materialize "
+        raise dg.Failure(f"experiment {experiment!r} has no eval samples; materialize "
                          "its dataset first")
     return rows
+
+
+def _planned_eval(plan: dict | None, experiment: str) -> EvalSpec:
+    """The eval settings recorded with the run's plan; the experiment file's for a run that
+    was not planned (a ready job file)."""
+    recorded = (plan or {}).get("eval")
+    if recorded is not None:
+        return EvalSpec(**recorded)
+    return load_experiment(experiment).eval
 
 
 @dg.asset(
@@ -80,7 +91,7 @@ def rubric(context: dg.AssetExecutionContext, lake: LakeResource,  # type: ignor
     if isinstance(spec, dict):
         result = Rubric.from_dict(spec, source="inline")
     elif spec == "auto":
-        items = items_from_samples(_eval_rows(session, experiment))
+        items = items_from_samples(_eval_rows(session, experiment.name, experiment.eval))
         result = build_rubric(items, judge=judge.judge())
     else:
         raise dg.Failure(f"eval.rubric {spec!r}: named rubrics are not supported; use 'auto' "
@@ -130,9 +141,11 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
     if not found or not found[0]["verified"]:
         raise dg.Failure(f"checkpoint {run_id}:{step} is not in `checkpoints` as verified")
     ckpt = found[0]
-    experiment = load_experiment(ckpt["experiment"])
-    rubric_ = _latest_rubric(session, experiment.name)
-    rows = _eval_rows(session, experiment)
+    experiment = ckpt["experiment"]
+    plan = plan_of_run(session, run_id, experiment)
+    spec = _planned_eval(plan, experiment)
+    rubric_ = _latest_rubric(session, experiment)
+    rows = _eval_rows(session, experiment, spec)
     items = items_from_samples(rows)
     the_judge = judge.judge()
     base_model = json.loads((Path(ckpt["path"]) / "adapter_config.json").read_text())[
@@ -145,7 +158,7 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
         out = []
         for item, gen, row in zip(items, answers, scored, strict=True):
             out.append({
-                "run_id": run_id, "experiment": experiment.name, "step": at_step, "kind": kind,
+                "run_id": run_id, "experiment": experiment, "step": at_step, "kind": kind,
                 "checkpoint_path": path, "rubric_version": rubric_.version,
                 "sample_id": item.sample_id,
                 "response": gen.text if hasattr(gen, "text") else None,
@@ -159,7 +172,7 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
 
     adapter = f"{run_id}-step-{step}"
     # Sized by the eval sandbox the planner chose for this run; resource fields override.
-    sandbox = inference.sandbox(plan_of_run(session, run_id, experiment.name),
+    sandbox = inference.sandbox(plan,
                                 no_plan_reason=f"run {run_id} has no plan in training_plans")
     gen = {"max_tokens": sandbox.max_new_tokens, "concurrency": sandbox.batch_size}
     server = inference.server(base_model, {adapter: ckpt["path"]}, sandbox=sandbox)
@@ -215,7 +228,7 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
     stop = detect_overfitting(curves.scores)
     if stop is not None:
         session.append("early_stops", [{
-            "run_id": run_id, "experiment": experiment.name, "peak_step": stop.peak_step,
+            "run_id": run_id, "experiment": experiment, "peak_step": stop.peak_step,
             "peak_score": stop.peak_score, "last_step": stop.last_step,
             "last_score": stop.last_score, "reason": stop.reason, "created_at": _now()}])
     png = plot_png(curves, get_settings().home / "reports" / run_id / "curve.png")
@@ -232,17 +245,32 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
 
 @dg.asset(
     partitions_def=EXPERIMENTS,
-    deps=["checkpoint_evals"],
+    # Training and evals are partitioned per run and per checkpoint; Dagster cannot map those
+    # onto experiments, so the edges span all partitions: lineage and staleness in the UI, and
+    # a step order when they are materialized in one run. loop_sensor requests this asset only
+    # once every checkpoint of the experiment's finished runs is scored.
+    deps=[dg.AssetDep("checkpoint_evals", partition_mapping=dg.AllPartitionMapping()),
+          dg.AssetDep("training_run", partition_mapping=dg.AllPartitionMapping())],
     group_name="evals",
     kinds={"iceberg", "python"},
     description="The checkpoint to deploy: highest mean rubric score over the experiment's "
-                "runs (bootstrap interval; ties to the earlier step). Table best_checkpoints.",
-    code_version="1",
+                "runs (bootstrap interval; ties to the earlier step), once every checkpoint of "
+                "its finished runs is scored. Table best_checkpoints.",
+    code_version="2",
 )
 def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untyped-def]
                     lake: LakeResource):
     experiment = load_experiment(context.partition_key)
     session = lake.session(context)
+    finished = [r["run_id"] for r in session.sql(
+        "SELECT run_id FROM training_runs WHERE experiment = ? AND status = 'finished'",
+        [experiment.name]).to_pylist()] if session.lake.exists("training_runs") else []
+    pending, _ = unscored_checkpoints(context.instance, session.lake, sorted(set(finished)))
+    if pending:
+        raise dg.Failure(f"{len(pending)} checkpoint(s) of finished runs are not scored yet "
+                         f"({', '.join(pending[:5])}): their checkpoint_evals come from "
+                         "checkpoint_sensor; loop_sensor selects once they are scored",
+                         allow_retries=False)
     rubric_ = _latest_rubric(session, experiment.name)
     rows = session.sql(
         "SELECT run_id, step, kind, checkpoint_path, score FROM eval_scores "
@@ -277,7 +305,19 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
         "mean_score": best.mean, "ci_low": best.ci_low, "ci_high": best.ci_high,
         "num_samples": best.num_samples, "base_score": base_mean, "reference_score": ref_mean,
         "selected_at": _now()}])
+    curves = read_curves(session, best_run)
+    curve = "| step | mean score |\n|---|---|\n" + "\n".join(
+        f"| {s} | {v:.3f} |" for s, v in curves.scores)
+    extra: dict = {}
+    if experiment.sweep:
+        # By task score: sweep_comparison reads each point's best checkpoint mean from
+        # eval_scores (the same rows `factory sweep --compare` prints).
+        extra["sweep_comparison"] = dg.MetadataValue.md(
+            comparison_table(sweep_comparison(session.lake, experiment)))
+    png = plot_png(curves, get_settings().home / "reports" / best_run / "curve.png")
     return dg.MaterializeResult(metadata={
         "run_id": best_run, "step": best.step, "mean_score": best.mean,
         "ci": f"[{best.ci_low:.3f}, {best.ci_high:.3f}]",
-        "base_score": base_mean, "reference_score": ref_mean, **session.metadata()})
+        "base_score": base_mean, "reference_score": ref_mean,
+        "score_curve": dg.MetadataValue.md(curve), "curve": dg.MetadataValue.path(str(png)),
+        **extra, **session.metadata()})

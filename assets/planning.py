@@ -15,13 +15,12 @@ import dagster as dg
 
 from factory.errors import FactoryError
 from factory.experiments import load_experiment
+from factory.partitions import RUNS
 from factory.planner.profile import read_profile
 from factory.planner.render import experiment_card, plan_table
 from factory.planner.service import plan_for_key, plan_row, profile_version
 from factory.recipes import load_recipe
 from resources.lake import LakeResource
-
-RUNS = dg.DynamicPartitionsDefinition(name="runs")
 
 
 @dg.asset(

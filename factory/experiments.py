@@ -9,6 +9,7 @@ An experiment is one YAML file in ``settings.experiments_dir`` (``$FACTORY_EXPER
     eval: {every_steps: 20, judge: embedded, rubric: auto}
     sweep: {learning_rate: [1.0e-4, 2.0e-4, 4.0e-4], lora_rank: [8, 16]}
     schedule: "0 3 * * *"
+    deploy: manual        # auto | manual; default: auto for a single run, manual for a sweep
 
 Loading validates every field and raises ``ExperimentError`` naming the file, the line, the
 field and what is allowed; unknown keys are errors with a did-you-mean, because a misspelt
@@ -104,6 +105,11 @@ class Experiment:
     """Cron string (5 fields) on which the experiment retrains; None: no schedule."""
     retrain_on_new_samples: bool
     """Retrain when ``data.min_new_samples`` new samples match the selection."""
+    deploy: str
+    """Promotion policy once every checkpoint of a finished run (all sweep points) is scored:
+    ``auto`` deploys the best checkpoint, ``manual`` stops at ``best_checkpoint`` (deploy with
+    a click on ``deployment`` or ``factory deploy``). Default: ``auto`` for a single run,
+    ``manual`` for a sweep."""
     raw: dict[str, Any]
     """The file's parsed content, as written."""
 
@@ -481,7 +487,10 @@ def _parse_sweep(ctx: _Ctx, raw: Any) -> dict[str, list[Any]]:
 
 
 TOP_KEYS = ["name", "description", "data", "recipe", "overrides", "eval", "sweep", "schedule",
-            "retrain_on_new_samples"]
+            "retrain_on_new_samples", "deploy"]
+
+DEPLOY_POLICIES: tuple[str, ...] = ("auto", "manual")
+"""Values of ``deploy``: what happens once a finished run's checkpoints are all scored."""
 
 
 def parse_experiment(text: str, path: Path) -> Experiment:
@@ -541,10 +550,14 @@ def parse_experiment(text: str, path: Path) -> Experiment:
     if both:
         raise ctx.error(("sweep", both[0]), f"{both[0]!r} is both overridden and swept; "
                         "remove it from one of 'overrides' and 'sweep'")
+    deploy = raw.get("deploy", "manual" if sweep else "auto")
+    if deploy not in DEPLOY_POLICIES:
+        raise ctx.error(("deploy",), f"got {deploy!r}; allowed: auto (deploy the best "
+                        "checkpoint once every checkpoint is scored) or manual")
     return Experiment(
         name=name, path=path, data=_parse_data(ctx, raw.get("data")), recipe=recipe,
         overrides=overrides, eval=_parse_eval(ctx, raw.get("eval")), sweep=sweep,
-        schedule=schedule, retrain_on_new_samples=retrain, raw=dict(raw),
+        schedule=schedule, retrain_on_new_samples=retrain, deploy=deploy, raw=dict(raw),
     )
 
 

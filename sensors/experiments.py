@@ -1,15 +1,18 @@
-"""The experiments sensor: experiment files edited in git reach Dagster without a restart.
+"""The experiments sensor: experiment files edited in git start their chain without a restart.
 
 Every ``MIN_INTERVAL_S`` seconds it reads ``settings.experiments_dir``. For a new or edited file
-(by content hash) it adds the experiment to the ``experiments`` partitions and every sweep point
-to the ``runs`` partitions, and requests one ``plan_runs`` run per point with the stable run key
-``<run_key>@<file hash>`` (an unchanged file never re-requests; an edited one plans again). For a
-file with a ``schedule`` it requests the runs again at each cron tick (``<run_key>@<tick>``).
-The cursor (JSON) keeps each file's hash and last tick. A bad file is reported in the tick's
-log and skipped; the others still go through.
+(by content hash) it adds the experiment to the ``experiments`` partitions and requests
+``start_experiment_job`` for it with the stable run key ``<experiment>@<file hash>`` (an
+unchanged file never re-requests; an edited one starts a new chain, which ``loop_sensor`` takes
+to a deployment). A file whose ``data.where`` matches no sample yet waits (the tick says so)
+and starts once samples arrive. For a file with a ``schedule`` it starts the chain again at
+each cron tick (``<experiment>@<tick>``). The cursor (JSON) keeps each started file's hash and
+last tick. A broken file is reported with its file and line in the tick's log and skip reason
+and skipped; the others go through.
 """
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import dagster as dg
@@ -21,54 +24,58 @@ from factory.experiments import (
     experiment_sha,
     last_cron_tick,
     load_experiment,
-    run_keys,
 )
 from factory.settings import get_settings
+from resources.lake import LakeResource
+from sensors.loop import SHA_TAG, start_experiment_job
 
 MIN_INTERVAL_S = 15
-"""Seconds between evaluations: an edited sweep is planned well under a minute later."""
-
-plan_runs_job = dg.define_asset_job(
-    "plan_runs", selection=dg.AssetSelection.assets("training_plan"),
-    description="Plan one experiment run (a sweep point) from its dataset profile.")
+"""Seconds between evaluations: an edited file starts its chain well under a minute later."""
 
 
-def _requests(experiment: Experiment, tag: str, reason: str) -> list[dg.RunRequest]:
-    return [dg.RunRequest(run_key=f"{key}@{tag}", partition_key=key, job_name="plan_runs",
-                          tags={"factory/experiment": experiment.name, "factory/reason": reason})
-            for key in run_keys(experiment)]
+def _request(experiment: Experiment, tag: str, reason: str) -> dg.RunRequest:
+    return dg.RunRequest(run_key=f"{experiment.name}@{tag}", partition_key=experiment.name,
+                         job_name=start_experiment_job.name,
+                         tags={"factory/experiment": experiment.name, "factory/reason": reason,
+                               SHA_TAG: experiment_sha(experiment)})
 
 
-def evaluate(cursor: str | None, now: datetime) -> tuple[list[dg.RunRequest], list[str],
-                                                         list[str], str, list[str]]:
-    """(run requests, experiment keys, run keys to add, new cursor, errors) at ``now``."""
+def evaluate(cursor: str | None, now: datetime, has_samples: Callable[[Experiment], bool]
+             ) -> tuple[list[dg.RunRequest], list[str], str, list[str]]:
+    """(run requests, experiments to add as partitions, new cursor, problems) at ``now``.
+
+    ``has_samples(experiment)``: whether any sample matches the experiment's selection.
+    Problems are broken files (file:line: field: what is wrong) and files waiting for samples.
+    """
     state = json.loads(cursor) if cursor else {}
     files: dict[str, str] = dict(state.get("files", {}))
     ticks: dict[str, str] = dict(state.get("ticks", {}))
     requests: list[dg.RunRequest] = []
-    new_experiments: list[str] = []
-    new_runs: list[str] = []
-    errors: list[str] = []
+    started: list[str] = []
+    problems: list[str] = []
     seen: set[str] = set()
     for path in experiment_files(get_settings().experiments_dir):
         try:
             experiment = load_experiment(path)
         except ExperimentError as exc:
-            errors.append(str(exc))
+            problems.append(f"skipped {exc}")
             continue
         seen.add(experiment.name)
         sha = experiment_sha(experiment)
         if files.get(experiment.name) != sha:
+            if not has_samples(experiment):
+                problems.append(f"{experiment.name}: waiting for samples matching data.where")
+                continue
             files[experiment.name] = sha
-            new_experiments.append(experiment.name)
-            new_runs.extend(run_keys(experiment))
-            requests.extend(_requests(experiment, sha[:12], "file changed"))
+            started.append(experiment.name)
+            requests.append(_request(experiment, sha[:12], "experiment file added or changed"))
         if experiment.schedule:
             tick = last_cron_tick(experiment.schedule, now)
             previous = ticks.get(experiment.name)
             if tick is not None and previous is not None and tick.isoformat() > previous:
-                requests.extend(_requests(experiment, tick.strftime("%Y%m%dT%H%M"),
-                                          f"schedule {experiment.schedule}"))
+                started.append(experiment.name)
+                requests.append(_request(experiment, tick.strftime("%Y%m%dT%H%M"),
+                                         f"schedule {experiment.schedule}"))
             if tick is not None:  # the first sighting records the tick without firing
                 ticks[experiment.name] = max(tick.isoformat(), previous or "")
         else:
@@ -76,28 +83,38 @@ def evaluate(cursor: str | None, now: datetime) -> tuple[list[dg.RunRequest], li
     files = {k: v for k, v in files.items() if k in seen}
     ticks = {k: v for k, v in ticks.items() if k in seen}
     new_cursor = json.dumps({"files": files, "ticks": ticks}, sort_keys=True)
-    return requests, new_experiments, new_runs, new_cursor, errors
+    return requests, sorted(set(started)), new_cursor, problems
 
 
-@dg.sensor(job=plan_runs_job, minimum_interval_seconds=MIN_INTERVAL_S,
+@dg.sensor(job=start_experiment_job, minimum_interval_seconds=MIN_INTERVAL_S,
            default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Picks up new and edited experiment files (and their schedules) and "
-                       "plans each sweep point.")
-def experiments_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-    requests, experiments, runs, cursor, errors = evaluate(context.cursor, datetime.now(UTC))
-    for error in errors:
-        context.log.warning(f"experiment file skipped: {error}")
-    partitions: list[dg.AddDynamicPartitionsRequest] = []
-    if experiments:
-        partitions.append(dg.AddDynamicPartitionsRequest(partitions_def_name="experiments",
-                                                         partition_keys=experiments))
-    if runs:
-        partitions.append(dg.AddDynamicPartitionsRequest(partitions_def_name="runs",
-                                                         partition_keys=runs))
+           description="Starts an experiment's chain (dataset to deployment) when its file is "
+                       "added or edited, once samples match it, and at each tick of its "
+                       "schedule. Broken files are reported with file and line and skipped.")
+def experiments_sensor(context: dg.SensorEvaluationContext,
+                       lake: LakeResource) -> dg.SensorResult:
+    the_lake = lake.lake()
+
+    def has_samples(experiment: Experiment) -> bool:
+        if not the_lake.exists("samples"):
+            return False
+        # data.where is the experiment file's own SQL predicate (validated with the file).
+        found = the_lake.sql(f"SELECT 1 AS one FROM samples WHERE ({experiment.data.where}) "
+                             "LIMIT 1")
+        return found.num_rows > 0
+
+    requests, experiments, cursor, problems = evaluate(context.cursor, datetime.now(UTC),
+                                                       has_samples)
+    for problem in problems:
+        context.log.warning(problem)
+    partitions = [dg.AddDynamicPartitionsRequest(partitions_def_name="experiments",
+                                                 partition_keys=experiments)] if experiments else []
+    skip = None
+    if not requests:
+        skip = "; ".join(problems) if problems else "no experiment changed"
     return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=partitions,
-                           cursor=cursor,
-                           skip_reason=None if requests else "no experiment changed")
+                           cursor=cursor, skip_reason=skip)
 
 
 SENSORS = [experiments_sensor]
-JOBS = [plan_runs_job]
+JOBS: list = []

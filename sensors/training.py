@@ -6,10 +6,11 @@ idempotent over the lake: a continuation or recovery is recorded as a segment be
 tick looks again, so a re-evaluated tick launches nothing twice. Their cursors hold the last
 tick's report. ``checkpoint_sensor`` turns each new verified row of ``checkpoints`` into a
 ``checkpoints`` materialization and a run of ``checkpoint_evals`` for partition
-``<run_id>:<step>``; ``traffic_sensor`` re-materializes an experiment's dataset once
-``data.min_new_samples`` new samples match its selection and, if the file says
-``retrain_on_new_samples``, requests ``training_plan`` + ``training_run`` for each of its run keys
-once the new dataset is profiled (a later tick; the pending retrain is kept in the cursor).
+``<run_id>:<step>`` (a checkpoint already scored in ``eval_scores``, e.g. seen again by a fresh
+Dagster instance over an existing lake, is not evaluated again); ``traffic_sensor``
+re-materializes an experiment's dataset once ``data.min_new_samples`` new samples match its
+selection or, if the file says ``retrain_on_new_samples``, starts the experiment's chain
+(``start_experiment_job``: dataset, then ``loop_sensor`` trains, evaluates and deploys).
 """
 
 import json
@@ -19,14 +20,17 @@ from typing import Any
 import dagster as dg
 
 from factory.control import CHECKPOINT_PARTITIONS, checkpoint_partition_key
-from factory.experiments import list_experiments, run_keys
+from factory.experiments import list_experiments
 from resources.lake import LakeResource
 from resources.providers import ProviderResource
+from sensors.loop import start_experiment_job
 
 CHECKPOINT_EVALS = dg.AssetKey("checkpoint_evals")
 CHECKPOINTS = dg.AssetKey("checkpoints")
 DATASET_ASSETS = [dg.AssetKey("dataset"), dg.AssetKey("dataset_profile")]
-TRAINING_ASSETS = [dg.AssetKey("training_plan"), dg.AssetKey("training_run")]
+EVAL_TAG = "factory/eval"
+"""Tag of checkpoint_evals runs: the instance's run queue runs one at a time (each boots an
+inference server; two at once on 2 cores only slow each other and the training run)."""
 
 
 def _ts(value: datetime) -> str:
@@ -34,15 +38,24 @@ def _ts(value: datetime) -> str:
 
 
 @dg.sensor(name="checkpoint_sensor", asset_selection=[CHECKPOINT_EVALS],
-           minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Each new verified checkpoint requests checkpoint_evals for it.")
+           minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Each new verified checkpoint requests checkpoint_evals for it, unless "
+                       "it is already scored.")
 def checkpoint_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
     cursor: dict[str, Any] = json.loads(context.cursor) if context.cursor else {"t": "",
                                                                                  "keys": []}
-    rows = [r for r in lake.lake().read("checkpoints").to_pylist() if r["verified"]]
+    the_lake = lake.lake()
+    if not the_lake.exists("checkpoints"):
+        return dg.SkipReason("no checkpoints yet")
+    rows = [r for r in the_lake.read("checkpoints").to_pylist() if r["verified"]]
     fresh = [r for r in rows if _ts(r["received_at"]) > cursor["t"] or (
         _ts(r["received_at"]) == cursor["t"]
         and checkpoint_partition_key(r["run_id"], r["step"]) not in cursor["keys"])]
+    scored: set[tuple[str, int]] = set()
+    if fresh and the_lake.exists("eval_scores"):
+        scored = {(r["run_id"], int(r["step"])) for r in the_lake.sql(
+            "SELECT DISTINCT run_id, step FROM eval_scores WHERE kind = 'checkpoint'"
+        ).to_pylist()}
     if not fresh:
         return dg.SkipReason("no new verified checkpoints")
     fresh.sort(key=lambda r: (r["received_at"], r["run_id"], r["step"]))
@@ -59,17 +72,25 @@ def checkpoint_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
             asset_key=CHECKPOINTS, partition=key,
             metadata={"path": r["path"], "manifest_sha256": r["manifest_sha256"],
                       "experiment": r["experiment"] or "", "step": int(r["step"])}))
-        # The manifest hash in the key: a re-written step (a resumed run redoing it) with other
-        # bytes is evaluated again, the same bytes never twice.
+        if (r["run_id"], int(r["step"])) in scored:
+            continue
+        # The manifest hash in the key: the same bytes are never evaluated twice, even when the
+        # scores of a first evaluation have not landed yet.
         requests.append(dg.RunRequest(run_key=f"{key}@{r['manifest_sha256'][:16]}",
                                       partition_key=key, asset_selection=[CHECKPOINT_EVALS],
                                       tags={"factory/run-id": r["run_id"],
-                                            "factory/step": str(r["step"])}))
+                                            "factory/step": str(r["step"]), EVAL_TAG: "1"}))
+    if not requests:
+        return dg.SensorResult(cursor=_cursor_after(fresh, rows),
+                               skip_reason="new checkpoints are already scored")
+    return dg.SensorResult(run_requests=requests, cursor=_cursor_after(fresh, rows))
+
+
+def _cursor_after(fresh: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     last = fresh[-1]["received_at"]
     at_last = [checkpoint_partition_key(r["run_id"], r["step"]) for r in rows
                if r["received_at"] == last]
-    return dg.SensorResult(run_requests=requests,
-                           cursor=json.dumps({"t": _ts(last), "keys": sorted(at_last)}))
+    return json.dumps({"t": _ts(last), "keys": sorted(at_last)})
 
 
 def _control_sensor(name: str, steps: tuple[str, ...], description: str) -> Any:
@@ -104,15 +125,20 @@ recovery_sensor = _control_sensor(
     "flagged for early stopping.")
 
 
-@dg.sensor(name="traffic_sensor", asset_selection=DATASET_ASSETS + TRAINING_ASSETS,
+refresh_dataset_job = dg.define_asset_job(
+    "refresh_dataset_job", selection=dg.AssetSelection.assets(*DATASET_ASSETS),
+    description="Rebuilds an experiment's dataset and profile from the samples as they are now.")
+
+
+@dg.sensor(name="traffic_sensor", jobs=[start_experiment_job, refresh_dataset_job],
            minimum_interval_seconds=300, default_status=dg.DefaultSensorStatus.RUNNING,
            description="Re-materializes an experiment's dataset once data.min_new_samples new "
-                       "samples match its selection; with retrain_on_new_samples, plans and "
-                       "trains each of its runs once that dataset is profiled.")
+                       "samples match its selection; with retrain_on_new_samples, starts the "
+                       "experiment's chain instead (dataset to deployment).")
 def traffic_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
     the_lake = lake.lake()
     cursor: dict[str, dict[str, int]] = json.loads(context.cursor) if context.cursor else {}
-    seen, pending = cursor.setdefault("seen", {}), cursor.setdefault("retrain", {})
+    seen = cursor.setdefault("seen", {})
     if not the_lake.exists("samples"):
         return dg.SkipReason("no samples yet")
     profiles: dict[str, int] = {}
@@ -123,16 +149,6 @@ def traffic_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
             profiles[r["experiment"]] = int(r["num_selected"] or 0)
     requests = []
     for exp in list_experiments():
-        # A retrain waits for the dataset it asked for: the newest profile covers the samples.
-        want = pending.get(exp.name)
-        if want is not None and profiles.get(exp.name, -1) >= want:
-            keys = run_keys(exp)
-            context.instance.add_dynamic_partitions("runs", keys)
-            requests += [dg.RunRequest(run_key=f"retrain:{key}:{want}", partition_key=key,
-                                       asset_selection=TRAINING_ASSETS,
-                                       tags={"factory/trigger": "new-samples"})
-                         for key in keys]
-            del pending[exp.name]
         # data.where is the experiment file's own SQL predicate (validated with the file).
         count = int(the_lake.sql(f"SELECT count(*) AS n FROM samples WHERE {exp.data.where}")
                     .column("n")[0].as_py())
@@ -140,16 +156,22 @@ def traffic_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
         if count - base < exp.data.min_new_samples:
             continue
         seen[exp.name] = count
-        if exp.retrain_on_new_samples:
-            pending[exp.name] = count
         context.instance.add_dynamic_partitions("experiments", [exp.name])
-        requests.append(dg.RunRequest(run_key=f"dataset:{exp.name}:{count}",
-                                      partition_key=exp.name, asset_selection=DATASET_ASSETS,
-                                      tags={"factory/trigger": "new-samples"}))
+        tags = {"factory/trigger": "new-samples", "factory/experiment": exp.name,
+                "factory/reason": f"{count - base} new samples (data.min_new_samples "
+                                  f"{exp.data.min_new_samples})"}
+        if exp.retrain_on_new_samples:
+            requests.append(dg.RunRequest(run_key=f"retrain:{exp.name}:{count}",
+                                          partition_key=exp.name,
+                                          job_name=start_experiment_job.name, tags=tags))
+        else:
+            requests.append(dg.RunRequest(run_key=f"dataset:{exp.name}:{count}",
+                                          partition_key=exp.name,
+                                          job_name=refresh_dataset_job.name, tags=tags))
     if not requests:
         return dg.SkipReason("not enough new samples for any experiment")
     return dg.SensorResult(run_requests=requests, cursor=json.dumps(cursor, sort_keys=True))
 
 
 SENSORS = [checkpoint_sensor, rollover_sensor, recovery_sensor, traffic_sensor]
-JOBS: list[Any] = []
+JOBS: list[Any] = [refresh_dataset_job]

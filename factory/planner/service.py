@@ -6,6 +6,7 @@ that the UI and the CLI plan the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -44,7 +45,10 @@ def plan_row(plan: Plan, experiment: Experiment, dataset_version: str | None) ->
         "peak_memory_gib": plan.memory.as_gib()["total"] if plan.memory else None,
         "estimated_hours": plan.estimates.get("hours"),
         "train_config": json.dumps(cfg, sort_keys=True),
-        "plan": json.dumps(plan.to_dict(), sort_keys=True, default=str),
+        # The eval settings travel with the plan: a run's checkpoints are judged as planned,
+        # whatever the experiment file says later (or if it is gone).
+        "plan": json.dumps({**plan.to_dict(), "eval": dataclasses.asdict(experiment.eval)},
+                           sort_keys=True, default=str),
     }
 
 
@@ -66,32 +70,37 @@ def plan_experiment(experiment: Experiment, lake: Any) -> list[Plan]:
 def sweep_comparison(lake: Any, experiment: Experiment) -> list[dict[str, Any]]:
     """One row per run of the experiment's current sweep: the latest plan, final loss, best eval.
 
-    Final loss comes from the last ``progress`` event in ``training_events`` for the run's
-    trainer id (``run_id(run_key)``); best eval score: the best per-checkpoint mean in ``eval_scores``.
+    Final loss comes from the last ``progress`` event in ``training_events`` of the trainer run
+    of the run key's latest plan (``planned_run_id``); best eval score: the best per-checkpoint
+    mean in ``eval_scores`` of that run.
     """
+    from factory.control.jobs import planned_run_id
     from factory.experiments import run_key
 
     existing = set(lake.existing_tables()) if hasattr(lake, "existing_tables") else set()
     plans: dict[str, dict[str, Any]] = {}
+    planned_at: dict[str, Any] = {}
     if "training_plans" in existing:
         rows = lake.sql("SELECT run_key, plan, created_at FROM training_plans "
                         "WHERE experiment = ? ORDER BY created_at", [experiment.name]).to_pylist()
         for r in rows:
             plans[r["run_key"]] = json.loads(r["plan"])
+            planned_at[r["run_key"]] = r["created_at"]
     out = []
     for point in sweep_points(experiment):
         key = run_key(experiment.name, point)
         row: dict[str, Any] = dict(plans.get(key) or {"run_key": key, "values": {}})
         row["run_key"] = key
-        row["run_id"] = run_id(key)
+        row["run_id"] = (planned_run_id(key, planned_at[key]) if key in planned_at
+                         else None)
         row["final_loss"] = _final_loss(lake, existing, row["run_id"])
         row["best_eval_score"] = _best_eval(lake, existing, row["run_id"])
         out.append(row)
     return out
 
 
-def _final_loss(lake: Any, existing: set[str], rid: str) -> float | None:
-    if "training_events" not in existing:
+def _final_loss(lake: Any, existing: set[str], rid: str | None) -> float | None:
+    if rid is None or "training_events" not in existing:
         return None
     rows = lake.sql("SELECT payload FROM training_events WHERE run_id = ? AND type = 'progress' "
                     "ORDER BY step DESC, seq DESC LIMIT 1", [rid]).to_pylist()
@@ -102,9 +111,9 @@ def _final_loss(lake: Any, existing: set[str], rid: str) -> float | None:
     return float(loss) if loss is not None else None
 
 
-def _best_eval(lake: Any, existing: set[str], rid: str) -> float | None:
+def _best_eval(lake: Any, existing: set[str], rid: str | None) -> float | None:
     """The best mean rubric score over the run's checkpoints (failed scores left out)."""
-    if "eval_scores" not in existing:
+    if rid is None or "eval_scores" not in existing:
         return None
     rows = lake.sql("SELECT max(mean_score) AS best FROM (SELECT step, avg(score) AS mean_score "
                     "FROM eval_scores WHERE run_id = ? AND kind = 'checkpoint' AND status = 'ok' "

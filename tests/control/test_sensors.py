@@ -76,20 +76,44 @@ def test_traffic_sensor_requests_the_dataset_once_enough_new_samples(factory_hom
         lake.append("samples", _samples(1, 2, "support"))
         result = tick(None)
         [req] = result.run_requests
-        assert req.run_key == "dataset:support:3" and req.partition_key == "support"
-        assert json.loads(result.cursor) == {"seen": {"support": 3}, "retrain": {"support": 3}}
-        assert isinstance(tick(result.cursor), dg.SkipReason)  # dataset not profiled yet
+        # retrain_on_new_samples: the whole chain starts (dataset, then plan and train once
+        # the dataset is profiled: loop_sensor)
+        assert req.run_key == "retrain:support:3" and req.partition_key == "support"
+        assert req.job_name == "start_experiment_job"
+        assert "3 new samples" in req.tags["factory/reason"]
+        assert json.loads(result.cursor) == {"seen": {"support": 3}}
+        assert isinstance(tick(result.cursor), dg.SkipReason)  # nothing new since
         lake.append("dataset_profile", [{"experiment": "support", "num_selected": 3,
                                          "created_at": datetime.now(UTC)}])
-        retrain = tick(result.cursor)
-        [req] = retrain.run_requests
-        assert req.run_key == "retrain:support:3" and req.partition_key == "support"
-        assert req.asset_selection == [dg.AssetKey("training_plan"), dg.AssetKey("training_run")]
-        assert "support" in instance.get_dynamic_partitions("runs")
-        assert json.loads(retrain.cursor)["retrain"] == {}
-        assert isinstance(tick(retrain.cursor), dg.SkipReason)
+        assert isinstance(tick(result.cursor), dg.SkipReason)
         lake.append("samples", _samples(3, 3, "support"))
-        assert tick(retrain.cursor).run_requests[0].run_key == "dataset:support:6"
+        assert tick(result.cursor).run_requests[0].run_key == "retrain:support:6"
+        # without retrain_on_new_samples only the dataset is refreshed
+        (exp_dir / "support.yaml").write_text(
+            "name: support\ndata: {where: \"tags['project'] = 'support'\", min_new_samples: 3}\n"
+            "recipe: smollm2-135m-lora\n")
+        lake.append("samples", _samples(3, 6, "support"))
+        [refresh] = tick(result.cursor).run_requests
+        assert refresh.job_name == "refresh_dataset_job" and refresh.run_key == "dataset:support:9"
+
+
+def test_checkpoint_sensor_skips_checkpoints_already_scored(factory_home) -> None:
+    """A fresh Dagster instance over an existing lake evaluates only what is not scored."""
+    lake = Lake()
+    lake.append("checkpoints", [_row("r1", 2, 1), _row("r1", 4, 2)])
+    lake.append("eval_scores", [{"run_id": "r1", "experiment": "demo", "step": 2,
+                                 "kind": "checkpoint", "score": 0.5, "status": "ok"}])
+    with dg.instance_for_test() as instance:
+        result = checkpoint_sensor(dg.build_sensor_context(
+            instance=instance, resources={"lake": LakeResource()}))
+        assert [r.partition_key for r in result.run_requests] == ["r1:4"]
+        assert result.run_requests[0].tags["factory/eval"] == "1"
+        lake.append("eval_scores", [{"run_id": "r1", "experiment": "demo", "step": 4,
+                                     "kind": "checkpoint", "score": 0.5, "status": "ok"}])
+    with dg.instance_for_test() as fresh:
+        again = checkpoint_sensor(dg.build_sensor_context(
+            instance=fresh, resources={"lake": LakeResource()}))
+        assert not again.run_requests and "already scored" in str(again.skip_reason)
 
 
 def test_rollover_sensor_dispatches_a_queued_run(factory_home, make_job) -> None:

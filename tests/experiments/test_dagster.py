@@ -82,77 +82,93 @@ def test_plan_refused_before_compute(exp_dir: Path) -> None:
     assert "training_plans" not in Lake().existing_tables()
 
 
-def test_sensor_picks_up_new_and_edited_sweep(exp_dir: Path) -> None:
+def _skip(result: Any) -> str:
+    reason = result.skip_reason
+    return str(getattr(reason, "skip_message", reason))
+
+
+def _always(_: Any) -> bool:
+    return True
+
+
+def test_sensor_starts_a_chain_for_new_and_edited_files(exp_dir: Path) -> None:
+    Lake().append("samples", [_sample()])
     instance = dg.DagsterInstance.ephemeral()
-    ctx = dg.build_sensor_context(instance=instance)
+    ctx = dg.build_sensor_context(instance=instance, resources={"lake": LakeResource()})
     first: Any = _sense(ctx)
-    keys = sorted(r.partition_key for r in first.run_requests)
-    assert keys == ["sup/learning_rate=0.0001", "sup/learning_rate=0.0002"]
-    assert all(r.run_key.startswith(r.partition_key + "@") for r in first.run_requests)
+    [req] = first.run_requests
+    assert req.job_name == "start_experiment_job" and req.partition_key == "sup"
+    assert req.run_key.startswith("sup@")
+    assert req.tags["factory/experiment-sha"] == json.loads(first.cursor)["files"]["sup"]
     added = {r.partitions_def_name: list(r.partition_keys)
              for r in first.dynamic_partitions_requests}
-    assert added == {"experiments": ["sup"], "runs": keys}
+    assert added == {"experiments": ["sup"]}
 
     # Unchanged file: nothing new.
-    again: Any = _sense(dg.build_sensor_context(instance=instance, cursor=first.cursor))
+    again: Any = _sense(dg.build_sensor_context(instance=instance, cursor=first.cursor,
+                                                resources={"lake": LakeResource()}))
     assert not again.run_requests
 
-    # Edit the sweep: the new point (and only the changed file) is requested, timed.
+    # Edit the sweep: a new chain, timed.
     (exp_dir / "sup.yaml").write_text(EXP.replace("[1.0e-4, 2.0e-4]", "[1.0e-4, 2.0e-4, 4.0e-4]"))
     started = time.monotonic()
-    edited: Any = _sense(dg.build_sensor_context(instance=instance, cursor=first.cursor))
+    edited: Any = _sense(dg.build_sensor_context(instance=instance, cursor=first.cursor,
+                                                 resources={"lake": LakeResource()}))
     elapsed = time.monotonic() - started
-    assert "sup/learning_rate=0.0004" in [r.partition_key for r in edited.run_requests]
-    assert len(edited.run_requests) == 3
-    assert {r.run_key for r in edited.run_requests}.isdisjoint(
-        {r.run_key for r in first.run_requests})
+    [new] = edited.run_requests
+    assert new.run_key != req.run_key and new.partition_key == "sup"
     assert json.loads(edited.cursor)["files"]["sup"] != json.loads(first.cursor)["files"]["sup"]
     # The sensor ticks every 15 s; the evaluation itself must leave the rest of the minute.
-    assert elapsed < 10
+    assert MIN_INTERVAL_S + elapsed < 60
+
+
+def _sample() -> dict[str, Any]:
+    return {"sample_id": "s1", "raw_trace_id": "r", "source": "upload", "messages": "[]",
+            "tools": "[]", "num_turns": 1, "has_images": False, "has_tool_calls": False,
+            "created_at": datetime.now(UTC), "project": "p", "tags": [("project", "p")]}
+
+
+def test_a_file_waits_for_its_samples(exp_dir: Path) -> None:
+    """No chain (and so no plan) before samples match: the tick says why, and the file starts
+    once samples arrive."""
+    (exp_dir / "sup.yaml").write_text(EXP.replace('where: "true"',
+                                                  "where: \"tags['project'] = 'p'\""))
+    instance = dg.DagsterInstance.ephemeral()
+
+    def tick(cursor: str | None) -> Any:
+        return _sense(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                              resources={"lake": LakeResource()}))
+
+    waiting = tick(None)
+    assert not waiting.run_requests
+    assert "sup: waiting for samples matching data.where" in _skip(waiting)
+    Lake().append("samples", [_sample()])
+    assert [r.partition_key for r in tick(waiting.cursor).run_requests] == ["sup"]
 
 
 def test_sensor_skips_bad_file_and_fires_on_schedule(exp_dir: Path) -> None:
     (exp_dir / "broken.yaml").write_text("recipe: nope\n")
     (exp_dir / "sup.yaml").write_text(EXP + 'schedule: "0 3 * * *"\n')
     t0 = datetime(2026, 5, 6, 2, 0, tzinfo=UTC)
-    requests, _, _, cursor, errors = evaluate(None, t0)
-    assert len(requests) == 2 and len(errors) == 1 and "broken.yaml:1: recipe" in errors[0]
-    requests, *_ = evaluate(cursor, datetime(2026, 5, 6, 2, 59, tzinfo=UTC))
+    requests, _, cursor, problems = evaluate(None, t0, _always)
+    assert len(requests) == 1 and len(problems) == 1 and "broken.yaml:1: recipe" in problems[0]
+    requests, *_ = evaluate(cursor, datetime(2026, 5, 6, 2, 59, tzinfo=UTC), _always)
     assert requests == []
-    requests, _, _, cursor, _ = evaluate(cursor, datetime(2026, 5, 6, 3, 0, 20, tzinfo=UTC))
-    assert sorted(str(r.run_key) for r in requests) == [
-        "sup/learning_rate=0.0001@20260506T0300", "sup/learning_rate=0.0002@20260506T0300"]
-    assert evaluate(cursor, datetime(2026, 5, 6, 3, 1, tzinfo=UTC))[0] == []
+    requests, _, cursor, _ = evaluate(cursor, datetime(2026, 5, 6, 3, 0, 20, tzinfo=UTC),
+                                      _always)
+    assert [str(r.run_key) for r in requests] == ["sup@20260506T0300"]
+    assert evaluate(cursor, datetime(2026, 5, 6, 3, 1, tzinfo=UTC), _always)[0] == []
 
 
-def test_edited_sweep_is_planned_in_dagster_within_a_minute(exp_dir: Path) -> None:
-    """Edit -> sensor tick -> the new point's run exists in the instance with its plan written.
-
-    The daemon's part is done here by hand, as it does it: apply the result's dynamic partition
-    requests, then launch each run request (in process). The worst case is a full sensor
-    interval before the tick, plus the tick, plus the run.
-    """
-    Lake().append("dataset_profile", [PROFILE])
-    instance = dg.DagsterInstance.ephemeral()
-    first: Any = _sense(dg.build_sensor_context(instance=instance))
-    for req in first.dynamic_partitions_requests:
-        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
-
-    (exp_dir / "sup.yaml").write_text(EXP.replace("[1.0e-4, 2.0e-4]", "[1.0e-4, 2.0e-4, 4.0e-4]"))
-    started = time.monotonic()
-    edited: Any = _sense(dg.build_sensor_context(instance=instance, cursor=first.cursor))
-    for req in edited.dynamic_partitions_requests:
-        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
-    new = next(r for r in edited.run_requests if r.partition_key == "sup/learning_rate=0.0004")
-    result = dg.materialize([training_plan], partition_key=new.partition_key,
-                            resources={"lake": LakeResource()}, instance=instance,
-                            tags={**new.tags, "dagster/run_key": new.run_key})
-    elapsed = time.monotonic() - started
-
-    assert result.success
-    assert "sup/learning_rate=0.0004" in instance.get_dynamic_partitions("runs")
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": new.partition_key}))
-    assert [r.tags["dagster/run_key"] for r in runs] == [new.run_key]
-    plans = Lake().read("training_plans").to_pylist()
-    assert [json.loads(p["train_config"])["learning_rate"] for p in plans] == [4e-4]
-    assert MIN_INTERVAL_S + elapsed < 60, f"{MIN_INTERVAL_S} s interval + {elapsed:.1f} s"
+def test_broken_file_is_reported_on_the_tick(exp_dir: Path) -> None:
+    (exp_dir / "broken.yaml").write_text("name: broken\nrecipe: smollm2-135m-lora\n"
+                                         "overrides: {learnig_rate: 1}\n")
+    Lake().append("samples", [_sample()])
+    result = _sense(dg.build_sensor_context(instance=dg.DagsterInstance.ephemeral(),
+                                            resources={"lake": LakeResource()}))
+    assert [r.partition_key for r in result.run_requests] == ["sup"]  # the others go on
+    result_none = _sense(dg.build_sensor_context(instance=dg.DagsterInstance.ephemeral(),
+                                                 cursor=result.cursor,
+                                                 resources={"lake": LakeResource()}))
+    assert "broken.yaml:3: overrides.learnig_rate" in _skip(result_none)
+    assert "did you mean 'learning_rate'" in _skip(result_none)

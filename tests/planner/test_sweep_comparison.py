@@ -19,9 +19,20 @@ sweep: {learning_rate: [1.0e-4, 2.0e-4]}
 
 
 def test_best_eval_is_best_checkpoint_mean(factory_home: Path) -> None:
+    from datetime import UTC, datetime
+
+    from factory.control.jobs import planned_run_id
+
     exp = parse_experiment(TEXT, factory_home / "sw.yaml")
     [p1, p2] = sweep_points(exp)
-    rid = run_id(run_key("sw", p1))
+    planned = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
+    Lake().append("training_plans", [{"run_key": run_key("sw", p1), "experiment": "sw",
+                                      "plan": "{}", "created_at": planned}])
+    rid = planned_run_id(run_key("sw", p1), planned)
+    # a run of the key's name without its plan stamp is another run: never counted
+    Lake().append("eval_scores", [{"run_id": run_id(run_key("sw", p1)), "experiment": "sw",
+                                   "step": 10, "kind": "checkpoint", "score": 1.0,
+                                   "status": "ok", "judge": "embedded"}])
     rows = []
     for step, scores in ((10, [0.2, 0.4]), (20, [0.6, 0.8]), (30, [0.5, 0.5])):
         rows += [{"run_id": rid, "experiment": "sw", "step": step, "kind": "checkpoint",
