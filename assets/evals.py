@@ -243,6 +243,12 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
     yield check
 
 
+class BestCheckpointConfig(dg.Config):
+    runs: list[str] = []
+    """Trainer run ids to choose among (``loop_sensor`` passes its chain's runs: a sweep
+    tick's winner among its own points); empty: every run of the experiment."""
+
+
 @dg.asset(
     partitions_def=EXPERIMENTS,
     # Training and evals are partitioned per run and per checkpoint; Dagster cannot map those
@@ -259,12 +265,12 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
     code_version="2",
 )
 def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untyped-def]
-                    lake: LakeResource):
+                    config: BestCheckpointConfig, lake: LakeResource):
     experiment = load_experiment(context.partition_key)
     session = lake.session(context)
-    finished = [r["run_id"] for r in session.sql(
+    finished = list(config.runs) or ([r["run_id"] for r in session.sql(
         "SELECT run_id FROM training_runs WHERE experiment = ? AND status = 'finished'",
-        [experiment.name]).to_pylist()] if session.lake.exists("training_runs") else []
+        [experiment.name]).to_pylist()] if session.lake.exists("training_runs") else [])
     pending, _ = unscored_checkpoints(context.instance, session.lake, sorted(set(finished)))
     if pending:
         raise dg.Failure(f"{len(pending)} checkpoint(s) of finished runs are not scored yet "
@@ -281,6 +287,8 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
     base: list[float | None] = []
     ref: list[float | None] = []
     for r in rows:
+        if config.runs and r["run_id"] not in config.runs:
+            continue
         if r["kind"] == "checkpoint":
             by_run.setdefault(r["run_id"], {}).setdefault(r["step"], []).append(r["score"])
             paths[(r["run_id"], r["step"])] = r["checkpoint_path"]

@@ -52,6 +52,9 @@ def build_definitions() -> dg.Definitions:
         jobs=_collect("JOBS"),
         schedules=_collect("SCHEDULES"),
         resources=build_resources(),
+        # Steps of a run in its process: a step per subprocess re-imports torch and the
+        # definitions (~4 s each here), and a chain's runs are small and sequential.
+        executor=dg.in_process_executor,
     )
 
 

@@ -34,7 +34,7 @@ import dagster as dg
 
 from factory.evals.progress import unscored_checkpoints
 from factory.experiments import ExperimentError, experiment_sha, load_experiment, run_keys
-from factory.partitions import RUNS
+from factory.runs import FAILED, FINISHED, failure_message, materialized
 from resources.lake import LakeResource
 
 CHAIN_TAG = "factory/chain"
@@ -66,11 +66,6 @@ deploy_model_job = dg.define_asset_job(
     "deploy_model_job", selection=dg.AssetSelection.assets("deployment"),
     description="Serves the experiment's best checkpoint behind factory/<experiment>.")
 
-FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE,
-            dg.DagsterRunStatus.CANCELED)
-FAILED = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
-
-
 @dataclass
 class Step:
     """What one tick decided for one chain."""
@@ -82,28 +77,6 @@ class Step:
     """Why nothing is requested yet (the chain stays active)."""
     ended: str | None = None
     """The chain's outcome, when this tick ends it."""
-
-
-def failure_message(instance: dg.DagsterInstance, run_id: str) -> str:
-    """The first step failure's message of a run (what the asset raised), or its status."""
-    for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_FAILURE):
-        error = getattr(entry.dagster_event.event_specific_data, "error", None)
-        while getattr(error, "cause", None) is not None:
-            error = error.cause
-        if error is not None:
-            text = str(getattr(error, "message", error)).strip()
-            return text.removeprefix("dagster._core.definitions.events.Failure: ").splitlines()[0]
-    run = instance.get_run_by_id(run_id)
-    return f"run {run_id} ended {run.status.value if run else 'unknown'}"
-
-
-def materialized(instance: dg.DagsterInstance, run_id: str, asset: str) -> dict[str, Any]:
-    """The metadata values of ``asset``'s materialization in run ``run_id`` ({} if none)."""
-    for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION):
-        mat = entry.asset_materialization
-        if mat is not None and mat.asset_key == dg.AssetKey(asset):
-            return {k: v.value for k, v in mat.metadata.items()}
-    return {}
 
 
 def _newest_by_partition(runs: Iterable[dg.DagsterRun]) -> dict[str, dg.DagsterRun]:
@@ -166,6 +139,8 @@ def advance(view: ChainView, chain: str, info: dict[str, Any]) -> Step:
     if not selects:
         return Step(requests=[dg.RunRequest(
             run_key=f"select:{chain}", job_name=select_checkpoint_job.name, partition_key=exp,
+            run_config={"ops": {"best_checkpoint": {"config": {
+                "runs": sorted(r for r in trainer_runs if r)}}}},
             tags={**tags, REASON_TAG: f"every checkpoint of {len(keys)} finished run(s) is "
                                       f"scored ({num_scored})"})], waiting="selecting")
     select = selects[0]
@@ -256,7 +231,7 @@ def loop_sensor(context: dg.SensorEvaluationContext, lake: LakeResource) -> dg.S
                                                     context.cursor)
     for chain, what in report.items():
         context.log.info(f"{chain}: {what}")
-    adds = [dg.AddDynamicPartitionsRequest(partitions_def_name=RUNS.name,
+    adds = [dg.AddDynamicPartitionsRequest(partitions_def_name="runs",
                                            partition_keys=partitions)] if partitions else []
     skip = None
     if not requests:

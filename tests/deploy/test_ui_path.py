@@ -1,162 +1,213 @@
-"""The loop from the Dagster UI: ``factory ui`` (``dagster dev`` on the factory's code
-location) started by the test, driven only through its GraphQL API (``launchRun`` on
-``__ASSET_JOB`` with an asset selection and a partition), exactly what the UI's Materialize
-button sends: dataset -> plan -> deployment.
+"""The loop under Dagster itself: a real ``factory ui`` (``dagster dev``: webserver and daemon)
+started by the test on a small lake and the tiny model, and nothing else driving it.
+
+(a) git path: an experiment file dropped into the experiments folder reaches a live
+    deployment with no other command;
+(b) UI path: one launch of ``start_experiment_job`` over GraphQL (the UI's Launch button)
+    reaches a new live deployment; a Materialize of ``deployment`` with a chosen checkpoint (the
+    UI's config editor) serves that checkpoint, and the server outlives the UI;
+(c) schedule path: a sweep's cron tick trains both points, the comparison has their real
+    scores, and the winner is promoted (``deploy: auto``).
+
+Each checks the order of the chain's runs: no ``best_checkpoint`` before the last checkpoint
+of its runs is scored.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-from datetime import UTC, datetime
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
-from tests.deploy.conftest import ROOT, wait_until
+from tests.deploy.conftest import wait_until
+from tests.deploy.dagster_ui import UI, factory_ui
 from tests.inference.conftest import make_adapter
 
 pytestmark = pytest.mark.slow
 
-LAUNCH = """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename
-  ... on LaunchRunSuccess { run { runId } }
-  ... on PythonError { message }
-  ... on RunConfigValidationInvalid { errors { message } }
-  ... on InvalidSubsetError { message } } }"""
-STATUS = """query($id: ID!) { runOrError(runId: $id) { __typename
-  ... on Run { status } ... on PythonError { message } } }"""
-LOCATIONS = """{ workspaceOrError { ... on Workspace { locationEntries { name
-  locationOrLoadError { __typename ... on RepositoryLocation { repositories { name } }
-  ... on PythonError { message } } } } } }"""
-EXPERIMENT = """name: tiny
+TINY = """name: tiny
+data: {where: "tags['project'] = 'demo'", eval_fraction: 0.2, max_tokens: 512}
+recipe: smollm2-135m-lora
+overrides: {num_steps: 4, checkpoint_every_steps: 2}
+eval: {judge: embedded, rubric: auto, max_samples: 3}
+"""
+SWEEP = """name: sweep
 data: {where: "tags['project'] = 'demo'", eval_fraction: 0.2, max_tokens: 512}
 recipe: smollm2-135m-lora
 overrides: {num_steps: 2, checkpoint_every_steps: 2}
-eval: {judge: embedded, rubric: auto, max_samples: 4}
+sweep: {learning_rate: [1.0e-3, 4.0e-3]}
+eval: {judge: embedded, rubric: auto, max_samples: 3}
+deploy: auto
+schedule: "%s"
 """
+CHAIN_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gql(url: str, query: str, variables: dict[str, Any] | None = None) -> dict[str, Any]:
-    r = httpx.post(url, json={"query": query, "variables": variables or {}}, timeout=30)
-    r.raise_for_status()
-    body: dict[str, Any] = r.json()
-    assert "errors" not in body, body["errors"]
-    return body["data"]
-
-
-def _materialize(url: str, location: str, repo: str, assets: list[str], partition: str,
-                 run_config: dict[str, Any] | None = None, timeout_s: float = 240) -> str:
-    params = {"selector": {"repositoryLocationName": location, "repositoryName": repo,
-                           "jobName": "__ASSET_JOB",
-                           "assetSelection": [{"path": [a]} for a in assets]},
-              "runConfigData": run_config or {},
-              "executionMetadata": {"tags": [{"key": "dagster/partition", "value": partition}]}}
-    launched = _gql(url, LAUNCH, {"p": params})["launchRun"]
-    assert launched["__typename"] == "LaunchRunSuccess", launched
-    run_id: str = launched["run"]["runId"]
-
-    def finished() -> str | None:
-        status = _gql(url, STATUS, {"id": run_id})["runOrError"]["status"]
-        return status if status in ("SUCCESS", "FAILURE", "CANCELED") else None
-
-    status = wait_until(finished, timeout_s, what=f"run of {assets}")
-    assert status == "SUCCESS", f"{assets} run {run_id} ended {status}"
-    return run_id
-
-
-@pytest.fixture()
-def tiny_as_smollm2(factory_home: Path, tmp_path: Path, tiny_model_dir: Path,
-                    monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Experiments dir with a tiny experiment; the recipe's base model is the tiny model."""
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
-    monkeypatch.setenv("FACTORY_MODELS_DIR", str(models))
-    experiments = tmp_path / "experiments"
-    experiments.mkdir()
-    (experiments / "tiny.yaml").write_text(EXPERIMENT)
-    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(experiments))
-    return experiments
-
-
-def test_dataset_plan_and_deployment_through_graphql(
-        factory_home: Path, tiny_as_smollm2: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
-    import dagster as dg
-
-    from factory.deploy import DeployConfig, Deployer
-    from factory.gateway import load_routes
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[UI]:
+    """A factory with demo samples and an empty experiments folder, and its UI."""
     from factory.ingest import RawRecord, ingest_records
     from factory.lake import Lake
     from factory.tasks import generate_records
+    from tests.deploy.conftest import _stop_leftovers
 
-    now = datetime.now(UTC)
-    ingest_records(Lake(), [RawRecord(payload=r, source="upload", received_at=now,
-                                      tags={"project": "demo"})
-                            for r in generate_records(30, 0)])
-    instance = dg.DagsterInstance.get()
-    instance.add_dynamic_partitions("experiments", ["tiny"])
-    instance.add_dynamic_partitions("runs", ["tiny"])
-    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=3)
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/graphql"
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "factory"), "ui", "--port", str(port)], cwd=ROOT,
-        env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True)
-    try:
-        def loaded() -> tuple[str, str] | None:
-            try:
-                entries = _gql(url, LOCATIONS)["workspaceOrError"]["locationEntries"]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                return None
-            for entry in entries:
-                loc = entry["locationOrLoadError"]
-                if loc and loc["__typename"] == "RepositoryLocation":
-                    return entry["name"], loc["repositories"][0]["name"]
-                assert not loc or loc["__typename"] != "PythonError", loc
-            return None
-
-        location, repo = wait_until(loaded, 180, what="the code location in the UI")
-        _materialize(url, location, repo, ["dataset", "dataset_profile"], "tiny")
-        _materialize(url, location, repo, ["training_plan"], "tiny")
-        _materialize(url, location, repo, ["deployment"], "tiny",
-                     {"ops": {"deployment": {"config": {"checkpoint": str(adapter)}}}})
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
+    root = tmp_path_factory.mktemp("ui-loop")
+    home = root / "factory-home"
+    (home / "dagster").mkdir(parents=True)
+    models = root / "models"
+    models.mkdir()
+    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
+    (root / "experiments").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FACTORY_HOME", str(home))
+        mp.setenv("FACTORY_MODELS_DIR", str(models))
+        mp.setenv("FACTORY_EXPERIMENTS_DIR", str(root / "experiments"))
+        mp.setenv("DAGSTER_HOME", str(home / "dagster"))
+        now = datetime.now(UTC)
+        ingest_records(Lake(), [RawRecord(payload=r, source="upload", received_at=now,
+                                          tags={"project": "demo"})
+                                for r in generate_records(30, 0)])
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            with factory_ui(dict(os.environ)) as running:
+                yield running
+        finally:
+            _stop_leftovers(home)
 
+
+def _instance() -> Any:
+    from factory.app.instance import instance
+
+    return instance()
+
+
+def _chain_outcome(start_run: str) -> str:
+    """Wait for the chain that ``start_run`` began to end (as loop_sensor records it)."""
+    from factory.app.client import loop_outcome
+
+    inst = _instance()
+    return str(wait_until(lambda: loop_outcome(inst, start_run), CHAIN_S,
+                          what=f"the chain of {start_run}"))
+
+
+def _assert_ordered(start_run: str) -> list[str]:
+    """Every checkpoint of the chain's runs was scored, each evaluation ended before the
+    best checkpoint was selected, and the deployment came after the selection. Returns the
+    chain's trainer run ids."""
+    import dagster as dg
+
+    from factory.app.client import chain_runs
+    from factory.lake import Lake
+
+    inst = _instance()
+    runs = chain_runs(inst, start_run)
+    record = {r.run_id: inst.get_run_record_by_id(r.run_id) for r in runs}
+    select = [r for r in runs if r.job_name == "select_checkpoint_job"]
+    assert len(select) == 1 and select[0].status == dg.DagsterRunStatus.SUCCESS
+    selected_at = record[select[0].run_id].start_time
+    trainers = sorted({r.tags["factory/run-id"] for r in runs if "factory/run-id" in r.tags})
+    evals = [r for r in runs if "factory/run-id" in r.tags]
+    assert evals and all(record[r.run_id].end_time <= selected_at for r in evals)
+    train_runs = [r for r in runs if r.job_name == "train_run_job"]
+    assert train_runs and all(record[r.run_id].end_time <= selected_at for r in train_runs)
     lake = Lake()
-    assert lake.sql("SELECT count(*) AS n FROM dataset_eval WHERE experiment = 'tiny'"
-                    ).column("n")[0].as_py() > 0
-    assert lake.sql("SELECT count(*) AS n FROM training_plans WHERE run_key = 'tiny'"
-                    ).column("n")[0].as_py() == 1
-    deployer = Deployer()
-    live = deployer.live("tiny")
-    try:
-        assert live is not None and live.checkpoint == str(adapter)
-        assert load_routes(lake)["factory/tiny"].base_url == live.endpoint
-        # The server the UI run started outlived the run (and the UI).
-        answer = openai.OpenAI(base_url=live.endpoint, api_key="x", max_retries=0
-                               ).chat.completions.create(
-            model=live.adapter, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert answer.choices[0].message.content is not None
-    finally:
-        if live is not None:
-            Deployer(config=DeployConfig(drain_s=0.0)).undeploy("tiny")
+    for trainer in trainers:
+        steps = {r["step"] for r in lake.sql("SELECT step FROM checkpoints WHERE run_id = ? "
+                                              "AND verified", [trainer]).to_pylist()}
+        scored = {r["step"] for r in lake.sql(
+            "SELECT DISTINCT step FROM eval_scores WHERE run_id = ? AND kind = 'checkpoint'",
+            [trainer]).to_pylist()}
+        assert steps and steps == scored, (trainer, steps, scored)
+    deploys = [r for r in runs if r.job_name == "deploy_model_job"]
+    if deploys:
+        assert record[deploys[0].run_id].start_time >= record[select[0].run_id].end_time
+    return trainers
+
+
+def _starts(experiment: str) -> list[Any]:
+    import dagster as dg
+
+    return list(_instance().get_runs(filters=dg.RunsFilter(
+        job_name="start_experiment_job", tags={"dagster/partition": experiment})))
+
+
+def _ask(endpoint: str, model: str) -> str | None:
+    answer = openai.OpenAI(base_url=endpoint, api_key="x", max_retries=0
+                           ).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    return answer.choices[0].message.content
+
+
+def test_a_dropped_experiment_file_reaches_a_live_endpoint(ui: UI) -> None:
+    from factory.deploy import Deployer
+
+    experiments = Path(os.environ["FACTORY_EXPERIMENTS_DIR"])
+    (experiments / "tiny.yaml").write_text(TINY)
+    [start] = wait_until(lambda: _starts("tiny"), 120, what="the experiments sensor's start")
+    assert _chain_outcome(start.run_id) == "deployed"
+    trainers = _assert_ordered(start.run_id)
+    live = Deployer().live("tiny")
+    assert live is not None and live.run_id in trainers
+    assert _ask(live.endpoint, live.adapter) is not None
+
+
+def test_one_launch_in_the_ui_reaches_a_new_deployment(ui: UI, tiny_model_dir: Path,
+                                                       tmp_path: Path) -> None:
+    from factory.deploy import DeployConfig, Deployer
+    from factory.gateway import load_routes
+    from factory.lake import Lake
+
+    before = Deployer().live("tiny")
+    start = ui.launch("start_experiment_job", "tiny")
+    assert _chain_outcome(start) == "deployed"
+    trainers = _assert_ordered(start)
+    live = Deployer().live("tiny")
+    assert live is not None and live.run_id in trainers
+    assert before is None or live.version != before.version
+
+    # Materialize with config, as the UI's launchpad sends it: a chosen checkpoint.
+    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=3)
+    run_id = ui.launch("__ASSET_JOB", "tiny", assets=["deployment"], run_config={
+        "ops": {"deployment": {"config": {"checkpoint": str(adapter)}}}})
+    assert wait_until(lambda: ui.status(run_id) in ("SUCCESS", "FAILURE") and ui.status(run_id),
+                      240, what="the deployment run") == "SUCCESS"
+    chosen = Deployer().live("tiny")
+    assert chosen is not None and chosen.checkpoint == str(adapter)
+    assert load_routes(Lake())["factory/tiny"].base_url == chosen.endpoint
+    assert _ask(chosen.endpoint, chosen.adapter) is not None
+    Deployer(config=DeployConfig(drain_s=0.0)).undeploy("tiny")
+
+
+def test_a_scheduled_sweep_trains_compares_and_promotes(ui: UI) -> None:
+    from factory.deploy import Deployer
+    from factory.experiments import load_experiment
+    from factory.lake import Lake
+    from factory.planner.service import sweep_comparison
+
+    # A tick two minutes ahead: the sensor first records the current tick, then fires on the
+    # next one.
+    tick = (datetime.now(UTC) + timedelta(minutes=2)).replace(second=0, microsecond=0)
+    experiments = Path(os.environ["FACTORY_EXPERIMENTS_DIR"])
+    (experiments / "sweep.yaml").write_text(SWEEP % f"{tick.minute} {tick.hour} * * *")
+    key = f"sweep@{tick.strftime('%Y%m%dT%H%M')}"
+
+    def scheduled() -> Any:
+        return next((r for r in _starts("sweep") if r.tags.get("dagster/run_key") == key), None)
+
+    start = wait_until(scheduled, 300, what=f"the schedule tick's run {key}")
+    assert start.tags["factory/reason"].startswith("schedule")
+    assert _chain_outcome(start.run_id) == "deployed"
+    trainers = _assert_ordered(start.run_id)
+    assert len(trainers) == 2
+    rows = sweep_comparison(Lake(), load_experiment("sweep"))
+    scores = {r["run_id"]: r["best_eval_score"] for r in rows}
+    assert set(scores) == set(trainers) and all(s is not None for s in scores.values())
+    live = Deployer().live("sweep")
+    best = Lake().sql("SELECT run_id, mean_score FROM best_checkpoints WHERE experiment = "
+                      "'sweep' ORDER BY selected_at DESC LIMIT 1").to_pylist()[0]
+    assert live is not None and live.run_id == best["run_id"]
+    assert scores[best["run_id"]] == pytest.approx(max(scores.values()))

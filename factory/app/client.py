@@ -1,0 +1,156 @@
+"""``factory run`` and ``factory demo`` as clients of the Dagster instance.
+
+They do what a click in the UI does: submit ``start_experiment_job`` for the experiment's
+partition to the instance's run queue (``dagster job launch``, through the run launcher the
+instance is configured with), and then only watch. The daemon launches the run; ``loop_sensor``
+trains every sweep point, ``checkpoint_sensor`` evaluates each checkpoint while it trains, and
+the best checkpoint is selected and deployed per the experiment's ``deploy`` policy. The client
+follows the chain's runs (tag ``factory/chain``) with progress lines and ends with the chain's
+outcome as ``loop_sensor`` recorded it. With no daemon running it starts one for the duration
+(``factory.app.instance.ensure_daemon``).
+
+Ctrl-C cancels the chain's runs that have not ended through the instance's run coordinator
+(a queued run is dropped; a running one is interrupted, and ``training_run`` then cancels its
+trainer, which checkpoints first), waits for them to end and raises ``KeyboardInterrupt``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from factory.app.instance import CODE_LOCATION, dagster_home
+from factory.errors import FactoryError
+
+Progress = Callable[[str], None]
+REQUEST_TAG = "factory/request"
+CHAIN_TAG = "factory/chain"
+TRAINER_RUN_TAG = "factory/trainer-run"
+CANCEL_WAIT_S = 120.0
+"""How long cancelled runs get to end (the trainer's checkpoint on SIGTERM, the provider's
+grace before SIGKILL) before the client gives up waiting."""
+
+
+class ChainFailed(FactoryError):
+    """The chain ended without reaching its goal; the message is why (from the failed run)."""
+
+
+def submit(job: str, partition: str, tags: dict[str, str] | None = None) -> str:
+    """Queue a run of ``job`` for ``partition`` on the instance; its Dagster run id."""
+    import dagster as dg
+
+    from factory.app.instance import instance
+
+    request = uuid.uuid4().hex
+    all_tags = {"dagster/partition": partition, REQUEST_TAG: request, **(tags or {})}
+    cmd = [sys.executable, "-m", "dagster", "job", "launch", "-m", CODE_LOCATION, "-j", job,
+           "--tags", json.dumps(all_tags)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                         env={**_env(), "DAGSTER_HOME": str(dagster_home())})
+    runs = instance().get_runs(filters=dg.RunsFilter(tags={REQUEST_TAG: request}), limit=1)
+    if out.returncode != 0 or not runs:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
+        raise FactoryError(f"could not submit {job} for {partition!r}: " + " | ".join(tail))
+    return str(runs[0].run_id)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def loop_outcome(inst: Any, chain: str) -> str | None:
+    """How ``loop_sensor`` recorded that chain ``chain`` ended, or None while it is active."""
+    for state in inst.all_instigator_state():
+        if state.name != "loop_sensor" or state.instigator_data is None:
+            continue
+        cursor = getattr(state.instigator_data, "cursor", None)
+        if cursor:
+            done = json.loads(cursor).get("done", {})
+            if chain in done:
+                return str(done[chain])
+    return None
+
+
+def _label(run: Any) -> str:
+    part = run.tags.get("dagster/partition", "")
+    return f"{run.job_name} {part}".strip()
+
+
+def chain_runs(inst: Any, start_run: str) -> list[Any]:
+    """Every run of the chain: its start, the runs tagged with it, and the checkpoint evals of
+    the trainer runs it submitted (oldest first)."""
+    import dagster as dg
+
+    from factory.runs import materialized
+
+    start = inst.get_run_by_id(start_run)
+    runs = [start] if start is not None else []
+    tagged = list(inst.get_runs(filters=dg.RunsFilter(tags={CHAIN_TAG: start_run})))
+    runs += tagged
+    for run in tagged:
+        trainer = run.tags.get(TRAINER_RUN_TAG)
+        if not trainer and run.job_name == "train_run_job" and run.status.value == "SUCCESS":
+            trainer = str(materialized(inst, run.run_id, "training_run").get("run_id", ""))
+        if trainer:
+            runs += list(inst.get_runs(filters=dg.RunsFilter(tags={"factory/run-id": trainer})))
+    return sorted(runs, key=lambda r: (getattr(inst.get_run_record_by_id(r.run_id),
+                                               "create_timestamp", None) or 0, r.run_id))
+
+
+def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0) -> str:
+    """Wait for the chain started by ``start_run`` to end; its outcome (``deployed``, or the
+    manual policy's stop after ``best_checkpoint``). Raises ChainFailed with the reason when
+    the chain stops short (a failed run: its step's message)."""
+    from factory.runs import FAILED, failure_message, materialized
+
+    statuses: dict[str, str] = {}
+    while True:
+        start = inst.get_run_by_id(start_run)
+        if start is None:
+            raise ChainFailed(f"run {start_run} is not on the instance")
+        for run in chain_runs(inst, start_run):
+            status = run.status.value
+            if statuses.get(run.run_id) == status:
+                continue
+            statuses[run.run_id] = status
+            line = f"  {_label(run)}: {status.lower()}"
+            if run.status.value == "SUCCESS" and run.tags.get("factory/step"):
+                meta = materialized(inst, run.run_id, "checkpoint_evals")
+                if isinstance(meta.get("mean_score"), float):
+                    line += f" (step {run.tags['factory/step']}: mean score " \
+                            f"{meta['mean_score']:.3f})"
+            elif run.status in FAILED:
+                line += f": {failure_message(inst, run.run_id)}"
+            progress(line)
+        if start.status in FAILED:
+            raise ChainFailed(f"{_label(start)} failed: {failure_message(inst, start_run)}")
+        outcome = loop_outcome(inst, start_run) if start.status.value == "SUCCESS" else None
+        if outcome is not None:
+            if outcome == "deployed" or outcome.startswith("best checkpoint selected"):
+                return outcome
+            raise ChainFailed(outcome)
+        time.sleep(poll_s)
+
+
+def cancel_chain(inst: Any, start_run: str, progress: Progress, *,
+                 wait_s: float = CANCEL_WAIT_S) -> list[str]:
+    """Cancel the chain's runs that have not ended and wait for them; their run ids."""
+    from factory.runs import FINISHED
+
+    live = [r for r in chain_runs(inst, start_run) if r.status not in FINISHED]
+    for run in live:
+        progress(f"  cancelling {_label(run)} ({run.run_id[:8]})")
+        inst.run_coordinator.cancel_run(run.run_id)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if all(inst.get_run_by_id(r.run_id).status in FINISHED for r in live):
+            break
+        time.sleep(0.5)
+    return [r.run_id for r in live]
