@@ -4,10 +4,17 @@ One code path for evals and deploys: ``InferenceServer(...).start()`` picks a fr
 127.0.0.1 (unless given one), runs the server, polls ``GET /health`` and returns once it answers
 200; a server that exits or stays unhealthy past ``startup_timeout_s`` raises
 ``InferenceServerError`` with the tail of its log, and is stopped.
+
+Both servers render prompts with the trainer's chat template: the CPU server by default, vLLM
+through ``--chat-template``, a file holding ``trainer.chat.CHAT_TEMPLATE`` (vLLM would otherwise
+use the base tokenizer's shipped template, which for SmolLM2 knows no tools). The file is named
+by its content's hash under the factory home and never removed, so the command is the same every
+time it is built and a deployment spawned detached from it keeps a template to restart with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -54,6 +61,24 @@ def cpu_serve_command(model: str, adapters: Mapping[str, str] | None = None, *,
         cmd.append("--lora-modules")
         cmd += [f"{n}={p}" for n, p in adapters.items()]
     return cmd
+
+
+def chat_template_file() -> Path:
+    """``<home>/inference/chat-template-<sha256 prefix>.jinja`` holding ``CHAT_TEMPLATE``,
+    written (atomically) if it is not there yet."""
+    from factory.settings import get_settings
+    from trainer.chat import CHAT_TEMPLATE
+
+    data = CHAT_TEMPLATE.encode("utf-8")
+    folder = get_settings().home / "inference"
+    path = folder / f"chat-template-{hashlib.sha256(data).hexdigest()[:16]}.jinja"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".chat-template-", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    return path
 
 
 class InferenceServer:
@@ -103,13 +128,17 @@ class InferenceServer:
         if self.backend == "vllm":
             return vllm_serve_command(self.sizing, self.model, self.adapters,
                                       served_model_name=self.served_model_name, host=self.host,
-                                      port=self.port)
+                                      port=self.port, chat_template=str(self.chat_template_file()))
         return cpu_serve_command(self.model, self.adapters,
                                  served_model_name=self.served_model_name, host=self.host,
                                  port=self.port, max_model_len=self.sizing.max_model_len,
                                  max_num_seqs=self.max_batch_size
                                  or min(self.sizing.max_num_seqs, 16),
                                  threads=self.threads)
+
+    def chat_template_file(self) -> Path:
+        """The file holding the trainer's chat template (written if missing)."""
+        return chat_template_file()
 
     def start(self) -> InferenceServer:
         if self.proc is not None:

@@ -4,8 +4,13 @@
 - ``GET /v1/models``: the base model (``--served-model-name``) and every loaded adapter.
 - ``POST /v1/chat/completions``: streaming (SSE, ``stream_options.include_usage``) and not;
   ``max_tokens``/``max_completion_tokens``, ``temperature``/``top_p``/``seed``, ``stop``,
-  ``logprobs``/``top_logprobs``; tool calls in the output are parsed (trainer's format) into
-  ``tool_calls`` when the request declared ``tools``. ``n`` > 1 is refused.
+  ``logprobs``/``top_logprobs``; ``n`` > 1 is refused. With ``tools`` (and ``tool_choice`` not
+  ``"none"``), calls the model writes in the trainer's format come back as OpenAI's
+  ``message.tool_calls`` (``content`` null when nothing else was said, ``finish_reason``
+  ``"tool_calls"``), streamed as OpenAI streams tool-call deltas; a malformed call is returned
+  as content. ``factory.inference.protocol`` says how, and how a request's messages become the
+  canonical conversation that is rendered. Any other ``tool_choice`` is served as ``"auto"``:
+  generation is not constrained.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and
   ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: vLLM's runtime LoRA API, same bodies, same
   plain-text success replies.
@@ -33,6 +38,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from factory.inference.engine import BatchScheduler, Engine, EngineError, GenerationRequest
+from factory.inference.protocol import (
+    FIRST_DELTA,
+    ReplyStream,
+    canonical_request,
+    chat_template_input,
+    reply_message,
+)
+from factory.normalize.canon import NormalizeError
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -70,17 +83,20 @@ def _float(body: dict[str, Any], name: str, default: float, lo: float, hi: float
     return float(v)
 
 
-def _tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    from trainer.chat import parse_assistant
+def _prompt(engine: Engine, model: str, body: dict[str, Any], *,
+            add_generation_prompt: bool) -> tuple[str, bool]:
+    """The request's conversation rendered for ``model``, and whether it declared tools."""
+    engine.tokenizer_for(model)
+    messages, tools = canonical_request(body.get("messages"), body.get("tools"))
+    text = engine.render(model, *chat_template_input(messages, tools),
+                         add_generation_prompt=add_generation_prompt)
+    return text, bool(tools)
 
-    msg = parse_assistant(text)
-    calls = [{"id": c["id"], "type": "function",
-              "function": {"name": c["name"], "arguments": c["arguments"]}}
-             for c in msg.get("tool_calls", [])]
-    if not calls:
-        return text, []
-    body = "\n".join(p["text"] for p in msg["content"] if p["type"] == "text")
-    return (body or None), calls
+
+def _request_error(e: ValueError) -> JSONResponse:
+    if "does not exist" in str(e):
+        return _error(404, str(e), "NotFoundError")
+    return _error(400, str(e))
 
 
 def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
@@ -128,17 +144,13 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
         try:
             body = await _body(request)
             model = body.get("model")
-            messages = body.get("messages")
-            if not isinstance(model, str) or not isinstance(messages, list) or not messages:
-                raise EngineError("model and messages: required (messages a non-empty list)")
-            engine.tokenizer_for(model)
-            text = engine.render(model, messages, body.get("tools"),
-                                 add_generation_prompt=False)
+            if not isinstance(model, str):
+                raise EngineError("model: required string")
+            text, _ = _prompt(engine, model, body, add_generation_prompt=False)
             ids = engine.encode(model, text)
             lps = await asyncio.to_thread(engine.score, model, ids)
-        except EngineError as e:
-            status = 404 if "does not exist" in str(e) else 400
-            return _error(status, str(e), "NotFoundError" if status == 404 else "BadRequestError")
+        except (EngineError, NormalizeError) as e:
+            return _request_error(e)
         tok = engine.tokenizer_for(model)
         return JSONResponse({"model": model, "text": text, "token_ids": ids,
                              "tokens": tok.convert_ids_to_tokens(ids), "logprobs": lps})
@@ -147,12 +159,8 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
         try:
             body = await _body(request)
             model = body.get("model")
-            messages = body.get("messages")
             if not isinstance(model, str):
                 raise EngineError("model: required string")
-            if not isinstance(messages, list) or not messages:
-                raise EngineError("messages: must be a non-empty list")
-            engine.tokenizer_for(model)
             if _int(body, "n", 1, 1) != 1:
                 raise EngineError("n: only 1 is supported")
             max_tokens = _int(body, "max_completion_tokens", None, 1)
@@ -166,29 +174,26 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
             top_logprobs: int | None = None
             if body.get("logprobs"):
                 top_logprobs = _int(body, "top_logprobs", 0, 0)
-            tools = body.get("tools")
-            prompt = engine.render(model, messages, tools)
-            ids = engine.encode(model, prompt)
+            prompt, has_tools = _prompt(engine, model, body, add_generation_prompt=True)
             req = GenerationRequest(
-                model=model, prompt_ids=ids, max_tokens=max_tokens,
+                model=model, prompt_ids=engine.encode(model, prompt), max_tokens=max_tokens,
                 temperature=_float(body, "temperature", 0.0, 0.0, 2.0),
                 top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
                 seed=_int(body, "seed", None, 0), stop=stop, top_logprobs=top_logprobs)
-        except EngineError as e:
-            status = 404 if "does not exist" in str(e) else 400
-            return _error(status, str(e), "NotFoundError" if status == 404 else "BadRequestError")
+        except (EngineError, NormalizeError) as e:
+            return _request_error(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
+        tool_calls = has_tools and body.get("tool_choice") != "none"
         if body.get("stream"):
-            return _stream(req, rid, now, bool(tools),
+            return _stream(req, rid, now, tool_calls,
                            bool((body.get("stream_options") or {}).get("include_usage")))
         result = await asyncio.wrap_future(scheduler.submit(req))
-        content, calls = _tool_calls(result.text) if tools else (result.text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        finish = result.finish_reason
-        if calls:
-            message["tool_calls"] = calls
-            finish = "tool_calls"
+        if tool_calls:
+            message, finish = reply_message(result.text, result.finish_reason)
+        else:
+            message = {"role": "assistant", "content": result.text}
+            finish = result.finish_reason
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish,
                                   "logprobs": None}
         if result.logprobs is not None:
@@ -198,21 +203,19 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
             "choices": [choice], "usage": _usage(result.num_prompt_tokens,
                                                  len(result.token_ids))})
 
-    def _stream(req: GenerationRequest, rid: str, now: int, has_tools: bool,
+    def _stream(req: GenerationRequest, rid: str, now: int, tool_calls: bool,
                 include_usage: bool) -> StreamingResponse:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
         def on_token(tid: int, text: str) -> None:
             loop.call_soon_threadsafe(deltas.put_nowait, ("delta", text))
 
         req.on_token = on_token
-        # Tool calls can only be recognised once the whole text is there, so a request with
-        # tools streams its content at the end (as one delta) rather than token by token.
-        if has_tools:
-            req.on_token = None
         fut = scheduler.submit(req)
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(deltas.put_nowait,
                                                                   ("done", f)))
+        reply = ReplyStream() if tool_calls else None
 
         def chunk(delta: dict[str, Any], finish: str | None = None,
                   usage: dict[str, int] | None = None, with_choice: bool = True) -> str:
@@ -226,12 +229,13 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
             return "data: " + json.dumps(obj) + "\n\n"
 
         async def events() -> Any:
-            yield chunk({"role": "assistant", "content": ""})
+            yield chunk(dict(FIRST_DELTA) if reply else {"role": "assistant", "content": ""})
             while True:
                 kind, value = await deltas.get()
                 if kind == "delta":
-                    if value:
-                        yield chunk({"content": value})
+                    for delta in (reply.feed(value) if reply else [{"content": value}]):
+                        if delta != {"content": ""}:
+                            yield chunk(delta)
                     continue
                 try:
                     result = value.result()
@@ -242,13 +246,10 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
                     yield "data: [DONE]\n\n"
                     return
                 finish = result.finish_reason
-                if has_tools:
-                    content, calls = _tool_calls(result.text)
-                    delta: dict[str, Any] = {"content": content}
-                    if calls:
-                        delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
-                        finish = "tool_calls"
-                    yield chunk(delta)
+                if reply:
+                    last, finish = reply.close(finish)
+                    for delta in last:
+                        yield chunk(delta)
                 yield chunk({}, finish)
                 if include_usage:
                     yield chunk({}, usage=_usage(result.num_prompt_tokens,

@@ -5,6 +5,12 @@ the argv; ``InferenceServer`` runs it the same way it runs the CPU server, and b
 same API (OpenAI-compatible plus ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``;
 the latter need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in the environment, see
 ``VLLM_ENV``).
+
+Tool calls are served as the CPU server serves them: ``--enable-auto-tool-choice`` with vLLM's
+``hermes`` parser, which reads exactly the trainer's call format (``<tool_call>``, a JSON object
+with ``name`` and ``arguments``, ``</tool_call>``; ``trainer.chat``), and ``--chat-template``
+names a file holding the trainer's ``CHAT_TEMPLATE`` (``InferenceServer`` writes it), so
+requests render as in training for the base model and every adapter alike.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from dataclasses import dataclass
 
 VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 """Environment the vLLM server needs for runtime adapter loading."""
+TOOL_CALL_PARSER = "hermes"
+"""vLLM's parser for ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format
+``trainer.chat`` renders calls in (vLLM's tool-calling docs list it for Hermes 2 Pro and later;
+its ``Hermes2ProToolParser`` reads the JSON between those tags)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +73,8 @@ def vllm_serve_command(sizing: ServeSizing, model: str, adapters: Mapping[str, s
                        port: int = 8000, chat_template: str | None = None,
                        executable: str = "vllm") -> list[str]:
     """``vllm serve MODEL ...`` as argv: LoRA enabled (adapters also hot-loadable later), the
-    sizing's limits, and the adapters as ``--lora-modules name=path``."""
+    sizing's limits, tool calls parsed (``TOOL_CALL_PARSER``), ``chat_template`` (a file) when
+    given, and the adapters as ``--lora-modules name=path``."""
     sizing.validate()
     cmd = [executable, "serve", model,
            "--host", host, "--port", str(port),
@@ -75,7 +86,8 @@ def vllm_serve_command(sizing: ServeSizing, model: str, adapters: Mapping[str, s
            "--tensor-parallel-size", str(sizing.tensor_parallel_size),
            "--enable-lora",
            "--max-lora-rank", str(sizing.max_lora_rank),
-           "--max-loras", str(sizing.max_loras)]
+           "--max-loras", str(sizing.max_loras),
+           "--enable-auto-tool-choice", "--tool-call-parser", TOOL_CALL_PARSER]
     if chat_template:
         cmd += ["--chat-template", chat_template]
     if adapters:

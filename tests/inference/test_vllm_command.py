@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from factory.inference import ServeSizing, cpu_serve_command, lora_rank_bucket, vllm_serve_command
+from factory.inference import (
+    InferenceServer,
+    ServeSizing,
+    cpu_serve_command,
+    lora_rank_bucket,
+    vllm_serve_command,
+)
+from trainer.chat import CHAT_TEMPLATE
 
 
 def test_vllm_serve_argv() -> None:
@@ -16,13 +25,29 @@ def test_vllm_serve_argv() -> None:
                    "--served-model-name", "base", "--dtype", "auto", "--max-model-len", "2048",
                    "--gpu-memory-utilization", "0.85", "--max-num-seqs", "32",
                    "--tensor-parallel-size", "2", "--enable-lora", "--max-lora-rank", "16",
-                   "--max-loras", "2", "--lora-modules", "demo-step-40=/ckpt/step-40"]
+                   "--max-loras", "2", "--enable-auto-tool-choice", "--tool-call-parser",
+                   "hermes", "--lora-modules", "demo-step-40=/ckpt/step-40"]
 
 
 def test_no_adapters_and_chat_template() -> None:
     cmd = vllm_serve_command(ServeSizing(), "m", chat_template="/t.jinja")
     assert "--lora-modules" not in cmd and cmd[-2:] == ["--chat-template", "/t.jinja"]
     assert "--enable-lora" in cmd  # adapters can still be hot-loaded later
+
+
+def test_the_launcher_serves_vllm_with_the_trainers_chat_template(factory_home: Path) -> None:
+    server = InferenceServer("/models/smollm2", adapters={"a": "/ckpt/a"}, backend="vllm",
+                             port=8123)
+    cmd = server.command()
+    path = Path(cmd[cmd.index("--chat-template") + 1])
+    assert path.parent == factory_home / "inference"
+    assert path.read_text(encoding="utf-8") == CHAT_TEMPLATE
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
+    assert "--enable-auto-tool-choice" in cmd
+    # The same command every time (a failed start's metadata shows the argv that ran), and the
+    # file outlives the launcher (a deployment runs detached from it).
+    server.stop()
+    assert server.command() == cmd and path.is_file()
 
 
 @pytest.mark.parametrize(("field", "value"), [("gpu_memory_utilization", 1.5),
