@@ -6,7 +6,8 @@ Every ``MIN_INTERVAL_S`` seconds it reads ``settings.experiments_dir``. For a ne
 unchanged file never re-requests; an edited one starts a new chain, which ``loop_sensor`` takes
 to a deployment). A file whose ``data.where`` matches no sample yet waits (the tick says so)
 and starts once samples arrive. For a file with a ``schedule`` it starts the chain again at
-each cron tick (``<experiment>@<tick>``). The cursor (JSON) keeps each started file's hash and
+each cron tick (``<experiment>@<tick>``). A file whose exact content already started a chain
+(``factory run``, or this sensor under an earlier cursor) is recorded without a second one. The cursor (JSON) keeps each started file's hash and
 last tick. A broken file is reported with its file and line in the tick's log and skip reason
 and skipped; the others go through.
 """
@@ -40,12 +41,15 @@ def _request(experiment: Experiment, tag: str, reason: str) -> dg.RunRequest:
                                SHA_TAG: experiment_sha(experiment)})
 
 
-def evaluate(cursor: str | None, now: datetime, has_samples: Callable[[Experiment], bool]
+def evaluate(cursor: str | None, now: datetime, has_samples: Callable[[Experiment], bool],
+             started_elsewhere: Callable[[str], bool] = lambda sha: False,
              ) -> tuple[list[dg.RunRequest], list[str], str, list[str]]:
     """(run requests, experiments to add as partitions, new cursor, problems) at ``now``.
 
-    ``has_samples(experiment)``: whether any sample matches the experiment's selection.
-    Problems are broken files (file:line: field: what is wrong) and files waiting for samples.
+    ``has_samples(experiment)``: whether any sample matches the experiment's selection;
+    ``started_elsewhere(sha)``: whether a chain of this exact file was already started (by
+    ``factory run``, or by this sensor before a fresh cursor). Problems are broken files
+    (file:line: field: what is wrong) and files waiting for samples.
     """
     state = json.loads(cursor) if cursor else {}
     files: dict[str, str] = dict(state.get("files", {}))
@@ -62,6 +66,8 @@ def evaluate(cursor: str | None, now: datetime, has_samples: Callable[[Experimen
             continue
         seen.add(experiment.name)
         sha = experiment_sha(experiment)
+        if files.get(experiment.name) != sha and started_elsewhere(sha):
+            files[experiment.name] = sha
         if files.get(experiment.name) != sha:
             if not has_samples(experiment):
                 problems.append(f"{experiment.name}: waiting for samples matching data.where")
@@ -103,8 +109,12 @@ def experiments_sensor(context: dg.SensorEvaluationContext,
                              "LIMIT 1")
         return found.num_rows > 0
 
+    def started_elsewhere(sha: str) -> bool:
+        return bool(context.instance.get_runs(filters=dg.RunsFilter(
+            job_name=start_experiment_job.name, tags={SHA_TAG: sha}), limit=1))
+
     requests, experiments, cursor, problems = evaluate(context.cursor, datetime.now(UTC),
-                                                       has_samples)
+                                                       has_samples, started_elsewhere)
     for problem in problems:
         context.log.warning(problem)
     partitions = [dg.AddDynamicPartitionsRequest(partitions_def_name="experiments",

@@ -9,7 +9,7 @@ tick's report. ``checkpoint_sensor`` turns each new verified row of ``checkpoint
 ``<run_id>:<step>`` (a checkpoint already scored in ``eval_scores``, e.g. seen again by a fresh
 Dagster instance over an existing lake, is not evaluated again); ``traffic_sensor``
 re-materializes an experiment's dataset once ``data.min_new_samples`` new samples match its
-selection or, if the file says ``retrain_on_new_samples``, starts the experiment's chain
+selection since its last profile (an experiment never built is left to its first chain) or, if the file says ``retrain_on_new_samples``, starts the experiment's chain
 (``start_experiment_job``: dataset, then ``loop_sensor`` trains, evaluates and deploys).
 """
 
@@ -150,6 +150,8 @@ def traffic_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
     requests = []
     for exp in list_experiments():
         # data.where is the experiment file's own SQL predicate (validated with the file).
+        if exp.name not in profiles:
+            continue  # never built: its first dataset is its chain's (experiments_sensor)
         count = int(the_lake.sql(f"SELECT count(*) AS n FROM samples WHERE {exp.data.where}")
                     .column("n")[0].as_py())
         base = max(profiles.get(exp.name, 0), seen.get(exp.name, 0))

@@ -72,6 +72,9 @@ def test_traffic_sensor_requests_the_dataset_once_enough_new_samples(factory_hom
             return traffic_sensor(dg.build_sensor_context(
                 instance=instance, cursor=cursor, resources={"lake": LakeResource()}))
 
+        assert isinstance(tick(None), dg.SkipReason)  # never built: the first chain builds it
+        lake.append("dataset_profile", [{"experiment": "support", "num_selected": 0,
+                                         "created_at": datetime.now(UTC)}])
         assert isinstance(tick(None), dg.SkipReason)  # 2 < 3
         lake.append("samples", _samples(1, 2, "support"))
         result = tick(None)

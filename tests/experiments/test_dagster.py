@@ -172,3 +172,18 @@ def test_broken_file_is_reported_on_the_tick(exp_dir: Path) -> None:
                                                  resources={"lake": LakeResource()}))
     assert "broken.yaml:3: overrides.learnig_rate" in _skip(result_none)
     assert "did you mean 'learning_rate'" in _skip(result_none)
+
+
+def test_a_file_already_started_by_factory_run_is_not_started_twice(exp_dir: Path) -> None:
+    from factory.experiments import experiment_sha, load_experiment
+    from sensors.loop import SHA_TAG
+
+    Lake().append("samples", [_sample()])
+    instance = dg.DagsterInstance.ephemeral()
+    sha = experiment_sha(load_experiment("sup"))
+    instance.add_run(dg.DagsterRun(job_name="start_experiment_job",
+                                   tags={SHA_TAG: sha, "dagster/partition": "sup"}))
+    result = _sense(dg.build_sensor_context(instance=instance,
+                                            resources={"lake": LakeResource()}))
+    assert not result.run_requests
+    assert json.loads(result.cursor)["files"]["sup"] == sha
