@@ -11,6 +11,12 @@ attention mask: transformers 5 then builds a block-diagonal causal mask from the
 attends within each segment instead, so packed samples never attend to each other;
 tests/trainer/test_model.py checks the per-sample loss against unpacked rows. Row padding is a
 segment of its own (positions restart there too), unlabeled.
+
+A sample is trained whole or not at all: one longer than the plan's ``max_seq_len`` is dropped
+(``too_long_for_plan``), never cut, because the cut falls at the end of the conversation, on the
+assistant turn the sample exists for. ``check_plan_data`` is the pre-launch check the
+``training_run`` asset runs with this same ``tokenize``: it refuses a plan that would drop more
+than ``MAX_DROP_FRACTION`` of the samples before any compute is spent.
 """
 
 from __future__ import annotations
@@ -19,15 +25,24 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.chat import IGNORE_INDEX, encode
+from trainer.config import Job
 
 # First-fit packing looks at this many open rows: 99%+ fill on realistic length mixes while
 # staying linear in the number of samples.
 _OPEN_ROWS = 64
+
+DROP_REASONS = ("unrenderable", "too_long_for_plan", "no_target")
+"""Why ``tokenize`` drops a sample: its messages cannot be rendered; it is longer than the plan's
+``max_seq_len``; it has no assistant token to train on."""
+MAX_DROP_FRACTION = 0.01
+"""The share of the training samples a plan may drop: the planner sizes ``max_seq_len`` to cover
+99% of them, so dropping more means the plan does not fit its data."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,14 +65,27 @@ class DataStats:
     """Rows read."""
     num_examples: int
     """Rows kept."""
-    num_truncated: int
-    """Rows cut to ``max_seq_len``."""
     num_dropped: int
-    """Rows dropped: unrenderable, or no assistant token left after truncation."""
+    """Rows dropped, for any reason (``num_samples - num_examples``)."""
+    num_dropped_by_reason: dict[str, int]
+    """Rows dropped, by reason: every one of ``DROP_REASONS``, zeros included."""
+    max_sample_tokens: int
+    """Tokens of the longest renderable row, kept or dropped (0: none renders)."""
     num_tokens: int
     """Tokens of the kept rows."""
     num_label_tokens: int
     """Trained (assistant) tokens of the kept rows."""
+
+    def describe_drops(self) -> str:
+        """The drops by reason, e.g. ``37 too_long_for_plan (longest 475 tokens)``."""
+        parts = []
+        for reason in DROP_REASONS:
+            n = self.num_dropped_by_reason.get(reason, 0)
+            if n:
+                longest = f" (longest {self.max_sample_tokens} tokens)" \
+                    if reason == "too_long_for_plan" else ""
+                parts.append(f"{n} {reason}{longest}")
+        return ", ".join(parts) or "none dropped"
 
 
 def read_rows(*, data_files: Sequence[str] = (), payload_file: str | None = None
@@ -94,26 +122,80 @@ def read_rows(*, data_files: Sequence[str] = (), payload_file: str | None = None
 
 def tokenize(rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_seq_len: int
              ) -> tuple[list[Example], DataStats]:
+    """Rows to examples with ``trainer.chat.encode``; a row that cannot train whole is dropped
+    and counted by its reason (``DROP_REASONS``)."""
     examples: list[Example] = []
-    truncated = dropped = 0
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    longest = 0
     for row in rows:
         try:
             ids, labels = encode(row["messages"], row.get("tools"), tokenizer)
         except (ValueError, KeyError, TypeError):
-            dropped += 1
+            dropped["unrenderable"] += 1
             continue
+        longest = max(longest, len(ids))
         if len(ids) > max_seq_len:
-            truncated += 1
-            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+            dropped["too_long_for_plan"] += 1
+            continue
         # Position 0 is never a target (nothing precedes it); a sample needs one target after it.
-        if not any(lab != IGNORE_INDEX for lab in labels[1:]):
-            dropped += 1
+        if not _num_targets(labels):
+            dropped["no_target"] += 1
             continue
         examples.append(Example(sample_id=str(row["sample_id"]), input_ids=ids, labels=labels))
-    stats = DataStats(num_samples=len(rows), num_examples=len(examples), num_truncated=truncated,
-                      num_dropped=dropped, num_tokens=sum(len(e.input_ids) for e in examples),
+    stats = DataStats(num_samples=len(rows), num_examples=len(examples),
+                      num_dropped=sum(dropped.values()), num_dropped_by_reason=dropped,
+                      max_sample_tokens=longest,
+                      num_tokens=sum(len(e.input_ids) for e in examples),
                       num_label_tokens=sum(_num_targets(e.labels) for e in examples))
     return examples, stats
+
+
+def plan_tokenizer(base_model: str) -> Any:
+    """The tokenizer the trainer renders samples with: the base model's, with our chat template.
+
+    A local path that does not exist is a ``ValueError`` (a configuration error); a hub id
+    that cannot be fetched stays an ``OSError`` (the network may come back).
+    """
+    from trainer.chat import install_chat_template
+    from trainer.model import load_tokenizer
+
+    path = Path(base_model).expanduser()
+    if (path.is_absolute() or base_model.startswith((".", "~"))) and not path.exists():
+        raise ValueError(f"plan.base_model: no such directory {base_model}")
+    return install_chat_template(load_tokenizer(base_model))
+
+
+def check_plan_data(rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_seq_len: int
+                    ) -> DataStats:
+    """The pre-launch check: tokenize ``rows`` exactly as the trainer will, and raise a
+    ``ValueError`` naming the numbers when the plan would drop more than ``MAX_DROP_FRACTION``
+    of them. No kept sample lacks a target: ``tokenize`` drops those (``no_target``), and the
+    drops count toward the limit."""
+    _, stats = tokenize(rows, tokenizer, max_seq_len=max_seq_len)
+    n, dropped = stats.num_samples, stats.num_dropped
+    if not n:
+        raise ValueError("no training samples")
+    if dropped / n > MAX_DROP_FRACTION:
+        raise ValueError(
+            f"plan max_seq_len {max_seq_len} would drop {dropped} of {n} training samples "
+            f"({dropped / n:.1%}, over the {MAX_DROP_FRACTION:.0%} limit): "
+            f"{stats.describe_drops()}")
+    return stats
+
+
+def check_job_data(job: Job) -> DataStats:
+    """``check_plan_data`` over the training rows ``job`` reads, with its base model's
+    tokenizer; the held-out rows must keep at least one sample. Returns the training stats."""
+    tokenizer = plan_tokenizer(job.plan.base_model)
+    rows = read_rows(data_files=job.data_files, payload_file=job.payload_file)
+    stats = check_plan_data(rows, tokenizer, max_seq_len=job.plan.max_seq_len)
+    if job.eval_data_files:
+        held_out, ev = tokenize(read_rows(data_files=job.eval_data_files), tokenizer,
+                                max_seq_len=job.plan.max_seq_len)
+        if not held_out:
+            raise ValueError(f"plan max_seq_len {job.plan.max_seq_len} would keep none of the "
+                             f"{ev.num_samples} held-out samples: {ev.describe_drops()}")
+    return stats
 
 
 def fingerprint(examples: Sequence[Example]) -> str:

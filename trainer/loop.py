@@ -5,9 +5,12 @@ format (no pickles), the NaN guard must run between backward and the optimizer s
 must skip the full-vocabulary logits (see ``model.py``), and SIGTERM must checkpoint at a step
 boundary; each is a fight with Trainer's callbacks, while the loop itself is ~200 lines.
 
-Exit codes (``ExitCode``): 0 finished, 1 failed, 2 invalid job (nothing loaded), 3 stopped on a
-non-finite loss or gradient (no checkpoint of the bad step; resume from the last good one),
-75 preempted (SIGTERM/SIGINT: a checkpoint of the last completed step was written; resume it).
+Exit codes (``ExitCode``): 0 finished, 1 failed (a crash: retrying may heal it), 2 invalid job
+(nothing loaded), 3 stopped on a non-finite loss or gradient (no checkpoint of the bad step;
+resume from the last good one), 65 data or configuration error (``DataError``: the job's data,
+base model or settings cannot train, and running it again cannot heal that), 75 preempted
+(SIGTERM/SIGINT: a checkpoint of the last completed step was written; resume it). The control
+plane never retries 2 or 65.
 """
 
 from __future__ import annotations
@@ -46,11 +49,18 @@ class ExitCode(enum.IntEnum):
     FAILED = 1
     INVALID_JOB = 2
     NAN = 3
+    DATA_ERROR = 65  # EX_DATAERR: the input is wrong; never retried
     PREEMPTED = 75  # EX_TEMPFAIL: "try again later", i.e. resume
 
 
 class Preempted(Exception):
     pass
+
+
+class DataError(ValueError):
+    """The job cannot train on its data or settings, whatever the attempt: a ``ValueError`` of
+    setup (data files, tokenizing, base model, adapter layout) or a checkpoint that belongs to
+    other data or another layout. The trainer exits ``DATA_ERROR``."""
 
 
 @dataclass
@@ -186,18 +196,22 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------
 
     def setup(self) -> None:
-        from trainer.chat import install_chat_template
-        from trainer.data import MicroBatchStream, fingerprint, read_rows, tokenize
-        from trainer.model import CausalLMLoss, load_model, load_tokenizer
+        """Data, model and optimizer; a ``ValueError`` here is a ``DataError`` (see run_job)."""
+        from trainer.data import MicroBatchStream, fingerprint, plan_tokenizer, read_rows, tokenize
+        from trainer.model import CausalLMLoss, load_model
 
         plan = self.plan
         if self.world > 1 and not torch.distributed.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             torch.distributed.init_process_group(backend)
         _setup_determinism(plan)
-        self.tokenizer = install_chat_template(load_tokenizer(plan.base_model))
+        self.tokenizer = plan_tokenizer(plan.base_model)
         rows = read_rows(data_files=self.job.data_files, payload_file=self.job.payload_file)
         examples, self.data_stats = tokenize(rows, self.tokenizer, max_seq_len=plan.max_seq_len)
+        if not examples:
+            raise ValueError(f"data_files: none of the {self.data_stats.num_samples} samples "
+                             f"can train at max_seq_len {plan.max_seq_len}: "
+                             f"{self.data_stats.describe_drops()}")
         pad_id = int(self.tokenizer.pad_token_id)
         self.stream = MicroBatchStream(examples, max_seq_len=plan.max_seq_len,
                                        packing=plan.packing,
@@ -213,8 +227,12 @@ class Trainer:
                                               / self.per_step))
         self.eval_stream = None
         if self.job.eval_data_files:
-            ev, _ = tokenize(read_rows(data_files=self.job.eval_data_files), self.tokenizer,
-                             max_seq_len=plan.max_seq_len)
+            ev, ev_stats = tokenize(read_rows(data_files=self.job.eval_data_files),
+                                    self.tokenizer, max_seq_len=plan.max_seq_len)
+            if not ev:
+                raise ValueError(f"eval_data_files: none of the {ev_stats.num_samples} samples "
+                                 f"can be scored at max_seq_len {plan.max_seq_len}: "
+                                 f"{ev_stats.describe_drops()}")
             self.eval_stream = MicroBatchStream(ev, max_seq_len=plan.max_seq_len, packing=True,
                                                 micro_batch_size=plan.micro_batch_size,
                                                 seed=0, pad_id=pad_id, shuffle=False)
@@ -237,14 +255,14 @@ class Trainer:
         files = ckpt.read_checkpoint(path)
         state = _json(files["trainer_state.json"])
         if state["data_fingerprint"] != self.fingerprint:
-            raise ValueError(f"resume_from: {path} was trained on different data")
+            raise DataError(f"resume_from: {path} was trained on different data")
         if state["world_size"] != self.world:
-            raise ValueError(f"resume_from: {path} was written by {state['world_size']} "
-                             f"processes, this plan runs {self.world}")
+            raise DataError(f"resume_from: {path} was written by {state['world_size']} "
+                            f"processes, this plan runs {self.world}")
         load_adapter_state(self.model, load(files[ckpt.ADAPTER]))
         opt_state, names = ckpt.optimizer_from_files(files)
         if names != self.param_names:
-            raise ValueError(f"resume_from: {path} has a different adapter layout")
+            raise DataError(f"resume_from: {path} has a different adapter layout")
         if self.plan.parallelism == "fsdp2":
             from trainer.distributed import shard_like
 
@@ -419,7 +437,7 @@ class Trainer:
         reporter.emit("started", step=self.step, num_steps=self.num_steps,
                       resumed_from=self.resumed_from, world_size=self.world,
                       device=str(self.device), pid=os.getpid(),
-                      data={k: v for k, v in vars(self.data_stats).items()},
+                      data=vars(self.data_stats),
                       num_trainable_parameters=sum(p.numel() for p in self.params),
                       kernels=_kernel_summary(self.model))
         if self.rank == 0:
@@ -538,15 +556,27 @@ def run_job(job: Job, *, stop: StopFlag | None = None) -> ExitCode:
     code = ExitCode.FAILED
     status = "failed"
     try:
-        trainer.setup()
+        try:
+            trainer.setup()
+        except ValueError as e:
+            # Setup reads only the job, its files and the base model: a ValueError there comes
+            # back on every attempt. Crashes (OSError, RuntimeError) may heal and stay FAILED.
+            raise DataError(str(e)) from e
         code = trainer.run(reporter)
         status = {ExitCode.FINISHED: "finished", ExitCode.NAN: "nan"}[code]
     except Preempted:
         trainer.preempt(reporter)
         code, status = ExitCode.PREEMPTED, "preempted"
+    except DataError as e:
+        stats = getattr(trainer, "data_stats", None)
+        reporter.emit("failed", step=trainer.step, error=str(e), data_error=True,
+                      data=vars(stats) if stats is not None else None,
+                      traceback=traceback.format_exc(limit=20))
+        print(f"trainer: data or configuration error: {e}", file=sys.stderr)
+        code, status = ExitCode.DATA_ERROR, "failed"
     except Exception as e:
         reporter.emit("failed", step=trainer.step, error=f"{type(e).__name__}: {e}",
-                      traceback=traceback.format_exc(limit=20))
+                      data_error=False, traceback=traceback.format_exc(limit=20))
         print(f"trainer: failed: {type(e).__name__}: {e}", file=sys.stderr)
         code, status = ExitCode.FAILED, "failed"
     finally:

@@ -13,6 +13,11 @@ new one reports ``started``), ``recover`` (failed, NaN or silent segments are re
 last good checkpoint with bounded retries, backoff and an optional learning-rate backoff),
 ``early_stop`` (runs the evals flagged in ``early_stops`` are stopped after a checkpoint).
 
+Only what can heal is retried: a segment whose trainer reported a data or configuration error
+(its ``failed`` event says ``data_error``, or it exited ``DATA_ERROR`` 65 or ``INVALID_JOB`` 2)
+ends ``data_error`` or ``invalid_job``, and its run fails at once with the trainer's message as
+the reason. The same job would fail the same way on every attempt.
+
 Lineage: the commit that submits a run records what the submitter read (the plan and dataset
 snapshots, from the ``training_run`` asset) and names the run in its snapshot summary
 (``RUN_PROPERTY``). Every later commit of that run's events and checkpoints reads that submit
@@ -37,6 +42,7 @@ from factory.control.base import Handle, Provider
 from factory.lake import RUN_ID, Lake, Lineage
 from trainer import checkpoint as ckpt
 from trainer.config import Job
+from trainer.loop import ExitCode
 from trainer.webhooks import read_events
 
 log = logging.getLogger("factory.control")
@@ -44,6 +50,8 @@ TERMINAL_EVENTS = ("finished", "failed", "nan", "preempted")
 RUN_ACTIVE = ("queued", "running")
 # End reasons that are our own doing or the sandbox's normal end, not faults.
 NOT_A_FAULT = ("finished", "rollover", "stopped")
+NOT_RETRIED = {ExitCode.DATA_ERROR: "data_error", ExitCode.INVALID_JOB: "invalid_job"}
+"""End reasons of segments that no retry can heal, by the trainer's exit code."""
 RUN_PROPERTY = "factory.training_run"
 """Snapshot-summary key naming the run a ``training_runs`` submit commit queued."""
 
@@ -364,6 +372,8 @@ class ControlPlane:
                 reason = terminal["type"]
                 if reason == "preempted" and seg.status == "rolling":
                     reason = "rollover"
+                elif reason == "failed" and json.loads(terminal["payload"]).get("data_error"):
+                    reason = NOT_RETRIED[ExitCode.DATA_ERROR]
             else:
                 provider = self.by_name.get(seg.provider)
                 if states is not None and seg.segment_id in states:
@@ -375,6 +385,8 @@ class ControlPlane:
                         reason = "rollover"
                     elif status.state == "succeeded":
                         reason = "finished"
+                    elif status.exit_code in NOT_RETRIED:
+                        reason = NOT_RETRIED[ExitCode(status.exit_code)]
                     else:
                         reason = "killed" if (status.exit_code or 0) < 0 or \
                             status.state == "lost" else "failed"
@@ -391,24 +403,45 @@ class ControlPlane:
             if new != seg:
                 changed.append(new)
         self._write_segments(changed)
-        # Runs: finished when any segment finished; stop every other live segment then.
+        # Runs: finished when any segment finished, failed when one cannot be retried; stop
+        # every other live segment then.
         all_segs = {s.segment_id: s for s in segs}
         all_segs.update({s.segment_id: s for s in changed})
         for run in runs.values():
             if run.status != "running":
                 continue
-            mine = [s for s in all_segs.values() if s.run_id == run.run_id]
+            mine = sorted((s for s in all_segs.values() if s.run_id == run.run_id),
+                          key=lambda s: s.seq)
             if any(s.end_reason == "finished" for s in mine):
-                stopped = []
-                for s in mine:
-                    if s.live:
-                        if s.provider in self.by_name:
-                            self.by_name[s.provider].stop(s.handle)
-                        stopped.append(replace(s, status="ended", end_reason="stopped",
-                                               ended_at=now))
-                self._write_segments(stopped)
+                self._stop_live(mine, now)
                 self._write_run(replace(run, status="finished", reason="finished"))
+                continue
+            newest = mine[-1] if mine else None
+            if newest is not None and newest.end_reason in NOT_RETRIED.values():
+                self._stop_live(mine, now)
+                self._fail_unhealable(run, newest, by_seg.get(newest.segment_id, []))
         return changed
+
+    def _stop_live(self, segs: Iterable[Segment], now: float) -> None:
+        stopped = []
+        for s in segs:
+            if s.live:
+                if s.provider in self.by_name:
+                    self.by_name[s.provider].stop(s.handle)
+                stopped.append(replace(s, status="ended", end_reason="stopped", ended_at=now))
+        self._write_segments(stopped)
+
+    def _fail_unhealable(self, run: Run, seg: Segment, events: list[dict[str, Any]]) -> None:
+        """Mark ``run`` failed for ``seg``'s data or configuration error, with the trainer's
+        message: its ``failed`` event's error, else the last ``trainer:`` line of its log."""
+        failed = [json.loads(e["payload"]) for e in events if e["type"] == "failed"]
+        message = str(failed[-1].get("error") or "") if failed else ""
+        if not message:
+            message = _trainer_log_line(seg.handle) or "no message; see the trainer's log"
+        what = "invalid job" if seg.end_reason == "invalid_job" \
+            else "data or configuration error"
+        reason = f"{what} in {seg.segment_id} (not retried): {' '.join(message.split())}"
+        self._write_run(replace(run, status="failed", not_before=None, reason=reason))
 
     # -- launching -----------------------------------------------------------------------------
     def _launch(self, run: Run, provider: Provider, *, seq: int, resume: ckpt.CheckpointInfo |
@@ -543,7 +576,8 @@ class ControlPlane:
 
     # -- recovery ------------------------------------------------------------------------------
     def recover(self) -> list[Segment]:
-        """Resume runs whose newest segment ended in a fault, within the retry budget."""
+        """Resume runs whose newest segment ended in a fault, within the retry budget; a data or
+        configuration error (``NOT_RETRIED``) fails its run instead."""
         now = self.clock()
         launched: list[Segment] = []
         for run in self.runs().values():
@@ -554,6 +588,10 @@ class ControlPlane:
                 continue
             last = segs[-1]
             if last.end_reason in ("finished", "stopped"):
+                continue
+            if last.end_reason in NOT_RETRIED.values():  # observe fails such runs; never resume
+                self._fail_unhealable(run, last, [e for e in self.events(run.run_id)
+                                                  if e["segment_id"] == last.segment_id])
                 continue
             counts = last.end_reason not in ("rollover", "preempted")
             if counts and run.not_before is None:
@@ -673,6 +711,35 @@ def cancel_run(plane: ControlPlane, run_id: str, *, reason: str,
         if not live or time.monotonic() > deadline:
             return live
         time.sleep(0.1)
+
+
+def _trainer_log_line(handle: Handle) -> str | None:
+    """The last ``trainer: ...`` line of a local segment's log (what the trainer said when it
+    exited without an event, as for an invalid job); None when there is no readable log."""
+    path = handle.info.get("log")
+    if not isinstance(path, str):
+        return None
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 16384))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    lines = [line for line in tail.splitlines() if line.startswith("trainer: ")]
+    return lines[-1] if lines else None
+
+
+def data_stats(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the trainer's tokenizing kept and dropped (``trainer.data.DataStats`` as a dict),
+    from the newest ``started`` or ``failed`` event that reports it; None when none does."""
+    out = None
+    for ev in events:
+        if ev["type"] in ("started", "failed"):
+            data = json.loads(ev["payload"]).get("data")
+            if isinstance(data, dict):
+                out = data
+    return out
 
 
 def event_row(event: dict[str, Any], *, segment_id: str | None, source: str,

@@ -102,6 +102,7 @@ def _train(run_key: str, evals: _Evals, progress: Progress, *, poll_s: float) ->
            "--poll-s", str(min(poll_s, 2.0))]
     started, since = time.monotonic(), time.time()
     progress(f"  training_run: running (log {log})")
+    offset = log.stat().st_size if log.exists() else 0  # the log is appended to per run key
     with open(log, "ab") as out:
         # Its own session: a Ctrl-C in the terminal reaches this process only, which then
         # stops the training run in order (below) instead of killing it half way.
@@ -122,8 +123,13 @@ def _train(run_key: str, evals: _Evals, progress: Progress, *, poll_s: float) ->
             progress(f"  training_run: cancelled {', '.join(cancelled) or 'nothing'}")
             raise
     if proc.returncode != 0:
-        tail = log.read_bytes()[-2000:].decode("utf-8", "replace")
-        raise FactoryError(f"training_run failed (exit {proc.returncode}); log {log}:\n{tail}")
+        text = log.read_bytes()[offset:].decode("utf-8", "replace")
+        # main() below prints the run's failure reason as its last word: lead with it.
+        said = [line for line in text.splitlines() if line.startswith("training_run failed: ")]
+        if said:
+            raise FactoryError(f"{said[-1]} (log {log})")
+        raise FactoryError(f"training_run failed (exit {proc.returncode}); log {log}:\n"
+                           f"{text[-2000:]}")
     progress(f"  training_run: done in {time.monotonic() - started:.1f} s")
 
 

@@ -1,40 +1,67 @@
-"""``training_run`` materialized in process on the local provider: one job, its segments and
-one loss curve in the metadata; rows in the control tables."""
+"""``training_run`` materialized in process on the local provider: one job, its segments, one
+loss curve and what tokenizing dropped in the metadata; rows in the control tables. A plan that
+does not fit its data is refused before anything is launched, and a trainer's data error fails
+the step (and ``factory run``) at once with the trainer's message."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from assets.training import training_run
 from factory.control.jobs import job_from_plan
+from factory.errors import FactoryError
 from factory.lake import Lake
 from resources.lake import LakeResource
 from resources.providers import LocalConfig, ProviderResource
-from tests.control.conftest import ONE_THREAD
+from tests.control.conftest import ONE_THREAD, write_data
+from trainer.config import Job
 
 pytestmark = pytest.mark.slow
 
 
-def test_training_run_materializes_segments_and_loss_curve(factory_home, make_job,
-                                                           tmp_path: Path) -> None:
-    job = make_job("asset-run", num_steps=4)
-    job_file = tmp_path / "job.json"
+def _long_sample(i: int) -> dict[str, Any]:
+    """A conversation of ~600 tokens: over the tests' max_seq_len of 256."""
+    return {"sample_id": f"long-{i}", "tools": "[]", "messages": json.dumps([
+        {"role": "user", "content": [{"type": "text", "text": "moon river " * 300}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}])}
+
+
+def _with_long_samples(job: Job, path: Path, *, num_short: int, num_long: int) -> Job:
+    short = pq.read_table(write_data(path, n=num_short)).to_pylist()
+    pq.write_table(pa.Table.from_pylist(short + [_long_sample(i) for i in range(num_long)]),
+                   path)
+    return replace(job, data_files=[str(path)])
+
+
+def _materialize(job: Job, tmp_path: Path, **kwargs: Any) -> Any:
+    job_file = tmp_path / f"{job.run_id}.json"
     job_file.write_text(json.dumps(job.to_dict()))
-    provider = ProviderResource(local=LocalConfig(env=ONE_THREAD, warm_start=True))
+    provider = ProviderResource(local=LocalConfig(env=ONE_THREAD, warm_start=True), backoff_s=0)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("runs", ["adhoc"])
-        result = dg.materialize(
+        return dg.materialize(
             [training_run], resources={"lake": LakeResource(), "provider": provider},
-            partition_key="adhoc", instance=instance,
+            partition_key="adhoc", instance=instance, **kwargs,
             run_config={"ops": {"training_run": {"config": {"job_file": str(job_file),
                                                             "experiment": "demo",
                                                             "poll_s": 0.3}}}})
+
+
+def test_training_run_materializes_segments_and_loss_curve(factory_home, make_job,
+                                                           tmp_path: Path) -> None:
+    # One sample in 100 is longer than the plan: dropped before training, and counted.
+    job = _with_long_samples(make_job("asset-run", num_steps=4), tmp_path / "some-long.parquet",
+                             num_short=99, num_long=1)
+    result = _materialize(job, tmp_path)
     assert result.success
     [mat] = result.asset_materializations_for_node("training_run")
     md = mat.metadata
@@ -42,11 +69,45 @@ def test_training_run_materializes_segments_and_loss_curve(factory_home, make_jo
     curve = md["loss_curve"].value
     assert curve["step"] == [1, 2, 3, 4] and len(curve["loss"]) == 4
     assert "| asset-run-s000 | local |" in md["segments"].value
+    assert (md["num_samples"].value, md["num_examples"].value, md["num_dropped"].value) == \
+        (100, 99, 1)
+    assert md["num_dropped_too_long_for_plan"].value == 1
+    assert md["num_dropped_no_target"].value == md["num_dropped_unrenderable"].value == 0
+    assert md["max_sample_tokens"].value > 256
+    # Those numbers are the trainer's own report.
+    [started] = [json.loads(r["payload"]) for r in Lake().read("training_events").to_pylist()
+                 if r["type"] == "started"]
+    assert started["data"]["num_dropped_by_reason"]["too_long_for_plan"] == 1
     lake = Lake()
     rows = lake.read("checkpoints").to_pylist()
     assert sorted(r["step"] for r in rows) == [2, 4]
     assert all(r["verified"] and r["experiment"] == "demo" for r in rows)
     assert [r["provider"] for r in lake.read("scheduler_assignments").to_pylist()] == ["local"]
+
+
+def test_a_plan_that_drops_over_one_percent_is_refused_before_launch(
+        factory_home, make_job, tmp_path: Path) -> None:
+    job = _with_long_samples(make_job("too-short"), tmp_path / "many-long.parquet",
+                             num_short=47, num_long=3)
+    with pytest.raises(dg.Failure, match=r"training_run: plan max_seq_len 256 would drop 3 of "
+                                         r"50 training samples \(6.0%, over the 1% limit\): "
+                                         r"3 too_long_for_plan \(longest \d+ tokens\)"):
+        _materialize(job, tmp_path)
+    assert not Lake().exists("training_runs")  # nothing submitted, nothing launched
+
+
+def test_a_trainer_data_error_fails_the_step_with_its_message(factory_home, make_job,
+                                                             tmp_path: Path) -> None:
+    job = make_job("bad-modules", lora_target_modules=["no_such_proj"])
+    result = _materialize(job, tmp_path, raise_on_error=False)
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    error = failure.event_specific_data.error
+    assert "training run bad-modules failed: data or configuration error in bad-modules-s000 " \
+           "(not retried): plan.lora_target_modules: the model has no module 'no_such_proj'" \
+           in error.message
+    segments = [r["segment_id"] for r in Lake().read("training_segments").to_pylist()]
+    assert set(segments) == {"bad-modules-s000"}  # launched once, never retried
 
 
 def test_bad_job_file_fails_with_the_field(factory_home, tmp_path: Path) -> None:
@@ -87,3 +148,47 @@ def test_job_from_plan_exports_the_dataset_and_names_the_run(factory_home,
         ["demo-0", "demo-1", "demo-2"]
     assert job.plan.eval_every_steps is None and job.eval_data_files == []  # no eval rows
     assert job.output_dir.startswith(str(factory_home))
+
+
+class _NoEvals:
+    """``factory run``'s checkpoint evaluator, for a run that never writes a checkpoint."""
+
+    def tick(self) -> int:
+        return 0
+
+
+def test_factory_run_prints_why_training_failed(factory_home, tiny_model_dir) -> None:
+    from factory.deploy.loop import _train
+    from factory.runner import instance
+
+    lake = Lake()
+    question = "tell me about the moon " * 5  # ~40 tokens rendered
+    msgs = json.dumps([{"role": "user", "content": [{"type": "text", "text": question}]},
+                       {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}])
+    lake.append("dataset_train", [{"experiment": "demo", "sample_id": f"demo-{i}",
+                                   "messages": msgs, "tools": "[]", "split": "train"}
+                                  for i in range(8)])
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    plans = {"demo/fits": 64, "demo/too-short": 16}
+    lake.append("training_plans", [{
+        "run_key": key, "experiment": "demo", "dataset_version": "abcdef0123456789",
+        "created_at": now, "train_config": json.dumps({
+            "base_model": str(tiny_model_dir), "max_seq_len": max_seq_len,
+            "learning_rate": 1e-3, "num_steps": 2, "lora_target_modules": ["no_such_proj"]})}
+        for key, max_seq_len in plans.items()])
+    instance().add_dynamic_partitions("runs", list(plans))
+    lines: list[str] = []
+
+    # The pre-launch check refuses the plan: nothing is launched.
+    with pytest.raises(FactoryError) as refused:
+        _train("demo/too-short", _NoEvals(), lines.append, poll_s=0.5)  # type: ignore[arg-type]
+    assert str(refused.value).startswith(
+        "training_run failed: training_run: plan max_seq_len 16 would drop 8 of 8 training "
+        "samples (100.0%, over the 1% limit): 8 too_long_for_plan (longest ")
+    # The trainer's data error: the run fails after one segment, with the trainer's message.
+    with pytest.raises(FactoryError) as failed:
+        _train("demo/fits", _NoEvals(), lines.append, poll_s=0.5)  # type: ignore[arg-type]
+    assert str(failed.value).startswith("training_run failed: training run demo-fits-")
+    assert "failed: data or configuration error in demo-fits-" in str(failed.value)
+    assert str(failed.value).split("(not retried): ")[1].startswith(
+        "plan.lora_target_modules: the model has no module 'no_such_proj' (log ")

@@ -1,15 +1,20 @@
 """The must-hold behaviours, driven through the control loop the sensors call: rollover across
 sandboxes that die after 20 s ends bitwise equal to an uninterrupted run; SIGKILL and NaN runs
-are recovered and finish; with the first rung full a job lands on the next one within 5 s."""
+are recovered and finish; a trainer's data error fails its run after one segment, never retried;
+with the first rung full a job lands on the next one within 5 s."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -104,6 +109,32 @@ def test_sigkill_and_nan_runs_are_recovered(factory_home, make_job) -> None:
     history = [r["reason"] for r in Lake().read("training_runs").to_pylist()
                if r["run_id"] == "nan"]
     assert any("learning rate 0.003 -> 0.0015" in r for r in history), history
+
+
+def test_a_data_error_fails_the_run_after_one_segment(factory_home, make_job,
+                                                      tmp_path: Path) -> None:
+    questions = tmp_path / "questions.parquet"
+    msgs = [json.dumps([{"role": "user", "content": [{"type": "text", "text": f"hi {i}"}]}])
+            for i in range(6)]
+    pq.write_table(pa.table({"sample_id": [f"q{i}" for i in range(6)], "messages": msgs,
+                             "tools": ["[]"] * 6}), questions)
+    job = replace(make_job("nodata"), data_files=[str(questions)])
+    local = LocalProvider(max_gpus=1, env=ONE_THREAD, warm_start=True)
+    plane = ControlPlane(Lake(), [local], ControlConfig(backoff_s=0.0, max_recoveries=3))
+    plane.submit(job, experiment="demo")
+    assert drive(plane, "nodata", timeout_s=120.0) == "failed"
+
+    [seg] = plane.segments("nodata")  # no s001: a data error cannot heal by retrying
+    assert seg.end_reason == "data_error"
+    assert local.status(seg.handle).exit_code == ExitCode.DATA_ERROR
+    run = plane.runs()["nodata"]
+    assert run.num_recoveries == 0
+    assert run.reason == ("data or configuration error in nodata-s000 (not retried): "
+                          "data_files: none of the 6 samples can train at max_seq_len 256: "
+                          "6 no_target")
+    for _ in range(3):  # later ticks leave it alone
+        plane.tick()
+    assert len(plane.segments("nodata")) == 1 and plane.runs()["nodata"].status == "failed"
 
 
 def test_full_first_rung_sends_the_job_to_the_next_within_5_s(factory_home, make_job) -> None:

@@ -182,3 +182,35 @@ def test_a_trainer_that_writes_nan_and_exits_during_a_tick_is_a_nan_segment(
     assert first.end_reason == "nan"  # not "failed": its event was read after the status
     assert [e["type"] for e in plane.events("r")] == ["nan"]
     assert plane.segments("r")[-1].learning_rate < first.learning_rate  # the NaN backoff
+
+
+def test_a_data_error_fails_the_run_at_once_and_is_never_retried(factory_home, make_job) -> None:
+    p = Scripted("local", slots=5)
+    plane, lake = _plane(p, backoff_s=0, max_recoveries=3)
+    for run_id in ("event", "code", "invalid", "crash"):
+        plane.submit(make_job(run_id))
+    plane.tick()
+    # The trainer's report says data error; or only its exit status is known (its events lost).
+    _emit(lake, "event-s000", "failed", 0, p.now, data_error=True,
+          error="data_files: none of the 5 samples can train at max_seq_len 256: 5 no_target")
+    p.state["event-s000"] = ProviderStatus(state="failed", exit_code=65)
+    p.state["code-s000"] = ProviderStatus(state="failed", exit_code=65)
+    p.state["invalid-s000"] = ProviderStatus(state="failed", exit_code=2)
+    p.state["crash-s000"] = ProviderStatus(state="failed", exit_code=1)
+    plane.tick()
+    plane.tick()
+    runs = plane.runs()
+    assert runs["event"].status == "failed" and runs["event"].reason == (
+        "data or configuration error in event-s000 (not retried): data_files: none of the 5 "
+        "samples can train at max_seq_len 256: 5 no_target")
+    assert runs["code"].status == "failed"
+    assert runs["code"].reason.startswith("data or configuration error in code-s000")
+    assert runs["invalid"].status == "failed"
+    assert runs["invalid"].reason.startswith("invalid job in invalid-s000 (not retried)")
+    for run_id, reason in (("event", "data_error"), ("code", "data_error"),
+                           ("invalid", "invalid_job")):
+        [seg] = plane.segments(run_id)  # one segment: no s001
+        assert seg.end_reason == reason and runs[run_id].num_recoveries == 0
+    # A crash is transient: recovered as before.
+    assert runs["crash"].status == "running" and runs["crash"].num_recoveries == 1
+    assert [s.segment_id for s in plane.segments("crash")] == ["crash-s000", "crash-s001"]

@@ -78,7 +78,9 @@ def make_job(tmp_path: Path, tiny_model_dir: Path, factory_home: Path) -> Callab
         data = tmp_path / f"{name}-data.parquet"
         if not data.exists():
             write_parquet(data, make_samples(num_samples))
-        full_plan = {"base_model": str(tiny_model_dir), "max_seq_len": 256, "packing": True,
+        # 320: the longest sample (a tool call and its result) renders to 274 tokens, and a
+        # plan drops, never cuts, what is longer.
+        full_plan = {"base_model": str(tiny_model_dir), "max_seq_len": 320, "packing": True,
                      "micro_batch_size": 2, "grad_accum_steps": 2, "learning_rate": 3e-3,
                      "warmup_steps": 2, "num_steps": 8, "lora_rank": 4, "lora_alpha": 8,
                      "lora_dropout": 0.1, "checkpoint_every_steps": 2, "seed": 7,
