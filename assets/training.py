@@ -23,6 +23,7 @@ from factory.control.jobs import job_from_plan
 from factory.control.loop import RUN_ACTIVE, cancel_run, data_stats, loss_curve
 from factory.deploy.process import signals_ignored
 from factory.errors import FactoryError
+from factory.runs import TRAINER_RUN_TAG
 from resources.lake import LakeResource
 from resources.providers import ProviderResource
 from trainer.config import Job
@@ -78,6 +79,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         raise dg.Failure(f"training_run: {e}", allow_retries=False) from None
     plane = provider.plane(the_lake)
     plane.submit(job, experiment=experiment, lineage=session.lineage)
+    # Who follows this Dagster run (loop_sensor, factory run) finds the trainer run here.
+    context.instance.add_run_tags(context.run_id, {TRAINER_RUN_TAG: job.run_id})
     start = time.monotonic()
     try:
         while True:

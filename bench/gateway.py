@@ -54,7 +54,7 @@ def main() -> None:
     port = sock.getsockname()[1]
     sock.close()
     gw_url = f"http://127.0.0.1:{port}"
-    gateway = _start(["-m", "factory.cli", "serve", "--port", str(port),
+    gateway = _start(["-m", "factory.app.cli", "serve", "--port", str(port),
                       "--openai-base-url", up_url], env)
     for _ in range(300):
         try:

@@ -10,6 +10,11 @@ from typing import Any
 
 import dagster as dg
 
+CHAIN_TAG = "factory/chain"
+"""On every run of an experiment's chain: the Dagster run id of its ``start_experiment_job``."""
+TRAINER_RUN_TAG = "factory/trainer-run"
+"""Set by ``training_run`` on its own Dagster run: the trainer run id it submitted."""
+
 FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE,
             dg.DagsterRunStatus.CANCELED)
 FAILED = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)

@@ -34,14 +34,19 @@ import dagster as dg
 
 from factory.evals.progress import unscored_checkpoints
 from factory.experiments import ExperimentError, experiment_sha, load_experiment, run_keys
-from factory.runs import FAILED, FINISHED, failure_message, materialized
+from factory.runs import (
+    CHAIN_TAG,
+    FAILED,
+    FINISHED,
+    TRAINER_RUN_TAG,
+    failure_message,
+    materialized,
+)
 from resources.lake import LakeResource
 
-CHAIN_TAG = "factory/chain"
 REASON_TAG = "factory/reason"
 SHA_TAG = "factory/experiment-sha"
-TRAINER_RUN_TAG = "factory/trainer-run"
-"""Set by ``training_run`` on its own Dagster run: the trainer run id it submitted."""
+DEPLOY_TAG = "factory/deploy"
 PARTITION_TAG = "dagster/partition"
 MIN_INTERVAL_S = 5
 """Seconds between ticks: each step of a chain waits at most this long for the next."""
@@ -178,8 +183,9 @@ def chain_info(start: dg.DagsterRun) -> dict[str, Any] | str:
     wanted = start.tags.get(SHA_TAG)
     if wanted and wanted != experiment_sha(experiment):
         return "superseded: the experiment file changed after the chain started"
-    return {"experiment": experiment.name, "keys": run_keys(experiment),
-            "deploy": experiment.deploy}
+    # A start run may narrow the policy (``factory run --no-deploy``), never widen it.
+    deploy = "manual" if start.tags.get(DEPLOY_TAG) == "manual" else experiment.deploy
+    return {"experiment": experiment.name, "keys": run_keys(experiment), "deploy": deploy}
 
 
 def evaluate(instance: dg.DagsterInstance, lake: Any, cursor: str | None

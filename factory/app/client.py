@@ -26,11 +26,10 @@ from typing import Any
 
 from factory.app.instance import CODE_LOCATION, dagster_home
 from factory.errors import FactoryError
+from factory.runs import CHAIN_TAG, TRAINER_RUN_TAG
 
 Progress = Callable[[str], None]
 REQUEST_TAG = "factory/request"
-CHAIN_TAG = "factory/chain"
-TRAINER_RUN_TAG = "factory/trainer-run"
 CANCEL_WAIT_S = 120.0
 """How long cancelled runs get to end (the trainer's checkpoint on SIGTERM, the provider's
 grace before SIGKILL) before the client gives up waiting."""
@@ -78,9 +77,17 @@ def loop_outcome(inst: Any, chain: str) -> str | None:
     return None
 
 
+JOB_ASSETS = {"start_experiment_job": "dataset, dataset_profile, rubric",
+              "train_run_job": "training_plan, training_run",
+              "select_checkpoint_job": "best_checkpoint", "deploy_model_job": "deployment"}
+"""What each of the chain's jobs materializes, for progress lines."""
+
+
 def _label(run: Any) -> str:
     part = run.tags.get("dagster/partition", "")
-    return f"{run.job_name} {part}".strip()
+    what = JOB_ASSETS.get(run.job_name) or ", ".join(
+        sorted(k.to_user_string() for k in run.asset_selection or [])) or run.job_name
+    return f"{what} [{part}]" if part else what
 
 
 def chain_runs(inst: Any, start_run: str) -> list[Any]:

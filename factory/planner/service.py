@@ -11,7 +11,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from factory.experiments import Experiment, experiment_sha, run_id, sweep_points
+from factory.experiments import Experiment, experiment_sha, sweep_points
 from factory.planner.plan import Plan, make_plan
 from factory.planner.profile import DatasetProfile, read_profile
 

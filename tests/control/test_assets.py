@@ -18,7 +18,6 @@ import pytest
 
 from assets.training import training_run
 from factory.control.jobs import job_from_plan
-from factory.errors import FactoryError
 from factory.lake import Lake
 from resources.lake import LakeResource
 from resources.providers import LocalConfig, ProviderResource
@@ -150,16 +149,11 @@ def test_job_from_plan_exports_the_dataset_and_names_the_run(factory_home,
     assert job.output_dir.startswith(str(factory_home))
 
 
-class _NoEvals:
-    """``factory run``'s checkpoint evaluator, for a run that never writes a checkpoint."""
-
-    def tick(self) -> int:
-        return 0
-
-
-def test_factory_run_prints_why_training_failed(factory_home, tiny_model_dir) -> None:
-    from factory.deploy.loop import _train
-    from factory.runner import instance
+def test_a_failed_training_run_says_why(factory_home, tiny_model_dir) -> None:
+    """The message the chain ends with (``loop_sensor``'s outcome, ``factory run``'s error)
+    is the training_run step's: the refused plan's numbers, or the trainer's data error."""
+    from factory.app.runner import instance, materialize
+    from factory.runs import failure_message
 
     lake = Lake()
     question = "tell me about the moon " * 5  # ~40 tokens rendered
@@ -177,18 +171,21 @@ def test_factory_run_prints_why_training_failed(factory_home, tiny_model_dir) ->
             "learning_rate": 1e-3, "num_steps": 2, "lora_target_modules": ["no_such_proj"]})}
         for key, max_seq_len in plans.items()])
     instance().add_dynamic_partitions("runs", list(plans))
-    lines: list[str] = []
+
+    def why(key: str) -> str:
+        result = materialize(["training_run"], partition_key=key, raise_on_error=False,
+                             run_config={"ops": {"training_run": {"config": {"poll_s": 0.5}}}})
+        assert not result.success
+        return failure_message(instance(), result.run_id)
 
     # The pre-launch check refuses the plan: nothing is launched.
-    with pytest.raises(FactoryError) as refused:
-        _train("demo/too-short", _NoEvals(), lines.append, poll_s=0.5)  # type: ignore[arg-type]
-    assert str(refused.value).startswith(
-        "training_run failed: training_run: plan max_seq_len 16 would drop 8 of 8 training "
+    assert why("demo/too-short").startswith(
+        "training_run: plan max_seq_len 16 would drop 8 of 8 training "
         "samples (100.0%, over the 1% limit): 8 too_long_for_plan (longest ")
     # The trainer's data error: the run fails after one segment, with the trainer's message.
-    with pytest.raises(FactoryError) as failed:
-        _train("demo/fits", _NoEvals(), lines.append, poll_s=0.5)  # type: ignore[arg-type]
-    assert str(failed.value).startswith("training_run failed: training run demo-fits-")
-    assert "failed: data or configuration error in demo-fits-" in str(failed.value)
-    assert str(failed.value).split("(not retried): ")[1].startswith(
-        "plan.lora_target_modules: the model has no module 'no_such_proj' (log ")
+    failed = why("demo/fits")
+    assert failed.startswith("training run demo-fits-")
+    assert "failed: data or configuration error in demo-fits-" in failed
+    assert failed.split("(not retried): ")[1].startswith(
+        "plan.lora_target_modules: the model has no module 'no_such_proj'")
+

@@ -12,7 +12,8 @@ import dagster as dg
 import pytest
 
 from factory.lake import Lake
-from sensors.loop import CHAIN_TAG, TRAINER_RUN_TAG, evaluate
+from factory.runs import CHAIN_TAG, TRAINER_RUN_TAG
+from sensors.loop import evaluate
 
 EXP = """\
 name: sup

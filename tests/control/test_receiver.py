@@ -106,7 +106,7 @@ def test_checkpoint_lineage_leads_to_the_run_its_plan_and_data(server, make_job,
     """A checkpoint committed by the receiver reads the commit that submitted its run, which
     recorded the plan and dataset snapshots the run was built from (not whatever
     ``training_runs`` holds by the time the checkpoint arrives)."""
-    from factory.cli import main
+    from factory.app.cli import main
     from factory.control.loop import ControlPlane
     from factory.lake import Lineage
     from resources.providers import LocalProvider

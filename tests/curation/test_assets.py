@@ -97,7 +97,7 @@ def test_cli_materializes_with_the_chosen_engine(factory_home: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from factory.cli import main
+    from factory.app.cli import main
     from factory.curation.synthetic import planted
     from tests.curation.conftest import CONFIG
 

@@ -68,7 +68,8 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
             "factory_home"} <= set(out)
     assert out["model"] == MODEL and out["best_step"] == 2
     assert out["base_score"] is not None and out["best_score"] is not None
-    assert "checkpoint_evals" in run.stderr and "[5/5] deployment" in run.stderr
+    assert "checkpoint_evals [" in run.stderr and "mean score" in run.stderr
+    assert "deployment [exp]: success" in run.stderr
     kinds = {r["kind"] for r in lake.sql("SELECT DISTINCT kind FROM eval_scores").to_pylist()}
     assert kinds == {"base", "checkpoint", "reference"}
     v1 = Deployer().live("exp")

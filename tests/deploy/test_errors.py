@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.cli import main
+from factory.app.cli import main
 from factory.deploy import DeployConfig, Deployer, DeploymentError, check_name
 from factory.lake import Lake
 

@@ -103,17 +103,17 @@ def test_ctrl_c_cancels_the_training_run_and_exits_130(home: Path) -> None:
     assert segments and all(s["status"] == "ended" for s in segments)
 
 
-def test_runs_left_by_a_dead_training_process_are_cancelled_and_their_trainers_stopped(
+def test_a_trainer_left_by_a_dead_training_process_is_stopped(
         factory_home: Path, tmp_path: Path) -> None:
-    """The fallback of ``stop_training``: the training_run process dies on the interrupt
-    without cancelling its run (killed, or older code), so ``factory run`` cancels the run
-    itself and stops its trainer by the recorded pid, once the pid is checked to still run
-    that segment's job. A run of the key submitted before this ``factory run`` is left alone."""
+    """The fallback of ``factory run``'s Ctrl-C: a training_run process that died on the
+    interrupt without cancelling its run leaves a live trainer; ``cancel_orphan`` cancels the
+    run and stops the trainer by the recorded pid, once the pid is checked to still run that
+    segment's job. Another run is left alone."""
     import time
 
+    from factory.app.run import _plane, cancel_orphan
     from factory.control.base import Handle
     from factory.control.loop import Segment
-    from factory.deploy.loop import _plane, stop_training
     from factory.experiments import run_id as run_id_for_key
     from tests.control.conftest import write_data
     from trainer.config import Job
@@ -132,15 +132,12 @@ def test_runs_left_by_a_dead_training_process_are_cancelled_and_their_trainers_s
         plane.submit(job, experiment="exp")
         return job
 
-    older = submit("20260101T000000")
-    since = time.time()
+    other = submit("20260101T000000")
     job = submit("20260102T000000")
     job_file = tmp_path / "job.json"
     # Stands in for the trainer: a process whose command line names the segment's job file.
     trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
                                 "--job", str(job_file)], start_new_session=True)
-    # And for the training_run process: SIGINT kills it on the spot, nothing is cancelled.
-    training = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         now = time.time()
         plane._write_segments([Segment(
@@ -149,16 +146,14 @@ def test_runs_left_by_a_dead_training_process_are_cancelled_and_their_trainers_s
                           info={"pid": trainer.pid, "job": str(job_file)}),
             status="running", launched_at=now, deadline=None, resume_from=None,
             resume_step=0)])
-        assert stop_training(training, "exp", since=since, wait_s=30) == [job.run_id]
+        cancel_orphan(job.run_id, reason="interrupted; its training_run process was gone")
         assert trainer.wait(timeout=30) == -signal.SIGTERM
-        assert training.returncode == -signal.SIGINT
     finally:
-        for proc in (trainer, training):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
     runs = _plane().runs()
     assert runs[job.run_id].status == "cancelled"
-    assert runs[older.run_id].status == "queued"
+    assert runs[other.run_id].status == "queued"
     [seg] = _plane().segments(job.run_id)
     assert (seg.status, seg.end_reason) == ("ended", "stopped")

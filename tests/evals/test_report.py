@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from factory.cli import main
+from factory.app.cli import main
 from factory.lake import Lake
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.cli import main
+from factory.app.cli import main
 
 PROFILE = {"num_train": 300, "prompt_tokens_p50": 80, "prompt_tokens_p95": 200,
            "prompt_tokens_p99": 300, "prompt_tokens_max": 400, "completion_tokens_p50": 40,

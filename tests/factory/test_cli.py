@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.cli import main
+from factory.app.cli import main
 from factory.lake import Lake
 
 BIN = Path(sys.executable).parent

@@ -7,7 +7,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from factory.cli import main
+from factory.app.cli import main
 from factory.lake import Lake
 from resources.lake import LakeResource
 

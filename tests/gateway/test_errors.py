@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from factory.cli import main
+from factory.app.cli import main
 from factory.gateway import Gateway, ServerThread
 from factory.gateway.app import parse_tags
 from factory.gateway.keys import KeyStore

@@ -48,7 +48,7 @@ class GatewayProcess:
         self.port = sock.getsockname()[1]
         sock.close()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "factory.cli", "serve", "--port", str(self.port),
+        self.args = [sys.executable, "-m", "factory.app.cli", "serve", "--port", str(self.port),
                      "--openai-base-url", upstream]
         self.env = {**os.environ, "FACTORY_HOME": str(home)}
         self.proc: subprocess.Popen | None = None

@@ -38,7 +38,7 @@ def test_signed_events_land_and_forgeries_are_refused(factory_home: Path,
 def test_webhooks_bypass_factory_keys(factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FACTORY_WEBHOOK_KEY_ID", "k1")
     monkeypatch.setenv("FACTORY_WEBHOOK_SECRET", "s3cret")
-    from factory.cli import main
+    from factory.app.cli import main
 
     assert main(["keys", "create", "--name", "ci"]) == 0
     srv = gateway_in_thread()

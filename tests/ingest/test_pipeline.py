@@ -164,7 +164,7 @@ def test_json_array_streams_elements_across_buffer_edges(tmp_path: Path,
 
 def test_cli_prints_one_json_line(factory_home: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
-    from factory.cli import main
+    from factory.app.cli import main
 
     path = tmp_path / "mixed.jsonl"
     _write_mixed(path)

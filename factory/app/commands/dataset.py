@@ -22,10 +22,10 @@ def register(sub: Any) -> None:
 
 
 def _dataset(args: argparse.Namespace) -> int:
+    from factory.app.runner import instance, materialize
     from factory.curation.config import check_experiment_name
     from factory.experiments import load_experiment
     from factory.lake import Lake
-    from factory.runner import instance, materialize
 
     experiment = load_experiment(args.experiment)
     name = check_experiment_name(experiment.name)

@@ -1,4 +1,4 @@
-"""The ``factory`` command line. Subcommands live one per module in ``factory/commands``.
+"""The ``factory`` command line. Subcommands live one per module in ``factory/app/commands``.
 
 A user mistake (``FactoryError``, ``ValueError`` from validation) prints one line on stderr and
 exits 2; tracebacks are kept for real bugs.
@@ -17,7 +17,7 @@ from factory.errors import FactoryError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import factory.commands as commands
+    import factory.app.commands as commands
 
     parser = argparse.ArgumentParser(
         prog="factory", description="The factory: LLM traffic in, fine-tuned models out.")

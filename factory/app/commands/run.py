@@ -18,7 +18,7 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from factory.deploy.loop import run_experiment, terminal_plot
+    from factory.app.run import run_experiment, terminal_plot
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

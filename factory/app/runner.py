@@ -1,28 +1,17 @@
-"""Materializing assets from the CLI through Dagster, in process, on the persistent instance.
+"""Materializing assets from the CLI in this process, on the persistent instance.
 
-The run lands in ``$FACTORY_HOME/dagster`` like a click in the UI would, so ``factory ui`` shows
-it with its metadata and lineage.
+For the commands that build one thing and print it (``factory base-model``, ``factory
+dataset``, ``factory deploy``): the run lands in ``$FACTORY_HOME/dagster`` like a click in the
+UI would, so ``factory ui`` shows it with its metadata and lineage. The loop itself
+(``factory run``) is not run this way: it is submitted to the instance (``factory.app.client``).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from factory.settings import get_settings
-
-
-def instance() -> Any:
-    """The Dagster instance under ``$FACTORY_HOME/dagster`` (``$DAGSTER_HOME`` wins if set)."""
-    import dagster as dg
-
-    settings = get_settings().ensure()
-    os.environ.setdefault("DAGSTER_HOME", str(settings.dagster_home))
-    config = settings.dagster_home / "dagster.yaml"
-    if os.environ["DAGSTER_HOME"] == str(settings.dagster_home) and not config.exists():
-        config.touch()  # the defaults (everything under DAGSTER_HOME), without Dagster's notice
-    return dg.DagsterInstance.get()
+from factory.app.instance import instance
 
 
 def materialize(selection: Sequence[str], *, partition_key: str | None = None,
@@ -43,3 +32,6 @@ def materialize(selection: Sequence[str], *, partition_key: str | None = None,
         partition_key=partition_key, run_config=config, tags=dict(tags or {}),
         raise_on_error=raise_on_error,
     )
+
+
+__all__ = ["instance", "materialize"]

@@ -4,7 +4,7 @@
 2. generates demo traffic for the embedded extraction task (``factory.tasks``), sends part of
    it through the capture gateway (its upstream replays the generator's reference answers, the
    "frontier model") and uploads the rest through the ``traces`` asset;
-3. runs the experiment through Dagster (``factory.deploy.loop.run_experiment``): dataset,
+3. runs the experiment through Dagster (``factory.app.run.run_experiment``): dataset,
    rubric, plan, LoRA training with evals fired by ``checkpoint_sensor`` as checkpoints land,
    best checkpoint, deployment;
 4. sends a new request through the gateway to ``factory/<experiment>``, and shows it captured
@@ -78,10 +78,10 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the loop; returns ``{base_score, best_score, best_step, endpoint, model,
     factory_home}``."""
-    from factory.deploy.loop import run_experiment, terminal_plot
+    from factory.app.run import run_experiment, terminal_plot
+    from factory.app.runner import materialize
     from factory.deploy.replay import ReplayUpstream
     from factory.gateway import ServerThread, gateway_in_thread
-    from factory.runner import materialize
     from factory.tasks import generate_records
 
     say = progress or (lambda line: print(line, flush=True))

@@ -27,7 +27,7 @@ def register(sub: Any) -> None:
 
 
 def _base_model(args: argparse.Namespace) -> int:
-    from factory.runner import materialize
+    from factory.app.runner import materialize
 
     result = materialize(["base_model"])
     mat = result.asset_materializations_for_node("base_model")[0]
@@ -43,11 +43,11 @@ def ui_command(host: str, port: int) -> list[str]:
 
 
 def _ui(args: argparse.Namespace) -> int:
+    from factory.app.instance import dagster_home
+
     settings = get_settings().ensure()
     env = dict(os.environ)
-    env.setdefault("DAGSTER_HOME", str(settings.dagster_home))
-    if not (settings.dagster_home / "dagster.yaml").exists():
-        (settings.dagster_home / "dagster.yaml").touch()
+    env["DAGSTER_HOME"] = str(dagster_home())
     env["FACTORY_HOME"] = str(settings.home)
     print(f"Dagster UI on http://{args.host}:{args.port} (state in {settings.home})", flush=True)
     # dagster dev inherits an ignored SIGINT when started in the background; reset it so
@@ -62,7 +62,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from factory.deploy.demo import run_demo
+    from factory.app.demo import run_demo
     from factory.evals.selection import CLEAR_MARGIN
 
     summary = run_demo()
