@@ -88,6 +88,13 @@ def _load_tokenizer(path: str | Path, template: str | None) -> Any:
     return tok
 
 
+def _peft_name(name: str) -> str:
+    """PEFT's name for the adapter served as ``name``: PEFT refuses a '.' in adapter names
+    (they become module names), and run ids carry one whenever a sweep point has a decimal
+    value (``sweep-learning_rate-0.001-...``)."""
+    return name.replace("%", "%25").replace(".", "%2E")
+
+
 class Engine:
     """A base model with hot-loadable LoRA adapters.
 
@@ -151,10 +158,12 @@ class Engine:
                                     category=FutureWarning)
             try:
                 if self.model is self.base:
-                    self.model = PeftModel.from_pretrained(self.base, str(p), adapter_name=name,
+                    self.model = PeftModel.from_pretrained(self.base, str(p),
+                                                           adapter_name=_peft_name(name),
                                                            is_trainable=False)
                 else:
-                    self.model.load_adapter(str(p), adapter_name=name, is_trainable=False)
+                    self.model.load_adapter(str(p), adapter_name=_peft_name(name),
+                                            is_trainable=False)
             except (ValueError, KeyError, RuntimeError, OSError) as e:
                 raise EngineError(f"lora_path: cannot load {path}: {e}") from None
             self.model.eval()
@@ -169,9 +178,10 @@ class Engine:
                 self.base = self.model.unload()  # strips the LoRA layers; base weights untouched
                 self.model = self.base
             else:
-                if self.model.active_adapter == name:
-                    self.model.set_adapter(next(a for a in self.adapters if a != name))
-                self.model.delete_adapter(name)
+                if self.model.active_adapter == _peft_name(name):
+                    self.model.set_adapter(_peft_name(next(a for a in self.adapters
+                                                           if a != name)))
+                self.model.delete_adapter(_peft_name(name))
             del self.adapters[name]
             del self.adapter_tokenizers[name]
 
@@ -183,7 +193,7 @@ class Engine:
             return self.model.disable_adapter() if self.adapters else contextlib.nullcontext()
         if model not in self.adapters:
             raise EngineError(f"The model `{model}` does not exist.")
-        self.model.set_adapter(model)
+        self.model.set_adapter(_peft_name(model))
         return contextlib.nullcontext()
 
     # --- prompts ------------------------------------------------------------------------------

@@ -50,7 +50,9 @@ def test_batched_requests_equal_single_ones_and_adapters_stay_apart(
         cpu_server: InferenceServer, adapter_dirs: dict[str, Path]) -> None:
     c = cpu_server.client()
     c.load_adapter("a", str(adapter_dirs["good"]))
-    c.load_adapter("b", str(adapter_dirs["other"]))
+    # a sweep point's run id has dots (learning_rate=0.001), which PEFT refuses in its names
+    dotted = "sweep-learning_rate-0.001-abc-step-2"
+    c.load_adapter(dotted, str(adapter_dirs["other"]))
     try:
         prompts = [{"messages": [{"role": "user", "content": f"Count to {i}" + "!" * i}]}
                    for i in range(4)]
@@ -59,11 +61,13 @@ def test_batched_requests_equal_single_ones_and_adapters_stay_apart(
         batched = [r["choices"][0]["message"]["content"]
                    for r in c.chat_many("a", prompts, max_tokens=6, concurrency=4)]
         assert batched == single  # left padding does not change greedy answers
-        other = c.chat("b", prompts[0]["messages"], max_tokens=6)
+        other = c.chat(dotted, prompts[0]["messages"], max_tokens=6)
         assert other["choices"][0]["message"]["content"] != single[0]
+        assert c.chat("a", prompts[0]["messages"], max_tokens=6)["choices"][0]["message"][
+            "content"] == single[0]
     finally:
         c.unload_adapter("a")
-        c.unload_adapter("b")
+        c.unload_adapter(dotted)
 
 
 def test_adapter_endpoints_speak_vllms_protocol(cpu_server: InferenceServer,
