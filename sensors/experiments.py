@@ -5,8 +5,8 @@ Every ``MIN_INTERVAL_S`` seconds it reads ``settings.experiments_dir``. For a ne
 ``start_experiment_job`` for it with the stable run key ``<experiment>@<file hash>`` (an
 unchanged file never re-requests; an edited one starts a new chain, which ``loop_sensor`` takes
 to a deployment). A file whose ``data.where`` matches no sample yet waits (the tick says so)
-and starts once samples arrive. For a file with a ``schedule`` it starts the chain again at
-each cron tick (``<experiment>@<tick>``). A file whose exact content already started a chain
+and starts once samples arrive. A file with a ``schedule`` starts at each cron tick
+(``<experiment>@<tick>``) instead, not when it is added or edited. A file whose exact content already started a chain
 (``factory run``, or this sensor under an earlier cursor) is recorded without a second one. The cursor (JSON) keeps each started file's hash and
 last tick. A broken file is reported with its file and line in the tick's log and skip reason
 and skipped; the others go through.
@@ -68,6 +68,12 @@ def evaluate(cursor: str | None, now: datetime, has_samples: Callable[[Experimen
         sha = experiment_sha(experiment)
         if files.get(experiment.name) != sha and started_elsewhere(sha):
             files[experiment.name] = sha
+        if files.get(experiment.name) != sha and experiment.schedule:
+            # A scheduled file runs on its ticks (a click on start_experiment_job runs it now):
+            # a nightly sweep committed at noon waits for the night.
+            files[experiment.name] = sha
+            problems.append(f"{experiment.name}: scheduled ({experiment.schedule}); starts at "
+                            "its next tick")
         if files.get(experiment.name) != sha:
             if not has_samples(experiment):
                 problems.append(f"{experiment.name}: waiting for samples matching data.where")

@@ -188,9 +188,10 @@ def test_a_scheduled_sweep_trains_compares_and_promotes(ui: UI) -> None:
     from factory.lake import Lake
     from factory.planner.service import sweep_comparison
 
-    # A tick two minutes ahead: the sensor first records the current tick, then fires on the
-    # next one.
-    tick = (datetime.now(UTC) + timedelta(minutes=2)).replace(second=0, microsecond=0)
+    # The first minute boundary at least 30 s away: the sensor (every 15 s) first sees the
+    # file and records the tick before it, then fires on this one. The file's own arrival
+    # starts nothing: a scheduled experiment runs on its ticks.
+    tick = (datetime.now(UTC) + timedelta(seconds=90)).replace(second=0, microsecond=0)
     experiments = Path(os.environ["FACTORY_EXPERIMENTS_DIR"])
     (experiments / "sweep.yaml").write_text(SWEEP % f"{tick.minute} {tick.hour} * * *")
     key = f"sweep@{tick.strftime('%Y%m%dT%H%M')}"
@@ -200,6 +201,7 @@ def test_a_scheduled_sweep_trains_compares_and_promotes(ui: UI) -> None:
 
     start = wait_until(scheduled, 300, what=f"the schedule tick's run {key}")
     assert start.tags["factory/reason"].startswith("schedule")
+    assert len(_starts("sweep")) == 1
     assert _chain_outcome(start.run_id) == "deployed"
     trainers = _assert_ordered(start.run_id)
     assert len(trainers) == 2

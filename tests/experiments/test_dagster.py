@@ -151,7 +151,9 @@ def test_sensor_skips_bad_file_and_fires_on_schedule(exp_dir: Path) -> None:
     (exp_dir / "sup.yaml").write_text(EXP + 'schedule: "0 3 * * *"\n')
     t0 = datetime(2026, 5, 6, 2, 0, tzinfo=UTC)
     requests, _, cursor, problems = evaluate(None, t0, _always)
-    assert len(requests) == 1 and len(problems) == 1 and "broken.yaml:1: recipe" in problems[0]
+    # a scheduled file waits for its tick; the broken one is reported
+    assert requests == [] and "broken.yaml:1: recipe" in problems[0]
+    assert "sup: scheduled (0 3 * * *)" in problems[1]
     requests, *_ = evaluate(cursor, datetime(2026, 5, 6, 2, 59, tzinfo=UTC), _always)
     assert requests == []
     requests, _, cursor, _ = evaluate(cursor, datetime(2026, 5, 6, 3, 0, 20, tzinfo=UTC),
