@@ -4,8 +4,13 @@
 message as compact JSON. SmolLM2-135M does not do this reliably out of the box (it chats, invents
 keys, or misses the intent label), and a short LoRA run learns it, which makes it the task the
 demo and the evals tests use to show a fine-tune beating its base model.
+
+``agent_orders``: an order-support agent with four function tools (enum and nested arguments),
+tool results and text answers, in four languages, with held-out requests phrased differently
+and an exact tool-call scorer; ``bench/agent.py`` trains on it and scores base vs deployed.
 """
 
+from factory.tasks import agent_orders
 from factory.tasks.support_extract import (
     INTENTS,
     SYSTEM_PROMPT,
@@ -14,5 +19,5 @@ from factory.tasks.support_extract import (
     generate_records,
 )
 
-__all__ = ["INTENTS", "SYSTEM_PROMPT", "field_accuracy", "generate_conversations",
+__all__ = ["INTENTS", "agent_orders", "SYSTEM_PROMPT", "field_accuracy", "generate_conversations",
            "generate_records"]
