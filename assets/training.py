@@ -123,7 +123,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     # none (the same tokenize over the same rows).
     metadata.update(_data_metadata(data_stats(events) or vars(checked)))
     metadata.update(session.metadata())
-    if run.status != "finished":
+    # "stopped" is the evals' early stop (the score fell after its peak): the run ended as it
+    # should, and its best checkpoint is selected like a finished run's.
+    if run.status not in ("finished", "stopped"):
         raise dg.Failure(f"training run {job.run_id} {run.status}: {run.reason}",
                          metadata=metadata)
     return dg.MaterializeResult(metadata=metadata)
