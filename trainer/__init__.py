@@ -29,9 +29,10 @@ the field, e.g. ``plan.learning_rate: must be > 0``, before anything is loaded):
      "tracker": {"backend": "jsonl"},              # jsonl | mlflow | neptune | none
      "debug": {"nan_at_step": null, "sleep_per_step_s": 0}}
 
-Exit codes (``trainer.loop.ExitCode``): 0 finished; 1 failed; 2 invalid job; 3 non-finite loss
-or gradient (no checkpoint of the bad step; resume from the last good one); 75 preempted
-(SIGTERM/SIGINT: the last completed step was checkpointed; resume from it).
+Exit codes (``trainer.loop.ExitCode``): 0 finished; 1 failed (a crash: retried); 2 invalid job
+and 65 data or configuration error (never retried: running again cannot heal them); 3
+non-finite loss or gradient (no checkpoint of the bad step; resume from the last good one); 75
+preempted (SIGTERM/SIGINT: the last completed step was checkpointed; resume from it).
 
 Checkpoints (``trainer.checkpoint``): ``output_dir/checkpoints/step-XXXXXXXX/`` with the PEFT
 adapter (``adapter_model.safetensors`` + ``adapter_config.json``), tokenizer with our chat
@@ -50,8 +51,9 @@ Receivers call ``verify(headers, body, secrets_by_key_id, *, now=None, max_age_s
 replay_cache=ReplayCache())`` which returns the event or raises ``WebhookError``.
 
 Rendering (``trainer.chat``): ``render(messages, tools, tokenizer=None, *,
-add_generation_prompt=False) -> str`` turns canonical samples into model text; ``encode`` adds
-the assistant-only label mask; ``parse_assistant(text)`` turns generated text back into a
+add_generation_prompt=False) -> str`` turns canonical samples into model text (the one
+rendering: curation counts tokens with ``spans``, the server renders requests with it);
+``encode`` adds the assistant-only label mask; ``parse_assistant(text)`` turns generated text back into a
 canonical assistant message; ``CHAT_TEMPLATE`` is the identical Jinja template shipped with
 every checkpoint, so serving with ``apply_chat_template`` matches training.
 """
