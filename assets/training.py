@@ -80,7 +80,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     plane = provider.plane(the_lake)
     plane.submit(job, experiment=experiment, lineage=session.lineage)
     # Who follows this Dagster run (loop_sensor, factory run) finds the trainer run here.
-    context.instance.add_run_tags(context.run_id, {TRAINER_RUN_TAG: job.run_id})
+    context.instance.add_run_tags(context.run.run_id, {TRAINER_RUN_TAG: job.run_id})
     start = time.monotonic()
     try:
         while True:
