@@ -68,6 +68,7 @@ _CHECKS = [
 
 @dg.asset(
     partitions_def=EXPERIMENTS,
+    deps=["samples"],
     group_name="curation",
     kinds={"iceberg", "python"},
     description="The experiment's samples (data.where) split by stable hash with related "

@@ -115,7 +115,7 @@ def _latest_rubric(session, experiment: str) -> Rubric:  # type: ignore[no-untyp
 
 @dg.asset(
     partitions_def=CHECKPOINTS,
-    deps=["rubric"],
+    deps=["rubric", "checkpoints"],
     group_name="evals",
     kinds={"iceberg", "python"},
     description="One checkpoint judged on the eval set: answers from the inference server "

@@ -54,7 +54,7 @@ class TrainingRunConfig(dg.Config):
 
 
 @dg.asset(group_name="training", kinds={"python", "pytorch"}, partitions_def=RUNS,
-          deps=["training_plan"],
+          deps=["training_plan", "base_model"],
           description="A training run as one job: its plan checked against its data, submitted "
                       "to the provider ladder, rolled over and recovered by the control plane; "
                       "metadata lists its segments, one loss curve and the samples dropped, by "
