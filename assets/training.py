@@ -18,19 +18,16 @@ from typing import Any
 
 import dagster as dg
 
-from factory.control import CHECKPOINT_PARTITIONS
 from factory.control.jobs import job_from_plan
 from factory.control.loop import RUN_ACTIVE, cancel_run, data_stats, loss_curve
 from factory.deploy.process import signals_ignored
 from factory.errors import FactoryError
+from factory.partitions import CHECKPOINTS, RUNS
 from factory.runs import TRAINER_RUN_TAG
 from resources.lake import LakeResource
 from resources.providers import ProviderResource
 from trainer.config import Job
 from trainer.data import DROP_REASONS, check_job_data
-
-CHECKPOINTS = dg.DynamicPartitionsDefinition(name=CHECKPOINT_PARTITIONS)
-RUNS = dg.DynamicPartitionsDefinition(name="runs")  # the run keys training_plan is planned for
 
 checkpoints = dg.AssetsDefinition(specs=[dg.AssetSpec(
     "checkpoints", partitions_def=CHECKPOINTS, group_name="training", kinds={"iceberg"},
