@@ -40,7 +40,6 @@ from factory.runs import (
     FINISHED,
     TRAINER_RUN_TAG,
     failure_message,
-    materialized,
 )
 from resources.lake import LakeResource
 
@@ -61,7 +60,8 @@ start_experiment_job = dg.define_asset_job(
                 "checkpoint as it lands, and the best checkpoint is selected and deployed per "
                 "the experiment's deploy policy.")
 train_run_job = dg.define_asset_job(
-    "train_run_job", selection=dg.AssetSelection.assets("training_plan", "training_run"), tags={"factory/kind": "training"},
+    "train_run_job", selection=dg.AssetSelection.assets("training_plan", "training_run"),
+    tags={"factory/kind": "training"},
     description="Plans one run of an experiment (a sweep point) from its dataset profile and "
                 "trains it to the end.")
 select_checkpoint_job = dg.define_asset_job(
@@ -70,6 +70,7 @@ select_checkpoint_job = dg.define_asset_job(
 deploy_model_job = dg.define_asset_job(
     "deploy_model_job", selection=dg.AssetSelection.assets("deployment"),
     description="Serves the experiment's best checkpoint behind factory/<experiment>.")
+
 
 @dataclass
 class Step:
@@ -102,11 +103,6 @@ class ChainView:
         return list(self.instance.get_runs(
             filters=dg.RunsFilter(job_name=job, tags={CHAIN_TAG: chain})))
 
-    def trainer_run(self, run: dg.DagsterRun) -> str:
-        """The trainer run id a ``train_run_job`` run submitted ("" if none)."""
-        return run.tags.get(TRAINER_RUN_TAG) or str(
-            materialized(self.instance, run.run_id, "training_run").get("run_id", ""))
-
     def unscored(self, trainer_runs: list[str]) -> tuple[list[str], int]:
         """(checkpoint keys of these runs whose evaluation has not ended, number scored)."""
         return unscored_checkpoints(self.instance, self.lake, trainer_runs)
@@ -134,42 +130,44 @@ def advance(view: ChainView, chain: str, info: dict[str, Any]) -> Step:
     if running:
         return Step(waiting=f"training {', '.join(running)}")
     # 2. every checkpoint of the finished runs scored (or its evaluation ended)
-    trainer_runs = [view.trainer_run(trains[k]) for k in keys]
+    trainer_runs = [trains[k].tags.get(TRAINER_RUN_TAG, "") for k in keys]
     pending, num_scored = view.unscored([r for r in trainer_runs if r])
     if pending:
         return Step(waiting=f"{len(pending)} checkpoint(s) not scored yet: {', '.join(pending)}")
     if num_scored == 0:
         return Step(ended="no checkpoint of the chain's runs was scored: nothing to select")
-    selects = view.runs(select_checkpoint_job.name, chain)
-    if not selects:
-        return Step(requests=[dg.RunRequest(
-            run_key=f"select:{chain}", job_name=select_checkpoint_job.name, partition_key=exp,
-            run_config={"ops": {"best_checkpoint": {"config": {
-                "runs": sorted(r for r in trainer_runs if r)}}}},
-            tags={**tags, REASON_TAG: f"every checkpoint of {len(keys)} finished run(s) is "
-                                      f"scored ({num_scored})"})], waiting="selecting")
-    select = selects[0]
-    if select.status in FAILED:
-        return Step(ended=f"best_checkpoint failed: "
-                          f"{failure_message(view.instance, select.run_id)}")
-    if select.status not in FINISHED:
-        return Step(waiting="selecting the best checkpoint")
+    step = _once(view, chain, dg.RunRequest(
+        run_key=f"select:{chain}", job_name=select_checkpoint_job.name, partition_key=exp,
+        run_config={"ops": {"best_checkpoint": {"config": {
+            "runs": sorted(r for r in trainer_runs if r)}}}},
+        tags={**tags, REASON_TAG: f"every checkpoint of {len(keys)} finished run(s) is "
+                                  f"scored ({num_scored})"}),
+        doing="selecting the best checkpoint", what="best_checkpoint")
+    if step is not None:
+        return step
     # 3. deployment, per the experiment's policy
     if info["deploy"] != "auto":
         return Step(ended="best checkpoint selected; deploy: manual (materialize deployment "
                           "to promote it)")
-    deploys = view.runs(deploy_model_job.name, chain)
-    if not deploys:
-        return Step(requests=[dg.RunRequest(
-            run_key=f"deploy:{chain}", job_name=deploy_model_job.name, partition_key=exp,
-            tags={**tags, REASON_TAG: "deploy: auto and the best checkpoint is selected"})],
-            waiting="deploying")
-    deploy = deploys[0]
-    if deploy.status in FAILED:
-        return Step(ended=f"deployment failed: {failure_message(view.instance, deploy.run_id)}")
-    if deploy.status not in FINISHED:
-        return Step(waiting="deploying")
-    return Step(ended="deployed")
+    step = _once(view, chain, dg.RunRequest(
+        run_key=f"deploy:{chain}", job_name=deploy_model_job.name, partition_key=exp,
+        tags={**tags, REASON_TAG: "deploy: auto and the best checkpoint is selected"}),
+        doing="deploying", what="deployment")
+    return step or Step(ended="deployed")
+
+
+def _once(view: ChainView, chain: str, request: dg.RunRequest, *, doing: str,
+          what: str) -> Step | None:
+    """The step of a job a chain runs once (``request``): request it, wait for it, or end the
+    chain when it failed; None once it succeeded."""
+    runs = view.runs(str(request.job_name), chain)
+    if not runs:
+        return Step(requests=[request], waiting=doing)
+    if runs[0].status in FAILED:
+        return Step(ended=f"{what} failed: {failure_message(view.instance, runs[0].run_id)}")
+    if runs[0].status not in FINISHED:
+        return Step(waiting=doing)
+    return None
 
 
 def chain_info(start: dg.DagsterRun) -> dict[str, Any] | str:

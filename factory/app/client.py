@@ -17,6 +17,7 @@ trainer, which checkpoints first), waits for them to end and raises ``KeyboardIn
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -50,18 +51,12 @@ def submit(job: str, partition: str, tags: dict[str, str] | None = None) -> str:
     cmd = [sys.executable, "-m", "dagster", "job", "launch", "-m", CODE_LOCATION, "-j", job,
            "--tags", json.dumps(all_tags)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                         env={**_env(), "DAGSTER_HOME": str(dagster_home())})
+                         env={**os.environ, "DAGSTER_HOME": str(dagster_home())})
     runs = instance().get_runs(filters=dg.RunsFilter(tags={REQUEST_TAG: request}), limit=1)
     if out.returncode != 0 or not runs:
         tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
         raise FactoryError(f"could not submit {job} for {partition!r}: " + " | ".join(tail))
     return str(runs[0].run_id)
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
 
 
 def loop_outcome(inst: Any, chain: str) -> str | None:
@@ -95,20 +90,17 @@ def chain_runs(inst: Any, start_run: str) -> list[Any]:
     the trainer runs it submitted (oldest first)."""
     import dagster as dg
 
-    from factory.runs import materialized
-
-    start = inst.get_run_by_id(start_run)
-    runs = [start] if start is not None else []
-    tagged = list(inst.get_runs(filters=dg.RunsFilter(tags={CHAIN_TAG: start_run})))
-    runs += tagged
-    for run in tagged:
-        trainer = run.tags.get(TRAINER_RUN_TAG)
-        if not trainer and run.job_name == "train_run_job" and run.status.value == "SUCCESS":
-            trainer = str(materialized(inst, run.run_id, "training_run").get("run_id", ""))
+    start = inst.get_run_record_by_id(start_run)
+    records = [start] if start is not None else []
+    tagged = list(inst.get_run_records(filters=dg.RunsFilter(tags={CHAIN_TAG: start_run})))
+    records += tagged
+    for record in tagged:
+        trainer = record.dagster_run.tags.get(TRAINER_RUN_TAG)
         if trainer:
-            runs += list(inst.get_runs(filters=dg.RunsFilter(tags={"factory/run-id": trainer})))
-    return sorted(runs, key=lambda r: (getattr(inst.get_run_record_by_id(r.run_id),
-                                               "create_timestamp", None) or 0, r.run_id))
+            records += inst.get_run_records(filters=dg.RunsFilter(
+                tags={"factory/run-id": trainer}))
+    records.sort(key=lambda r: (r.create_timestamp, r.dagster_run.run_id))
+    return [r.dagster_run for r in records]
 
 
 def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0) -> str:

@@ -13,8 +13,7 @@ from typing import Any
 import dagster as dg
 
 from factory.control import checkpoint_partition_key
-
-ENDED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
+from factory.runs import FINISHED
 
 
 def unscored_checkpoints(instance: dg.DagsterInstance, lake: Any,
@@ -37,7 +36,7 @@ def unscored_checkpoints(instance: dg.DagsterInstance, lake: Any,
             continue
         key = checkpoint_partition_key(r["run_id"], r["step"])
         ended = instance.get_runs(
-            filters=dg.RunsFilter(tags={"dagster/partition": key}, statuses=ENDED), limit=1)
+            filters=dg.RunsFilter(tags={"dagster/partition": key}, statuses=list(FINISHED)), limit=1)
         if not ended:
             pending.append(key)
     return sorted(pending), len(scored)
