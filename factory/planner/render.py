@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from factory.experiments import Experiment, sweep_points
+from factory.experiments import Experiment, list_experiments, sweep_points
 from factory.planner.plan import Plan
 from factory.recipes import Recipe
 
@@ -53,8 +54,11 @@ def plan_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+NO_PROFILE = "Not planned yet: the dataset has no profile (materialize `dataset_profile`)."
+
+
 def experiment_card(experiment: Experiment, recipe: Recipe, plans: Sequence[Plan],
-                    error: str | None = None) -> str:
+                    error: str | None = None, no_plan: str = NO_PROFILE) -> str:
     """The experiment card: what it trains, on which data, with which plan."""
     data = experiment.data
     arch = recipe.architecture
@@ -91,7 +95,7 @@ def experiment_card(experiment: Experiment, recipe: Recipe, plans: Sequence[Plan
     if error:
         out += [f"Not planned: {error}"]
     elif not plans:
-        out += ["Not planned yet: the dataset has no profile (materialize `dataset_profile`)."]
+        out += [no_plan]
     else:
         out += [plan_table(plans[0])]
         if len(plans) > 1:
@@ -114,3 +118,41 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
                  _cell(r.get("final_loss")), _cell(r.get("best_eval_score"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def committed_cards(experiments_dir: Path) -> dict[str, str]:
+    """The card of every experiment file in ``experiments_dir``, from the file alone.
+
+    These are the cards committed under ``docs/experiments/`` (``make cards`` writes them, a
+    test holds them equal to the files): what each file trains and on which data. The plan
+    needs a dataset profile, so it lives in the ``training_plan`` asset's metadata and in
+    ``factory plan NAME --card``, not in the committed card.
+    """
+    from factory.recipes import load_recipe
+
+    no_plan = ("Planned from the dataset's profile when the data exists: the `training_plan` "
+               "asset's metadata in Dagster, or `factory plan {name}`.")
+    return {f"{e.name}.md": experiment_card(e, load_recipe(e.recipe), [],
+                                            no_plan=no_plan.format(name=e.name))
+            for e in list_experiments(experiments_dir)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m factory.planner.render EXPERIMENTS_DIR CARDS_DIR``: rewrite the cards."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m factory.planner.render EXPERIMENTS_DIR CARDS_DIR",
+              file=sys.stderr)
+        return 2
+    out = Path(args[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in committed_cards(Path(args[0])).items():
+        (out / name).write_text(text, encoding="utf-8")
+        print(out / name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
