@@ -17,7 +17,7 @@ line. The deployment is stopped at the end unless ``--keep``.
 (checks the generator, ingest, selection and scoring plumbing in a few minutes). When
 ``factory run`` fails the bench says so, scores the base model the same way and exits 1.
 
-Goal (issue 19, part 5): the deployed model >= 90% exact on 200 held-out requests with the
+Goal: the deployed model >= 90% exact on 200 held-out requests with the
 SmolLM2 recipe on 2 cores, ``factory run`` done in at most 15 minutes.
 """
 

@@ -175,7 +175,7 @@ def _print_goals(results: list[dict[str, object]]) -> None:
         "lora_linear": ("speedup_vs_eager", 1.3, ">="),
         "cross_entropy": ("memory_ratio", 0.25, "<"),
     }
-    print("\ngoals (issue 8):")
+    print("\ngoals:")
     for row in results:
         goal = goals.get(str(row["op"]))
         if goal is None:

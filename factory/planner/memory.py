@@ -34,11 +34,11 @@ the larger of the two is taken.)
 - **retained** (CPU only): memory the process freed but glibc's heap keeps, which peak RSS
   counts: a share of one forward pass's activation traffic (``HEAP_RETAINED``), with or
   without checkpointing. On CPU, checkpointing therefore saves about 60% of the activations'
-  memory, not 97%, which is why it was under-estimated by ~40% before this term.
+  memory, not 97%; without this term the estimate is ~40% under with checkpointing.
 
 Validated against the measured peak RSS of real ``python -m trainer`` runs on CPU, on jobs the
 planner emitted (``bench/memory_model.py``; the table is in BENCHMARKS.md, "Planner memory
-model (issue 6)"): the measured figure is the process's peak RSS minus its RSS after importing
+model"): the measured figure is the process's peak RSS minus its RSS after importing
 torch/transformers/peft and the trainer, i.e. what the step allocates, which is what an
 accelerator would hold. ``tests/planner/test_memory_model.py`` repeats one configuration.
 """
