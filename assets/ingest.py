@@ -57,8 +57,7 @@ def traces(context: dg.AssetExecutionContext, config: IngestConfig, lake: LakeRe
         paths = [str(uploads)]
     lineages = {key: Lineage(run_id=context.run.run_id, asset_key=key) for key in TABLE_KEYS}
     summary = ingest_paths(store, paths, format=config.format, tags=config.tags,
-                           project=config.project, lineage=lineages["raw_traces"],
-                           lineages=lineages)
+                           project=config.project, lineages=lineages)
     context.log.info(f"ingest {paths}: {summary.as_dict()}")
     counts = {**summary.as_dict(), "num_samples": summary.num_samples}
     for key in TABLE_KEYS:

@@ -37,13 +37,12 @@ from pathlib import Path
 from types import ModuleType
 
 PACKAGE = "factory.normalize"
-MODULES = ("canon", "images", "detect", "openai", "anthropic", "gemini", "sharegpt", "otlp",
-           "rows")
+MODULES = ("canon", "images", "detect", "openai", "anthropic", "gemini", "sharegpt", "otlp")
 """The compiled modules, in dependency order."""
 C_MODULES = ("_fastpath",)
 """Modules written in C (``<name>.c``), built with the others. ``_fastpath`` reads the common
 records of a file ingest (logged OpenAI, Anthropic and Gemini calls, OpenAI fine-tuning lines)
-without Python objects, in front of the Python path (``rows.fast_outcome``). The code that
+without Python objects, in front of the Python path (``factory.ingest.rows.fast_outcome``). The code that
 uses one runs without it where it cannot be imported: not built, or the build is stale."""
 GROUP = "_native"
 """The shared library that holds their code (``_native__mypyc``), in the package."""

@@ -60,7 +60,7 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
     # Stamped like the ingest asset's commits: samples record the raw_traces snapshot.
     ingest_records(lake, [RawRecord(payload=r, source="upload", received_at=datetime.now(UTC),
                                     tags={"project": "demo"}) for r in generate_records(30, 0)],
-                   lineage=Lineage(run_id="test-ingest", asset_key="samples"))
+                   lineages={"samples": Lineage(run_id="test-ingest", asset_key="samples")})
     run = factory_cli("run", "exp", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])

@@ -22,7 +22,7 @@ import pytest
 from factory.gateway import Gateway, ServerThread
 from factory.gateway.flusher import stream_complete
 from factory.gateway.standin import acknowledge_lifespan
-from factory.normalize.rows import outcome
+from factory.ingest.rows import outcome
 from tests.gateway.conftest import Collected, make_config, wait_until
 
 _CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m"}

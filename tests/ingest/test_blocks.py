@@ -1,7 +1,7 @@
 """File ingest by blocks: JSON Lines cut into byte ranges, written as data files, committed.
 
-``ingest_paths`` cuts JSON Lines files into blocks (``factory.ingest._line_blocks``), each block
-is normalized and written as Parquet data files (``factory.ingest_blocks.ingest_block``), and the
+``ingest_paths`` cuts JSON Lines files into blocks (``factory.ingest.files.line_blocks``), each
+block is normalized and written as Parquet data files (``factory.ingest.workers.ingest_block``), and the
 main process dedupes across blocks (rewriting a block's files without repeated ids) and commits
 the files raw_traces first. These tests force many tiny blocks (``_BLOCK_BYTES``) and check what a
 user relies on: the first copy of a record wins and nothing is lost or doubled, line numbers in
@@ -26,8 +26,10 @@ from urllib.parse import urlparse
 import pyarrow.parquet as pq
 import pytest
 
-import factory.ingest
-import factory.ingest_blocks
+import factory.ingest.files
+import factory.ingest.pipeline
+import factory.ingest.tables
+import factory.ingest.workers
 from factory.datafiles import FileTarget
 from factory.ingest import IngestSummary, ingest_paths
 from factory.lake import Lake, walk_lineage
@@ -91,8 +93,8 @@ def _layout() -> tuple[list[bytes], dict[str, Any]]:
 @pytest.fixture()
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> int:
     """Blocks of BLOCK bytes (the cap too: a file's blocks otherwise grow with its size)."""
-    monkeypatch.setattr(factory.ingest, "_BLOCK_BYTES", BLOCK)
-    monkeypatch.setattr(factory.ingest, "_MAX_BLOCK_BYTES", BLOCK)
+    monkeypatch.setattr(factory.ingest.files, "_BLOCK_BYTES", BLOCK)
+    monkeypatch.setattr(factory.ingest.files, "_MAX_BLOCK_BYTES", BLOCK)
     return BLOCK
 
 
@@ -288,7 +290,7 @@ def test_each_payload_is_its_line_stripped_as_it_was_parsed(
     too large for one view buffer (a line of gigabytes; here the limit is lowered) gets one
     buffer per line."""
     if buffer_per_line:
-        monkeypatch.setattr(factory.ingest_blocks, "_VIEW_BUFFER_BYTES", 1)
+        monkeypatch.setattr(factory.ingest.tables, "_VIEW_BUFFER_BYTES", 1)
     path = tmp_path / "padded.jsonl"
     path.write_bytes(b"\n".join(PADDED_LINES * 3) + b"\n")  # three copies: duplicates
     lake = Lake()
@@ -325,7 +327,7 @@ def test_a_record_too_long_for_a_view_is_a_clear_error() -> None:
 
     block = b"x" * 64
     with pytest.raises(ValueError, match="2147483648 bytes"):
-        factory.ingest_blocks._views(block, np.frombuffer(block, dtype=np.uint8),
+        factory.ingest.tables._views(block, np.frombuffer(block, dtype=np.uint8),
                                      np.array([0]), np.array([2**31]))
 
 
@@ -435,7 +437,7 @@ def test_a_failure_mid_file_reaches_the_caller_and_leaves_the_lake_consistent(
     written and never committed (1_000_000)."""
     path = tmp_path / "a.jsonl"
     expect = _write_layout(path)
-    real = factory.ingest_blocks.process_lines
+    real = factory.ingest.workers.process_lines
     calls: list[int] = []
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -444,7 +446,7 @@ def test_a_failure_mid_file_reaches_the_caller_and_leaves_the_lake_consistent(
             raise RuntimeError("normalizer blew up")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(factory.ingest_blocks, "process_lines", failing)
+    monkeypatch.setattr(factory.ingest.workers, "process_lines", failing)
     lake = Lake()
     with pytest.raises(RuntimeError, match="normalizer blew up"):
         ingest_paths(lake, [path], workers=1, batch_rows=batch_rows)
@@ -454,7 +456,7 @@ def test_a_failure_mid_file_reaches_the_caller_and_leaves_the_lake_consistent(
     _assert_consistent(lake)  # committed blocks whole: raw rows each with their outcome
     _no_garbage(lake)  # the files of blocks done but not committed are removed
 
-    monkeypatch.setattr(factory.ingest_blocks, "process_lines", real)
+    monkeypatch.setattr(factory.ingest.workers, "process_lines", real)
     replay = ingest_paths(lake, [path], workers=1, batch_rows=4)
     _check_counts(replay)
     assert replay.read == expect["read"]
@@ -472,7 +474,7 @@ def test_a_file_cut_short_while_ingested_fails_in_the_block_that_reads_it(
     caller with nothing committed and no file left behind."""
     path = tmp_path / "a.jsonl"
     _write_layout(path)
-    real = factory.ingest._line_blocks
+    real = factory.ingest.pipeline.line_blocks
 
     def cut_after_three(*args: Any, **kwargs: Any) -> Any:
         for num, task in enumerate(real(*args, **kwargs), start=1):
@@ -481,7 +483,7 @@ def test_a_file_cut_short_while_ingested_fails_in_the_block_that_reads_it(
                     fh.truncate(task.start)
             yield task
 
-    monkeypatch.setattr(factory.ingest, "_line_blocks", cut_after_three)
+    monkeypatch.setattr(factory.ingest.pipeline, "line_blocks", cut_after_three)
     lake = Lake()
     with pytest.raises(OSError, match="shrank"):
         ingest_paths(lake, [path], workers=workers)

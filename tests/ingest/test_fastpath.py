@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import factory.normalize.rows as rows
+import factory.ingest.rows as rows
 from factory import native
 from tests.ingest import conversations as conv
 from tests.ingest.test_fuzz import _mutate, _paths

@@ -113,7 +113,7 @@ def test_split_otlp_garbage_is_a_normalize_error(body: bytes, ctype: str) -> Non
 
 
 def test_a_content_block_type_that_is_not_a_string_rejects_one_record_only() -> None:
-    from factory.normalize.rows import process_lines
+    from factory.ingest.rows import process_lines
 
     # detect_format asked whether a dict was among the Anthropic block types: TypeError
     # (unhashable), out of process_lines, so one record stopped its whole chunk.

@@ -36,7 +36,8 @@ _DUMP = """
 import json, sys
 import numpy as np
 from factory.blobs import BlobStore
-from factory.normalize.rows import digests, process_lines
+from factory.ingest.dedupe import digests
+from factory.ingest.rows import process_lines
 import factory.normalize.canon as canon
 lines = open(sys.argv[1], "rb").read().split(b"\\n")
 out = process_lines(lines, name="corpus", first_lineno=1, format_hint=sys.argv[2])
@@ -141,19 +142,19 @@ def test_a_current_build_is_loaded(tmp_path: Path) -> None:
 @needs_build
 def test_an_edited_source_is_never_shadowed_by_an_old_build(tmp_path: Path) -> None:
     checkout = _copy_package(tmp_path)
-    rows = checkout / "factory" / "normalize" / "rows.py"
-    rows.write_text(rows.read_text() + "\n# edited after the build\n")
+    openai = checkout / "factory" / "normalize" / "openai.py"
+    openai.write_text(openai.read_text() + "\n# edited after the build\n")
     loaded, state, stderr = _probe(checkout)
     # all or none: canon.py did not change, but runs from source too
     assert loaded == str(checkout / "factory" / "normalize" / "canon.py")
-    assert state == "stale (rows.py changed since the build)"
+    assert state == "stale (openai.py changed since the build)"
     assert "make native" in stderr
 
 
 @needs_build
 def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
     checkout = _copy_package(tmp_path)
-    code = "import factory.normalize.rows as r; print(r._FAST is not None)"
+    code = "import factory.ingest.rows as r; print(r._FAST is not None)"
 
     def c_module_used() -> bool:
         done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
@@ -172,11 +173,11 @@ def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
 def test_a_partial_build_loads_no_compiled_module(tmp_path: Path) -> None:
     checkout = _copy_package(tmp_path)
     for path in native.extensions(checkout / "factory" / "normalize"):
-        if path.name.startswith("rows."):
+        if path.name.startswith("openai."):
             path.unlink()
     loaded, state, _ = _probe(checkout)
     assert loaded.endswith("canon.py")
-    assert state == "stale (partly built: no rows)"
+    assert state == "stale (partly built: no openai)"
 
 
 @needs_build

@@ -57,12 +57,12 @@ def _snapshots(lake: Lake) -> dict[str, int | None]:
 @pytest.mark.slow
 def test_workers_give_the_same_tables_as_in_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import factory.ingest as ingest_mod
+    import factory.ingest.files as files
 
     path = tmp_path / "mixed.jsonl"
     lines = _write(path)
     # Blocks of a few lines, so the pool starts and each worker gets several.
-    monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
+    monkeypatch.setattr(files, "_BLOCK_BYTES", 400)
     results = {}
     for workers in (1, 2):
         home = tmp_path / f"home-{workers}"
@@ -91,11 +91,11 @@ def test_workers_heal_a_crash_between_raw_and_samples(
         factory_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Records the workers skip as already known are normalized here when they have no
     outcome yet (raw rows committed, then the process died)."""
-    import factory.ingest as ingest_mod
+    import factory.ingest.files as files
 
     path = tmp_path / "mixed.jsonl"
     _write(path)
-    monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
+    monkeypatch.setattr(files, "_BLOCK_BYTES", 400)
     lake = Lake()
     with dying_after_raw_commit(monkeypatch), pytest.raises(OSError):
         ingest_paths(lake, [path], workers=1, batch_rows=1000)
@@ -176,7 +176,7 @@ def test_fast_canonical_json_on_floats_that_print_differently() -> None:
 def test_id_digests_are_exact_per_spelling() -> None:
     import numpy as np
 
-    from factory.normalize.rows import digests, known_mask
+    from factory.ingest.dedupe import digests, known_mask
 
     hex_id = "ab" * 32
     ids = [hex_id, hex_id.upper(), "capture-1", "0" * 64, " " + hex_id[1:]]
@@ -192,13 +192,13 @@ def test_id_digests_are_exact_per_spelling() -> None:
 def test_progress_counts_every_byte_of_the_files_once(
         factory_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The progress bar of `factory ingest` ends at the files' total size, block by block."""
-    import factory.ingest as ingest_mod
+    import factory.ingest.files as files
 
     path = tmp_path / "mixed.jsonl"
     _write(path)
     other = tmp_path / "one.json"
     other.write_text(json.dumps(GOOD[0]))
-    monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
+    monkeypatch.setattr(files, "_BLOCK_BYTES", 400)
     seen: list[int] = []
     ingest_paths(Lake(), [path, other], workers=1, on_bytes=seen.append)
     assert sum(seen) == path.stat().st_size + other.stat().st_size
@@ -209,11 +209,11 @@ def test_a_file_given_twice_adds_nothing_the_second_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks that repeat earlier blocks of the same ingest are dropped whole: their data
     files are removed, never committed."""
-    import factory.ingest as ingest_mod
+    import factory.ingest.files as files
 
     path = tmp_path / "mixed.jsonl"
     _write(path)
-    monkeypatch.setattr(ingest_mod, "_BLOCK_BYTES", 400)
+    monkeypatch.setattr(files, "_BLOCK_BYTES", 400)
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home1"))
     once = ingest_paths(Lake(), [path], workers=1)
     home = tmp_path / "home2"
@@ -233,16 +233,16 @@ def test_a_file_given_twice_adds_nothing_the_second_time(
 
 _SCRIPT_WITHOUT_MAIN_GUARD = """
 import json, os, sys, threading, time
-import factory.ingest as ingest_mod
+import factory.ingest.files as files
 from factory.ingest import ingest_paths
-from factory.ingest_blocks import worker_context
+from factory.ingest.workers import worker_context
 from factory.lake import Lake
 
 print("script body ran in", os.getpid(), flush=True)
 if sys.argv[2] == "thread":  # another thread alive, as in a Dagster run
     threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
 print("workers", worker_context().get_start_method(), flush=True)
-ingest_mod._BLOCK_BYTES = 400  # many blocks: the workers are used
+files._BLOCK_BYTES = 400  # many blocks: the workers are used
 summary = ingest_paths(Lake(), [sys.argv[1]], workers=2)
 print(json.dumps(summary.as_dict()), flush=True)
 """
@@ -293,7 +293,7 @@ def test_workers_get_their_environment_and_not_this_process_s_main_module(
     import multiprocessing.spawn
     import os
 
-    from factory.ingest_blocks import WorkerContext
+    from factory.ingest.workers import WorkerContext
     from factory.worker_env import WORKER_ENV
 
     for name in WORKER_ENV:
@@ -314,7 +314,7 @@ def test_workers_are_spawned_from_a_process_with_other_threads() -> None:
     gateway) the workers are spawned instead (forked ones: the script test above)."""
     import threading
 
-    from factory.ingest_blocks import WorkerContext, worker_context
+    from factory.ingest.workers import WorkerContext, worker_context
 
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)
@@ -331,23 +331,23 @@ def test_workers_are_spawned_from_a_process_with_other_threads() -> None:
 def test_workers_writing_to_an_object_store_are_spawned() -> None:
     """An object store's client may hang in a forked child: its workers are spawned, whatever
     the threads."""
-    from factory.ingest_blocks import WorkerContext, worker_context
+    from factory.ingest.workers import WorkerContext, worker_context
 
     assert isinstance(worker_context(local_files=False), WorkerContext)
 
 
 def test_the_ids_seen_in_an_ingest_are_found_exactly_however_they_arrive(
         factory_home: Path) -> None:
-    """Cross-block dedupe (the main process's ``_KnownIds``): ids remembered in blocks of any
+    """Cross-block dedupe (the main process's ``KnownIds``): ids remembered in blocks of any
     size, merged as they pile up, are all found and nothing else is, including ids that share
     their first 8 bytes (searched by those first) and caller ids that are not hex digests."""
     import hashlib
     import random
 
-    from factory.ingest import _KnownIds
+    from factory.ingest.dedupe import KnownIds
     from factory.lake import Lake
 
-    known = _KnownIds(Lake(), None)
+    known = KnownIds(Lake(), None)
     rng = random.Random(7)
     seen: set[str] = set()
     twin_prefix = "ab" * 4

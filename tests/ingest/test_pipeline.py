@@ -105,7 +105,7 @@ def test_same_record_twice_in_one_batch_is_one_raw_row(factory_home: Path) -> No
     now = datetime.now(tz=UTC)
     recs = [RawRecord(payload=conv.openai_call(), source="proxy", received_at=now, tags={})
             for _ in range(3)]
-    summary = ingest_records(lake, recs, lineage=Lineage(run_id="r1", asset_key="gateway"))
+    summary = ingest_records(lake, recs, lineages={"raw_traces": Lineage(run_id="r1", asset_key="gateway")})
     assert (summary.ingested, summary.duplicates) == (1, 2)
     assert lake.snapshot_info("raw_traces")["run_id"] == "r1"
 
@@ -148,9 +148,9 @@ def test_json_array_gz_and_folders(factory_home: Path, tmp_path: Path) -> None:
 
 def test_json_array_streams_elements_across_buffer_edges(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import factory.ingest as ingest_mod
+    import factory.ingest.files as files
 
-    monkeypatch.setattr(ingest_mod, "_CHUNK", 64)  # elements span many refills
+    monkeypatch.setattr(files, "_CHUNK", 64)  # elements span many refills
     items = [{"messages": [{"role": "user", "content": "x" * i},
                            {"role": "assistant", "content": str(10 ** i)}]} for i in range(40)]
     path = tmp_path / "a.json"
@@ -234,9 +234,9 @@ def test_duplicates_across_chunks_and_uncommitted_batches(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
     import time
 
-    import factory.ingest as ingest_mod
+    import factory.ingest.records as records
 
-    monkeypatch.setattr(ingest_mod, "_CHUNK_RECORDS", 2)
+    monkeypatch.setattr(records, "CHUNK_RECORDS", 2)
     real_append = Lake.append
 
     def slow_append(self: Lake, name: str, data: object, **kwargs: object) -> object:
@@ -280,7 +280,7 @@ def test_samples_lineage_reaches_the_raw_traces_they_came_from(factory_home: Pat
     now = datetime.now(tz=UTC)
     ingest_records(lake, [RawRecord(payload=conv.openai_call(), source="upload",
                                     received_at=now, tags={})],
-                   lineage=Lineage(run_id="r1", asset_key="traces"))
+                   lineages={"raw_traces": Lineage(run_id="r1", asset_key="traces")})
     tree = walk_lineage(lake, "samples")
     [up] = tree["upstream"]
     assert (up["table"], up["snapshot_id"]) == ("raw_traces", lake.snapshot_id("raw_traces"))

@@ -1,10 +1,11 @@
-"""Records to table rows: the per-record work of ingest, runnable in a worker process.
+"""Records to table rows: the per-record work of an ingest, the part a worker process runs.
 
-``factory.ingest`` decides what is written (dedupe, batching, commits); this module does the
-expensive part that needs no lake: parsing JSON Lines, the content hash, format detection,
-normalization and the canonical JSON of each sample. It imports neither the lake nor pyiceberg,
-so a worker process that imports it starts fast. ``process_lines`` is what a worker runs on a
-chunk of lines; the in-process path calls the same functions, so both give the same rows.
+The pipeline (``factory.ingest.pipeline``) decides what is written (dedupe, batching,
+commits); this module does the expensive part that needs no lake: parsing JSON Lines, the
+content hash, format detection, normalization and the canonical JSON of each sample. It
+imports neither the lake nor pyiceberg, so a worker process that imports it starts fast.
+``process_lines`` is what a worker runs on a block of lines; the records handed in by a caller
+go through the same functions, so both give the same rows.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from factory.blobs import BlobStore
+from factory.ingest.dedupe import known_mask
 from factory.normalize.canon import (
     NormalizeError,
     canonical_json,
@@ -29,7 +31,7 @@ from factory.normalize.canon import (
 from factory.normalize.detect import detect_format, normalize_record
 from factory.normalize.otlp import is_otlp_export, split_otlp_json
 
-if TYPE_CHECKING:  # numpy is imported where ids are checked: a worker without any starts faster
+if TYPE_CHECKING:
     import numpy as np
 
 SampleRow = tuple[Any, ...]
@@ -183,49 +185,6 @@ def fast_outcome(line: bytes, format_hint: str,
     row = (digest.hexdigest(), provider, model, messages.decode("utf-8"),
            tools.decode("utf-8"), turns, False, calls != 0, created_at)
     return hashlib.sha256(canonical).hexdigest(), provider, [row]
-
-
-def digests(ids: Sequence[str]) -> np.ndarray:
-    """Each id as 32 bytes (numpy ``S32``): a sha256 hex id is its digest, any other id (a
-    caller's own, like a gateway capture id) the sha256 of its text."""
-    import numpy as np
-
-    joined = "".join(ids)
-    # The usual case in one C call: every id 64 lower-case hex digits. (fromhex skips
-    # whitespace, so 32 bytes per id also proves there was none.)
-    if all(len(s) == 64 for s in ids) and not any(c in joined for c in "ABCDEF"):
-        try:
-            raw = bytes.fromhex(joined)
-        except ValueError:
-            raw = b""
-        if len(raw) == 32 * len(ids):
-            return np.frombuffer(raw, dtype="S32").copy()
-    out = []
-    for s in ids:
-        try:
-            one = bytes.fromhex(s)
-        except ValueError:
-            one = b""
-        if len(one) != 32 or one.hex() != s:  # only the canonical spelling maps to its bytes
-            one = hashlib.sha256(s.encode("utf-8", "surrogatepass")).digest()
-        out.append(one)
-    return np.array(out, dtype="S32")
-
-
-def known_mask(ids: Sequence[str], known: Sequence[np.ndarray]) -> np.ndarray:
-    """A bool per id: is it among ``known`` (sorted ``digests`` arrays)?"""
-    import numpy as np
-
-    found = np.zeros(len(ids), dtype=bool)
-    if not ids:
-        return found
-    keys = digests(ids)
-    for arr in known:
-        if len(arr):
-            # Binary search in the sorted digests: O(n log m), where isin would re-sort them.
-            pos = np.minimum(np.searchsorted(arr, keys), len(arr) - 1)
-            found |= arr[pos] == keys
-    return found
 
 
 LineError = tuple[int, str, str, str]
