@@ -4,7 +4,7 @@
 import dagster as dg
 
 from factory.base_model import ensure_smollm2
-from resources.lake import LakeResource
+from factory.resources.lake import LakeResource
 
 
 @dg.asset(

@@ -34,8 +34,8 @@ from factory.evals.rejection import rejection_judge
 from factory.experiments import CURATION_ENGINES, load_experiment
 from factory.partitions import EXPERIMENTS
 from factory.recipes import load_recipe
-from resources.judge import JudgeResource
-from resources.lake import LakeResource
+from factory.resources.judge import JudgeResource
+from factory.resources.lake import LakeResource
 
 
 def curation_config(experiment: Any) -> CurationConfig:

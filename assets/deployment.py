@@ -7,13 +7,15 @@ drains and stops the version it replaced. The server runs detached, so it outliv
 ``factory undeploy`` / ``factory rollback`` act on it later.
 """
 
+from typing import Any
+
 import dagster as dg
 from pydantic import Field
 
-from factory.deploy import DeploymentError
+from factory.deploy import Deployer, Deployment, DeploymentError
 from factory.partitions import EXPERIMENTS
-from resources.deployer import DeployerResource
-from resources.lake import LakeResource
+from factory.resources.deployer import DeployerResource
+from factory.resources.lake import LakeResource
 
 
 class DeploymentConfig(dg.Config):
@@ -39,12 +41,8 @@ class DeploymentConfig(dg.Config):
 def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
                lake: LakeResource, deployer: DeployerResource) -> dg.MaterializeResult:
     session = lake.session(context)
-    the_deployer = deployer.deployer(session)
-    try:
-        dep = the_deployer.deploy(context.partition_key, config.checkpoint or None)
-    except (DeploymentError, ValueError) as exc:
-        raise dg.Failure(description=str(exc), allow_retries=False) from None
-    sizing = the_deployer.sandbox.metadata() if the_deployer.sandbox else {}
+    dep, sizing = _deploy(deployer.deployer(session), context.partition_key,
+                          config.checkpoint or None)
     context.log.info(f"{dep.route_model} -> {dep.endpoint} ({dep.version}, pid {dep.pid})")
     return dg.MaterializeResult(metadata={
         "model": dep.route_model,
@@ -59,3 +57,13 @@ def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
         "serve_sizing": dg.MetadataValue.json(sizing),
         **session.metadata(),
     })
+
+
+def _deploy(deployer: Deployer, experiment: str,
+            checkpoint: str | None) -> tuple[Deployment, dict[str, Any]]:
+    """The new live version, and how its server was sized (with each value's source)."""
+    try:
+        dep = deployer.deploy(experiment, checkpoint)
+    except (DeploymentError, ValueError) as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    return dep, deployer.serving_size.metadata() if deployer.serving_size else {}

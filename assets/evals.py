@@ -1,12 +1,11 @@
-"""``rubric``, ``checkpoint_evals`` and ``best_checkpoint``: the model judged on its task.
+"""``checkpoint_evals`` and ``best_checkpoint``: the model judged on its task (the rubric it is
+judged by is the ``rubric`` asset, ``factory.assets.rubric``).
 
-- ``rubric`` (per experiment): inferred from the eval set's reference answers (plus judge-written
-  criteria with an LLM judge), or the experiment file's inline rubric; a row in ``rubrics``.
 - ``checkpoint_evals`` (one partition per checkpoint, ``<run_id>:<step>``, requested by the
   checkpoint sensor): boots the inference server for the base model with the checkpoint's
   adapter, answers the eval set, judges every answer into ``eval_scores``; the first eval of a
   run also scores the base model (step 0) and the reference answers (step null). The server
-  and the generation are sized by the eval sandbox of the run's plan (``training_plans``;
+  and the generation are sized by the eval serving size of the run's plan (``training_plans``;
   ``InferenceResource`` fields override it), shown in the metadata with each value's source. The
   train/serve equivalence check runs first, on a few samples, as a blocking asset check: a
   checkpoint that fails it is not scored, so no later ``best_checkpoint`` can pick it. An
@@ -19,15 +18,16 @@ import json
 import re
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
+from factory.assets.rubric import eval_rows
 from factory.evals.equivalence import check_equivalence
 from factory.evals.progress import unscored_checkpoints
 from factory.evals.report import plot_png, read_curves
 from factory.evals.rubric import Rubric
 from factory.evals.runner import (
-    build_rubric,
     generate_answers,
     items_from_samples,
     score_reference,
@@ -35,14 +35,15 @@ from factory.evals.runner import (
 from factory.evals.selection import detect_overfitting, select_best, summarize
 from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServerError
-from factory.inference.sandbox import plan_of_run
+from factory.inference.sizing import plan_of_run
+from factory.lake import LakeSession
 from factory.partitions import CHECKPOINTS, EXPERIMENTS
 from factory.planner.render import comparison_table
 from factory.planner.service import sweep_comparison
+from factory.resources.inference import InferenceResource
+from factory.resources.judge import JudgeResource
+from factory.resources.lake import LakeResource
 from factory.settings import get_settings
-from resources.inference import InferenceResource
-from resources.judge import JudgeResource
-from resources.lake import LakeResource
 
 _KEY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127}):(\d+)$")
 NUM_EQUIVALENCE_SAMPLES = 2
@@ -52,17 +53,6 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _eval_rows(session, experiment: str, spec: EvalSpec):  # type: ignore[no-untyped-def]
-    rows = session.sql("SELECT sample_id, messages, tools FROM dataset_eval "
-                       "WHERE experiment = ? ORDER BY sample_id", [experiment]).to_pylist()
-    if spec.max_samples:
-        rows = rows[:spec.max_samples]
-    if not rows:
-        raise dg.Failure(f"experiment {experiment!r} has no eval samples; materialize "
-                         "its dataset first")
-    return rows
-
-
 def _planned_eval(plan: dict | None, experiment: str) -> EvalSpec:
     """The eval settings recorded with the run's plan; the experiment file's for a run that
     was not planned (a ready job file)."""
@@ -70,39 +60,6 @@ def _planned_eval(plan: dict | None, experiment: str) -> EvalSpec:
     if recorded is not None:
         return EvalSpec(**recorded)
     return load_experiment(experiment).eval
-
-
-@dg.asset(
-    partitions_def=EXPERIMENTS,
-    deps=["dataset"],
-    group_name="evals",
-    kinds={"iceberg", "python"},
-    description="The experiment's rubric: code-checkable criteria inferred from the eval set's "
-                "reference answers (JSON keys/types, tool-call schemas, length, language, "
-                "format) plus reference similarity, and judge-written criteria when an LLM "
-                "judge is configured; or the experiment file's inline rubric. Table rubrics.",
-    code_version="1",
-)
-def rubric(context: dg.AssetExecutionContext, lake: LakeResource,  # type: ignore[no-untyped-def]
-           judge: JudgeResource):
-    experiment = load_experiment(context.partition_key)
-    session = lake.session(context)
-    spec = experiment.eval.rubric
-    if isinstance(spec, dict):
-        result = Rubric.from_dict(spec, source="inline")
-    elif spec == "auto":
-        items = items_from_samples(_eval_rows(session, experiment.name, experiment.eval))
-        result = build_rubric(items, judge=judge.judge())
-    else:
-        raise dg.Failure(f"eval.rubric {spec!r}: named rubrics are not supported; use 'auto' "
-                         "or an inline mapping")
-    session.append("rubrics", [{
-        "experiment": experiment.name, "version": result.version, "source": result.source,
-        "num_examples": result.num_examples, "rubric": result.to_json(),
-        "created_at": _now()}])
-    return dg.MaterializeResult(metadata={
-        "version": result.version, "source": result.source,
-        "criteria": dg.MetadataValue.json(result.to_dict()["criteria"]), **session.metadata()})
 
 
 def _latest_rubric(session, experiment: str) -> Rubric:  # type: ignore[no-untyped-def]
@@ -134,8 +91,13 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
     m = _KEY.match(context.partition_key)
     if not m:
         raise dg.Failure(f"partition {context.partition_key!r}: expected '<run_id>:<step>'")
-    run_id, step = m.group(1), int(m.group(2))
-    session = lake.session(context)
+    yield from _judge_checkpoint(context, lake.session(context), m.group(1), int(m.group(2)),
+                                 judge.judge(), inference)
+
+
+def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untyped-def]
+                      session: LakeSession, run_id: str, step: int, judge: Any,
+                      inference: InferenceResource):
     found = session.sql("SELECT experiment, path, verified FROM checkpoints WHERE run_id = ? "
                         "AND step = ? ORDER BY verified DESC LIMIT 1", [run_id, step]).to_pylist()
     if not found or not found[0]["verified"]:
@@ -144,22 +106,21 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
     experiment = ckpt["experiment"]
     plan = plan_of_run(session, run_id, experiment)
     spec = _planned_eval(plan, experiment)
-    rubric_ = _latest_rubric(session, experiment)
-    rows = _eval_rows(session, experiment, spec)
+    rubric = _latest_rubric(session, experiment)
+    rows = eval_rows(session, experiment, spec)
     items = items_from_samples(rows)
-    the_judge = judge.judge()
     base_model = json.loads((Path(ckpt["path"]) / "adapter_config.json").read_text())[
         "base_model_name_or_path"]
     done = {r["kind"] for r in session.sql(
         "SELECT DISTINCT kind FROM eval_scores WHERE run_id = ? AND rubric_version = ?",
-        [run_id, rubric_.version]).to_pylist()} if session.lake.exists("eval_scores") else set()
+        [run_id, rubric.version]).to_pylist()} if session.lake.exists("eval_scores") else set()
 
     def record(kind: str, at_step: int | None, path: str | None, answers, scored):  # type: ignore[no-untyped-def]
         out = []
         for item, gen, row in zip(items, answers, scored, strict=True):
             out.append({
                 "run_id": run_id, "experiment": experiment, "step": at_step, "kind": kind,
-                "checkpoint_path": path, "rubric_version": rubric_.version,
+                "checkpoint_path": path, "rubric_version": rubric.version,
                 "sample_id": item.sample_id,
                 "response": gen.text if hasattr(gen, "text") else None,
                 "score": row.score, "status": row.status, "judge": row.judge,
@@ -171,17 +132,17 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
         return [r.score for r in scored]
 
     adapter = f"{run_id}-step-{step}"
-    # Sized by the eval sandbox the planner chose for this run; resource fields override.
-    sandbox = inference.sandbox(plan,
-                                no_plan_reason=f"run {run_id} has no plan in training_plans")
-    gen = {"max_tokens": sandbox.max_new_tokens, "concurrency": sandbox.batch_size}
-    server = inference.server(base_model, {adapter: ckpt["path"]}, sandbox=sandbox)
+    # Sized by the eval serving size the planner chose for this run; resource fields override.
+    size = inference.serving_size(plan,
+                                  no_plan_reason=f"run {run_id} has no plan in training_plans")
+    gen = {"max_tokens": size.max_new_tokens, "concurrency": size.batch_size}
+    server = inference.server(base_model, {adapter: ckpt["path"]}, size=size)
     try:
         server.start()
     except InferenceServerError as exc:
         raise dg.Failure(description=str(exc), metadata={
             "serve_command": dg.MetadataValue.json(server.command()),
-            "eval_sandbox": dg.MetadataValue.json(sandbox.metadata())}) from None
+            "eval_serving": dg.MetadataValue.json(size.metadata())}) from None
     serve_command = server.command()
     scores: list[float | None] | None = None
     try:
@@ -197,16 +158,16 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
                                         else 0.1)
         if "base" not in done:
             answers = generate_answers(client, "base", items, **gen)
-            record("base", 0, None, answers, the_judge.score(rubric_, items,
-                                                             [a.answer for a in answers]))
+            record("base", 0, None, answers, judge.score(rubric, items,
+                                                         [a.answer for a in answers]))
         if equivalence.passed:
             answers = generate_answers(client, adapter, items, **gen)
             scores = record("checkpoint", step, ckpt["path"], answers,
-                            the_judge.score(rubric_, items, [a.answer for a in answers]))
+                            judge.score(rubric, items, [a.answer for a in answers]))
     finally:
         server.stop()
     if "reference" not in done:
-        refs = score_reference(the_judge, rubric_, items)
+        refs = score_reference(judge, rubric, items)
         record("reference", None, None, [i.reference for i in items], refs)
     check = dg.AssetCheckResult(check_name="train_serve_equivalence", passed=equivalence.passed,
                                 metadata={"max_abs_diff": equivalence.max_abs_diff,
@@ -219,7 +180,7 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
             "run_id": run_id, "step": step, "scored": False,
             "not_scored_because": "train/serve equivalence failed: "
                                   + "; ".join(equivalence.problems[:3]),
-            "eval_sandbox": dg.MetadataValue.json(sandbox.metadata()),
+            "eval_serving": dg.MetadataValue.json(size.metadata()),
             "serve_command": dg.MetadataValue.json(serve_command), **session.metadata()})
         yield check
         return
@@ -235,10 +196,10 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
     yield dg.MaterializeResult(metadata={
         "run_id": run_id, "step": step, "mean_score": summary.mean,
         "ci_low": summary.ci_low, "ci_high": summary.ci_high,
-        "num_failed": summary.num_failed, "judge": the_judge.name,
-        "rubric_version": rubric_.version, "early_stop": stop.reason if stop else "",
+        "num_failed": summary.num_failed, "judge": judge.name,
+        "rubric_version": rubric.version, "early_stop": stop.reason if stop else "",
         "curve": dg.MetadataValue.path(str(png)),
-        "eval_sandbox": dg.MetadataValue.json(sandbox.metadata()),
+        "eval_serving": dg.MetadataValue.json(size.metadata()),
         "serve_command": dg.MetadataValue.json(serve_command), **session.metadata()})
     yield check
 
@@ -277,11 +238,11 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
                          f"({', '.join(pending[:5])}): their checkpoint_evals come from "
                          "checkpoint_sensor; loop_sensor selects once they are scored",
                          allow_retries=False)
-    rubric_ = _latest_rubric(session, experiment.name)
+    rubric_version = _latest_rubric(session, experiment.name).version
     rows = session.sql(
         "SELECT run_id, step, kind, checkpoint_path, score FROM eval_scores "
         "WHERE experiment = ? AND rubric_version = ?",
-        [experiment.name, rubric_.version]).to_pylist()
+        [experiment.name, rubric_version]).to_pylist()
     by_run: dict[str, dict[int, list[float | None]]] = {}
     paths: dict[tuple[str, int], str] = {}
     base: list[float | None] = []
@@ -309,7 +270,7 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
     ref_mean = summarize(0, ref).mean if any(s is not None for s in ref) else None
     session.append("best_checkpoints", [{
         "experiment": experiment.name, "run_id": best_run, "step": best.step,
-        "path": paths[(best_run, best.step)], "rubric_version": rubric_.version,
+        "path": paths[(best_run, best.step)], "rubric_version": rubric_version,
         "mean_score": best.mean, "ci_low": best.ci_low, "ci_high": best.ci_high,
         "num_samples": best.num_samples, "base_score": base_mean, "reference_score": ref_mean,
         "selected_at": _now()}])

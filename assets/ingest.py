@@ -13,7 +13,7 @@ from pydantic import Field
 
 from factory.ingest import ingest_paths
 from factory.lake import Lineage
-from resources.lake import LakeResource
+from factory.resources.lake import LakeResource
 
 TABLE_KEYS = ("raw_traces", "samples", "rejected_traces")
 

@@ -20,7 +20,7 @@ from factory.planner.profile import read_profile
 from factory.planner.render import experiment_card, plan_table
 from factory.planner.service import plan_for_key, plan_row, profile_version
 from factory.recipes import load_recipe
-from resources.lake import LakeResource
+from factory.resources.lake import LakeResource
 
 
 @dg.asset(
@@ -32,7 +32,7 @@ from resources.lake import LakeResource
     kinds={"python", "iceberg"},
     description="The training plan of one experiment run (sweep point): sequence length, "
                 "packing, batch, learning rate, steps, cadences, parallelism, frozen modules, "
-                "eval sandbox, each with the rule that chose it; estimated peak memory checked "
+                "eval serving size, each with the rule that chose it; estimated peak memory checked "
                 "against the hardware. Table training_plans.",
     code_version="1",
 )
@@ -53,7 +53,7 @@ def training_plan(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.M
         "plan": dg.MetadataValue.md(plan_table(plan)),
         "card": dg.MetadataValue.md(card),
         "train_config": dg.MetadataValue.json(plan.train_config()),
-        "eval_sandbox": dg.MetadataValue.json(plan.eval_sandbox()),
+        "eval_serving": dg.MetadataValue.json(plan.eval_serving()),
         "peak_memory_gib": plan.memory.as_gib()["total"] if plan.memory else 0.0,
         "estimated_hours": plan.estimates.get("hours", 0.0),
         "overridden": dg.MetadataValue.json(

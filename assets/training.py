@@ -3,7 +3,7 @@ per ``<run_id>:<step>``, materialized by the checkpoint sensor from the receiver
 
 ``training_run`` (partitioned like ``training_plan`` by run key) builds the trainer job from the
 run's newest plan and the experiment's dataset (or takes a ready job file from its config),
-checks that the plan fits its data before any compute (``trainer.data.check_job_data``, the
+checks that the plan fits its data before any compute (``factory.trainer.data.check_job_data``, the
 trainer's own tokenizing: a plan that would drop more than 1% of the samples fails the step with
 the numbers, and nothing is launched), submits it to the control plane and follows it to the
 end; to the team it is one run, and its metadata shows the segments underneath (provider,
@@ -19,15 +19,15 @@ from typing import Any
 import dagster as dg
 
 from factory.control.jobs import job_from_plan
-from factory.control.loop import RUN_ACTIVE, cancel_run, data_stats, loss_curve
+from factory.control.plane import RUN_ACTIVE, cancel_run, data_stats, loss_curve
 from factory.deploy.process import signals_ignored
 from factory.errors import FactoryError
 from factory.partitions import CHECKPOINTS, RUNS
+from factory.resources.lake import LakeResource
+from factory.resources.providers import ProviderResource
 from factory.runs import TRAINER_RUN_TAG
-from resources.lake import LakeResource
-from resources.providers import ProviderResource
-from trainer.config import Job
-from trainer.data import DROP_REASONS, check_job_data
+from factory.trainer.config import Job
+from factory.trainer.data import DROP_REASONS, check_job_data
 
 checkpoints = dg.AssetsDefinition(specs=[dg.AssetSpec(
     "checkpoints", partitions_def=CHECKPOINTS, group_name="training", kinds={"iceberg"},
@@ -38,7 +38,7 @@ checkpoints = dg.AssetsDefinition(specs=[dg.AssetSpec(
 
 class TrainingRunConfig(dg.Config):
     job_file: str | None = None
-    """A ready trainer job JSON (``trainer.config.Job``) instead of the partition's plan."""
+    """A ready trainer job JSON (``factory.trainer.config.Job``) instead of the partition's plan."""
     experiment: str = ""
     """Experiment of a ``job_file`` run (a planned run knows its own)."""
     poll_s: float = 5.0
@@ -59,7 +59,6 @@ class TrainingRunConfig(dg.Config):
 def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
                  lake: LakeResource, provider: ProviderResource) -> dg.MaterializeResult:
     session = lake.session(context)
-    the_lake = session.lake
     experiment = config.experiment
     try:
         if config.job_file:
@@ -67,14 +66,14 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         else:
             # The plan and dataset snapshots the job is built from are the run's reads (its
             # submit commit records them for lineage).
-            job, experiment = job_from_plan(the_lake, context.partition_key,
+            job, experiment = job_from_plan(session.lake, context.partition_key,
                                             lineage=session.lineage)
         # Cheap next to any training: SmolLM2's tokenizer loads in ~5 s (transformers' import)
         # and tokenizing takes ~0.7 ms a sample (3000 samples: 2.2 s on one core).
         checked = check_job_data(job)
     except (ValueError, FactoryError) as e:
         raise dg.Failure(f"training_run: {e}", allow_retries=False) from None
-    plane = provider.plane(the_lake)
+    plane = provider.plane(session.lake)
     plane.submit(job, experiment=experiment, lineage=session.lineage)
     # Who follows this Dagster run (loop_sensor, factory run) finds the trainer run here.
     context.instance.add_run_tags(context.run.run_id, {TRAINER_RUN_TAG: job.run_id})
@@ -129,7 +128,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
 
 
 def _data_metadata(stats: dict[str, Any]) -> dict[str, Any]:
-    """``trainer.data.DataStats`` (as the trainer reports it) as flat counts, one per drop
+    """``factory.trainer.data.DataStats`` (as the trainer reports it) as flat counts, one per drop
     reason."""
     by_reason = stats.get("num_dropped_by_reason") or {}
     out: dict[str, Any] = {k: stats[k] for k in ("num_samples", "num_examples", "num_dropped",

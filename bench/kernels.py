@@ -77,10 +77,10 @@ def _cases(op: str, size: str, tokens: int):
     """(name -> fwd+bwd step) for our kernel, eager and (wrapped later) compiled reference."""
     import torch
 
-    from kernels import fused_linear_cross_entropy as fce
-    from kernels import gated_rms_norm as grn
-    from kernels import lora_linear as ll
-    from kernels import rms_norm as rn
+    from factory.kernels import fused_linear_cross_entropy as fce
+    from factory.kernels import gated_rms_norm as grn
+    from factory.kernels import lora_linear as ll
+    from factory.kernels import rms_norm as rn
 
     hidden, inter, vocab, (heads, head_dim) = SIZES[size]
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -192,13 +192,13 @@ def run_smoke() -> int:
     os.environ["TRITON_INTERPRET"] = "1"  # before kernels (and so triton) are imported
     import torch
 
-    from kernels.fused_linear_cross_entropy import (
+    from factory.kernels.fused_linear_cross_entropy import (
         fused_linear_cross_entropy,
         fused_linear_cross_entropy_reference,
     )
-    from kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
-    from kernels.lora_linear import lora_linear, lora_linear_reference
-    from kernels.rms_norm import rms_norm, rms_norm_reference
+    from factory.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
+    from factory.kernels.lora_linear import lora_linear, lora_linear_reference
+    from factory.kernels.rms_norm import rms_norm, rms_norm_reference
 
     torch.manual_seed(0)
     x, z, w = torch.randn(5, 37), torch.randn(5, 37), torch.randn(37)

@@ -1,4 +1,4 @@
-"""Check the planner's memory estimate against the peak RSS of real ``python -m trainer`` runs.
+"""Check the planner's memory estimate against the peak RSS of real ``python -m factory.trainer`` runs.
 
 For each configuration (``CONFIGS``): synthetic chats are profiled with the model's tokenizer,
 the planner plans an experiment on that profile (the configuration's values are the

@@ -43,7 +43,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", 
 
 def make_samples(tokenizer: Any, num: int, *, seed: int, scale: float) -> list[dict[str, Any]]:
     """Conversations whose rendered length follows MIX (times ``scale``)."""
-    from trainer.chat import render
+    from factory.trainer.chat import render
 
     rng = random.Random(seed)
     out = []
@@ -91,8 +91,8 @@ def _rates(real: float, seconds: float, cpu: float) -> dict[str, Any]:
 def run_ours(args: argparse.Namespace, data: Path) -> dict[str, Any]:
     import torch
 
-    from trainer.config import Job
-    from trainer.loop import Trainer
+    from factory.trainer.config import Job
+    from factory.trainer.train import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         body = {"run_id": "bench", "data_files": [str(data)], "output_dir": tmp,
@@ -130,8 +130,8 @@ def run_hf(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         TrainingArguments,
     )
 
-    from trainer.chat import encode
-    from trainer.model import load_tokenizer
+    from factory.trainer.chat import encode
+    from factory.trainer.model import load_tokenizer
 
     tok = load_tokenizer(args.model)
     rows = pq.read_table(data).to_pylist()
@@ -195,7 +195,7 @@ def main() -> int:
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     if args.model is None:
-        from trainer.base_models import SMOLLM2_NAME, build_smollm2
+        from factory.trainer.base_models import SMOLLM2_NAME, build_smollm2
 
         cache = Path(os.environ.get("FACTORY_TEST_MODELS") or ROOT / ".cache" / "test-models")
         args.model = str(build_smollm2(cache / SMOLLM2_NAME))
@@ -215,7 +215,7 @@ def main() -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from trainer.model import load_tokenizer
+    from factory.trainer.model import load_tokenizer
 
     tok = load_tokenizer(args.model)
     samples = make_samples(tok, args.num_samples, seed=0, scale=args.length_scale)

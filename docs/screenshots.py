@@ -111,8 +111,8 @@ def setup_env(work: Path) -> None:
                       FACTORY_EXPERIMENTS_DIR=str(exps), DAGSTER_HOME=str(home / "dagster"))
     link = models / "smollm2-135m-instruct"
     if not link.exists():
+        from factory.trainer.base_models import TINY_NAME
         from tests.conftest import _models_cache
-        from trainer.base_models import TINY_NAME
 
         link.symlink_to(_models_cache() / TINY_NAME)
 

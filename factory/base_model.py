@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.settings import Settings, get_settings
-from trainer.base_models import SMOLLM2_NAME, build_smollm2, model_info
+from factory.trainer.base_models import SMOLLM2_NAME, build_smollm2, model_info
 
 
 def smollm2_dir(settings: Settings | None = None) -> Path:

@@ -1,7 +1,8 @@
 """The one composition root: every asset, check, sensor, job, schedule and resource.
 
-Assets and checks are collected from the modules of the ``assets`` package; sensors, jobs and
-schedules from the ``SENSORS``/``JOBS``/``SCHEDULES`` lists of the modules of ``sensors``.
+Assets and checks are collected from the modules of the ``factory.assets`` package; sensors, jobs
+and schedules from the ``SENSORS``/``JOBS``/``SCHEDULES`` lists of the modules of
+``factory.sensors``.
 ``workspace.yaml`` loads ``defs`` from here, so ``dagster dev`` / ``factory ui`` show the graph.
 """
 
@@ -14,13 +15,12 @@ from typing import Any
 
 import dagster as dg
 
-import assets
-import sensors
-from resources.deployer import DeployerResource
-from resources.inference import InferenceResource
-from resources.judge import JudgeResource
-from resources.lake import LakeResource
-from resources.providers import ProviderResource
+from factory import assets, sensors
+from factory.resources.deployer import DeployerResource
+from factory.resources.inference import InferenceResource
+from factory.resources.judge import JudgeResource
+from factory.resources.lake import LakeResource
+from factory.resources.providers import ProviderResource
 
 
 def _modules(package: ModuleType) -> list[ModuleType]:

@@ -8,7 +8,7 @@
   ``checkpoint_evals``.
 
 All three are dynamic and Dagster cannot map one dynamic set onto another, so the chain from an
-experiment to its runs and checkpoints is kept by ``sensors.loop`` (run requests with stable run
+experiment to its runs and checkpoints is kept by ``factory.sensors.chains`` (run requests with stable run
 keys, tagged with the chain they belong to), while the graph declares the edges for lineage.
 """
 

@@ -9,10 +9,12 @@ a functional ``<op>``) plus a pure-torch ``<op>_reference`` that the tests hold 
 - ``kernels.fused_linear_cross_entropy``: LM head + cross-entropy in row chunks, never the full logits.
 - ``kernels.patcher``: ``apply_kernels(model, ...)`` swaps them into supported transformers models.
 
-This file deliberately imports nothing and does nothing: transformers probes for Hugging Face's
-hub package that is also importable as ``kernels``. Installed as ``llm-factory``, our version
-number makes transformers ignore us, as long as it stays outside the hub package's accepted range
-[0.18.2, 0.19.0) (tests/kernels/test_transformers_probe.py checks). Were the metadata missing,
-transformers would import this module: it must stay free of side effects and cheap.
-Import the submodules explicitly, e.g. ``from kernels.patcher import apply_kernels``.
+Installed, this package is ``factory.kernels`` (there is no top-level ``kernels`` to collide
+with Hugging Face's hub package of that name, which transformers probes for by import name). Where
+this folder is on the path as ``kernels`` (the trainer image copies it next to ``trainer/``),
+transformers imports it to read a version, finds none and ignores it
+(tests/kernels/test_transformers_probe.py checks both): this file deliberately imports nothing and
+does nothing, so that import stays free of side effects and cheap. The modules import each other
+relatively, so they work under either name. Import the submodules explicitly, e.g.
+``from factory.kernels.patcher import apply_kernels``.
 """

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kernels._utils import check_launchable, compute_dtype, interpreting, rows_per_block
+from ._utils import check_launchable, compute_dtype, interpreting, rows_per_block
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._utils import (
+from ._utils import (
     check_launchable,
     compute_dtype,
     num_programs_for,
@@ -26,7 +26,7 @@ from kernels._utils import (
     row_block,
     rows_per_block,
 )
-from kernels.rms_norm import NormModule
+from .rms_norm import NormModule
 
 
 @triton.jit

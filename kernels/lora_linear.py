@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kernels._utils import check_launchable, dot_precision, interpreting, upcast_dot
+from ._utils import check_launchable, dot_precision, interpreting, upcast_dot
 
 _TL_ACC = {torch.float64: tl.float64, torch.float32: tl.float32}
 

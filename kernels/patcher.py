@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels._utils import supports_kernels
-from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from kernels.gated_rms_norm import GatedRMSNorm
-from kernels.lora_linear import lora_linear
-from kernels.rms_norm import RMSNorm
+from ._utils import supports_kernels
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
+from .gated_rms_norm import GatedRMSNorm
+from .lora_linear import lora_linear
+from .rms_norm import RMSNorm
 
 
 class KernelsWarning(UserWarning):

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kernels._utils import (
+from ._utils import (
     check_launchable,
     compute_dtype,
     num_programs_for,

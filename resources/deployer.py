@@ -1,7 +1,7 @@
 """``DeployerResource`` (key ``deployer``): how the ``deployment`` asset runs servers.
 
 The embedded default runs the factory's CPU server (transformers); on GPU machines set
-``backend="vllm"``. The server is sized like the checkpoint's evals were: by the eval sandbox of
+``backend="vllm"``. The server is sized like the checkpoint's evals were: by the eval serving size of
 its run's plan; a sizing field set here overrides the plan (they become ``vllm serve`` flags).
 """
 

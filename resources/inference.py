@@ -6,13 +6,13 @@ from typing import Any
 import dagster as dg
 
 from factory.inference.launcher import InferenceServer
-from factory.inference.sandbox import Sandbox, sandbox_for
+from factory.inference.sizing import ServingSize, serving_size_for
 
 
 class InferenceResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     """``backend``: ``transformers`` (the factory's CPU server) or ``vllm`` (GPU machines).
 
-    The server is sized by the eval sandbox of the checkpoint's run plan. A sizing field set
+    The server is sized by the eval serving size of the checkpoint's run plan. A sizing field set
     here overrides the plan (recorded as ``override`` in the run's metadata); left unset, the
     plan decides (or a default, for a run without a plan)."""
 
@@ -35,7 +35,7 @@ class InferenceResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     """Override of the rank bucket derived from the plan's ``lora_rank`` (vLLM)."""
 
     def overrides(self) -> dict[str, Any]:
-        """The sandbox fields set on this resource."""
+        """The serving size fields set on this resource."""
         return {k: v for k, v in {
             "max_new_tokens": self.max_tokens, "batch_size": self.concurrency,
             "gpu_memory_utilization": self.gpu_memory_utilization,
@@ -43,16 +43,16 @@ class InferenceResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             "max_model_len": self.max_model_len, "max_lora_rank": self.max_lora_rank,
         }.items() if v is not None}
 
-    def sandbox(self, plan: Mapping[str, Any] | None, *,
-                no_plan_reason: str = "no plan for this run") -> Sandbox:
-        """The eval sandbox of a run with ``plan`` (``Plan.to_dict()``; None: no plan)."""
-        return sandbox_for(plan, self.overrides(), no_plan_reason=no_plan_reason)
+    def serving_size(self, plan: Mapping[str, Any] | None, *,
+                no_plan_reason: str = "no plan for this run") -> ServingSize:
+        """The eval serving size of a run with ``plan`` (``Plan.to_dict()``; None: no plan)."""
+        return serving_size_for(plan, self.overrides(), no_plan_reason=no_plan_reason)
 
     def server(self, model: str, adapters: Mapping[str, str] | None = None, *,
-               sandbox: Sandbox | None = None, served_model_name: str = "base") -> InferenceServer:
+               size: ServingSize | None = None, served_model_name: str = "base") -> InferenceServer:
         """A server (not started: use ``with``) for ``model`` with ``adapters``, sized by
-        ``sandbox`` (default: this resource's overrides over the defaults)."""
-        box = sandbox or self.sandbox(None)
+        ``size`` (default: this resource's overrides over the defaults)."""
+        box = size or self.serving_size(None)
         return InferenceServer(model, adapters=adapters, served_model_name=served_model_name,
                                backend=self.backend, sizing=box.sizing,
                                max_batch_size=box.cpu_batch(),

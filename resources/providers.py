@@ -4,7 +4,7 @@ Every provider speaks ``factory.control.base.Provider``: capacity in GPU slots, 
 returning a JSON-able ``Handle``, ``status``, ``stop`` (SIGTERM, the trainer checkpoints and
 exits 75; SIGKILL after the grace period), ``max_runtime_s`` and ``cost_per_gpu_hour``.
 
-- ``LocalProvider``: ``python -m trainer --job FILE`` as a subprocess (the embedded default).
+- ``LocalProvider``: ``python -m factory.trainer --job FILE`` as a subprocess (the embedded default).
 - ``SandboxProvider``: a serverless-style sandbox with a hard wall-clock limit: at the deadline
   it gets SIGTERM, then SIGKILL after ``grace_s``. Locally each sandbox is a real process, so
   rollover is tested for real with limits of seconds. ``warm_start`` forks sandboxes from a
@@ -36,17 +36,20 @@ from typing import Any
 
 import dagster as dg
 
+import factory
 from factory.control.base import Handle, Provider, ProviderStatus
-from factory.control.loop import ControlConfig, ControlPlane
+from factory.control.plane import ControlConfig, ControlPlane
 from factory.deploy.process import is_alive, runs_command, stop_group
 from factory.lake import Lake
 from factory.settings import get_settings
-from trainer.config import Job
+from factory.trainer.config import Job
 
 _REGISTRY: dict[str, dict[str, tuple[Any, int]]] = {}  # provider -> handle id -> (proc, gpus)
 _LOCK = threading.Lock()
-WARM_MODULES = ["torch", "transformers", "peft", "trainer.loop", "trainer.model", "trainer.data",
-                "trainer.chat", "trainer.checkpoint"]
+TRAINER = "factory.trainer"
+"""The trainer package, run as ``python -m factory.trainer`` (the image runs ``-m trainer``)."""
+WARM_MODULES = ["torch", "transformers", "peft", *(f"{TRAINER}.{m}" for m in (
+    "train", "model", "data", "chat", "checkpoint"))]
 
 
 def _trainer_child(job_path: str, env: dict[str, str], log_path: str) -> None:
@@ -59,7 +62,7 @@ def _trainer_child(job_path: str, env: dict[str, str], log_path: str) -> None:
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from trainer.__main__ import main
+    from factory.trainer.__main__ import main
 
     code = 1
     try:
@@ -110,7 +113,7 @@ class _ProcessProvider:
     workdir: str | None = None
     """Where job files and logs go (default ``$FACTORY_HOME/runs/segments``)."""
     python: str = sys.executable
-    """Interpreter running ``-m trainer``."""
+    """Interpreter running ``-m factory.trainer``."""
     warm_start: bool = False
     """Fork trainers from a server with torch/transformers already imported."""
 
@@ -151,7 +154,7 @@ class _ProcessProvider:
         job_path.write_text(json.dumps(job.to_dict(), indent=1, sort_keys=True))
         log_path = d / "trainer.log"
         env = {k: str(v) for k, v in self.env.items()}
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(Path(factory.__file__).resolve().parent.parent)  # the folder above factory/
         if self.warm_start:
             proc: Any = _forkserver().Process(target=_trainer_child,
                                               args=(str(job_path), env, str(log_path)),
@@ -162,7 +165,7 @@ class _ProcessProvider:
             full_env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (root, os.environ.get("PYTHONPATH")) if p)
             with open(log_path, "ab") as log:
-                proc = subprocess.Popen([self.python, "-m", "trainer", "--job", str(job_path)],
+                proc = subprocess.Popen([self.python, "-m", TRAINER, "--job", str(job_path)],
                                         env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                         cwd=str(d), start_new_session=True)
         wrapped = _Proc(proc)
@@ -254,7 +257,7 @@ def _forkserver() -> Any:
 
 @dataclass(kw_only=True)
 class LocalProvider(_ProcessProvider):
-    """``python -m trainer`` as a subprocess on this machine."""
+    """``python -m factory.trainer`` as a subprocess on this machine."""
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ last tick. A broken file is reported with its file and line in the tick's log an
 and skipped; the others go through.
 """
 
+import functools
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -26,9 +27,10 @@ from factory.experiments import (
     last_cron_tick,
     load_experiment,
 )
+from factory.lake import Lake
+from factory.resources.lake import LakeResource
+from factory.sensors.chains import SHA_TAG, start_experiment_job
 from factory.settings import get_settings
-from resources.lake import LakeResource
-from sensors.loop import SHA_TAG, start_experiment_job
 
 MIN_INTERVAL_S = 15
 """Seconds between evaluations: an edited file starts its chain well under a minute later."""
@@ -98,6 +100,14 @@ def evaluate(cursor: str | None, now: datetime, has_samples: Callable[[Experimen
     return requests, sorted(set(started)), new_cursor, problems
 
 
+def _has_samples(lake: Lake, experiment: Experiment) -> bool:
+    if not lake.exists("samples"):
+        return False
+    # data.where is the experiment file's own SQL predicate (validated with the file).
+    found = lake.sql(f"SELECT 1 AS one FROM samples WHERE ({experiment.data.where}) LIMIT 1")
+    return found.num_rows > 0
+
+
 @dg.sensor(job=start_experiment_job, minimum_interval_seconds=MIN_INTERVAL_S,
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="Starts an experiment's chain (dataset to deployment) when its file is "
@@ -105,15 +115,7 @@ def evaluate(cursor: str | None, now: datetime, has_samples: Callable[[Experimen
                        "schedule. Broken files are reported with file and line and skipped.")
 def experiments_sensor(context: dg.SensorEvaluationContext,
                        lake: LakeResource) -> dg.SensorResult:
-    the_lake = lake.lake()
-
-    def has_samples(experiment: Experiment) -> bool:
-        if not the_lake.exists("samples"):
-            return False
-        # data.where is the experiment file's own SQL predicate (validated with the file).
-        found = the_lake.sql(f"SELECT 1 AS one FROM samples WHERE ({experiment.data.where}) "
-                             "LIMIT 1")
-        return found.num_rows > 0
+    has_samples = functools.partial(_has_samples, lake.lake())
 
     def started_elsewhere(sha: str) -> bool:
         return bool(context.instance.get_runs(filters=dg.RunsFilter(

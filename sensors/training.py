@@ -1,7 +1,7 @@
 """Training sensors: checkpoint -> evals, rollover, recovery, new traffic -> dataset.
 
 ``rollover_sensor`` and ``recovery_sensor`` act through the control loop
-(``factory.control.loop.ControlPlane``: the same functions the tests drive), which is
+(``factory.control.plane.ControlPlane``: the same functions the tests drive), which is
 idempotent over the lake: a continuation or recovery is recorded as a segment before any later
 tick looks again, so a re-evaluated tick launches nothing twice. Their cursors hold the last
 tick's report. ``checkpoint_sensor`` turns each new verified row of ``checkpoints`` into a
@@ -21,9 +21,10 @@ import dagster as dg
 
 from factory.control import CHECKPOINT_PARTITIONS, checkpoint_partition_key
 from factory.experiments import list_experiments
-from resources.lake import LakeResource
-from resources.providers import ProviderResource
-from sensors.loop import start_experiment_job
+from factory.lake import Lake
+from factory.resources.lake import LakeResource
+from factory.resources.providers import ProviderResource
+from factory.sensors.chains import start_experiment_job
 
 CHECKPOINT_EVALS = dg.AssetKey("checkpoint_evals")
 CHECKPOINTS = dg.AssetKey("checkpoints")
@@ -42,18 +43,22 @@ def _ts(value: datetime) -> str:
            description="Each new verified checkpoint requests checkpoint_evals for it, unless "
                        "it is already scored.")
 def checkpoint_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
+    return _request_checkpoint_evals(context, lake.lake())
+
+
+def _request_checkpoint_evals(context: dg.SensorEvaluationContext,
+                              lake: Lake) -> dg.SkipReason | dg.SensorResult:
     cursor: dict[str, Any] = json.loads(context.cursor) if context.cursor else {"t": "",
                                                                                  "keys": []}
-    the_lake = lake.lake()
-    if not the_lake.exists("checkpoints"):
+    if not lake.exists("checkpoints"):
         return dg.SkipReason("no checkpoints yet")
-    rows = [r for r in the_lake.read("checkpoints").to_pylist() if r["verified"]]
+    rows = [r for r in lake.read("checkpoints").to_pylist() if r["verified"]]
     fresh = [r for r in rows if _ts(r["received_at"]) > cursor["t"] or (
         _ts(r["received_at"]) == cursor["t"]
         and checkpoint_partition_key(r["run_id"], r["step"]) not in cursor["keys"])]
     scored: set[tuple[str, int]] = set()
-    if fresh and the_lake.exists("eval_scores"):
-        scored = {(r["run_id"], int(r["step"])) for r in the_lake.sql(
+    if fresh and lake.exists("eval_scores"):
+        scored = {(r["run_id"], int(r["step"])) for r in lake.sql(
             "SELECT DISTINCT run_id, step FROM eval_scores WHERE kind = 'checkpoint'"
         ).to_pylist()}
     if not fresh:
@@ -136,23 +141,27 @@ refresh_dataset_job = dg.define_asset_job(
                        "samples match its selection; with retrain_on_new_samples, starts the "
                        "experiment's chain instead (dataset to deployment).")
 def traffic_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
-    the_lake = lake.lake()
+    return _request_datasets(context, lake.lake())
+
+
+def _request_datasets(context: dg.SensorEvaluationContext,
+                      lake: Lake) -> dg.SkipReason | dg.SensorResult:
     cursor: dict[str, dict[str, int]] = json.loads(context.cursor) if context.cursor else {}
     seen = cursor.setdefault("seen", {})
-    if not the_lake.exists("samples"):
+    if not lake.exists("samples"):
         return dg.SkipReason("no samples yet")
     profiles: dict[str, int] = {}
-    if the_lake.exists("dataset_profile"):
-        for r in the_lake.sql("SELECT experiment, num_selected FROM dataset_profile "
-                              "QUALIFY row_number() OVER (PARTITION BY experiment "
-                              "ORDER BY created_at DESC) = 1").to_pylist():
+    if lake.exists("dataset_profile"):
+        for r in lake.sql("SELECT experiment, num_selected FROM dataset_profile "
+                          "QUALIFY row_number() OVER (PARTITION BY experiment "
+                          "ORDER BY created_at DESC) = 1").to_pylist():
             profiles[r["experiment"]] = int(r["num_selected"] or 0)
     requests = []
     for exp in list_experiments():
         # data.where is the experiment file's own SQL predicate (validated with the file).
         if exp.name not in profiles:
             continue  # never built: its first dataset is its chain's (experiments_sensor)
-        count = int(the_lake.sql(f"SELECT count(*) AS n FROM samples WHERE {exp.data.where}")
+        count = int(lake.sql(f"SELECT count(*) AS n FROM samples WHERE {exp.data.where}")
                     .column("n")[0].as_py())
         base = max(profiles.get(exp.name, 0), seen.get(exp.name, 0))
         if count - base < exp.data.min_new_samples:

@@ -48,7 +48,7 @@ def factory_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a plain HF directory (built once, cached across runs)."""
-    from trainer.base_models import SMOLLM2_NAME, build_smollm2
+    from factory.trainer.base_models import SMOLLM2_NAME, build_smollm2
 
     return build_smollm2(_models_cache() / SMOLLM2_NAME)
 
@@ -56,6 +56,6 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """A random-init 2-layer Llama with SmolLM2's tokenizer (3.2M parameters)."""
-    from trainer.base_models import TINY_NAME, build_tiny_llama
+    from factory.trainer.base_models import TINY_NAME, build_tiny_llama
 
     return build_tiny_llama(_models_cache() / TINY_NAME)

@@ -1,8 +1,10 @@
 """The provider-agnostic LoRA trainer: takes a job, trains, checkpoints, reports. No orchestration.
 
-Never imports Dagster, pyiceberg or the factory (import-linter enforces it); importing this
-package is free of side effects. Run it as ``python -m trainer --job JOB.json`` (``--check`` only
-validates). Interfaces others build on:
+Never imports Dagster, pyiceberg or the rest of the factory (import-linter enforces it); importing
+this package is free of side effects. Installed it is ``factory.trainer``; its modules import each
+other relatively, so a plain copy of trainer/ (with kernels/ beside it for the opt-in kernels) runs
+as ``trainer``, as in its image. Run it as ``python -m factory.trainer --job JOB.json`` (``python
+-m trainer`` in the image; ``--check`` only validates). Interfaces others build on:
 
 Job file (``trainer.config.Job.from_json``; unknown keys and bad values raise ValueError naming
 the field, e.g. ``plan.learning_rate: must be > 0``, before anything is loaded)::
@@ -29,7 +31,7 @@ the field, e.g. ``plan.learning_rate: must be > 0``, before anything is loaded):
      "tracker": {"backend": "jsonl"},              # jsonl | mlflow | neptune | none
      "debug": {"nan_at_step": null, "sleep_per_step_s": 0}}
 
-Exit codes (``trainer.loop.ExitCode``): 0 finished; 1 failed (a crash: retried); 2 invalid job
+Exit codes (``trainer.train.ExitCode``): 0 finished; 1 failed (a crash: retried); 2 invalid job
 and 65 data or configuration error (never retried: running again cannot heal them); 3
 non-finite loss or gradient (no checkpoint of the bad step; resume from the last good one); 75
 preempted (SIGTERM/SIGINT: the last completed step was checkpointed; resume from it).

@@ -1,4 +1,4 @@
-"""``python -m trainer --job JOB.json``: the container command. Exit codes: see trainer.loop."""
+"""``python -m trainer --job JOB.json``: the container command. Exit codes: see trainer.train."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from trainer.config import Job
+from .config import Job
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,10 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return 0
     if job.plan.num_devices > 1 and "WORLD_SIZE" not in os.environ:
-        from trainer.distributed import launch
+        from .distributed import launch
 
         return launch(args.job, job.plan.num_devices)
-    from trainer.loop import StopFlag, install_signal_handlers, run_job
+    from .train import StopFlag, install_signal_handlers, run_job
 
     stop = StopFlag()
     install_signal_handlers(stop)

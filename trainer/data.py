@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from trainer.chat import IGNORE_INDEX, encode
-from trainer.config import Job
+from .chat import IGNORE_INDEX, encode
+from .config import Job
 
 # First-fit packing looks at this many open rows: 99%+ fill on realistic length mixes while
 # staying linear in the number of samples.
@@ -156,8 +156,8 @@ def plan_tokenizer(base_model: str) -> Any:
     A local path that does not exist is a ``ValueError`` (a configuration error); a hub id
     that cannot be fetched stays an ``OSError`` (the network may come back).
     """
-    from trainer.chat import install_chat_template
-    from trainer.model import load_tokenizer
+    from .chat import install_chat_template
+    from .model import load_tokenizer
 
     path = Path(base_model).expanduser()
     if (path.is_absolute() or base_model.startswith((".", "~"))) and not path.exists():

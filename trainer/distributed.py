@@ -22,7 +22,10 @@ from typing import Any
 
 import torch
 
-from trainer.config import TrainConfig
+from .config import TrainConfig
+
+PACKAGE = __name__.rpartition(".")[0]
+"""This package's import name: ``trainer`` in the image, ``factory.trainer`` installed."""
 
 
 def shard_model(loss_module: torch.nn.Module, model: Any, *, device: torch.device,
@@ -60,14 +63,15 @@ def _free_port() -> int:
 
 
 def launch(job_path: str, num_processes: int) -> int:
-    """Run ``python -m trainer --job job_path`` in ``num_processes`` ranks; rank 0's code."""
+    """Run ``python -m <this package> --job job_path`` (``trainer`` in the image,
+    ``factory.trainer`` installed) in ``num_processes`` ranks; rank 0's code."""
     port = _free_port()
     procs = []
     for rank in range(num_processes):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": str(num_processes), "LOCAL_WORLD_SIZE": str(num_processes),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainer", "--job", job_path],
+        procs.append(subprocess.Popen([sys.executable, "-m", PACKAGE, "--job", job_path],
                                       env=env))
 
     def forward(signum: int, frame: Any) -> None:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.chat import IGNORE_INDEX
-from trainer.config import TrainConfig
+from .chat import IGNORE_INDEX
+from .config import TrainConfig
 
 LOSS_CHUNK_TOKENS = 1024
 PACKED_ATTENTION = "factory_packed_sdpa"
@@ -94,13 +94,26 @@ def load_model(plan: TrainConfig, device: torch.device) -> Any:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = model.to(device)
     if plan.use_kernels:
-        from kernels.patcher import apply_kernels  # opt-in; kernels/ is optional for the trainer
-
-        # Our loss never calls the *ForCausalLM forward, so its fused cross-entropy patch would
-        # be dead code: CausalLMLoss already avoids the logits. Norms and LoRA linears apply.
-        report = apply_kernels(model, cross_entropy=False)
+        report = apply_kernels(model)
         object.__setattr__(model, "factory_kernel_report", report)  # not a Module attribute
     return model
+
+
+def apply_kernels(model: Any) -> Any:
+    """Our Triton kernels swapped into ``model`` (opt-in: ``kernels/`` is optional for the
+    trainer); the ``KernelReport`` of what changed.
+
+    The kernels are the trainer's sibling package: ``factory.kernels`` when installed,
+    ``kernels`` where ``trainer/`` and ``kernels/`` are copied side by side (the trainer image).
+    """
+    if __name__.count(".") > 1:
+        from ..kernels import patcher
+    else:
+        import kernels.patcher as patcher  # type: ignore[no-redef]
+
+    # Our loss never calls the *ForCausalLM forward, so its fused cross-entropy patch would be
+    # dead code: CausalLMLoss already avoids the logits. Norms and LoRA linears apply.
+    return patcher.apply_kernels(model, cross_entropy=False)
 
 
 def _store_frozen_linears_in(model: Any, dtype: torch.dtype) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.config import TrackerConfig
+from .config import TrackerConfig
 
 
 class Tracker(Protocol):

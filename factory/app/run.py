@@ -39,7 +39,7 @@ def cancel_orphan(run_id: str, *, reason: str) -> None:
     run is marked cancelled, its provider stops each live local trainer by its recorded pid
     (after checking the pid still runs that segment's job: a recycled pid is left alone), and
     this waits up to 30 s for them to be gone."""
-    from factory.control.loop import cancel_run
+    from factory.control.plane import cancel_run
 
     cancel_run(_plane(), run_id, reason=reason, wait_s=30)
 
@@ -48,7 +48,7 @@ def _stop(inst: Any, start: str, progress: Progress) -> None:
     """Cancel the chain; then any trainer of it still active (its training_run process died
     before it could cancel it) is cancelled here."""
     from factory.app.client import TRAINER_RUN_TAG, cancel_chain, chain_runs
-    from factory.control.loop import RUN_ACTIVE
+    from factory.control.plane import RUN_ACTIVE
 
     cancel_chain(inst, start, progress)
     trainers = sorted({r.tags[TRAINER_RUN_TAG] for r in chain_runs(inst, start)

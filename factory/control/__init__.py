@@ -3,7 +3,7 @@ the trainer-event receiver, and the loop functions the training sensors call.
 
 To the team a training run is one job; underneath it is a chain of *segments*, each one trainer
 process on some provider (our cluster, a serverless sandbox), each resuming from the previous
-segment's last verified checkpoint. ``factory.control.loop`` decides when a segment starts,
+segment's last verified checkpoint. ``factory.control.plane`` decides when a segment starts,
 rolls over, is recovered or ends; ``factory.control.scheduler`` decides where.
 """
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from trainer.config import Job
+from factory.trainer.config import Job
 
 STATES = ("pending", "running", "succeeded", "failed", "lost")
 

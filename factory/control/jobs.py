@@ -19,7 +19,7 @@ from factory.errors import FactoryError
 from factory.experiments import run_id as run_id_for_key
 from factory.lake import Lake, Lineage
 from factory.settings import Settings, get_settings
-from trainer.config import Job
+from factory.trainer.config import Job
 
 
 def planned_run_id(run_key: str, created_at: datetime) -> str:

@@ -1,6 +1,6 @@
 """The trainer-event receiver: ``POST /v1/trainer/events`` as a Starlette route.
 
-Each request carries one signed event (``trainer.webhooks``). The route verifies it with the
+Each request carries one signed event (``factory.trainer.webhooks``). The route verifies it with the
 trainer's own ``verify`` (forged, stale and replayed events get 401 and a log line with the
 reason and the client), then stores it in ``training_events``; a ``checkpoint`` event also
 becomes a verified row of ``checkpoints``, which the checkpoint sensor turns into evals. The
@@ -24,9 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from factory.control.loop import event_row, store_events
+from factory.control.plane import event_row, store_events
 from factory.lake import Lake
-from trainer.webhooks import (
+from factory.trainer.webhooks import (
     DEFAULT_MAX_AGE_S,
     KEY_ID_HEADER,
     ReplayCache,

@@ -26,7 +26,7 @@ class CurationConfig:
     eval_fraction: float = 0.1
     """Share of split groups held out for eval, decided by a stable hash of the group."""
     max_tokens: int = 2048
-    """Samples longer than this (as ``trainer.chat.encode`` counts them) are dropped."""
+    """Samples longer than this (as ``factory.trainer.chat.encode`` counts them) are dropped."""
     near_dup_threshold: float = 0.85
     """Word-3-gram Jaccard similarity at or above which two samples are near-duplicates."""
     decontam_ngram: int = 13

@@ -35,7 +35,7 @@ class SampleFacts:
     empty_reason: str | None
     """Why it has nothing to learn from (see ``features.empty_reason``), or None."""
     num_tokens: int
-    """Tokens as the trainer renders and tokenizes it (``trainer.chat.encode``)."""
+    """Tokens as the trainer renders and tokenizes it (``factory.trainer.chat.encode``)."""
     flags: dict[str, str]
     """Detector name -> detail, for every detector that fired (format included)."""
     prefix_key: str

@@ -1,12 +1,12 @@
 """Token counts of canonical samples, by the trainer's own rendering and the base tokenizer.
 
-There is one rendering of a conversation: ``trainer.chat`` (the factory's ChatML with the tools
+There is one rendering of a conversation: ``factory.trainer.chat`` (the factory's ChatML with the tools
 block in the system turn, tool calls and tool results; its Jinja twin is what the inference
 server and ``vllm serve`` use). SmolLM2's shipped chat template ignores tools and content parts,
 so counting with it undercounted agent traffic 2-3x and plans cut every sample before its
 assistant turn. Curation, the profile and the planner therefore count exactly what the trainer
-feeds the model: ``trainer.chat.spans`` for the text, the base model's ``tokenizer.json`` for
-the ids. tests/curation/test_tokens.py holds the counts equal to ``trainer.chat.encode`` with
+feeds the model: ``factory.trainer.chat.spans`` for the text, the base model's ``tokenizer.json`` for
+the ids. tests/curation/test_tokens.py holds the counts equal to ``factory.trainer.chat.encode`` with
 the trainer's own tokenizer.
 
 The tokenizer is loaded with the ``tokenizers`` library (0.2 s, against ~10 s for
@@ -21,7 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.chat import spans
+from factory.trainer.chat import spans
 
 Count = tuple[int, int] | None
 """(total tokens, prompt tokens) of one sample; None when it cannot be rendered."""
@@ -39,7 +39,7 @@ class TokenCounter(Protocol):
 class RenderCounter:
     """``TokenCounter`` of the trainer's rendering over a base model's tokenizer folder.
 
-    ``total`` is the length of the sample as the trainer tokenizes it (``trainer.chat.encode``);
+    ``total`` is the length of the sample as the trainer tokenizes it (``factory.trainer.chat.encode``);
     ``prompt`` is the number of those tokens before the last assistant turn's trained text.
     Pickles as its folder, so Spark workers and process pools rebuild it cheaply.
     """

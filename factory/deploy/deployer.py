@@ -38,7 +38,7 @@ from factory.deploy.process import (
 )
 from factory.errors import FactoryError
 from factory.inference import InferenceServer, ServeSizing, free_port
-from factory.inference.sandbox import DEFAULTS, Sandbox, plan_of_run, sandbox_for
+from factory.inference.sizing import DEFAULTS, ServingSize, plan_of_run, serving_size_for
 from factory.inference.vllm import VLLM_ENV
 from factory.lake import Lake, LakeSession
 
@@ -62,9 +62,9 @@ class DeployConfig:
     """``transformers`` (the factory's CPU server) or ``vllm`` (GPU machines)."""
     sizing: ServeSizing | None = None
     """Serving limits (vLLM flags; the CPU server uses max_model_len and max_num_seqs). None:
-    the eval sandbox of the checkpoint's run plan, with ``overrides`` winning."""
+    the eval serving size of the checkpoint's run plan, with ``overrides`` winning."""
     overrides: Mapping[str, Any] = field(default_factory=dict)
-    """Sandbox fields (``factory.inference.sandbox.FIELDS``) forced over the plan's."""
+    """ServingSize fields (``factory.inference.sizing.FIELDS``) forced over the plan's."""
     host: str = "127.0.0.1"
     """Interface the servers listen on (the gateway reaches them there)."""
     threads: int | None = None
@@ -88,7 +88,7 @@ class DeployConfig:
         if self.sizing is not None:
             self.sizing.validate()
         else:
-            sandbox_for(None, self.overrides)  # bad overrides fail here, not at deploy time
+            serving_size_for(None, self.overrides)  # bad overrides fail here, not at deploy time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +202,7 @@ class Deployer:
         self.session = session
         self.lake = session.lake
         self.root = self.lake.settings.home / "deployments"
-        self.sandbox: Sandbox | None = None
+        self.serving_size: ServingSize | None = None
         """How the last server this deployer started was sized, and why."""
 
     # -- reading state -----------------------------------------------------------------------------
@@ -355,10 +355,10 @@ class Deployer:
         previous = [d for d in self.versions(name) if d.status in ACTIVE]
         port = free_port(cfg.host)
         adapter = f"{name}-{version}"
-        self.sandbox = self.sandbox_of(name, ckpt)
+        self.serving_size = self.serving_size_of(name, ckpt)
         server = InferenceServer(ckpt.base_model, adapters={adapter: ckpt.path},
                                  served_model_name=f"{name}-base", backend=cfg.backend,
-                                 sizing=self.sandbox.sizing, host=cfg.host, port=port,
+                                 sizing=self.serving_size.sizing, host=cfg.host, port=port,
                                  threads=cfg.threads)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         log = self.root / name / f"{version}-{stamp}-{port}.log"
@@ -392,21 +392,21 @@ class Deployer:
         self._retire_all(previous, reason=f"replaced by {version}")
         return dep
 
-    def sandbox_of(self, name: str, ckpt: Checkpoint) -> Sandbox:
+    def serving_size_of(self, name: str, ckpt: Checkpoint) -> ServingSize:
         """How the server for ``ckpt`` is sized: ``config.sizing`` if given, else the eval
-        sandbox of the plan its run was built from (devices, memory share, sequences, LoRA
+        serving size of the plan its run was built from (devices, memory share, sequences, LoRA
         rank: what its evals ran with; not the eval set's max length), with
         ``config.overrides`` winning."""
         if self.config.sizing is not None:
             sizing = self.config.sizing
-            return Sandbox(sizing=sizing, batch_size=sizing.max_num_seqs,
+            return ServingSize(sizing=sizing, batch_size=sizing.max_num_seqs,
                            max_new_tokens=DEFAULTS["max_new_tokens"], decisions={"sizing": {
                                "value": repr(sizing), "source": "override",
                                "reason": "override: DeployConfig.sizing"}})
         plan = plan_of_run(self.session, ckpt.run_id, name) if ckpt.run_id else None
         why = f"run {ckpt.run_id} has no plan in training_plans" if ckpt.run_id \
             else "the checkpoint's run is not known"
-        return sandbox_for(plan, self.config.overrides, no_plan_reason=why, not_from_plan={
+        return serving_size_for(plan, self.config.overrides, no_plan_reason=why, not_from_plan={
             "max_model_len": "serving: clients' prompts are not bounded by the eval set's "
                              "longest sample, so the default context is kept"})
 

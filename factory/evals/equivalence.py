@@ -1,6 +1,6 @@
 """Train/serve equivalence: the server sees the checkpoint exactly as the trainer trained it.
 
-For a few eval samples, the trainer's view (``trainer.chat.encode`` with the checkpoint's
+For a few eval samples, the trainer's view (``factory.trainer.chat.encode`` with the checkpoint's
 tokenizer, the trainer's ``CausalLMLoss.token_losses`` on base + adapter) is compared with the
 server's (``POST /v1/score``: the conversation rendered by the server with the chat template it
 uses for that model, tokenized and scored). The token ids must be identical, and the
@@ -62,8 +62,8 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.chat import encode
-    from trainer.model import CausalLMLoss, load_tokenizer
+    from factory.trainer.chat import encode
+    from factory.trainer.model import CausalLMLoss, load_tokenizer
 
     if base_model is None:
         cfg = json.loads((Path(checkpoint_dir) / "adapter_config.json").read_text())
@@ -92,7 +92,7 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
     """Compare the server behind ``client`` (an ``InferenceClient``) serving ``model`` with the
     trainer's view of ``checkpoint_dir`` on ``samples`` (canonical, reference answer last)."""
     from factory.evals.runner import to_openai_messages, to_openai_tools
-    from trainer.chat import IGNORE_INDEX
+    from factory.trainer.chat import IGNORE_INDEX
 
     if not samples:
         raise ValueError("check_equivalence: needs at least one sample")

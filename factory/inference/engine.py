@@ -2,7 +2,7 @@
 
 Prompts are rendered with the chat template of the tokenizer that belongs to the model asked
 for: an adapter directory written by the trainer carries its tokenizer and the trainer's
-``CHAT_TEMPLATE`` (the Jinja twin of ``trainer.chat.render``), and the base model is served with
+``CHAT_TEMPLATE`` (the Jinja twin of ``factory.trainer.chat.render``), and the base model is served with
 that same template unless told otherwise. This is what vLLM does too (``--chat-template``), and
 it is why a checkpoint with a wrong template shows up in the train/serve equivalence check
 instead of silently serving a different prompt than the one trained on.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.chat import CHAT_TEMPLATE
+from factory.trainer.chat import CHAT_TEMPLATE
 
 TokenCallback = Callable[[int, str], None]
 """Called with (token id, text delta) for every generated token of one request."""

@@ -6,7 +6,7 @@ One code path for evals and deploys: ``InferenceServer(...).start()`` picks a fr
 ``InferenceServerError`` with the tail of its log, and is stopped.
 
 Both servers render prompts with the trainer's chat template: the CPU server by default, vLLM
-through ``--chat-template``, a file holding ``trainer.chat.CHAT_TEMPLATE`` (vLLM would otherwise
+through ``--chat-template``, a file holding ``factory.trainer.chat.CHAT_TEMPLATE`` (vLLM would otherwise
 use the base tokenizer's shipped template, which for SmolLM2 knows no tools). The file is named
 by its content's hash under the factory home and never removed, so the command is the same every
 time it is built and a deployment spawned detached from it keeps a template to restart with.
@@ -67,7 +67,7 @@ def chat_template_file() -> Path:
     """``<home>/inference/chat-template-<sha256 prefix>.jinja`` holding ``CHAT_TEMPLATE``,
     written (atomically) if it is not there yet."""
     from factory.settings import get_settings
-    from trainer.chat import CHAT_TEMPLATE
+    from factory.trainer.chat import CHAT_TEMPLATE
 
     data = CHAT_TEMPLATE.encode("utf-8")
     folder = get_settings().home / "inference"

@@ -9,13 +9,13 @@ as ``{name, description, parameters}`` (``""`` and ``{}`` when absent, ``strict`
 keys dropped), ``developer`` as ``system``, empty text parts dropped, ids renumbered. The chat
 template sees that conversation in the shape Hugging Face templates expect (text-only content as
 one string, calls under ``function``, tools wrapped in ``{"type": "function"}``); the trainer's
-template renders it byte-equal to ``trainer.chat.render`` of the canonical sample
+template renders it byte-equal to ``factory.trainer.chat.render`` of the canonical sample
 (tests/inference/test_protocol.py). Messages the factory's own evals send with canonical parts
 (``reasoning``, ``image`` by sha256) or flat calls (``{id, name, arguments}``) are read as
 canonical.
 
 **Replies.** Generated text is read with the trainer's parser of its own format
-(``trainer.chat.parse_assistant``): each ``<tool_call>...</tool_call>`` span, up to the first
+(``factory.trainer.chat.parse_assistant``): each ``<tool_call>...</tool_call>`` span, up to the first
 closing tag, whose JSON has a string ``name`` is a call (``arguments`` canonical JSON); any other
 span (bad JSON, no name, no closing tag because ``max_tokens`` cut it) stays in the content as
 text, so nothing the model said is lost and nothing raises. The content is the text outside the
@@ -54,7 +54,7 @@ from factory.normalize.canon import (
     tool_call,
 )
 from factory.normalize.openai import convert_messages, convert_tools
-from trainer.chat import parse_assistant
+from factory.trainer.chat import parse_assistant
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

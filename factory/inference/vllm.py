@@ -8,7 +8,7 @@ the latter need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in the environment, se
 
 Tool calls are served as the CPU server serves them: ``--enable-auto-tool-choice`` with vLLM's
 ``hermes`` parser, which reads exactly the trainer's call format (``<tool_call>``, a JSON object
-with ``name`` and ``arguments``, ``</tool_call>``; ``trainer.chat``), and ``--chat-template``
+with ``name`` and ``arguments``, ``</tool_call>``; ``factory.trainer.chat``), and ``--chat-template``
 names a file holding the trainer's ``CHAT_TEMPLATE`` (``InferenceServer`` writes it), so
 requests render as in training for the base model and every adapter alike.
 """
@@ -22,13 +22,13 @@ VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 """Environment the vLLM server needs for runtime adapter loading."""
 TOOL_CALL_PARSER = "hermes"
 """vLLM's parser for ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format
-``trainer.chat`` renders calls in (vLLM's tool-calling docs list it for Hermes 2 Pro and later;
+``factory.trainer.chat`` renders calls in (vLLM's tool-calling docs list it for Hermes 2 Pro and later;
 its ``Hermes2ProToolParser`` reads the JSON between those tags)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServeSizing:
-    """How big the serving sandbox is and how the engine uses it (the plan fills this in)."""
+    """How big the server is and how the engine uses it (the plan fills this in)."""
 
     gpu_memory_utilization: float = 0.9
     """Share of each GPU's memory vLLM may take for weights, activations and KV cache."""

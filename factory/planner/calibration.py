@@ -1,4 +1,4 @@
-"""Check the memory model against real trainer runs: plan a job, run ``python -m trainer``, compare.
+"""Check the memory model against real trainer runs: plan a job, run ``python -m factory.trainer``, compare.
 
 ``measure(config)`` writes synthetic chat samples, profiles them as curation would (token
 counts from the model's own tokenizer and chat template), lets the planner plan an experiment
@@ -6,7 +6,7 @@ on that profile (``MeasureConfig`` fields become the experiment's overrides), wr
 planner's ``Plan.train_config()`` as a trainer job exactly as ``factory.control.jobs`` does,
 and runs the trainer in a fresh process through ``RUNNER``: it imports torch, transformers,
 peft and the trainer, records that RSS as the baseline, then runs the ``trainer`` package as
-``__main__`` with ``--job`` (``python -m trainer``'s own code path) and reports its peak RSS.
+``__main__`` with ``--job`` (``python -m factory.trainer``'s own code path) and reports its peak RSS.
 
 Why peak minus baseline: on CPU, "accelerator memory" is process memory, and the process also
 holds the Python interpreter and the code of torch/transformers/peft (~0.5-0.7 GB of RSS before
@@ -52,7 +52,8 @@ def hwm():
 import torch, transformers, peft, safetensors, fsspec, pyarrow.parquet  # noqa: F401
 import transformers.models.llama.modeling_llama  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-import trainer.loop, trainer.model, trainer.data, trainer.chat, trainer.checkpoint  # noqa: F401
+import factory.trainer.train, factory.trainer.model, factory.trainer.data  # noqa: F401
+import factory.trainer.chat, factory.trainer.checkpoint  # noqa: F401
 out_path, job = sys.argv[1], sys.argv[2]
 baseline = rss()
 samples = []
@@ -65,12 +66,12 @@ def sample():
 
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
-sys.argv = ["python -m trainer", "--job", job]
+sys.argv = ["python -m factory.trainer", "--job", job]
 start = time.time()
 cpu0 = os.times()
 code = 0
 try:
-    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+    runpy.run_module("factory.trainer", run_name="__main__", alter_sys=True)
 except SystemExit as e:
     code = e.code if isinstance(e.code, int) else 1
 done.set()
@@ -81,7 +82,7 @@ with open(out_path, "w") as f:
                "wall_s": time.time() - start,
                "cpu_s": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)}, f)
 """
-"""The measuring wrapper around ``python -m trainer`` (run with ``python -c``)."""
+"""The measuring wrapper around ``python -m factory.trainer`` (run with ``python -c``)."""
 
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "river", "stone", "cloud",
          "paper", "orange", "window", "seven", "quiet", "market", "garden", "copper", "winter")
@@ -173,7 +174,7 @@ def models_dir() -> Path:
 
 def model_dir(name: str) -> Path:
     """The model's directory, built on first use."""
-    from trainer.base_models import SMOLLM2_NAME, TINY_NAME, build_smollm2, build_tiny_llama
+    from factory.trainer.base_models import SMOLLM2_NAME, TINY_NAME, build_smollm2, build_tiny_llama
 
     if name == "tiny-llama":
         return build_tiny_llama(models_dir() / TINY_NAME)
@@ -230,7 +231,7 @@ def synthetic_samples(num: int, *, max_tokens: int, seed: int = 0) -> list[dict[
 
 def profile_of(samples: list[dict[str, Any]], tokenizer: Any) -> DatasetProfile:
     """The ``dataset_profile`` curation would write for these samples (lengths in tokens)."""
-    from trainer.chat import IGNORE_INDEX, encode
+    from factory.trainer.chat import IGNORE_INDEX, encode
 
     totals, completions = [], []
     for s in samples:
@@ -308,8 +309,8 @@ def measure(config: MeasureConfig, *, threads: int = 2, work_dir: Path | None = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from trainer.chat import install_chat_template
-    from trainer.model import load_tokenizer
+    from factory.trainer.chat import install_chat_template
+    from factory.trainer.model import load_tokenizer
 
     path = model_path or model_dir(config.model)
     recipe = recipe_for(config.model, path)

@@ -1,6 +1,6 @@
-"""Peak memory of one training step of our trainer (``python -m trainer``) on one device.
+"""Peak memory of one training step of our trainer (``python -m factory.trainer``) on one device.
 
-The model follows what ``trainer.model`` and ``trainer.loop`` keep alive at the peak of a step,
+The model follows what ``factory.trainer.model`` and ``factory.trainer.train`` keep alive at the peak of a step,
 which is the end of the forward pass: every saved activation exists, and the loss is computing
 its first chunks of logits. (Without gradient checkpointing the backward pass only frees
 activations as it goes; with it, the peak can instead be the recomputation of one layer, and
@@ -21,7 +21,7 @@ the larger of the two is taken.)
   q/k norms add their fp32 inputs. With gradient checkpointing only each layer's input is kept,
   plus one layer's full set while it is recomputed. Where attention is not a fused kernel, one
   layer's ``heads x seq x seq`` scores are counted too.
-- **logits**: what the loss holds at its peak. ``trainer.model.CausalLMLoss`` never builds the
+- **logits**: what the loss holds at its peak. ``factory.trainer.model.CausalLMLoss`` never builds the
   ``batch x seq x vocab`` logits: it gathers the labeled positions' hidden states, allocates
   their gradient, and runs the LM head over ``LOSS_CHUNK_TOKENS`` tokens at a time
   (``_FusedLinearCE``), so at most one chunk's logits, its softmax and (from the second chunk
@@ -36,7 +36,7 @@ the larger of the two is taken.)
   without checkpointing. On CPU, checkpointing therefore saves about 60% of the activations'
   memory, not 97%; without this term the estimate is ~40% under with checkpointing.
 
-Validated against the measured peak RSS of real ``python -m trainer`` runs on CPU, on jobs the
+Validated against the measured peak RSS of real ``python -m factory.trainer`` runs on CPU, on jobs the
 planner emitted (``bench/memory_model.py``; the table is in BENCHMARKS.md, "Planner memory
 model"): the measured figure is the process's peak RSS minus its RSS after importing
 torch/transformers/peft and the trainer, i.e. what the step allocates, which is what an
@@ -52,7 +52,7 @@ from factory.recipes import Architecture
 GIB = 1024**3
 
 LOSS_CHUNK_TOKENS = 1024
-"""Tokens per chunk of the chunked loss (``trainer.model.LOSS_CHUNK_TOKENS``; a test keeps
+"""Tokens per chunk of the chunked loss (``factory.trainer.model.LOSS_CHUNK_TOKENS``; a test keeps
 the two equal; the factory may not import the trainer's torch-heavy module at plan time)."""
 LOGIT_BYTES = {("fp32", False): 8.0, ("fp32", True): 12.0,
                ("bf16", False): 10.0, ("bf16", True): 14.0}
@@ -190,7 +190,7 @@ def estimate_memory(arch: Architecture, *, micro_batch_size: int, seq_len: int, 
     embed = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
     linear = linear_parameters(arch)
     if precision == "bf16-autocast" and num_shards == 1:
-        # trainer.model stores the frozen decoder linears in bf16 (FSDP2 keeps fp32 shards).
+        # factory.trainer.model stores the frozen decoder linears in bf16 (FSDP2 keeps fp32 shards).
         stored = linear * 2 + (params - linear) * 4
     else:
         stored = params * weight_bytes(precision)

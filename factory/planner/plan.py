@@ -1,7 +1,7 @@
 """The decision tree: every training and eval value from the data profile, recipe and hardware.
 
 ``make_plan`` walks the decisions in dependency order (hardware, precision, sequence length,
-packing, batch, memory fit, schedule, LoRA, cadences, eval sandbox). Each value is a
+packing, batch, memory fit, schedule, LoRA, cadences, eval serving size). Each value is a
 ``Decision`` carrying the rule that produced it and a reason in words; a value the experiment
 overrides (or a sweep point sets) wins and is marked ``overridden``, with what the planner would
 have picked kept in the reason. Validation (``validate``) runs last and refuses the plan with a
@@ -82,7 +82,7 @@ class Plan:
         return self.decisions[key].value
 
     def train_config(self) -> dict[str, Any]:
-        """The training part: keyword arguments of ``trainer.config.TrainConfig``."""
+        """The training part: keyword arguments of ``factory.trainer.config.TrainConfig``."""
         d = self.decisions
         cfg: dict[str, Any] = {
             "base_model": self.base_model,
@@ -113,14 +113,14 @@ class Plan:
         }
         return cfg
 
-    def eval_sandbox(self) -> dict[str, Any]:
-        """The eval part: how the eval sandbox generates."""
+    def eval_serving(self) -> dict[str, Any]:
+        """The eval part: how big the eval server is and how it generates."""
         keys = ("eval_devices", "eval_gpu_memory_utilization", "eval_max_num_seqs",
                 "eval_batch_size", "eval_max_new_tokens", "eval_judge")
         return {k.removeprefix("eval_"): self.decisions[k].value for k in keys}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: values, reasons, the trainer config, the eval sandbox, memory."""
+        """JSON-ready: values, reasons, the trainer config, the eval serving size, memory."""
         return {
             "experiment": self.experiment, "run_key": self.run_key, "recipe": self.recipe,
             "point": dict(self.point),
@@ -128,7 +128,7 @@ class Plan:
             "reasons": {k: {"rule": v.rule, "reason": v.reason, "overridden": v.overridden}
                         for k, v in self.decisions.items()},
             "train_config": self.train_config(),
-            "eval_sandbox": self.eval_sandbox(),
+            "eval_serving": self.eval_serving(),
             "memory_gib": self.memory.as_gib() if self.memory else {},
             "memory_budget_gib": round(self.memory_budget / GIB, 3),
             "estimates": dict(self.estimates),
@@ -214,7 +214,7 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     # --- sequence length and packing --------------------------------------------------------
     cap = min(data.max_tokens, arch.max_context)
     longest, p99, p50 = profile.length_max, profile.length_p99, profile.length_p50
-    # Lengths are the trainer's own (curation counts with trainer.chat), and curation already
+    # Lengths are the trainer's own (curation counts with factory.trainer.chat), and curation already
     # dropped samples over the cap; a sample longer than max_seq_len is dropped before training
     # (too_long_for_plan), never truncated, and the pre-launch check refuses more than 1%.
     cover_p99 = min(_round_up(max(p99, 16), 64), cap)

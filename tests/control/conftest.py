@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from factory.control.loop import ControlPlane
-from trainer.config import Job
+from factory.control.plane import ControlPlane
+from factory.trainer.config import Job
 
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "river", "stone"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

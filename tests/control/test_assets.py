@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from assets.training import training_run
+from factory.assets.training import training_run
 from factory.control.jobs import job_from_plan
 from factory.lake import Lake
-from resources.lake import LakeResource
-from resources.providers import LocalConfig, ProviderResource
+from factory.resources.lake import LakeResource
+from factory.resources.providers import LocalConfig, ProviderResource
+from factory.trainer.config import Job
 from tests.control.conftest import ONE_THREAD, write_data
-from trainer.config import Job
 
 pytestmark = pytest.mark.slow
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dagster as dg
 
-import assets.training as training_assets
-import sensors.training as training_sensors
+import factory.assets.training as training_assets
+import factory.sensors.training as training_sensors
 from factory.control import CHECKPOINT_PARTITIONS
-from resources.lake import LakeResource
-from resources.providers import ProviderResource
+from factory.resources.lake import LakeResource
+from factory.resources.providers import ProviderResource
 
 
 def test_definitions_resolve(factory_home) -> None:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubernetes import client as k
 
-from resources.providers import KubernetesProvider, ProviderResource
+from factory.resources.providers import KubernetesProvider, ProviderResource
 from tests.conftest import ROOT
 
 INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT",

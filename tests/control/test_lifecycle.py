@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from factory.control.loop import ControlConfig, ControlPlane
+from factory.control.plane import ControlConfig, ControlPlane
 from factory.lake import Lake
-from resources.providers import LocalProvider, SandboxProvider
+from factory.resources.providers import LocalProvider, SandboxProvider
+from factory.trainer.train import ExitCode, run_job
 from tests.control.conftest import ONE_THREAD, drive
-from trainer.loop import ExitCode, run_job
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from resources.providers import LocalProvider, SandboxProvider
+from factory.resources.providers import LocalProvider, SandboxProvider
 
 
 def _script(tmp_path: Path, name: str, body: str) -> str:

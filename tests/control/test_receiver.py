@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 
 from factory.control.receiver import trainer_events_route
 from factory.lake import Lake
-from trainer.webhooks import sign
+from factory.trainer.webhooks import sign
 
 SECRET = b"s3cret"
 
@@ -107,9 +107,9 @@ def test_checkpoint_lineage_leads_to_the_run_its_plan_and_data(server, make_job,
     recorded the plan and dataset snapshots the run was built from (not whatever
     ``training_runs`` holds by the time the checkpoint arrives)."""
     from factory.app.cli import main
-    from factory.control.loop import ControlPlane
+    from factory.control.plane import ControlPlane
     from factory.lake import Lineage
-    from resources.providers import LocalProvider
+    from factory.resources.providers import LocalProvider
 
     url, lake = server
     upstream = Lineage(run_id="plan-run", asset_key="training_plan")

@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 import dagster as dg
 
 from factory.lake import Lake
-from resources.lake import LakeResource
-from resources.providers import LocalConfig, ProviderResource
-from sensors.training import (
+from factory.resources.lake import LakeResource
+from factory.resources.providers import LocalConfig, ProviderResource
+from factory.sensors.training import (
     CHECKPOINT_EVALS,
     checkpoint_sensor,
     recovery_sensor,
@@ -120,7 +120,7 @@ def test_checkpoint_sensor_skips_checkpoints_already_scored(factory_home) -> Non
 
 
 def test_rollover_sensor_dispatches_a_queued_run(factory_home, make_job) -> None:
-    from factory.control.loop import ControlPlane
+    from factory.control.plane import ControlPlane
 
     provider = ProviderResource(local=LocalConfig(max_gpus=1))
     plane = ControlPlane(Lake(), provider.ladder(), provider.control_config())

@@ -25,9 +25,9 @@ def _setup(home: Path, monkeypatch: pytest.MonkeyPatch, data: Planted, where: st
 
 
 def _run(key: str = "support", engine: str | None = None) -> Any:
-    from assets.curation import dataset, dataset_profile
-    from resources.judge import JudgeResource
-    from resources.lake import LakeResource
+    from factory.assets.curation import dataset, dataset_profile
+    from factory.resources.judge import JudgeResource
+    from factory.resources.lake import LakeResource
 
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("experiments", [key])
@@ -118,8 +118,8 @@ def test_profile_counts_are_the_trainers(factory_home: Path, monkeypatch: pytest
     import numpy as np
     import orjson
 
-    from trainer.chat import encode
-    from trainer.model import load_tokenizer
+    from factory.trainer.chat import encode
+    from factory.trainer.model import load_tokenizer
 
     _setup(factory_home, monkeypatch, planted_data, "tags['project'] = 'support'")
     assert _run().success

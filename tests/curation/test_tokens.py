@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from factory.curation.synthetic import Planted
-from trainer.chat import IGNORE_INDEX, encode
+from factory.trainer.chat import IGNORE_INDEX, encode
 
 TOOLS = [{"name": "cancel_order", "description": "Cancel an order.",
           "parameters": {"type": "object", "required": ["order_id", "reason"], "properties": {
@@ -54,7 +54,7 @@ def agent_conversations() -> list[tuple[list[dict[str, Any]], list[dict[str, Any
 
 @pytest.fixture(scope="module")
 def trainer_tokenizer(smollm2_dir: Path) -> Any:
-    from trainer.model import load_tokenizer
+    from factory.trainer.model import load_tokenizer
 
     return load_tokenizer(str(smollm2_dir))
 

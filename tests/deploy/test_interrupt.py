@@ -113,10 +113,10 @@ def test_a_trainer_left_by_a_dead_training_process_is_stopped(
 
     from factory.app.run import _plane, cancel_orphan
     from factory.control.base import Handle
-    from factory.control.loop import Segment
+    from factory.control.plane import Segment
     from factory.experiments import run_id as run_id_for_key
+    from factory.trainer.config import Job
     from tests.control.conftest import write_data
-    from trainer.config import Job
 
     data = write_data(tmp_path / "data.parquet", n=4)
     plane = _plane()

@@ -23,9 +23,9 @@ STEPS = (10, 20)
 
 
 def _resources() -> dict[str, Any]:
-    from resources.inference import InferenceResource
-    from resources.judge import JudgeResource
-    from resources.lake import LakeResource
+    from factory.resources.inference import InferenceResource
+    from factory.resources.judge import JudgeResource
+    from factory.resources.lake import LakeResource
 
     # 16 new tokens keep generation on the random tiny model to a few seconds.
     return {"lake": LakeResource(), "judge": JudgeResource(),
@@ -44,7 +44,8 @@ def _checks(result: Any) -> dict[str, bool]:
 def test_rubric_checkpoint_evals_best_checkpoint(factory_home: Path,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  tiny_model_dir: Path, tmp_path: Path) -> None:
-    from assets.evals import best_checkpoint, checkpoint_evals, rubric
+    from factory.assets.evals import best_checkpoint, checkpoint_evals
+    from factory.assets.rubric import rubric
 
     write_experiment(factory_home, monkeypatch,
                      'name: support\ndata: {where: "true"}\nrecipe: smollm2-135m-lora\n'
@@ -83,9 +84,9 @@ def test_rubric_checkpoint_evals_best_checkpoint(factory_home: Path,
         assert meta["judge"].value == "embedded:all-MiniLM-L6-v2"
         assert Path(meta["curve"].value).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         # No plan for this run: the resource's fields are overrides, the rest defaults.
-        sandbox = meta["eval_sandbox"].value
-        assert sandbox["batch_size"]["source"] == "override"
-        assert sandbox["tensor_parallel_size"] == {
+        size = meta["eval_serving"].value
+        assert size["batch_size"]["source"] == "override"
+        assert size["tensor_parallel_size"] == {
             "value": 1, "source": "default", "reason": f"run {RUN} has no plan in training_plans"}
         argv = meta["serve_command"].value
         assert argv[argv.index("--max-num-seqs") + 1] == "4"
@@ -135,7 +136,7 @@ def test_rubric_checkpoint_evals_best_checkpoint(factory_home: Path,
 
 def test_checkpoint_evals_refuses_unknown_or_unverified_checkpoints(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from assets.evals import checkpoint_evals
+    from factory.assets.evals import checkpoint_evals
 
     write_experiment(factory_home, monkeypatch,
                      'name: support\ndata: {where: "true"}\nrecipe: smollm2-135m-lora\n')

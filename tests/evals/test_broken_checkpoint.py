@@ -54,7 +54,8 @@ def _break_chat_template(checkpoint: Path) -> None:
 def test_wrong_chat_template_fails_the_blocking_check_and_blocks_downstream(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path,
         tmp_path: Path) -> None:
-    from assets.evals import CHECKPOINTS, best_checkpoint, checkpoint_evals, rubric
+    from factory.assets.evals import CHECKPOINTS, best_checkpoint, checkpoint_evals
+    from factory.assets.rubric import rubric
 
     @dg.asset(partitions_def=CHECKPOINTS, deps=[checkpoint_evals], group_name="evals",
               kinds={"python"}, description="stand-in for best_checkpoint")

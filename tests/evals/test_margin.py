@@ -1,7 +1,7 @@
 """The must-hold: on the embedded extraction task, a short CPU LoRA run of SmolLM2-135M beats the
 base model's mean rubric score by a clear margin.
 
-End to end on the real pieces: the task generator's data, ``python -m trainer`` (LoRA on every
+End to end on the real pieces: the task generator's data, ``python -m factory.trainer`` (LoRA on every
 linear layer), the CPU inference server serving base + checkpoints, the rubric inferred from the
 references, the embedded judge, and ``select_best``. The margin and the timings are printed (run
 with ``-s`` to see them) and asserted.
@@ -67,7 +67,7 @@ def _canonical(convs: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]
 def train(base_model: Path, work: Path, *, num_steps: int, checkpoint_every: int,
           learning_rate: float, num_train: int = 256, micro_batch_size: int = 2,
           max_seq_len: int = 384, lora_rank: int = 8) -> tuple[list[tuple[int, Path]], float]:
-    """``python -m trainer`` on the task's data: (step, checkpoint dir) pairs and seconds."""
+    """``python -m factory.trainer`` on the task's data: (step, checkpoint dir) pairs and seconds."""
     data = work / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_canonical(generate_conversations(num_train, seed=11),
                                                    "train")), data)
@@ -84,7 +84,7 @@ def train(base_model: Path, work: Path, *, num_steps: int, checkpoint_every: int
     job_file = work / "job.json"
     job_file.write_text(json.dumps(job))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--job", str(job_file)],
+    proc = subprocess.run([sys.executable, "-m", "factory.trainer", "--job", str(job_file)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpts = sorted((int(p.name.split("-")[1]), p) for p in (out / "checkpoints").glob("step-*"))

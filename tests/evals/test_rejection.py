@@ -42,9 +42,9 @@ def _samples(n: int, *, seed: int, corrupt: set[int]) -> list[dict[str, Any]]:
 
 def test_dataset_drops_samples_the_judge_scores_below_threshold(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path) -> None:
-    from assets.curation import dataset
-    from resources.judge import JudgeResource
-    from resources.lake import LakeResource
+    from factory.assets.curation import dataset
+    from factory.resources.judge import JudgeResource
+    from factory.resources.lake import LakeResource
 
     corrupt = {3, 11, 17, 26, 33}
     samples = _samples(40, seed=8, corrupt=corrupt)

@@ -11,10 +11,10 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from assets.planning import training_plan
+from factory.assets.planning import training_plan
 from factory.lake import Lake
-from resources.lake import LakeResource
-from sensors.experiments import MIN_INTERVAL_S, evaluate, experiments_sensor
+from factory.resources.lake import LakeResource
+from factory.sensors.experiments import MIN_INTERVAL_S, evaluate, experiments_sensor
 
 EXP = """\
 name: sup
@@ -178,7 +178,7 @@ def test_broken_file_is_reported_on_the_tick(exp_dir: Path) -> None:
 
 def test_a_file_already_started_by_factory_run_is_not_started_twice(exp_dir: Path) -> None:
     from factory.experiments import experiment_sha, load_experiment
-    from sensors.loop import SHA_TAG
+    from factory.sensors.chains import SHA_TAG
 
     Lake().append("samples", [_sample()])
     instance = dg.DagsterInstance.ephemeral()

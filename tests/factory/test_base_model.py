@@ -30,9 +30,9 @@ def test_smollm2_directory_loads_and_answers(smollm2_dir: Path) -> None:
 def test_base_model_asset_records_row(factory_home: Path, smollm2_dir: Path) -> None:
     import dagster as dg
 
-    from assets.base_model import base_model
+    from factory.assets.base_model import base_model
     from factory.lake import Lake
-    from resources.lake import LakeResource
+    from factory.resources.lake import LakeResource
 
     result = dg.materialize([base_model], resources={"lake": LakeResource()})
     assert result.success

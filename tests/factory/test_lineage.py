@@ -9,7 +9,7 @@ import pytest
 
 from factory.app.cli import main
 from factory.lake import Lake
-from resources.lake import LakeResource
+from factory.resources.lake import LakeResource
 
 
 @dg.asset(group_name="test", kinds={"iceberg"}, description="raw rows")

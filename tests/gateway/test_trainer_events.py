@@ -11,7 +11,7 @@ import pytest
 
 from factory.gateway import gateway_in_thread
 from factory.lake import Lake
-from trainer.webhooks import sign
+from factory.trainer.webhooks import sign
 
 
 def test_signed_events_land_and_forgeries_are_refused(factory_home: Path,

@@ -19,7 +19,7 @@ def make_adapter(base: Path, dest: Path, *, seed: int, template: str | None = No
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.chat import install_chat_template
+    from factory.trainer.chat import install_chat_template
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)

@@ -23,8 +23,8 @@ from factory.inference.protocol import (
 )
 from factory.normalize import NormalizeError
 from factory.normalize.openai import normalize
-from trainer.chat import install_chat_template, parse_assistant, render
-from trainer.model import load_tokenizer
+from factory.trainer.chat import install_chat_template, parse_assistant, render
+from factory.trainer.model import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

@@ -20,8 +20,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from factory.inference import InferenceServer
 from factory.inference.protocol import canonical_request
+from factory.trainer.chat import encode, install_chat_template, render
 from tests.conftest import _models_cache
-from trainer.chat import encode, install_chat_template, render
 
 CALLER_NAME = "tiny-tool-caller-v1"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -40,7 +40,7 @@ def _train_caller(base: Path, dest: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.base_models import _atomic_save, is_built
+    from factory.trainer.base_models import _atomic_save, is_built
 
     if is_built(dest):
         return dest
@@ -178,7 +178,7 @@ AGENT_TURN: list[Any] = [
 
 def test_a_multi_turn_request_renders_as_in_training(cpu_server: InferenceServer,
                                                      tiny_model_dir: Path) -> None:
-    from trainer.model import load_tokenizer
+    from factory.trainer.model import load_tokenizer
 
     messages, tools = canonical_request(AGENT_TURN, TOOLS)
     assert messages[1]["tool_calls"][0]["arguments"] == '{"city":"Zürich"}'

@@ -13,7 +13,7 @@ from factory.inference import (
     lora_rank_bucket,
     vllm_serve_command,
 )
-from trainer.chat import CHAT_TEMPLATE
+from factory.trainer.chat import CHAT_TEMPLATE
 
 
 def test_vllm_serve_argv() -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.ingest import traces
+from factory.assets.ingest import traces
 from factory.lake import Lake
+from factory.resources.lake import LakeResource
+from factory.sensors.uploads import build_uploads_sensor, ingest_uploads_job
 from factory.settings import get_settings
-from resources.lake import LakeResource
-from sensors.uploads import build_uploads_sensor, ingest_uploads_job
 from tests.ingest import conversations as conv
 
 

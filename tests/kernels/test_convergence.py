@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.patcher import apply_kernels
+from factory.kernels.patcher import apply_kernels
 
 NUM_STEPS = 4
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.fused_linear_cross_entropy import (
+from factory.kernels.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
     default_chunk_size,
     fused_linear_cross_entropy,

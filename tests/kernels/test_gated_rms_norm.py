@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gated_rms_norm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_reference
+from factory.kernels.gated_rms_norm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_reference
 
 # Same reasoning as the RMSNorm tolerances, with one more float32 product (the SiLU gate) that
 # the reference rounds to the input dtype at a different point than the kernel: float32 differs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_linear import LoRALinear, lora_linear, lora_linear_reference
+from factory.kernels.lora_linear import LoRALinear, lora_linear, lora_linear_reference
 
 # (activation/base dtype, adapter dtype) -> tolerance. float32: the Triton GEMM and torch's
 # matmul sum K products in different orders (observed <= 5e-7 relative). bfloat16 (eps 7.8e-3):

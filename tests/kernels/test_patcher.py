@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import patcher
-from kernels.gated_rms_norm import GatedRMSNorm
-from kernels.patcher import KernelsWarning, apply_kernels
-from kernels.rms_norm import RMSNorm
+from factory.kernels import patcher
+from factory.kernels.gated_rms_norm import GatedRMSNorm
+from factory.kernels.patcher import KernelsWarning, apply_kernels
+from factory.kernels.rms_norm import RMSNorm
 
 transformers = pytest.importorskip("transformers")
 

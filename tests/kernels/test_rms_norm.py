@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import _utils
-from kernels.rms_norm import RMSNorm, rms_norm, rms_norm_reference
+from factory.kernels import _utils
+from factory.kernels.rms_norm import RMSNorm, rms_norm, rms_norm_reference
 
 # Tolerances. float32: kernel and reference differ only in summation order of the row
 # statistics (observed <= 1e-6 on these shapes). bfloat16 keeps 8 mantissa bits (eps 7.8e-3):

@@ -1,12 +1,15 @@
-"""Our top-level package is named ``kernels``, like Hugging Face's hub-kernels package that
-transformers probes for by import name. These tests pin down that transformers never mistakes
-ours for it, and that loading and running a model is unchanged with ours importable.
+"""Our kernels folder is named ``kernels``, like Hugging Face's hub-kernels package that
+transformers probes for by import name. Installed, ours is ``factory.kernels`` and there is no
+top-level ``kernels`` at all; where the folder itself is on the path (the trainer image, a
+checkout), transformers imports it, finds no version and ignores it. These tests pin both down,
+and that loading and running a model is unchanged with ours imported.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,52 +17,52 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers.utils import import_utils
 
 ROOT = Path(__file__).resolve().parents[2]
+INSTALLED = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+"""The environment of a process that sees only what is installed (no checkout on the path)."""
+
+_PROBE = """
+import importlib.util, json
+from transformers.utils import import_utils
+report = {"found": importlib.util.find_spec("kernels") is not None}
+if report["found"]:
+    report["version"] = import_utils._is_package_available("kernels", return_version=True)[1]
+    report["file"] = __import__("kernels").__file__
+report["available"] = import_utils.is_kernels_available()
+print(json.dumps(report))
+"""
 
 
-def test_installed_metadata_makes_transformers_ignore_our_package():
-    available, version = import_utils._is_package_available("kernels", return_version=True)
-    # Found by import name, versioned as llm-factory (0.x: outside the hub package's accepted
-    # range [KERNELS_MIN_VERSION, KERNELS_MAX_VERSION)), so not "available" as hub kernels.
-    assert available and version == importlib.metadata.version("llm-factory")
-    import_utils.is_kernels_available.cache_clear()
-    try:
-        assert not import_utils.is_kernels_available()
-    finally:
-        import_utils.is_kernels_available.cache_clear()
+def _probe(cwd: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=cwd, env=INSTALLED,
+                         capture_output=True, text=True, check=True, timeout=120)
+    return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_without_metadata_transformers_imports_us_and_still_ignores_us(monkeypatch):
-    # A checkout on sys.path without `pip install -e .`: transformers falls back to importing
-    # `kernels` and reading __version__; ours has none and must import nothing heavy.
-    def no_metadata(name: str) -> str:
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(import_utils.importlib.metadata, "version", no_metadata)
-    available, version = import_utils._is_package_available("kernels", return_version=True)
-    assert available and version == "N/A"
-    import_utils.is_kernels_available.cache_clear()
-    try:
-        assert not import_utils.is_kernels_available()
-    finally:
-        import_utils.is_kernels_available.cache_clear()
+def test_installed_there_is_no_top_level_kernels(tmp_path: Path) -> None:
+    assert _probe(tmp_path) == {"found": False, "available": False}
 
 
-def test_importing_kernels_has_no_side_effects():
-    code = ("import sys; before = set(sys.modules); import kernels; "
-            "print(sorted(set(sys.modules) - before - {'kernels'}))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+def test_a_kernels_folder_on_the_path_is_imported_and_ignored(tmp_path: Path) -> None:
+    # The trainer image's layout: trainer/ and kernels/ side by side, no installed metadata.
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
+    assert _probe(tmp_path) == {"found": True, "version": "N/A", "available": False,
+                                "file": str(tmp_path / "kernels" / "__init__.py")}
+
+
+@pytest.mark.parametrize(("name", "where"), [("kernels", "checkout"), ("factory.kernels", "tmp")])
+def test_importing_kernels_has_no_side_effects(name: str, where: str, tmp_path: Path) -> None:
+    code = (f"import sys; before = set(sys.modules); import {name}; "
+            f"print(sorted(set(sys.modules) - before - {{{name!r}, 'factory'}}))")
+    cwd = ROOT if where == "checkout" else tmp_path
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
                          check=True, timeout=60)
     assert json.loads(out.stdout.replace("'", '"')) == []
 
 
 _HIDDEN_RUN = """
 import sys
-# Drop the editable-install finder (run from a tmp dir, so the checkout is not on sys.path):
-# in this process there is no package named kernels at all.
-sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
 import numpy as np, torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import import_utils
@@ -69,7 +72,7 @@ model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).e
 with torch.no_grad():
     logits = model(input_ids=torch.arange(5, 17).view(1, 12)).logits
 np.save(sys.argv[2], logits.numpy())
-assert "kernels" not in sys.modules
+assert "kernels" not in sys.modules and "factory" not in sys.modules
 """
 
 
@@ -77,7 +80,7 @@ assert "kernels" not in sys.modules
 def test_model_loads_and_runs_the_same_with_our_package_present(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    import kernels.patcher  # noqa: F401  ours, fully imported in this process
+    import factory.kernels.patcher  # noqa: F401  ours, fully imported in this process
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -85,5 +88,5 @@ def test_model_loads_and_runs_the_same_with_our_package_present(tiny_model_dir, 
         logits = model(input_ids=torch.arange(5, 17).view(1, 12)).logits.numpy()
     out = tmp_path / "hidden.npy"
     subprocess.run([sys.executable, "-c", _HIDDEN_RUN, str(tiny_model_dir), str(out)],
-                   cwd=tmp_path, check=True, timeout=300)
+                   cwd=tmp_path, env=INSTALLED, check=True, timeout=300)
     np.testing.assert_array_equal(logits, np.load(out))  # bit-identical

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from factory.planner import HARDWARE, PlanError, make_plan
+from factory.trainer.config import TrainConfig
 from tests.planner.conftest import experiment, profile
-from trainer.config import TrainConfig
 
 
 def test_short_uniform_lengths_no_packing_small_seq() -> None:
@@ -188,9 +188,9 @@ def test_sweep_point_wins() -> None:
     assert p["lora_alpha"] == 64.0  # follows the swept rank
 
 
-def test_eval_sandbox() -> None:
+def test_eval_serving() -> None:
     p = make_plan(experiment("qwen3-8b-lora", eval={"max_samples": 50}), profile())
-    box = p.eval_sandbox()
+    box = p.eval_serving()
     assert box["devices"] == 1 and box["batch_size"] == 50  # capped by eval.max_samples
     assert box["max_new_tokens"] == 384  # 1.25 x p99 completion (300) rounded to 16
     assert p.decisions["eval_max_num_seqs"].rule == "eval.kv_cache"

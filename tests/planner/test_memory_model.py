@@ -1,4 +1,4 @@
-"""The memory model against our own trainer: a planned job run by ``python -m trainer`` on CPU."""
+"""The memory model against our own trainer: a planned job run by ``python -m factory.trainer`` on CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from factory.planner.calibration import MeasureConfig, measure
 
 
 def test_loss_chunk_matches_the_trainer() -> None:
-    from trainer.model import LOSS_CHUNK_TOKENS
+    from factory.trainer.model import LOSS_CHUNK_TOKENS
 
     assert memory.LOSS_CHUNK_TOKENS == LOSS_CHUNK_TOKENS
 

@@ -8,9 +8,15 @@ from typing import Any
 
 import pytest
 
+from factory.trainer.chat import (
+    IGNORE_INDEX,
+    encode,
+    install_chat_template,
+    parse_assistant,
+    render,
+)
+from factory.trainer.model import load_tokenizer
 from tests.trainer.conftest import WEATHER_TOOL, make_samples
-from trainer.chat import IGNORE_INDEX, encode, install_chat_template, parse_assistant, render
-from trainer.model import load_tokenizer
 
 
 def _t(text: str) -> list[dict[str, str]]:

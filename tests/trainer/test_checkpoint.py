@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from trainer.chat import CHAT_TEMPLATE, render
-from trainer.checkpoint import latest_checkpoint, read_checkpoint, verify_checkpoint
-from trainer.config import Job
-from trainer.loop import ExitCode, run_job
+from factory.trainer.chat import CHAT_TEMPLATE, render
+from factory.trainer.checkpoint import latest_checkpoint, read_checkpoint, verify_checkpoint
+from factory.trainer.config import Job
+from factory.trainer.train import ExitCode, run_job
 
 
 def test_checkpoint_loads_in_transformers_and_peft_and_generates(make_job, tiny_model_dir: Path

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-import trainer.loop
-from trainer.__main__ import main
-from trainer.config import Job
+from factory.trainer import train
+from factory.trainer.__main__ import main
+from factory.trainer.config import Job
 
 
 def _job(tmp_path: Path, **changes: Any) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def test_cli_rejects_a_bad_job_before_loading_anything(tmp_path: Path,
     def boom(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("run_job must not be reached with an invalid job")
 
-    monkeypatch.setattr(trainer.loop, "run_job", boom)
+    monkeypatch.setattr(train, "run_job", boom)
     path = tmp_path / "job.json"
     path.write_text(json.dumps(_job(tmp_path, **{"plan.warmup_steps": -3})))
     assert main(["--job", str(path)]) == 2

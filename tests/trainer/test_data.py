@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.trainer.conftest import make_samples, write_parquet
-from trainer.chat import encode
-from trainer.config import Job
-from trainer.data import (
+from factory.trainer.chat import encode
+from factory.trainer.config import Job
+from factory.trainer.data import (
     DROP_REASONS,
     MAX_DROP_FRACTION,
     check_job_data,
@@ -23,6 +22,7 @@ from trainer.data import (
     read_rows,
     tokenize,
 )
+from tests.trainer.conftest import make_samples, write_parquet
 
 
 @pytest.fixture(scope="module")

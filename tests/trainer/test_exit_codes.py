@@ -13,10 +13,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from factory.trainer.config import Job
+from factory.trainer.train import ExitCode, run_job
+from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
-from trainer.config import Job
-from trainer.loop import ExitCode, run_job
-from trainer.webhooks import read_events
 
 
 def _no_answers(path: Path, n: int = 5) -> Path:
@@ -33,7 +33,7 @@ def test_data_without_a_usable_sample_exits_with_the_data_error_code(
     data = _no_answers(tmp_path / "questions.parquet")
     job_path = make_job("nodata", data_files=[str(data)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--job", str(job_path)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "factory.trainer", "--job", str(job_path)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == ExitCode.DATA_ERROR == 65, proc.stderr[-3000:]
     message = ("data_files: none of the 5 samples can train at max_seq_len 320: "

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from factory.trainer.checkpoint import latest_checkpoint
+from factory.trainer.config import Job
+from factory.trainer.train import ExitCode, run_job
+from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
-from trainer.checkpoint import latest_checkpoint
-from trainer.config import Job
-from trainer.loop import ExitCode, run_job
-from trainer.webhooks import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def run(job: Path, cwd: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--job", str(job)], cwd=cwd,
+    proc = subprocess.run([sys.executable, "-m", "factory.trainer", "--job", str(job)], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
 

@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from trainer.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
-from trainer.config import Job
-from trainer.loop import ExitCode, run_job
-from trainer.webhooks import ReplayCache, WebhookError, read_events, verify
+from factory.trainer.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from factory.trainer.config import Job
+from factory.trainer.train import ExitCode, run_job
+from factory.trainer.webhooks import ReplayCache, WebhookError, read_events, verify
 
 SECRET = b"s3cret-for-tests"
 
 
 @pytest.fixture()
 def receiver() -> Iterator[tuple[str, list[dict[str, Any]], list[str]]]:
-    """A webhook receiver that verifies every POST with ``trainer.webhooks.verify``."""
+    """A webhook receiver that verifies every POST with ``factory.trainer.webhooks.verify``."""
     accepted: list[dict[str, Any]] = []
     rejected: list[str] = []
     cache = ReplayCache()

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from factory.trainer import model as model_mod
+from factory.trainer.chat import install_chat_template
+from factory.trainer.config import TrainConfig
+from factory.trainer.data import MicroBatchStream, collate, pack, tokenize
+from factory.trainer.model import CausalLMLoss, load_model, load_tokenizer, segment_lengths
 from tests.trainer.conftest import make_samples
-from trainer import model as model_mod
-from trainer.chat import install_chat_template
-from trainer.config import TrainConfig
-from trainer.data import MicroBatchStream, collate, pack, tokenize
-from trainer.model import CausalLMLoss, load_model, load_tokenizer, segment_lengths
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from factory.trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from factory.trainer.config import Job
+from factory.trainer.train import ExitCode, run_job
+from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
-from trainer.checkpoint import latest_checkpoint, verify_checkpoint
-from trainer.config import Job
-from trainer.loop import ExitCode, run_job
-from trainer.webhooks import read_events
 
 pytestmark = pytest.mark.slow
 
 
 def start(job_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "trainer", "--job", str(job_path)], cwd=cwd,
+    return subprocess.Popen([sys.executable, "-m", "factory.trainer", "--job", str(job_path)], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from trainer.config import TrackerConfig
-from trainer.tracking import JsonlTracker, make_tracker
+from factory.trainer.config import TrackerConfig
+from factory.trainer.tracking import JsonlTracker, make_tracker
 
 
 def test_jsonl_tracker_records_params_metrics_and_end(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from trainer.webhooks import (
+from factory.trainer.webhooks import (
     KEY_ID_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.config import Job, TrainConfig
-from trainer.tracking import NullTracker, Tracker, make_tracker
-from trainer.webhooks import EventLog, WebhookSender
+from . import checkpoint as ckpt
+from .config import Job, TrainConfig
+from .tracking import NullTracker, Tracker, make_tracker
+from .webhooks import EventLog, WebhookSender
 
 # Dense bf16 peak FLOP/s per device, from the vendors' datasheets (no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
@@ -197,8 +197,8 @@ class Trainer:
 
     def setup(self) -> None:
         """Data, model and optimizer; a ``ValueError`` here is a ``DataError`` (see run_job)."""
-        from trainer.data import MicroBatchStream, fingerprint, plan_tokenizer, read_rows, tokenize
-        from trainer.model import CausalLMLoss, load_model
+        from .data import MicroBatchStream, fingerprint, plan_tokenizer, read_rows, tokenize
+        from .model import CausalLMLoss, load_model
 
         plan = self.plan
         if self.world > 1 and not torch.distributed.is_initialized():
@@ -239,7 +239,7 @@ class Trainer:
         self.model = load_model(plan, self.device)
         self.loss_module = CausalLMLoss(self.model)
         if plan.parallelism == "fsdp2":
-            from trainer.distributed import shard_model
+            from .distributed import shard_model
 
             shard_model(self.loss_module, self.model, device=self.device, plan=plan)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -250,7 +250,7 @@ class Trainer:
     def resume(self, path: str) -> None:
         from safetensors.torch import load
 
-        from trainer.model import load_adapter_state
+        from .model import load_adapter_state
 
         files = ckpt.read_checkpoint(path)
         state = _json(files["trainer_state.json"])
@@ -264,7 +264,7 @@ class Trainer:
         if names != self.param_names:
             raise DataError(f"resume_from: {path} has a different adapter layout")
         if self.plan.parallelism == "fsdp2":
-            from trainer.distributed import shard_like
+            from .distributed import shard_like
 
             # Sorted on every rank alike: shard_like is a collective.
             opt_state["state"] = {i: {k: shard_like(s[k], self.params[i]) for k in sorted(s)}
@@ -282,7 +282,7 @@ class Trainer:
         """Checkpoint of the current step (collective under FSDP; rank 0 writes)."""
         import json
 
-        from trainer.model import adapter_state
+        from .model import adapter_state
 
         adapter = adapter_state(self.model)
         per_rank = self._gather_rng() if self.world > 1 else None

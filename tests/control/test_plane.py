@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from factory.control.base import Handle, ProviderStatus
-from factory.control.loop import ControlConfig, ControlPlane, event_row, store_events
+from factory.control.plane import ControlConfig, ControlPlane, event_row, store_events
 from factory.lake import Lake
-from trainer.config import Job
+from factory.trainer.config import Job
 
 
 class Scripted:

@@ -13,7 +13,7 @@ import pytest
 
 from factory.lake import Lake
 from factory.runs import CHAIN_TAG, TRAINER_RUN_TAG
-from sensors.loop import evaluate
+from factory.sensors.chains import evaluate
 
 EXP = """\
 name: sup

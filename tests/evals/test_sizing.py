@@ -1,5 +1,5 @@
-"""The eval sandbox comes from the run's plan: ``checkpoint_evals`` sizes its inference server
-(the exact ``vllm serve`` argv on a GPU, the generation batch on CPU) from the ``eval_sandbox``
+"""The eval serving size comes from the run's plan: ``checkpoint_evals`` sizes its inference server
+(the exact ``vllm serve`` argv on a GPU, the generation batch on CPU) from the ``eval_serving``
 the planner stored with the run in ``training_plans``; resource fields are explicit overrides.
 
 vLLM cannot run here, so the vLLM path is followed to the process boundary: a stand-in ``vllm``
@@ -21,14 +21,14 @@ import pytest
 from factory.control.jobs import planned_run_id
 from factory.evals.runner import build_rubric, items_from_samples
 from factory.experiments import load_experiment
-from factory.inference.sandbox import sandbox_for
+from factory.inference.sizing import serving_size_for
 from factory.lake import Lake
 from factory.planner.plan import Plan, make_plan
 from factory.planner.service import plan_row
 from tests.evals.conftest import canonical_rows, write_experiment
 from tests.planner.conftest import profile
 
-# An 8B model planned for L4 cards, the eval sandbox on two of them (forced: the planner fits
+# An 8B model planned for L4 cards, the eval serving size on two of them (forced: the planner fits
 # the 8B on one L4, and tensor parallelism is what the argv must carry).
 EXPERIMENT = """name: support
 data: {where: "true"}
@@ -90,13 +90,13 @@ def _checkpoint(tmp_path: Path, run_id: str) -> Path:
 def test_checkpoint_evals_starts_vllm_sized_by_the_plan(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         fake_vllm: Path) -> None:
-    from assets.evals import checkpoint_evals
-    from resources.inference import InferenceResource
-    from resources.judge import JudgeResource
-    from resources.lake import LakeResource
+    from factory.assets.evals import checkpoint_evals
+    from factory.resources.inference import InferenceResource
+    from factory.resources.judge import JudgeResource
+    from factory.resources.lake import LakeResource
 
     plan, run_id = _plan(factory_home, monkeypatch)
-    box = plan.eval_sandbox()
+    box = plan.eval_serving()
     assert box["devices"] == 2 and box["gpu_memory_utilization"] == 0.85  # L4: 85%
     lake = Lake()
     rows = canonical_rows(5, seed=3)
@@ -132,24 +132,24 @@ def test_checkpoint_evals_starts_vllm_sized_by_the_plan(
     assert Path(f"{argv_file}.env").read_text() == "True"  # runtime adapter loading on
 
     meta = failure.event_specific_data.user_failure_data.metadata
-    sandbox = meta["eval_sandbox"].value
+    size = meta["eval_serving"].value
     assert meta["serve_command"].value[1:] == argv
-    assert sandbox["tensor_parallel_size"]["source"] == "plan"
-    assert sandbox["tensor_parallel_size"]["value"] == 2
-    assert sandbox["batch_size"] == {"value": box["batch_size"], "source": "plan",
-                                     "reason": sandbox["batch_size"]["reason"]}
-    assert sandbox["batch_size"]["reason"].startswith("plan eval_batch_size: ")
-    assert sandbox["max_new_tokens"]["value"] == 16
-    assert sandbox["max_new_tokens"]["source"] == "override"
-    assert "override" in sandbox["max_new_tokens"]["reason"]
+    assert size["tensor_parallel_size"]["source"] == "plan"
+    assert size["tensor_parallel_size"]["value"] == 2
+    assert size["batch_size"] == {"value": box["batch_size"], "source": "plan",
+                                     "reason": size["batch_size"]["reason"]}
+    assert size["batch_size"]["reason"].startswith("plan eval_batch_size: ")
+    assert size["max_new_tokens"]["value"] == 16
+    assert size["max_new_tokens"]["source"] == "override"
+    assert "override" in size["max_new_tokens"]["reason"]
 
 
 def test_cpu_server_batch_and_overrides(factory_home: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU server's batch and the client's concurrency are the plan's batch_size; a field
     set on the resource wins and says so; a run without a plan gets the defaults, saying why."""
-    from factory.inference.sandbox import plan_of_run
-    from resources.inference import InferenceResource
+    from factory.inference.sizing import plan_of_run
+    from factory.resources.inference import InferenceResource
 
     write_experiment(factory_home, monkeypatch,
                      'name: support\ndata: {where: "true"}\nrecipe: smollm2-135m-lora\n'
@@ -164,24 +164,24 @@ def test_cpu_server_batch_and_overrides(factory_home: Path,
     assert stored is not None and session.lineage.reads["training_plans"]
     assert plan_of_run(session, "support-other-run", "support") is None
 
-    box = InferenceResource().sandbox(stored)
-    assert box.batch_size == 3 == plan.eval_sandbox()["batch_size"]  # max_samples caps it
-    assert box.max_new_tokens == plan.eval_sandbox()["max_new_tokens"]
-    server = InferenceResource().server("/m", {"a": "/a"}, sandbox=box)
+    box = InferenceResource().serving_size(stored)
+    assert box.batch_size == 3 == plan.eval_serving()["batch_size"]  # max_samples caps it
+    assert box.max_new_tokens == plan.eval_serving()["max_new_tokens"]
+    server = InferenceResource().server("/m", {"a": "/a"}, size=box)
     server.port = 8123  # the argv as start() would run it, without starting it
     argv = server.command()
     assert argv[1:4] == ["-m", "factory.inference", "/m"]
     assert _flag(argv, "--max-num-seqs") == "3"
     assert _flag(argv, "--max-model-len") == str(plan["max_seq_len"]
-                                                 + plan.eval_sandbox()["max_new_tokens"])
+                                                 + plan.eval_serving()["max_new_tokens"])
 
-    forced = InferenceResource(concurrency=2, max_model_len=1024).sandbox(stored)
+    forced = InferenceResource(concurrency=2, max_model_len=1024).serving_size(stored)
     assert (forced.batch_size, forced.sizing.max_model_len) == (2, 1024)
     assert forced.decisions["batch_size"]["source"] == "override"
     assert forced.decisions["max_model_len"]["source"] == "override"
     assert forced.decisions["max_num_seqs"]["source"] == "plan"
 
-    bare = InferenceResource().sandbox(None, no_plan_reason="run r has no plan")
+    bare = InferenceResource().serving_size(None, no_plan_reason="run r has no plan")
     assert {d["source"] for d in bare.decisions.values()} == {"default"}
     assert bare.decisions["batch_size"]["reason"] == "run r has no plan"
 
@@ -191,7 +191,7 @@ def test_cpu_server_batch_and_overrides(factory_home: Path,
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"), ({"gpus": 2}, "unknown")])
 def test_bad_overrides_are_refused(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        sandbox_for(None, overrides)
+        serving_size_for(None, overrides)
 
 
 def test_deployment_server_is_sized_by_the_plan_but_keeps_its_context(
@@ -200,10 +200,10 @@ def test_deployment_server_is_sized_by_the_plan_but_keeps_its_context(
     """``factory deploy`` / the deployment asset start vLLM through the same path, sized like
     the checkpoint's evals, except the eval set's max length (clients' prompts are longer)."""
     from factory.deploy import DeployConfig, Deployer, DeploymentError
-    from resources.deployer import DeployerResource
+    from factory.resources.deployer import DeployerResource
 
     plan, run_id = _plan(factory_home, monkeypatch)
-    box = plan.eval_sandbox()
+    box = plan.eval_serving()
     adapter = _checkpoint(tmp_path, run_id)
     deployer = Deployer(config=DeployConfig(backend="vllm", startup_timeout_s=30))
     with pytest.raises(DeploymentError, match="exited before it was healthy"):
@@ -214,15 +214,15 @@ def test_deployment_server_is_sized_by_the_plan_but_keeps_its_context(
     assert _flag(argv, "--max-num-seqs") == str(box["max_num_seqs"])
     assert _flag(argv, "--max-model-len") == "4096"
     assert _flag(argv, "--lora-modules") == f"support-v1={adapter}"
-    assert deployer.sandbox is not None
-    assert deployer.sandbox.decisions["max_model_len"]["source"] == "default"
-    assert deployer.sandbox.decisions["tensor_parallel_size"]["source"] == "plan"
+    assert deployer.serving_size is not None
+    assert deployer.serving_size.decisions["max_model_len"]["source"] == "default"
+    assert deployer.serving_size.decisions["tensor_parallel_size"]["source"] == "plan"
     [failed] = [d for d in Deployer().versions("support") if d.status == "failed"]
     assert failed.run_id == run_id and failed.step == 2
 
     forced = DeployerResource(backend="vllm", tensor_parallel_size=4, max_model_len=8192)
     lake = Lake()
-    sized = forced.deployer(lake.session(run_id="t", asset_key="deployment")).sandbox_of(
+    sized = forced.deployer(lake.session(run_id="t", asset_key="deployment")).serving_size_of(
         "support", deployer.resolve("support", f"{run_id}:2"))
     assert (sized.sizing.tensor_parallel_size, sized.sizing.max_model_len) == (4, 8192)
     assert sized.decisions["tensor_parallel_size"]["source"] == "override"

@@ -1,8 +1,8 @@
-"""The eval sandbox of a run: how its inference server is sized, from the run's plan.
+"""The serving size of a run: how its inference server is sized, from the run's plan.
 
-The planner decides the eval sandbox with the run (``Plan.eval_sandbox()``: devices, GPU memory
-share, sequences in flight, generation batch, new tokens), stored in the run's
-``training_plans`` row. ``sandbox_for`` turns it into the server's ``ServeSizing`` (the
+The planner decides the eval serving size with the run (``Plan.eval_serving()``: devices, GPU
+memory share, sequences in flight, generation batch, new tokens), stored in the run's
+``training_plans`` row. ``serving_size_for`` turns it into the server's ``ServeSizing`` (the
 ``vllm serve`` flags) plus the generation batch and token budget; a value set explicitly on the
 resource (an override) wins, and every value says where it came from (``plan``, ``override``
 or ``default``) and why, for the run's metadata.
@@ -29,7 +29,7 @@ MAX_CPU_BATCH = 16
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sandbox:
+class ServingSize:
     """Sizes of one inference server and the generation it serves."""
 
     sizing: ServeSizing
@@ -65,7 +65,8 @@ def plan_of_run(session: LakeSession, run_id: str, experiment: str) -> dict[str,
 
 def _from_plan(plan: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
     """Field -> (value, reason) for what the plan decides."""
-    box = plan.get("eval_sandbox") or {}
+    # ``eval_sandbox``: the same part in plans stored under its earlier name.
+    box = plan.get("eval_serving") or plan.get("eval_sandbox") or {}
     values = plan.get("values") or {}
     reasons = plan.get("reasons") or {}
 
@@ -109,17 +110,17 @@ def _model_context(recipe: Any) -> int | None:
         return None
 
 
-def sandbox_for(plan: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None,
+def serving_size_for(plan: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None,
                 *, no_plan_reason: str = "no plan for this run",
-                not_from_plan: Mapping[str, str] | None = None) -> Sandbox:
-    """The sandbox from ``plan`` (``Plan.to_dict()``), with ``overrides`` (field -> value;
+                not_from_plan: Mapping[str, str] | None = None) -> ServingSize:
+    """The serving size from ``plan`` (``Plan.to_dict()``), with ``overrides`` (field -> value;
     None values ignored) winning; ``not_from_plan`` (field -> why) keeps the default for
     fields the plan's eval sizing does not fit. ``ValueError`` for an unknown field or a bad
     size."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     unknown = set(overrides) - set(FIELDS)
     if unknown:
-        raise ValueError(f"sandbox overrides: unknown field(s) {sorted(unknown)}; "
+        raise ValueError(f"serving size overrides: unknown field(s) {sorted(unknown)}; "
                          f"known: {', '.join(FIELDS)}")
     planned = _from_plan(plan) if plan is not None else {}
     skipped = dict(not_from_plan or {})
@@ -147,5 +148,5 @@ def sandbox_for(plan: Mapping[str, Any] | None, overrides: Mapping[str, Any] | N
                          tensor_parallel_size=v["tensor_parallel_size"],
                          max_model_len=v["max_model_len"], max_lora_rank=v["max_lora_rank"])
     sizing.validate()
-    return Sandbox(sizing=sizing, batch_size=v["batch_size"], max_new_tokens=v["max_new_tokens"],
+    return ServingSize(sizing=sizing, batch_size=v["batch_size"], max_new_tokens=v["max_new_tokens"],
                    decisions=decisions)

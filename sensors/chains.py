@@ -34,6 +34,7 @@ import dagster as dg
 
 from factory.evals.progress import unscored_checkpoints
 from factory.experiments import ExperimentError, experiment_sha, load_experiment, run_keys
+from factory.resources.lake import LakeResource
 from factory.runs import (
     CHAIN_TAG,
     FAILED,
@@ -41,7 +42,6 @@ from factory.runs import (
     TRAINER_RUN_TAG,
     failure_message,
 )
-from resources.lake import LakeResource
 
 REASON_TAG = "factory/reason"
 SHA_TAG = "factory/experiment-sha"

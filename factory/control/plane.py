@@ -1,4 +1,4 @@
-"""The control loop: runs and their segments, kept in the lake, moved forward one tick at a time.
+"""The control plane: runs and their segments, kept in the lake, moved forward one tick at a time.
 
 Every function here is idempotent over the lake's state, so the sensors (which call them) can
 re-evaluate a tick, or two processes can tick at once, without launching anything twice: a
@@ -40,10 +40,10 @@ from urllib.parse import quote
 from factory.control import scheduler
 from factory.control.base import Handle, Provider
 from factory.lake import RUN_ID, Lake, Lineage
-from trainer import checkpoint as ckpt
-from trainer.config import Job
-from trainer.loop import ExitCode
-from trainer.webhooks import read_events
+from factory.trainer import checkpoint as ckpt
+from factory.trainer.config import Job
+from factory.trainer.train import ExitCode
+from factory.trainer.webhooks import read_events
 
 log = logging.getLogger("factory.control")
 TERMINAL_EVENTS = ("finished", "failed", "nan", "preempted")
@@ -731,7 +731,7 @@ def _trainer_log_line(handle: Handle) -> str | None:
 
 
 def data_stats(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
-    """What the trainer's tokenizing kept and dropped (``trainer.data.DataStats`` as a dict),
+    """What the trainer's tokenizing kept and dropped (``factory.trainer.data.DataStats`` as a dict),
     from the newest ``started`` or ``failed`` event that reports it; None when none does."""
     out = None
     for ev in events:

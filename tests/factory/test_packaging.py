@@ -1,0 +1,45 @@
+"""What ``pip install .`` puts into site-packages: one top-level name, ``factory``, with the
+folders assets/ resources/ sensors/ trainer/ kernels/ as its subpackages, so nothing of ours can
+collide with another distribution's top-level package (Hugging Face's ``kernels``, say)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def _packages_in(folder: Path, name: str) -> set[str]:
+    return {".".join((name, *init.parent.relative_to(folder).parts))
+            for init in folder.rglob("__init__.py")}
+
+
+def test_the_package_list_names_every_package_of_the_tree() -> None:
+    found = _packages_in(ROOT / "factory", "factory")
+    for name, folder in SETUPTOOLS["package-dir"].items():
+        assert not (ROOT / "factory" / name.removeprefix("factory.")).exists(), name
+        found |= _packages_in(ROOT / folder, name)
+    assert set(SETUPTOOLS["packages"]) == found
+
+
+def test_the_wheel_has_one_top_level_name_and_the_package_data(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+                   check=True, capture_output=True, timeout=300)
+    [wheel] = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"factory"}
+    for path in ("factory/assets/evals.py", "factory/resources/lake.py",
+                 "factory/sensors/chains.py", "factory/trainer/__main__.py",
+                 "factory/kernels/patcher.py"):
+        assert path in names
+    recipes = {p.name for p in (ROOT / "factory" / "recipes").glob("*.yaml")}
+    assert recipes and {n.removeprefix("factory/recipes/") for n in names
+                        if n.startswith("factory/recipes/") and n.endswith(".yaml")} == recipes
+    [top_level] = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["factory"]
