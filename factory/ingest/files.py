@@ -162,15 +162,21 @@ def _iter_json_array(path: Path, fh: IO[str], make: Callable[..., Iterator[RawRe
     pos = buf.index("[") + 1
     eof = False
     index = 0
+
+    def refill() -> None:
+        """The rest of the buffer from ``pos``, and the next chunk of the file."""
+        nonlocal buf, pos, eof
+        more = fh.read(_CHUNK)
+        eof = not more
+        if on_bytes:
+            on_bytes(len(more))
+        buf, pos = buf[pos:] + more, 0
+
     while True:
         while pos < len(buf) and buf[pos] in " \t\r\n,":
             pos += 1
         if pos >= len(buf) and not eof:
-            more = fh.read(_CHUNK)
-            eof = not more
-            if on_bytes:
-                on_bytes(len(more))
-            buf, pos = buf[pos:] + more, 0
+            refill()
             continue
         if pos < len(buf) and buf[pos] == "]":
             return
@@ -181,20 +187,14 @@ def _iter_json_array(path: Path, fh: IO[str], make: Callable[..., Iterator[RawRe
             value, end = decoder.raw_decode(buf, pos)
         except json.JSONDecodeError as exc:
             if not eof:
-                more = fh.read(_CHUNK)
-                eof = not more
-                if on_bytes:
-                    on_bytes(len(more))
-                buf, pos = buf[pos:] + more, 0
+                refill()
                 continue
             yield from make(None, buf[pos:pos + 10000],
                             f"{path.name}: element {index}: invalid JSON ({exc.msg})")
             return
         # An element that ends exactly at the buffer edge may be a truncated number: re-read.
         if end >= len(buf) and not eof:
-            more = fh.read(_CHUNK)
-            eof = not more
-            buf, pos = buf[pos:] + more, 0
+            refill()
             continue
         yield from make(value, buf[pos:end])
         index += 1

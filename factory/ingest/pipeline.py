@@ -111,7 +111,7 @@ class _Pipeline:
     def _close(self, batch: Batch) -> None:
         """A batch about to be written: its samples counted, its ids known from now on."""
         self.summary.num_samples += batch.num_samples
-        self.known.remember(batch.raw["raw_trace_id"])
+        self.known.remember(batch.raw_ids)
 
     def _chunk(self, batch: Batch, chunk: list[Item]) -> None:
         summary = self.summary

@@ -11,7 +11,7 @@ string per line).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -92,12 +92,9 @@ def sample_columns(rows: list[SampleRow],
     return cols
 
 
-_RAW_COLUMNS = ("raw_trace_id", "source", "format", "received_at", "project", "tags", "payload")
-_REJECTED_COLUMNS = ("raw_trace_id", "source", "format", "received_at", "reason", "payload")
-
-
 class Batch:
-    """The rows of one commit per table, kept as columns (no per-row dicts)."""
+    """The rows of one commit per table: the records they come from, turned into columns in
+    one pass when the batch is written (no per-row dicts)."""
 
     def __init__(self) -> None:
         self.num_read = 0
@@ -105,39 +102,28 @@ class Batch:
         """Characters of payload and messages text held (what a batch's memory is mostly)."""
         self.ids: set[str] = set()
         """raw_trace_ids this batch gives an outcome to (pending until it is committed)."""
-        self.raw: dict[str, list[Any]] = {c: [] for c in _RAW_COLUMNS}
+        self.raw_items: list[Item] = []
         self.sample_rows: list[SampleRow] = []
         self.sample_items: list[Item] = []
         """The record each of ``sample_rows`` came from."""
-        self.rejected: dict[str, list[Any]] = {c: [] for c in _REJECTED_COLUMNS}
+        self.rejected_items: list[Item] = []
 
     def add_raw(self, item: Item) -> None:
-        raw = self.raw
-        raw["raw_trace_id"].append(item.rid)
-        raw["source"].append(item.source)
-        raw["format"].append(item.fmt)
-        raw["received_at"].append(item.received_at)
-        raw["project"].append(item.project)
-        raw["tags"].append(item.tags)
-        text = item.payload_text()
-        raw["payload"].append(text)
-        self.num_bytes += len(text)
+        self.raw_items.append(item)
+        self.num_bytes += len(item.payload_text())
 
     def add_rejected(self, item: Item) -> None:
-        rej = self.rejected
-        rej["raw_trace_id"].append(item.rid)
-        rej["source"].append(item.source)
-        rej["format"].append(item.fmt)
-        rej["received_at"].append(item.received_at)
-        rej["reason"].append(item.reason)
-        rej["payload"].append(item.payload_text())
+        self.rejected_items.append(item)
 
     def add_samples(self, item: Item, rows: list[SampleRow]) -> None:
-        # Kept as the rows they came as; ``tables`` turns them into columns in one pass.
         self.sample_rows.extend(rows)
         self.sample_items.extend([item] * len(rows))
         for row in rows:
             self.num_bytes += len(row[3])
+
+    @property
+    def raw_ids(self) -> list[str]:
+        return [item.rid for item in self.raw_items]
 
     @property
     def num_samples(self) -> int:
@@ -147,11 +133,25 @@ class Batch:
         """(table, rows) in commit order: raw rows before anything derived from them."""
         items = self.sample_items
         samples = {**sample_columns(self.sample_rows, [item.received_at for item in items]),
-                   "raw_trace_id": [item.rid for item in items],
-                   "source": [item.source for item in items],
-                   "project": [item.project for item in items],
-                   "tags": [item.tags for item in items]}
-        return ingest_tables(self.raw, samples, self.rejected)
+                   **_item_columns(items, ("raw_trace_id", "source", "project", "tags"))}
+        raw = _item_columns(self.raw_items, ("raw_trace_id", "source", "format", "received_at",
+                                             "project", "tags", "payload"))
+        rejected = _item_columns(self.rejected_items, ("raw_trace_id", "source", "format",
+                                                       "received_at", "reason", "payload"))
+        return ingest_tables(raw, samples, rejected)
+
+
+_ITEM_FIELDS: dict[str, Callable[[Item], Any]] = {
+    "raw_trace_id": lambda item: item.rid, "source": lambda item: item.source,
+    "format": lambda item: item.fmt, "received_at": lambda item: item.received_at,
+    "project": lambda item: item.project, "tags": lambda item: item.tags,
+    "reason": lambda item: item.reason, "payload": Item.payload_text,
+}
+"""Each column a record's item fills, and how."""
+
+
+def _item_columns(items: list[Item], names: tuple[str, ...]) -> dict[str, list[Any]]:
+    return {name: list(map(_ITEM_FIELDS[name], items)) for name in names}
 
 
 class BlockRows:

@@ -18,11 +18,15 @@ from factory.normalize.canon import (
     expect_list,
     finish,
     kind,
+    model_of,
+    read_call,
+    text_at,
     text_part,
     tool_call,
     tool_def,
     tool_message,
     tool_result_parts,
+    turn_messages,
 )
 from factory.normalize.images import inline_image, url_image
 
@@ -36,32 +40,28 @@ def normalize(payload: Any) -> list[dict[str, Any]]:
         raise NormalizeError("messages: missing (an Anthropic record needs a messages array)")
     blobs: dict[str, bytes] = {}
     messages = convert_request(body, blobs, "record")
-    model = body.get("model") if isinstance(body.get("model"), str) else None
-    return [finish(messages, convert_tools(body, "record"), provider=PROVIDER, model=model,
-                   blobs=blobs)]
+    return [finish(messages, convert_tools(body, "record"), provider=PROVIDER,
+                   model=model_of(body), blobs=blobs)]
 
 
 def normalize_call(request: Any, response: Any, stream: list[Any] | None,
                    endpoint: str | None = None) -> list[dict[str, Any]]:
-    req = expect_dict(request, "request")
-    blobs: dict[str, bytes] = {}
-    messages = convert_request(req, blobs, "request")
-    tools = convert_tools(req, "request")
-    where = "response"
-    if stream is not None:
-        response, where = reassemble_stream(stream), "stream"
-    resp = expect_dict(response, where)
+    call = read_call(request, response, stream,
+                     conversation=lambda req, blobs: convert_request(req, blobs, "request"),
+                     tools=lambda req: convert_tools(req, "request"),
+                     reassemble=reassemble_stream)
+    resp, where = call.response, call.where
     if resp.get("type") == "error":
         raise NormalizeError(f"{where}.type: the upstream call returned an error")
     role = resp.get("role", "assistant")
     if role != "assistant":
         raise NormalizeError(f"{where}.role: expected 'assistant', got {role!r}")
-    reply = _turn("assistant", resp.get("content"), f"{where}.content", blobs)
+    reply = _turn("assistant", resp.get("content"), f"{where}.content", call.blobs)
     assert len(reply) == 1
-    model = resp.get("model") or req.get("model")
-    convo = append_response(messages, reply[0])
-    return [finish(convo, tools, provider=PROVIDER, model=model if isinstance(model, str) else None,
-                   blobs=blobs)]
+    model = resp.get("model") or call.request.get("model")
+    convo = append_response(call.messages, reply[0])
+    return [finish(convo, call.tools, provider=PROVIDER,
+                   model=model if isinstance(model, str) else None, blobs=call.blobs)]
 
 
 def convert_tools(body: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -120,10 +120,7 @@ def _turn(role: str, content: Any, where: str, blobs: dict[str, bytes]) -> list[
             expect_dict(block, f"{where}[{k}]")
         btype = block.get("type")
         if btype == "text":
-            text = block.get("text")
-            if not isinstance(text, str):
-                text_part(text, f"{where}[{k}].text")
-            parts.append({"type": "text", "text": text})
+            parts.append({"type": "text", "text": text_at(block.get("text"), where, k, "text")})
             continue
         # The blocks of every turn (text, thinking, tool results) name their path only in an
         # error; the rarer ones below format it up front.
@@ -131,10 +128,8 @@ def _turn(role: str, content: Any, where: str, blobs: dict[str, bytes]) -> list[
             if role != "assistant":
                 raise NormalizeError(f"{where}[{k}].type: thinking blocks belong to assistant "
                                      f"turns")
-            thinking = block.get("thinking")
-            if not isinstance(thinking, str):
-                text_part(thinking, f"{where}[{k}].thinking")
-            parts.append({"type": "reasoning", "text": thinking})
+            parts.append({"type": "reasoning",
+                          "text": text_at(block.get("thinking"), where, k, "thinking")})
             continue
         if btype == "tool_result":
             if role != "user":
@@ -162,13 +157,7 @@ def _turn(role: str, content: Any, where: str, blobs: dict[str, bytes]) -> list[
             calls.append(tool_call(block.get("id"), block.get("name"), block.get("input"), at))
         else:
             raise NormalizeError(f"{at}.type: unsupported content block type {btype!r}")
-    out = list(tools)
-    if parts or calls or not tools:
-        msg: dict[str, Any] = {"role": role, "content": parts}
-        if calls:
-            msg["tool_calls"] = calls
-        out.append(msg)
-    return out
+    return turn_messages(role, tools, parts, calls)
 
 
 def _result(content: Any, where: str, blobs: dict[str, bytes]) -> list[dict[str, Any]]:

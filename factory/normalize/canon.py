@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -366,6 +368,62 @@ def expect_list(value: Any, where: str) -> list[Any]:
     return value
 
 
+def text_at(value: Any, where: str, index: int, key: str) -> str:
+    """``value`` if it is a string; else ``NormalizeError`` naming ``where[index].key`` (the
+    path is formatted only then: this reads every text block of every turn)."""
+    if isinstance(value, str):
+        return value
+    raise NormalizeError(f"{where}[{index}].{key}: expected a string, got {_kind(value)}")
+
+
+def indexed(items: Any, where: str) -> Iterator[tuple[int, dict[str, Any], str]]:
+    """(index, object, path) of each object of a streamed list (choices, candidates, tool-call
+    deltas): its ``index`` key, its place in the list when it has none."""
+    for j, item in enumerate(expect_list(items, where)):
+        at = f"{where}[{j}]"
+        obj = expect_dict(item, at)
+        index = obj.get("index", j)
+        if not isinstance(index, int):
+            raise NormalizeError(f"{at}.index: expected an integer")
+        yield index, obj, at
+
+
+def model_of(body: dict[str, Any]) -> str | None:
+    """A record's ``model``, when it is a string."""
+    model = body.get("model")
+    return model if isinstance(model, str) else None
+
+
+@dataclass
+class LoggedCall:
+    """A logged call read the same way in every format: the request's conversation and tools,
+    then the response (a stream reassembled into one)."""
+
+    request: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    blobs: dict[str, bytes]
+    """The images of the request (and, as the reply is read, of the response) by sha256."""
+    response: dict[str, Any]
+    where: str
+    """``response``, or ``stream`` when the response was streamed (error paths name it)."""
+
+
+def read_call(request: Any, response: Any, stream: list[Any] | None, *,
+              conversation: Callable[[dict[str, Any], dict[str, bytes]], list[dict[str, Any]]],
+              tools: Callable[[dict[str, Any]], list[dict[str, Any]]],
+              reassemble: Callable[[list[Any]], dict[str, Any]]) -> LoggedCall:
+    """The parts of a logged call (``LoggedCall``), read with a format's own functions."""
+    req = expect_dict(request, "request")
+    blobs: dict[str, bytes] = {}
+    messages = conversation(req, blobs)
+    defs = tools(req)
+    where = "response"
+    if stream is not None:
+        response, where = reassemble(stream), "stream"
+    return LoggedCall(req, messages, defs, blobs, expect_dict(response, where), where)
+
+
 def opt_str(value: Any, where: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -389,6 +447,19 @@ def _kind(value: Any) -> str:
 
 
 kind = _kind
+
+
+def turn_messages(role: str, results: list[dict[str, Any]], parts: list[dict[str, Any]],
+                  calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A provider's turn as canonical messages: its tool results first, each its own ``tool``
+    message, then the rest as one message (none when the turn held only tool results)."""
+    out = list(results)
+    if parts or calls or not results:
+        msg: dict[str, Any] = {"role": role, "content": parts}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
 
 
 def append_response(messages: list[dict[str, Any]], reply: dict[str, Any]) -> list[dict[str, Any]]:

@@ -18,11 +18,15 @@ from factory.normalize.canon import (
     expect_dict,
     expect_list,
     finish,
+    indexed,
+    model_of,
+    read_call,
     text_part,
     tool_call,
     tool_def,
     tool_message,
     tool_result_parts,
+    turn_messages,
 )
 from factory.normalize.images import inline_image, url_image
 
@@ -53,28 +57,24 @@ def normalize(payload: Any) -> list[dict[str, Any]]:
     body = expect_dict(payload, "record")
     blobs: dict[str, bytes] = {}
     messages = convert_request(body, blobs, "record")
-    model = body.get("model") if isinstance(body.get("model"), str) else None
     return [finish(messages, convert_tools(body, "record"), provider=PROVIDER,
-                   model=_model_name(model), blobs=blobs)]
+                   model=_model_name(model_of(body)), blobs=blobs)]
 
 
 def normalize_call(request: Any, response: Any, stream: list[Any] | None,
                    endpoint: str | None = None) -> list[dict[str, Any]]:
-    req = expect_dict(request, "request")
-    blobs: dict[str, bytes] = {}
-    messages = convert_request(req, blobs, "request")
-    tools = convert_tools(req, "request")
-    where = "response"
-    if stream is not None:
-        response, where = reassemble_stream(stream), "stream"
-    resp = expect_dict(response, where)
+    call = read_call(request, response, stream,
+                     conversation=lambda req, blobs: convert_request(req, blobs, "request"),
+                     tools=lambda req: convert_tools(req, "request"),
+                     reassemble=reassemble_stream)
+    resp, where = call.response, call.where
     candidates = get(resp, "candidates")
     if not candidates:
         feedback = get(resp, "promptFeedback")
         reason = get(feedback, "blockReason") if isinstance(feedback, dict) else None
         why = f" (prompt blocked: {reason})" if reason else ""
         raise NormalizeError(f"{where}.candidates: no candidate returned{why}")
-    model = get(resp, "modelVersion") or req.get("model")
+    model = get(resp, "modelVersion") or call.request.get("model")
     if not model and endpoint:
         match = _MODEL_IN_PATH.search(endpoint)
         model = match.group(1) if match else None
@@ -86,13 +86,13 @@ def normalize_call(request: Any, response: Any, stream: list[Any] | None,
         if not isinstance(content, dict) or not get(content, "parts"):
             finish_reason = get(cand, "finishReason")
             raise NormalizeError(f"{at}.content: no parts (finishReason {finish_reason})")
-        reply = _turn(content, f"{at}.content", blobs, default_role="model")
+        reply = _turn(content, f"{at}.content", call.blobs, default_role="model")
         if len(reply) != 1 or reply[0]["role"] != "assistant":
             raise NormalizeError(f"{at}.content.role: expected the model's turn")
-        convo = append_response(messages, reply[0])
-        out.append(finish(convo, tools, provider=PROVIDER,
+        convo = append_response(call.messages, reply[0])
+        out.append(finish(convo, call.tools, provider=PROVIDER,
                           model=_model_name(model if isinstance(model, str) else None),
-                          blobs=blobs))
+                          blobs=call.blobs))
     return out
 
 
@@ -224,13 +224,7 @@ def _turn(content: Any, where: str, blobs: dict[str, bytes],
         else:
             keys = ", ".join(sorted(part)) or "nothing"
             raise NormalizeError(f"{at}: unsupported part (has {keys})")
-    out = list(tools)
-    if parts or calls or not tools:
-        msg: dict[str, Any] = {"role": canon_role, "content": parts}
-        if calls:
-            msg["tool_calls"] = calls
-        out.append(msg)
-    return out
+    return turn_messages(canon_role, tools, parts, calls)
 
 
 def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
@@ -247,13 +241,7 @@ def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
         chunk = expect_dict(chunk, at)
         model = model or get(chunk, "modelVersion")
         feedback = feedback or get(chunk, "promptFeedback")
-        for j, cand in enumerate(expect_list(get(chunk, "candidates") or [],
-                                             f"{at}.candidates")):
-            cat = f"{at}.candidates[{j}]"
-            cand = expect_dict(cand, cat)
-            index = cand.get("index", j)
-            if not isinstance(index, int):
-                raise NormalizeError(f"{cat}.index: expected an integer")
+        for index, cand, cat in indexed(get(chunk, "candidates") or [], f"{at}.candidates"):
             acc = cands.setdefault(index, {"role": "model", "parts": []})
             content = get(cand, "content")
             if content is None:

@@ -17,7 +17,10 @@ from factory.normalize.canon import (
     expect_dict,
     expect_list,
     finish,
+    indexed,
     kind,
+    model_of,
+    read_call,
     text_part,
     tool_call,
     tool_def,
@@ -42,23 +45,18 @@ def normalize(payload: Any) -> list[dict[str, Any]]:
     blobs: dict[str, bytes] = {}
     messages = convert_messages(body["messages"], blobs)
     tools = convert_tools(body)
-    model = body.get("model") if isinstance(body.get("model"), str) else None
-    return [finish(messages, tools, provider=PROVIDER, model=model, blobs=blobs)]
+    return [finish(messages, tools, provider=PROVIDER, model=model_of(body), blobs=blobs)]
 
 
 def normalize_call(request: Any, response: Any, stream: list[Any] | None,
                    endpoint: str | None = None) -> list[dict[str, Any]]:
     """A logged call: the request's conversation plus each returned choice."""
-    req = expect_dict(request, "request")
-    blobs: dict[str, bytes] = {}
-    messages = convert_messages(req.get("messages"), blobs, where="request.messages")
-    tools = convert_tools(req, where="request")
-    if stream is not None:
-        response = reassemble_stream(stream)
-        where = "stream"
-    else:
-        where = "response"
-    resp = expect_dict(response, where)
+    call = read_call(
+        request, response, stream,
+        conversation=lambda req, blobs: convert_messages(req.get("messages"), blobs,
+                                                         where="request.messages"),
+        tools=lambda req: convert_tools(req, where="request"), reassemble=reassemble_stream)
+    resp, where, blobs = call.response, call.where, call.blobs
     if "error" in resp and "choices" not in resp:
         raise NormalizeError(f"{where}.error: the upstream call failed")
     choices = resp.get("choices")
@@ -66,7 +64,7 @@ def normalize_call(request: Any, response: Any, stream: list[Any] | None,
         expect_list(choices, f"{where}.choices")
     if not choices:
         raise NormalizeError(f"{where}.choices: empty (no completion returned)")
-    model = resp.get("model") or req.get("model")
+    model = resp.get("model") or call.request.get("model")
     model = model if isinstance(model, str) else None
     created = unix_time(resp.get("created"))
     out = []
@@ -81,8 +79,8 @@ def normalize_call(request: Any, response: Any, stream: list[Any] | None,
         if role != "assistant":
             raise NormalizeError(f"{at}.role: expected 'assistant', got {role!r}")
         reply = _message(msg, "assistant", at, blobs)
-        convo = append_response(messages, reply)
-        out.append(finish(convo, tools, provider=PROVIDER, model=model, blobs=blobs,
+        convo = append_response(call.messages, reply)
+        out.append(finish(convo, call.tools, provider=PROVIDER, model=model, blobs=blobs,
                           created_at=created))
     return out
 
@@ -295,13 +293,8 @@ def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
             if "tool_calls" not in delta and "function_call" not in delta:
                 continue
             cat = f"stream[{i}].choices[{j}]"
-            for k, call in enumerate(expect_list(delta.get("tool_calls") or [],
-                                                 f"{cat}.delta.tool_calls")):
-                kat = f"{cat}.delta.tool_calls[{k}]"
-                call = expect_dict(call, kat)
-                cindex = call.get("index", k)
-                if not isinstance(cindex, int):
-                    raise NormalizeError(f"{kat}.index: expected an integer")
+            for cindex, call, kat in indexed(delta.get("tool_calls") or [],
+                                             f"{cat}.delta.tool_calls"):
                 slot = acc["calls"].setdefault(cindex, {"id": None, "name": "", "args": []})
                 _merge_call(slot, call, kat)
             if delta.get("function_call") is not None:

@@ -33,6 +33,7 @@ from factory.normalize.canon import (
     tool_def,
     tool_message,
     tool_result_parts,
+    turn_messages,
     unix_time,
 )
 from factory.normalize.images import inline_image, url_image
@@ -414,17 +415,11 @@ def _message(msg: Any, at: str, blobs: dict[str, bytes]) -> list[dict[str, Any]]
     if role not in ("system", "user", "assistant", "tool"):
         raise NormalizeError(f"{at}.role: unknown role {role!r}")
     content, calls, results = _parts(msg.get("parts"), f"{at}.parts", blobs, role)
-    out = list(results)
     if role == "tool":
         if content:
             raise NormalizeError(f"{at}.parts: a tool message holds only tool_call_response parts")
-        return out
-    if content or calls or not results:
-        new: dict[str, Any] = {"role": role, "content": content}
-        if calls:
-            new["tool_calls"] = calls
-        out.append(new)
-    return out
+        return list(results)
+    return turn_messages(role, results, content, calls)
 
 
 def _parts(parts: Any, where: str, blobs: dict[str, bytes],
