@@ -111,7 +111,6 @@ def outcome(payload: Any, fmt: str,
         return exc.reason, []
     except RecursionError:
         return "record: nested too deeply to normalize", []
-    # Each handler binds its own name: compiled (factory.native), one name has one type.
     except Exception as bug:  # a normalizer bug quarantines one record, not a batch
         return f"normalizer failed ({type(bug).__name__}: {bug})", []
     rows = []
@@ -239,7 +238,7 @@ def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, forma
         if is_otlp_export(value):
             try:
                 split = split_otlp_json(value)
-            except NormalizeError as bad:  # (a name of its own: see outcome)
+            except NormalizeError as bad:
                 text = stripped.decode("utf-8", "replace")
                 out.append((index, sha256_hex(text), text, "unknown",
                             f"{name}: OTLP export: {bad.reason}", []))

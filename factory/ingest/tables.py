@@ -31,7 +31,7 @@ SAMPLE_ROW_COLUMNS = ("sample_id", "provider", "model", "messages", "tools", "nu
 
 
 def repeat_value(value: Any, type_: pa.DataType, num: int) -> pa.Array:
-    """``num`` copies of one value, converted once (a dict to an Arrow map per row was slow)."""
+    """``num`` copies of one value, converted once (a dict to an Arrow map per row is slow)."""
     one = pa.array([value], type=type_)
     return one.take(pa.array(np.zeros(num, dtype=np.int32)))
 

@@ -1584,7 +1584,7 @@ static PyObject *node_text(State *s, Py_ssize_t node) {
 }
 
 /* The buffers of the last call, kept for the next one: a streamed record's ~100 KB of nodes
- * malloc'ed afresh each call were mapped and faulted in again every time. A call made while
+ * malloc'ed afresh each call would be mapped and faulted in again every time. A call made while
  * they are in use (from another thread, while this one runs Python code: the GC when a
  * result is built) gets buffers of its own. */
 static State cache;

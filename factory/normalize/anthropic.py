@@ -200,7 +200,7 @@ def reassemble_stream(events: list[Any]) -> dict[str, Any]:
     """SSE event objects (``message_start`` ... ``message_stop``) into one message."""
     # An event per token: paths (``stream[i]...``) are formatted only for an error, and the
     # text of each block is gathered as pieces joined once at the end (adding every delta to
-    # the block's string copied the whole text so far, quadratic in the length of a reply).
+    # the block's string would copy the whole text so far: quadratic in the length of a reply).
     message: dict[str, Any] | None = None
     blocks: dict[int, dict[str, Any]] = {}
     pieces: dict[int, dict[str, list[str]]] = {}  # block index -> "text"/"thinking" -> pieces
@@ -228,7 +228,7 @@ def reassemble_stream(events: list[Any]) -> dict[str, Any]:
                 block_pieces = pieces.setdefault(index, {})
                 if key in block_pieces:
                     block_pieces[key].append(text)
-                else:  # the first delta: added to the block's own text, as every one was
+                else:  # the first delta extends the block's own text (a start it came with)
                     block = blocks[index]
                     start = block.get(key, "")
                     if not isinstance(start, str):

@@ -158,7 +158,7 @@ def canon_json_text(value: Any) -> str:
             # (it makes them floats) and what it refuses (NaN, lone surrogates), and writes it
             # the same except floats: with no float in its output, that output is the
             # canonical text. Anything else takes the reference path (json.loads, the
-            # reference encoder), as before.
+            # reference encoder).
             if fast is not None and fast[:1] in (b"{", b"[") and not _maybe_float(fast):
                 return fast.decode("utf-8")
             try:

@@ -230,7 +230,7 @@ def _turn(content: Any, where: str, blobs: dict[str, bytes],
 def reassemble_stream(chunks: list[Any]) -> dict[str, Any]:
     """``streamGenerateContent`` chunks into one response: parts merged per candidate."""
     # Adjacent text parts (same ``thought``) merge into the first of them. Their texts are
-    # gathered and joined once the run ends: merging chunk by chunk copied the text so far
+    # gathered and joined once the run ends: merging chunk by chunk would copy the text so far
     # each time, quadratic in the length of a reply.
     cands: dict[int, dict[str, Any]] = {}
     runs: dict[int, list[str]] = {}  # candidate -> texts of its last part, while more merge in
