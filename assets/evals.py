@@ -206,7 +206,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
 
 class BestCheckpointConfig(dg.Config):
     runs: list[str] = []
-    """Trainer run ids to choose among (``loop_sensor`` passes its chain's runs: a sweep
+    """Trainer run ids to choose among (``chain_sensor`` passes its chain's runs: a sweep
     tick's winner among its own points); empty: every run of the experiment."""
 
 
@@ -214,7 +214,7 @@ class BestCheckpointConfig(dg.Config):
     partitions_def=EXPERIMENTS,
     # Training and evals are partitioned per run and per checkpoint; Dagster cannot map those
     # onto experiments, so the edges span all partitions: lineage and staleness in the UI, and
-    # a step order when they are materialized in one run. loop_sensor requests this asset only
+    # a step order when they are materialized in one run. chain_sensor requests this asset only
     # once every checkpoint of the experiment's finished runs is scored.
     deps=[dg.AssetDep("checkpoint_evals", partition_mapping=dg.AllPartitionMapping()),
           dg.AssetDep("training_run", partition_mapping=dg.AllPartitionMapping())],
@@ -236,7 +236,7 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
     if pending:
         raise dg.Failure(f"{len(pending)} checkpoint(s) of finished runs are not scored yet "
                          f"({', '.join(pending[:5])}): their checkpoint_evals come from "
-                         "checkpoint_sensor; loop_sensor selects once they are scored",
+                         "checkpoint_sensor; chain_sensor selects once they are scored",
                          allow_retries=False)
     rubric_version = _latest_rubric(session, experiment.name).version
     rows = session.sql(

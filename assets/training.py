@@ -75,7 +75,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         raise dg.Failure(f"training_run: {e}", allow_retries=False) from None
     plane = provider.plane(session.lake)
     plane.submit(job, experiment=experiment, lineage=session.lineage)
-    # Who follows this Dagster run (loop_sensor, factory run) finds the trainer run here.
+    # Who follows this Dagster run (chain_sensor, factory run) finds the trainer run here.
     context.instance.add_run_tags(context.run.run_id, {TRAINER_RUN_TAG: job.run_id})
     start = time.monotonic()
     try:

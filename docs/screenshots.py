@@ -10,7 +10,7 @@ folders; nothing of yours is touched):
    ``project=demo`` as the UI's Materialize buttons do (GraphQL ``launchRun``; the ingest
    run gets the file and the tag in its config);
 4. drops ``tiny.yaml`` into the experiments folder (the git path) and follows the chain the
-   experiments sensor starts until ``loop_sensor`` records it as ``deployed``;
+   experiments sensor starts until ``chain_sensor`` records it as ``deployed``;
 5. opens the UI in headless Chromium and saves ``docs/asset-graph.png`` (global asset lineage,
    ``/asset-groups``, every group expanded, the graph centered; 1600 px wide) and
    ``docs/score-curve.png`` (``/assets/best_checkpoint?partition=tiny``: the Overview tab,

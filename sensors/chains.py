@@ -4,7 +4,7 @@ A chain starts with a successful run of ``start_experiment_job`` (``dataset``,
 ``dataset_profile``, ``rubric`` for one experiment): a click on the job in the UI, the
 experiments sensor (a new or edited file, a schedule tick), the traffic sensor (new samples with
 ``retrain_on_new_samples``) or ``factory run``. Its Dagster run id is the chain's id, carried by
-every later run as the tag ``factory/chain``. ``loop_sensor`` then moves each chain forward, one
+every later run as the tag ``factory/chain``. ``chain_sensor`` then moves each chain forward, one
 step per tick, each request with a stable run key (a tick evaluated twice launches nothing
 twice) and a ``factory/reason`` tag saying why:
 
@@ -56,7 +56,7 @@ start_experiment_job = dg.define_asset_job(
     "start_experiment_job", selection=dg.AssetSelection.assets("dataset", "dataset_profile",
                                                                "rubric"),
     description="Runs an experiment to a live endpoint: builds its dataset, profile and rubric; "
-                "then loop_sensor trains every sweep point, checkpoint_sensor evaluates each "
+                "then chain_sensor trains every sweep point, checkpoint_sensor evaluates each "
                 "checkpoint as it lands, and the best checkpoint is selected and deployed per "
                 "the experiment's deploy policy.")
 train_run_job = dg.define_asset_job(
@@ -223,14 +223,14 @@ def evaluate(instance: dg.DagsterInstance, lake: Any, cursor: str | None
     return requests, sorted(set(partitions)), report, new_cursor
 
 
-@dg.sensor(name="loop_sensor", minimum_interval_seconds=MIN_INTERVAL_S,
+@dg.sensor(name="chain_sensor", minimum_interval_seconds=MIN_INTERVAL_S,
            jobs=[train_run_job, select_checkpoint_job, deploy_model_job],
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="Moves each experiment chain forward: trains every sweep point once the "
                        "dataset is profiled, selects the best checkpoint once every checkpoint "
                        "of the finished runs is scored, deploys it when the experiment's "
                        "deploy policy is auto. A failed training run stops its chain.")
-def loop_sensor(context: dg.SensorEvaluationContext, lake: LakeResource) -> dg.SensorResult:
+def chain_sensor(context: dg.SensorEvaluationContext, lake: LakeResource) -> dg.SensorResult:
     requests, partitions, report, cursor = evaluate(context.instance, lake.lake(),
                                                     context.cursor)
     for chain, what in report.items():
@@ -244,5 +244,5 @@ def loop_sensor(context: dg.SensorEvaluationContext, lake: LakeResource) -> dg.S
                            cursor=cursor, skip_reason=skip)
 
 
-SENSORS = [loop_sensor]
+SENSORS = [chain_sensor]
 JOBS = [start_experiment_job, train_run_job, select_checkpoint_job, deploy_model_job]

@@ -3,7 +3,7 @@
 Every ``MIN_INTERVAL_S`` seconds it reads ``settings.experiments_dir``. For a new or edited file
 (by content hash) it adds the experiment to the ``experiments`` partitions and requests
 ``start_experiment_job`` for it with the stable run key ``<experiment>@<file hash>`` (an
-unchanged file never re-requests; an edited one starts a new chain, which ``loop_sensor`` takes
+unchanged file never re-requests; an edited one starts a new chain, which ``chain_sensor`` takes
 to a deployment). A file whose ``data.where`` matches no sample yet waits (the tick says so)
 and starts once samples arrive. A file with a ``schedule`` starts at each cron tick
 (``<experiment>@<tick>``) instead, not when it is added or edited. A file whose exact content already started a chain

@@ -10,7 +10,7 @@ tick's report. ``checkpoint_sensor`` turns each new verified row of ``checkpoint
 Dagster instance over an existing lake, is not evaluated again); ``traffic_sensor``
 re-materializes an experiment's dataset once ``data.min_new_samples`` new samples match its
 selection since its last profile (an experiment never built is left to its first chain) or, if the file says ``retrain_on_new_samples``, starts the experiment's chain
-(``start_experiment_job``: dataset, then ``loop_sensor`` trains, evaluates and deploys).
+(``start_experiment_job``: dataset, then ``chain_sensor`` trains, evaluates and deploys).
 """
 
 import json

@@ -2,11 +2,11 @@
 
 They do what a click in the UI does: submit ``start_experiment_job`` for the experiment's
 partition to the instance's run queue (``dagster job launch``, through the run launcher the
-instance is configured with), and then only watch. The daemon launches the run; ``loop_sensor``
+instance is configured with), and then only watch. The daemon launches the run; ``chain_sensor``
 trains every sweep point, ``checkpoint_sensor`` evaluates each checkpoint while it trains, and
 the best checkpoint is selected and deployed per the experiment's ``deploy`` policy. The client
 follows the chain's runs (tag ``factory/chain``) with progress lines and ends with the chain's
-outcome as ``loop_sensor`` recorded it. With no daemon running it starts one for the duration
+outcome as ``chain_sensor`` recorded it. With no daemon running it starts one for the duration
 (``factory.app.instance.ensure_daemon``).
 
 Ctrl-C cancels the chain's runs that have not ended through the instance's run coordinator
@@ -60,9 +60,9 @@ def submit(job: str, partition: str, tags: dict[str, str] | None = None) -> str:
 
 
 def loop_outcome(inst: Any, chain: str) -> str | None:
-    """How ``loop_sensor`` recorded that chain ``chain`` ended, or None while it is active."""
+    """How ``chain_sensor`` recorded that chain ``chain`` ended, or None while it is active."""
     for state in inst.all_instigator_state():
-        if state.name != "loop_sensor" or state.instigator_data is None:
+        if state.name != "chain_sensor" or state.instigator_data is None:
             continue
         cursor = getattr(state.instigator_data, "cursor", None)
         if cursor:

@@ -2,7 +2,7 @@
 
 ``run_experiment`` submits the experiment's chain (``start_experiment_job``: dataset, profile,
 rubric) to the Dagster instance, starting a daemon for the instance when none runs, and then
-follows it: ``loop_sensor`` plans and trains every sweep point, ``checkpoint_sensor`` evaluates
+follows it: ``chain_sensor`` plans and trains every sweep point, ``checkpoint_sensor`` evaluates
 each checkpoint while it trains, the best checkpoint is selected once all are scored, and it is
 deployed (``deploy: auto``, or ``--no-deploy``/``deploy: manual`` to stop at the selection).
 Every run is on the instance, so ``factory ui`` shows the same chain a click would have made.

@@ -65,8 +65,7 @@ def plan_of_run(session: LakeSession, run_id: str, experiment: str) -> dict[str,
 
 def _from_plan(plan: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
     """Field -> (value, reason) for what the plan decides."""
-    # ``eval_sandbox``: the same part in plans stored under its earlier name.
-    box = plan.get("eval_serving") or plan.get("eval_sandbox") or {}
+    box = plan.get("eval_serving") or {}
     values = plan.get("values") or {}
     reasons = plan.get("reasons") or {}
 

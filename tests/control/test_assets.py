@@ -150,7 +150,7 @@ def test_job_from_plan_exports_the_dataset_and_names_the_run(factory_home,
 
 
 def test_a_failed_training_run_says_why(factory_home, tiny_model_dir) -> None:
-    """The message the chain ends with (``loop_sensor``'s outcome, ``factory run``'s error)
+    """The message the chain ends with (``chain_sensor``'s outcome, ``factory run``'s error)
     is the training_run step's: the refused plan's numbers, or the trainer's data error."""
     from factory.app.runner import instance, materialize
     from factory.runs import failure_message

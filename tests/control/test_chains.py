@@ -1,4 +1,4 @@
-"""``loop_sensor``: each chain's next run request, from real runs on a Dagster instance and the
+"""``chain_sensor``: each chain's next run request, from real runs on a Dagster instance and the
 lake's checkpoints and scores; skip reasons say what a chain waits for."""
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def test_traffic_sensor_requests_the_dataset_once_enough_new_samples(factory_hom
         result = tick(None)
         [req] = result.run_requests
         # retrain_on_new_samples: the whole chain starts (dataset, then plan and train once
-        # the dataset is profiled: loop_sensor)
+        # the dataset is profiled: chain_sensor)
         assert req.run_key == "retrain:support:3" and req.partition_key == "support"
         assert req.job_name == "start_experiment_job"
         assert "3 new samples" in req.tags["factory/reason"]

@@ -86,7 +86,7 @@ def _instance() -> Any:
 
 
 def _chain_outcome(start_run: str) -> str:
-    """Wait for the chain that ``start_run`` began to end (as loop_sensor records it)."""
+    """Wait for the chain that ``start_run`` began to end (as chain_sensor records it)."""
     from factory.app.client import loop_outcome
 
     inst = _instance()

@@ -43,3 +43,31 @@ def test_the_wheel_has_one_top_level_name_and_the_package_data(tmp_path: Path) -
                         if n.startswith("factory/recipes/") and n.endswith(".yaml")} == recipes
     [top_level] = [n for n in names if n.endswith(".dist-info/top_level.txt")]
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["factory"]
+
+
+MAPPED = {name.removeprefix("factory.") for name in SETUPTOOLS["package-dir"]}
+
+
+def _top_level_imports(path: Path) -> list[tuple[int, str]]:
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+    return [(line, name) for line, name in out if name.split(".")[0] in MAPPED]
+
+
+def test_nothing_imports_a_folder_by_its_uninstalled_name() -> None:
+    # pytest puts the repository root on sys.path, so ``import assets`` would still work in the
+    # suite while failing in an installed factory: only this check catches it.
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    # The one exception: in the trainer image trainer/ and kernels/ are copied side by side.
+    image_layout = {("trainer/model.py", "kernels.patcher")}
+    stray = [f"{f}:{line}: import {name}" for f in files
+             for line, name in _top_level_imports(ROOT / f) if (f, name) not in image_layout]
+    assert not stray, "use the installed names (factory.assets, factory.trainer, ...):\n" + \
+        "\n".join(stray)
