@@ -27,7 +27,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """What to train and how: the training part of a plan (issue 6's planner fills it)."""
+    """What to train and how: the training part of a plan (the planner fills it)."""
 
     base_model: str
     """A local Hugging Face directory, or a hub id where a hub is reachable."""
