@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256s
 # Every pip call is constrained to the local CPU build of torch: anything else pulls CUDA wheels.
 PIP := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip
 
-.PHONY: install native demo test lint site typecheck contracts unit bench clean ui
+.PHONY: install native demo test lint site typecheck contracts unit bench cards clean ui
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,11 @@ test: lint typecheck contracts unit
 
 ui: install
 	$(BIN)/factory ui
+
+# The experiment cards under docs/experiments/, rendered from experiments/*.yaml (a test holds
+# them current).
+cards: install
+	$(BIN)/python -m factory.planner.render experiments docs/experiments
 
 clean:
 	-$(BIN)/python -m factory.native clean
