@@ -9,7 +9,7 @@ judged by is the ``rubric`` asset, ``factory.assets.rubric``).
   ``InferenceResource`` fields override it), shown in the metadata with each value's source. The
   train/serve equivalence check runs first, on a few samples, as a blocking asset check: a
   checkpoint that fails it is not scored, so no later ``best_checkpoint`` can pick it. An
-  overfitting signal goes to ``early_stops``.
+  overfitting or plateau signal (``decide_stop``) goes to ``early_stops``.
 - ``best_checkpoint`` (per experiment): highest mean score with a bootstrap interval, ties to
   the earlier step; a row in ``best_checkpoints``.
 """
@@ -32,7 +32,7 @@ from factory.evals.runner import (
     items_from_samples,
     score_reference,
 )
-from factory.evals.selection import detect_overfitting, select_best, summarize
+from factory.evals.selection import decide_stop, select_best, summarize
 from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServerError
 from factory.inference.sizing import plan_of_run
@@ -186,7 +186,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
         return
     summary = summarize(step, scores)
     curves = read_curves(session, run_id)
-    stop = detect_overfitting(curves.scores)
+    stop = decide_stop(curves.samples)
     if stop is not None:
         session.append("early_stops", [{
             "run_id": run_id, "experiment": experiment, "peak_step": stop.peak_step,
@@ -198,6 +198,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
         "ci_low": summary.ci_low, "ci_high": summary.ci_high,
         "num_failed": summary.num_failed, "judge": judge.name,
         "rubric_version": rubric.version, "early_stop": stop.reason if stop else "",
+        "early_stop_rule": stop.rule if stop else "",
         "curve": dg.MetadataValue.path(str(png)),
         "eval_serving": dg.MetadataValue.json(size.metadata()),
         "serve_command": dg.MetadataValue.json(serve_command), **session.metadata()})

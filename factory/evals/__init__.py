@@ -18,10 +18,19 @@ from factory.evals.runner import (
     items_from_samples,
     score_reference,
 )
-from factory.evals.selection import EarlyStop, StepScore, detect_overfitting, select_best, summarize
+from factory.evals.selection import (
+    EarlyStop,
+    StepScore,
+    decide_stop,
+    detect_overfitting,
+    detect_plateau,
+    select_best,
+    summarize,
+)
 
 __all__ = ["Answer", "Criterion", "EarlyStop", "EmbeddedJudge", "EquivalenceError",
            "EquivalenceResult", "EvalItem", "Generated", "JudgeOutputError", "LLMJudge",
            "Rubric", "ScoreRow", "StepScore", "answer_from_message", "build_rubric",
-           "check_equivalence", "detect_overfitting", "generate_answers", "infer_rubric",
+           "check_equivalence", "decide_stop", "detect_overfitting", "detect_plateau",
+           "generate_answers", "infer_rubric",
            "items_from_samples", "score_reference", "select_best", "summarize"]

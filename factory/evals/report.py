@@ -23,6 +23,8 @@ class RunCurves:
     """The run."""
     scores: list[tuple[int, float]] = field(default_factory=list)
     """(step, mean score) of the base model (step 0) and each checkpoint."""
+    samples: dict[int, list[float]] = field(default_factory=dict)
+    """Step -> the sample scores behind that mean (for bootstrap intervals)."""
     reference: float | None = None
     """Mean score of the reference answers."""
     loss: list[tuple[int, float]] = field(default_factory=list)
@@ -36,16 +38,20 @@ def read_curves(lake: Any, run_id: str) -> RunCurves:
     curves = RunCurves(run_id=run_id)
     if not root.exists("eval_scores"):
         return curves
-    t = lake.sql("SELECT kind, step, avg(score) AS mean FROM eval_scores "
+    t = lake.sql("SELECT kind, step, score FROM eval_scores "
                  "WHERE run_id = ? AND status = 'ok' AND rubric_version = ("
                  "  SELECT rubric_version FROM eval_scores WHERE run_id = ? "
                  "  ORDER BY evaluated_at DESC LIMIT 1) "
-                 "GROUP BY kind, step ORDER BY step", [run_id, run_id]).to_pylist()
+                 "ORDER BY step, sample_id", [run_id, run_id]).to_pylist()
+    reference: list[float] = []
     for r in t:
         if r["kind"] == "reference":
-            curves.reference = float(r["mean"])
+            reference.append(float(r["score"]))
         else:
-            curves.scores.append((int(r["step"]), float(r["mean"])))
+            curves.samples.setdefault(int(r["step"]), []).append(float(r["score"]))
+    if reference:
+        curves.reference = sum(reference) / len(reference)
+    curves.scores = [(step, sum(v) / len(v)) for step, v in sorted(curves.samples.items())]
     if root.exists("checkpoints"):
         paths = lake.sql("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step DESC "
                          "LIMIT 1", [run_id]).to_pylist()

@@ -7,6 +7,10 @@
   (fewer steps: less drift from the base, and it was there first).
 - ``detect_overfitting``: after the best score so far, the last ``patience`` evals are all
   more than ``margin`` below it -> an ``EarlyStop`` for the control plane.
+- ``detect_plateau``: the last ``patience`` checkpoints' scores each stay within the bootstrap
+  interval of the best checkpoint before them -> an ``EarlyStop``: more steps buy nothing the
+  evals can tell apart from noise.
+- ``decide_stop``: both rules over one run's scored checkpoints, overfitting first.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class EarlyStop:
     """Its score."""
     reason: str
     """One sentence for people and logs."""
+    rule: str = "overfitting"
+    """Which rule stopped it: ``overfitting`` or ``plateau``."""
 
 
 def detect_overfitting(curve: Sequence[tuple[int, float]], *, margin: float = 0.02,
@@ -114,3 +120,53 @@ def detect_overfitting(curve: Sequence[tuple[int, float]], *, margin: float = 0.
                                 f"{last:.3f} at step {last_step}: {patience} evals in a row "
                                 f"more than {margin} below the peak")
     return None
+
+
+PLATEAU_PATIENCE = 3
+"""Checkpoints in a row that must fail to beat the best one before them by more than its
+bootstrap interval before training stops on a plateau. Three, so one noisy eval (12 samples on
+CPU) neither stops a run nor keeps a flat one going."""
+
+
+def detect_plateau(summaries: Sequence[StepScore], *,
+                   patience: int = PLATEAU_PATIENCE) -> EarlyStop | None:
+    """``summaries``: one per scored checkpoint (the base model, step 0, is left out: a run that
+    has not yet left the base is still warming up). Stop when each of the last ``patience``
+    checkpoints scores at most the upper end of the 95% bootstrap interval of the best
+    checkpoint before it: no improvement larger than that checkpoint's own noise."""
+    if patience < 1:
+        raise ValueError(f"patience: must be >= 1, got {patience}")
+    points = sorted((s for s in summaries if s.step > 0), key=lambda s: s.step)
+    if len(points) < patience + 1:
+        return None
+    tail_start = len(points) - patience
+    best = points[0]
+    for s in points[1:tail_start]:
+        if s.mean > best.mean + 1e-12:
+            best = s
+    for s in points[tail_start:]:
+        if s.mean > best.ci_high + 1e-12:
+            return None
+        if s.mean > best.mean + 1e-12:
+            best = s
+    last = points[-1]
+    peak = max(points, key=lambda s: (s.mean, -s.step))
+    return EarlyStop(
+        peak_step=peak.step, peak_score=peak.mean, last_step=last.step, last_score=last.mean,
+        rule="plateau",
+        reason=f"score plateaued: the last {patience} evals (steps "
+               f"{', '.join(str(s.step) for s in points[tail_start:])}) did not beat the best "
+               f"before them by more than its bootstrap interval (best {peak.mean:.3f} at step "
+               f"{peak.step}, interval up to {peak.ci_high:.3f})")
+
+
+def decide_stop(by_step: Mapping[int, Sequence[float | None]], *, margin: float = 0.02,
+                patience: int = 2, plateau_patience: int = PLATEAU_PATIENCE) -> EarlyStop | None:
+    """Whether a run should stop, from its sample scores by step (step 0: the base model):
+    the score fell after its peak (``detect_overfitting``), else it plateaued
+    (``detect_plateau``); None keeps training."""
+    summaries = [summarize(step, scores) for step, scores in sorted(by_step.items())
+                 if any(x is not None for x in scores)]
+    stop = detect_overfitting([(s.step, s.mean) for s in summaries], margin=margin,
+                              patience=patience)
+    return stop or detect_plateau(summaries, patience=plateau_patience)

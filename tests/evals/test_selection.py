@@ -33,3 +33,35 @@ def test_overfitting() -> None:
     assert "fell from 0.700" in stop.reason
     within_margin = [(0, 0.1), (10, 0.7), (20, 0.69), (30, 0.68)]
     assert detect_overfitting(within_margin, margin=0.05, patience=2) is None
+
+
+def test_plateau_stops_when_no_checkpoint_beats_the_best_by_more_than_its_interval() -> None:
+    from factory.evals import decide_stop, detect_plateau
+
+    noisy = [0.5, 0.7, 0.9, 0.6, 0.8, 0.7]          # mean 0.7, interval about +-0.1
+    flat = {0: [0.1] * 6, 4: noisy, 8: [x + 0.02 for x in noisy],
+            12: [x - 0.03 for x in noisy], 16: [x + 0.05 for x in noisy]}
+    stop = decide_stop(flat)
+    assert stop is not None and stop.rule == "plateau"
+    assert (stop.peak_step, stop.last_step) == (16, 16)
+    assert "steps 8, 12, 16" in stop.reason and "bootstrap interval" in stop.reason
+    # One checkpoint fewer: not enough evals to call it.
+    assert decide_stop({k: v for k, v in flat.items() if k != 16}) is None
+    # A real gain in the window (beyond the best's interval) keeps training.
+    rising = dict(flat)
+    rising[12] = [min(1.0, x + 0.3) for x in noisy]
+    assert decide_stop(rising) is None
+    # The base model (step 0) is not a checkpoint: a run still at the base keeps going.
+    summaries = [summarize(s, v) for s, v in sorted(flat.items()) if s <= 8]
+    assert detect_plateau(summaries, patience=2) is None
+    with pytest.raises(ValueError, match="patience"):
+        detect_plateau(summaries, patience=0)
+
+
+def test_overfitting_is_decided_before_the_plateau() -> None:
+    from factory.evals import decide_stop
+
+    falling = {0: [0.1, 0.1], 10: [0.7, 0.7], 20: [0.6, 0.6], 30: [0.55, 0.55],
+               40: [0.5, 0.5]}
+    stop = decide_stop(falling, margin=0.05)
+    assert stop is not None and stop.rule == "overfitting" and stop.peak_step == 10
