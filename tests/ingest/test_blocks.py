@@ -1,13 +1,14 @@
 """File ingest by blocks: JSON Lines cut into byte ranges, written as data files, committed.
 
 ``ingest_paths`` cuts JSON Lines files into blocks (``factory.ingest.files.line_blocks``), each
-block is normalized and written as Parquet data files (``factory.ingest.workers.ingest_block``), and the
-main process dedupes across blocks (rewriting a block's files without repeated ids) and commits
-the files raw_traces first. These tests force many tiny blocks (``_BLOCK_BYTES``) and check what a
-user relies on: the first copy of a record wins and nothing is lost or doubled, line numbers in
-rejection reasons stay right across blocks, a compressed file gives the same tables as a plain
-one, a crash or failure leaves the lake consistent (and no data file nobody references), the
-files are Snappy-compressed and their lineage leads from samples back to raw_traces.
+block is normalized and written as Parquet data files (``factory.ingest.workers.ingest_block``),
+and the main process dedupes across blocks (rewriting a block's files without repeated ids) and
+commits the files raw_traces first. These tests force many tiny blocks (``_BLOCK_BYTES``) and
+check what a user relies on: the first copy of a record wins and nothing is lost or doubled,
+line numbers in rejection reasons stay right across blocks, a compressed file gives the same
+tables as a plain one, a crash or failure leaves the lake consistent (and no data file nobody
+references), the files are Snappy-compressed and their lineage leads from samples back to
+raw_traces.
 
 Tests marked ``xfail(strict=True)`` pin bugs found in review (see each reason): they fail once
 the bug is fixed, and the marker must then go.

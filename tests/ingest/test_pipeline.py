@@ -105,7 +105,8 @@ def test_same_record_twice_in_one_batch_is_one_raw_row(factory_home: Path) -> No
     now = datetime.now(tz=UTC)
     recs = [RawRecord(payload=conv.openai_call(), source="proxy", received_at=now, tags={})
             for _ in range(3)]
-    summary = ingest_records(lake, recs, lineages={"raw_traces": Lineage(run_id="r1", asset_key="gateway")})
+    summary = ingest_records(lake, recs,
+                             lineages={"raw_traces": Lineage(run_id="r1", asset_key="gateway")})
     assert (summary.ingested, summary.duplicates) == (1, 2)
     assert lake.snapshot_info("raw_traces")["run_id"] == "r1"
 
