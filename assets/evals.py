@@ -26,6 +26,7 @@ from factory.assets.rubric import eval_rows
 from factory.evals.equivalence import check_equivalence
 from factory.evals.progress import unscored_checkpoints
 from factory.evals.report import plot_png, read_curves
+from factory.evals.reuse import borrow_scores
 from factory.evals.rubric import Rubric
 from factory.evals.runner import (
     generate_answers,
@@ -131,6 +132,22 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
         session.append("eval_scores", out)
         return [r.score for r in scored]
 
+    borrowed: dict[str, str] = {}
+
+    def same_generation(other_run: str) -> bool:
+        other = plan_of_run(session, other_run, experiment) or {}
+        return (other.get("base_model"), (other.get("eval_serving") or {}).get(
+            "max_new_tokens")) == ((plan or {}).get("base_model"), size.max_new_tokens)
+
+    def borrow(kind: str) -> str | None:
+        source = borrow_scores(session, kind=kind, run_id=run_id, experiment=experiment,
+                               rubric_version=rubric.version,
+                               sample_ids=[i.sample_id for i in items],
+                               same_generation=same_generation)
+        if source is not None:
+            borrowed[kind] = source
+        return source
+
     adapter = f"{run_id}-step-{step}"
     # Sized by the eval serving size the planner chose for this run; resource fields override.
     size = inference.serving_size(plan,
@@ -156,7 +173,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
                                         base_model=base_model,
                                         atol=1e-3 if inference.backend == "transformers"
                                         else 0.1)
-        if "base" not in done:
+        if "base" not in done and borrow("base") is None:
             answers = generate_answers(client, "base", items, **gen)
             record("base", 0, None, answers, judge.score(rubric, items,
                                                          [a.answer for a in answers]))
@@ -166,7 +183,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
                             judge.score(rubric, items, [a.answer for a in answers]))
     finally:
         server.stop()
-    if "reference" not in done:
+    if "reference" not in done and borrow("reference") is None:
         refs = score_reference(judge, rubric, items)
         record("reference", None, None, [i.reference for i in items], refs)
     check = dg.AssetCheckResult(check_name="train_serve_equivalence", passed=equivalence.passed,
@@ -198,6 +215,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
         "ci_low": summary.ci_low, "ci_high": summary.ci_high,
         "num_failed": summary.num_failed, "judge": judge.name,
         "rubric_version": rubric.version, "early_stop": stop.reason if stop else "",
+        "scores_reused_from": dg.MetadataValue.json(borrowed),
         "early_stop_rule": stop.rule if stop else "",
         "curve": dg.MetadataValue.path(str(png)),
         "eval_serving": dg.MetadataValue.json(size.metadata()),

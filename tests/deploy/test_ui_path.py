@@ -213,3 +213,16 @@ def test_a_scheduled_sweep_trains_compares_and_promotes(ui: UI) -> None:
                       "'sweep' ORDER BY selected_at DESC LIMIT 1").to_pylist()[0]
     assert live is not None and live.run_id == best["run_id"]
     assert scores[best["run_id"]] == pytest.approx(max(scores.values()))
+    # The base model and the references were judged once for both points: the later point's
+    # first eval copied them from the earlier one.
+    import dagster as dg
+
+    reused = []
+    for record in _instance().fetch_materializations(
+            dg.AssetKey("checkpoint_evals"), limit=100).records:
+        meta = record.asset_materialization.metadata if record.asset_materialization else {}
+        source = meta.get("scores_reused_from")
+        if meta["run_id"].value in trainers and source is not None and source.value:
+            reused.append(source.value)
+    assert len(reused) == 1 and set(reused[0]) == {"base", "reference"}
+    assert set(reused[0].values()) < set(trainers)
