@@ -94,13 +94,16 @@ def _is_transient(exc: BaseException) -> bool:
     return "database is locked" in text or "database table is locked" in text
 
 
-def _retry(fn: Any, *args: Any, **kwargs: Any) -> Any:
+def _retry(fn: Any, *args: Any, deadline: float | None = None, **kwargs: Any) -> Any:
+    """Call ``fn`` until it succeeds, retrying transient errors with jittered backoff, at most
+    ``_MAX_COMMIT_TRIES`` times and, with a ``deadline`` (``time.monotonic()``), not after it."""
     delay = 0.01
     for attempt in range(_MAX_COMMIT_TRIES):
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            if not _is_transient(exc) or attempt == _MAX_COMMIT_TRIES - 1:
+            if (not _is_transient(exc) or attempt == _MAX_COMMIT_TRIES - 1
+                    or (deadline is not None and time.monotonic() >= deadline)):
                 raise
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 0.5)
@@ -110,10 +113,11 @@ def _retry(fn: Any, *args: Any, **kwargs: Any) -> Any:
 _CATALOG_INIT_LOCK = threading.Lock()
 
 
-def _open_sql_catalog(settings: Settings) -> Catalog:
+def _open_sql_catalog(settings: Settings, deadline: float | None = None) -> Catalog:
     """The embedded SQLite catalog. Its constructor creates the catalog tables when absent,
     which races with other threads and processes doing the same ("table already exists",
-    "database is locked"): serialize threads here and retry the cross-process race."""
+    "database is locked"): serialize threads here and retry the cross-process race (20 tries,
+    each up to SQLite's 5 s busy wait, and none after ``deadline``)."""
     from pyiceberg.catalog.sql import SqlCatalog
 
     for attempt in range(20):
@@ -123,7 +127,8 @@ def _open_sql_catalog(settings: Settings) -> Catalog:
                                   warehouse=settings.warehouse.as_uri())
         except Exception as exc:
             lost_race = "already exists" in str(exc).lower() or _is_transient(exc)
-            if not lost_race or attempt == 19:
+            if (not lost_race or attempt == 19
+                    or (deadline is not None and time.monotonic() >= deadline)):
                 raise
             time.sleep(0.02 * (attempt + 1))
     raise AssertionError("unreachable")
@@ -146,13 +151,28 @@ def to_arrow(name: str, data: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Tabl
 
 
 class Lake:
-    """The factory's tables. Cheap to construct; safe to use from several threads/processes."""
+    """The factory's tables. Cheap to construct; safe to use from several threads/processes.
 
-    def __init__(self, settings: Settings | None = None, catalog: Catalog | None = None) -> None:
+    A busy catalog (SQLite locked by another writer) or a commit that lost a race is retried
+    within each call. ``patience_s`` bounds how long one call keeps retrying before it raises;
+    None retries up to 60 times, which on a locked SQLite catalog (5 s busy wait a try) is
+    minutes. A caller with its own retry loop that must report an outage while it lasts (the
+    gateway's flusher) passes a few seconds.
+    """
+
+    def __init__(self, settings: Settings | None = None, catalog: Catalog | None = None, *,
+                 patience_s: float | None = None) -> None:
         self.settings = (settings or get_settings()).ensure()
         self._catalog = catalog
         self._lock = threading.Lock()
         self._ready: set[str] = set()
+        self.patience_s = patience_s
+
+    def _retry(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return _retry(fn, *args, deadline=self._deadline(), **kwargs)
+
+    def _deadline(self) -> float | None:
+        return None if self.patience_s is None else time.monotonic() + self.patience_s
 
     # -- catalog and tables ------------------------------------------------------------------
     @property
@@ -162,9 +182,9 @@ class Lake:
             if name:
                 self._catalog = load_catalog(name)
             else:
-                self._catalog = _open_sql_catalog(self.settings)
+                self._catalog = _open_sql_catalog(self.settings, self._deadline())
             try:
-                _retry(self._catalog.create_namespace, NAMESPACE)
+                self._retry(self._catalog.create_namespace, NAMESPACE)
             except Exception:
                 # Lost a creation race (SQLite reports it as an IntegrityError, not
                 # NamespaceAlreadyExistsError): fine as long as the namespace is there now.
@@ -177,16 +197,16 @@ class Lake:
         schema = schema_of(name)
         ident = (NAMESPACE, name)
         try:
-            tbl = _retry(self.catalog.load_table, ident)
+            tbl = self._retry(self.catalog.load_table, ident)
         except NoSuchTableError:
             try:
-                tbl = _retry(self.catalog.create_table, ident, schema=schema,
+                tbl = self._retry(self.catalog.create_table, ident, schema=schema,
                              properties=TABLE_PROPERTIES.get(name, {}))
             except Exception as exc:
                 # A concurrent creator won (TableAlreadyExistsError, or IntegrityError from
                 # SQLite): load theirs; anything else is a real failure.
                 try:
-                    tbl = _retry(self.catalog.load_table, ident)
+                    tbl = self._retry(self.catalog.load_table, ident)
                 except NoSuchTableError:
                     raise exc from None
         if name not in self._ready:
@@ -196,7 +216,7 @@ class Lake:
                     fresh = self.catalog.load_table(ident)
                     with fresh.update_schema() as update:
                         update.union_by_name(schema)
-                _retry(evolve)
+                self._retry(evolve)
                 tbl = self.catalog.load_table(ident)
             # Declared properties a table lacks (made by older code) are added; a value set
             # on purpose (an operator's own codec) is left alone.
@@ -206,7 +226,7 @@ class Lake:
                 def set_properties() -> None:
                     with self.catalog.load_table(ident).transaction() as tx:
                         tx.set_properties(wanted)
-                _retry(set_properties)
+                self._retry(set_properties)
                 tbl = self.catalog.load_table(ident)
             self._ready.add(name)
         return tbl
@@ -265,7 +285,7 @@ class Lake:
             return snap.snapshot_id
 
         self.table(name)
-        return int(_retry(commit))
+        return int(self._retry(commit))
 
     # -- two-stage writes: data files written anywhere, committed here -----------------------
     def file_target(self, name: str) -> FileTarget:
@@ -319,7 +339,7 @@ class Lake:
             assert snap is not None
             return snap.snapshot_id
 
-        return int(_retry(commit))
+        return int(self._retry(commit))
 
     def read_files(self, name: str, locations: Sequence[str]) -> pa.Table:
         """The rows of data files of ``name`` (committed or not)."""
@@ -359,7 +379,7 @@ class Lake:
             return snap.snapshot_id if snap else None
 
         self.table(name)
-        return _retry(commit)  # type: ignore[no-any-return]
+        return self._retry(commit)  # type: ignore[no-any-return]
 
     def session(self, *, run_id: str, asset_key: str) -> LakeSession:
         return LakeSession(self, Lineage(run_id=run_id, asset_key=asset_key))

@@ -50,6 +50,12 @@ _DROP_RESPONSE = frozenset({b"content-length", b"transfer-encoding", b"connectio
 _AUTH_HEADERS = frozenset({b"authorization", b"x-api-key", b"x-goog-api-key"})
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 TRAINER_EVENTS_PATH = "/v1/trainer/events"  # factory.control.receiver.PATH
+# How long one lake call of the gateway (a flush, a routes read, a trainer event) retries a
+# locked catalog or a lost commit race before it fails. The flusher retries whole batches
+# itself; without a bound, a locked SQLite catalog kept one attempt waiting silently for
+# minutes (20 catalog opens of up to 5 s each, then 60 commit tries), with nothing in the log
+# or /metrics. Races between writers resolve in well under a second.
+LAKE_PATIENCE_S = 5.0
 _GEMINI_PREFIX = "/v1beta/models/"
 
 
@@ -102,7 +108,7 @@ class Gateway:
         def default_lake() -> Any:
             from factory.lake import Lake
 
-            return Lake(self.settings)
+            return Lake(self.settings, patience_s=LAKE_PATIENCE_S)
 
         self._lake_factory = lake_factory or default_lake
         self.flusher = Flusher(self.settings.spool, lake_factory=self._lake_factory,
@@ -158,8 +164,18 @@ class Gateway:
                 "Committed captures that ingest rejected (see rejected_traces for why).",
                 lambda: float(self.flusher.num_rejected if self.flusher else 0))
         m.gauge("factory_gateway_flush_failures_total",
-                "Lake commits that failed (the batch stays spooled and is retried).",
+                "Flush attempts that failed, each logged with its traceback (the batch stays "
+                "spooled and is retried).",
                 lambda: float(self.flusher.num_failures if self.flusher else 0))
+        m.gauge("factory_gateway_flush_last_failure_timestamp_seconds",
+                "Unix time of the last failed flush attempt (0: none).",
+                lambda: float((self.flusher.last_error_at or 0) if self.flusher else 0))
+        m.gauge("factory_gateway_flush_last_success_timestamp_seconds",
+                "Unix time of the last commit to the lake (0: none yet).",
+                lambda: float((self.flusher.last_success_at or 0) if self.flusher else 0))
+        m.gauge("factory_gateway_flusher_up",
+                "1 while the flusher thread runs; 0 when it stopped on an error (or is off).",
+                lambda: float(self.flusher is not None and self.flusher.running))
 
     def _trainer_events_route(self) -> Any:
         if self._trainer_route is None:
@@ -514,6 +530,8 @@ class Gateway:
                          else "error" if flusher.last_error else "ok")}
         if flusher is not None and flusher.last_error:
             body["lake_error"] = flusher.last_error
+        if flusher is not None and self._started and not flusher.running:
+            body["flusher"] = "stopped"
         await _reply(send, 200, orjson.dumps(body))
 
 

@@ -6,7 +6,8 @@ accept and committed with ``factory.ingest.ingest_records``; the segments are de
 that returned. Each capture's ``raw_trace_id`` is derived from its ``capture_id``, and ingest skips
 ids already in ``raw_traces``, so a batch replayed after a crash between commit and delete is
 captured exactly once. While the lake is unavailable (catalog locked, unreachable, any error on
-commit) the batch is retried with back-off and the spool keeps growing.
+commit) the batch is retried with back-off and the spool keeps growing; each failed attempt is
+logged with its traceback and counted in ``/metrics``.
 
 Only one process flushes a spool folder at a time (an ``flock`` on ``flush.lock``).
 """
@@ -19,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -222,7 +224,13 @@ def _default_ingest(lake: Any, records: list[Any]) -> Any:
 
 
 class Flusher:
-    """Drains sealed segments into the lake; retries with back-off while the lake is down."""
+    """Drains sealed segments into the lake; retries with back-off while the lake is down.
+
+    Every failed attempt is logged with its traceback and counted (``num_failures``,
+    ``last_error``, ``last_error_at``: the gateway's ``/metrics`` and ``/healthz``), so an
+    outage shows while it lasts; the batch stays spooled and the next attempt comes after a
+    back-off that doubles up to ``retry_max_s``.
+    """
 
     def __init__(self, directory: Path, *, lake_factory: Callable[[], Any],
                  ingest: IngestFn | None = None, interval_s: float = 0.5,
@@ -236,16 +244,26 @@ class Flusher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
+        self._lock_wait_logged = False
         self._lake: Any = None
         self.num_committed = 0
         """Captures committed to the lake by this process (samples or rejected_traces)."""
         self.num_rejected = 0
         """Of those, captures ingest rejected (kept in ``rejected_traces`` with the reason)."""
         self.num_failures = 0
-        """Batches refused by the lake (each retried later)."""
+        """Flush attempts that raised (each logged with its traceback, its batch retried)."""
         self.num_corrupt_segments = 0
         self.last_success_at: float | None = None
+        """Unix time of the last commit."""
         self.last_error: str | None = None
+        """The last failure, one line; None once a commit succeeded after it."""
+        self.last_error_at: float | None = None
+        """Unix time of the last failure (kept after a later success)."""
+
+    @property
+    def running(self) -> bool:
+        """Whether the flush thread is alive (False before ``start`` and once it ended)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gateway-flusher", daemon=True)
@@ -269,30 +287,49 @@ class Flusher:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            if not self._lock_wait_logged:
+                self._lock_wait_logged = True
+                log.info("flusher: another process holds %s and drains this spool; this "
+                            "one flushes once it is gone", self.dir / "flush.lock")
             return False
         self._lock_fd = fd
+        if self._lock_wait_logged:
+            log.info("flusher: took over %s", self.dir / "flush.lock")
         return True
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug: said loudly, never a thread gone without a word
+            self._failed(exc)
+            log.critical("flusher: stopped by an unexpected error; captures stay spooled until "
+                         "the gateway restarts", exc_info=exc)
+
+    def _loop(self) -> None:
         delay = self.interval_s
         while True:
             stopping = self._stop.is_set()  # once set: one last pass, then return
             try:
-                if self._acquire():
-                    committed = self.flush_once()
-                    delay = self.interval_s
-                    if committed and not stopping:
-                        continue  # more may be waiting: drain without sleeping
+                committed = self.flush_once() if self._acquire() else 0
             except Exception as exc:
-                self.num_failures += 1
-                self.last_error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-                self._lake = None  # a fresh catalog connection on the next try
-                log.warning("flusher: lake commit failed, captures stay spooled: %s",
-                            self.last_error)
                 delay = min(max(delay * 2, 0.2), self.retry_max_s)
+                self._failed(exc)
+                self._lake = None  # a fresh catalog connection on the next try
+                log.error("flusher: committing captures to the lake failed (failure %d); they "
+                          "stay spooled, next try in %.1f s", self.num_failures, delay,
+                          exc_info=exc)
+            else:
+                delay = self.interval_s
+                if committed and not stopping:
+                    continue  # more may be waiting: drain without sleeping
             if stopping:
                 return
             self._stop.wait(delay)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.num_failures += 1
+        self.last_error = traceback.format_exception_only(exc)[-1].strip()[:300]
+        self.last_error_at = time.time()
 
     def flush_once(self) -> int | None:
         """Commit one batch of sealed segments; returns captures committed (0: nothing to do).

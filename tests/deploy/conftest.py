@@ -7,16 +7,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from factory.gateway import Gateway, GatewayConfig, ServerThread
 from factory.gateway.standin import StandIn
 from tests.inference.conftest import make_adapter
+from tests.waiting import wait_until  # noqa: F401  (test_ui_path imports it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,13 +92,3 @@ def factory_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess
                           env=dict(os.environ), capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
-
-def wait_until(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or check}")
-        time.sleep(0.1)

@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 
-from tests.deploy.conftest import ROOT, wait_until
+from tests.deploy.conftest import ROOT
+from tests.waiting import wait_until
 
 LAUNCH = """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename
   ... on LaunchRunSuccess { run { runId } }

@@ -17,7 +17,8 @@ import pytest
 
 from factory.deploy.process import is_alive
 from factory.lake import Lake
-from tests.deploy.conftest import ROOT, wait_until
+from tests.deploy.conftest import ROOT
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

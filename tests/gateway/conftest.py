@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +48,3 @@ def gateway(factory_home: Path, upstream: ServerThread,
     with ServerThread(app) as srv:
         yield srv
 
-
-def wait_until(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or check}")
-        time.sleep(0.05)

@@ -17,7 +17,8 @@ from factory.app.cli import main
 from factory.gateway import Gateway, ServerThread
 from factory.gateway.app import parse_tags
 from factory.gateway.keys import KeyStore
-from tests.gateway.conftest import Collected, make_config, wait_until
+from tests.gateway.conftest import Collected, make_config
+from tests.waiting import wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -13,7 +13,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 from factory.gateway.loadgen import Result, run_load
 from factory.gateway.server import bind
 from factory.lake import Lake
-from tests.gateway.conftest import wait_until
+from tests.waiting import wait_until
 
 N = 10_000
 PATH = "/v1/chat/completions"
@@ -112,8 +111,9 @@ def test_lake_outage_during_10k_requests(factory_home: Path, standin_url: str) -
         lock.execute("BEGIN EXCLUSIVE")  # the catalog is unavailable to every other writer
         first = asyncio.run(run_load(gateway.url, _requests(0, N // 2), concurrency=32))
         ok_first = sum(r.status == 200 for r in first)
-        time.sleep(1.0)
-        assert gateway.health()["spool_depth"] == ok_first  # nothing committed, all spooled
+        # The flusher has tried, and failed, to commit them: nothing committed, all spooled.
+        wait_until(lambda: gateway.health()["lake"] == "error", 90, "a failed flush")
+        assert gateway.health()["spool_depth"] == ok_first
         lock.execute("ROLLBACK")
         lock.close()
         second = asyncio.run(run_load(gateway.url, _requests(N // 2, N), concurrency=32))
@@ -145,8 +145,7 @@ def test_sigkill_and_restart_during_10k_requests(factory_home: Path, standin_url
 
     def killer() -> None:
         for at in (3000, 6500):
-            while done[0] < at:
-                time.sleep(0.005)
+            wait_until(lambda at=at: done[0] >= at, 120, f"{at} answers")
             gateway.kill()
             kills.append(done[0])
             gateway.start()

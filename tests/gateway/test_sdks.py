@@ -15,7 +15,8 @@ import pytest
 
 from factory.gateway import Gateway, ServerThread
 from factory.lake import Lake
-from tests.gateway.conftest import make_config, wait_until
+from tests.gateway.conftest import make_config
+from tests.waiting import wait_until
 
 HEADERS = {"X-Factory-Project": "support", "X-Factory-Tags": "team=core,env=test"}
 

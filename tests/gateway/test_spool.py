@@ -20,7 +20,8 @@ from factory.gateway.flusher import (
 from factory.gateway.routes import RoutingTable, load_routes
 from factory.gateway.spool import SpoolWriter, encode, read_segment, sealed_segments
 from factory.lake import Lake
-from tests.gateway.conftest import Collected, make_config, wait_until
+from tests.gateway.conftest import Collected, make_config
+from tests.waiting import wait_until
 
 
 def _capture(i: int) -> bytes:

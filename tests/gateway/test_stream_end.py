@@ -23,7 +23,8 @@ from factory.gateway import Gateway, ServerThread
 from factory.gateway.flusher import stream_complete
 from factory.gateway.standin import acknowledge_lifespan
 from factory.ingest.rows import outcome
-from tests.gateway.conftest import Collected, make_config, wait_until
+from tests.gateway.conftest import Collected, make_config
+from tests.waiting import wait_until
 
 _CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m"}
 

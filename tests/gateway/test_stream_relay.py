@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from factory.gateway import Gateway, GatewayConfig, ServerThread
 from factory.gateway.upstream import ChunkedDecoder
-from tests.gateway.conftest import Collected, wait_until
+from tests.gateway.conftest import Collected
+from tests.waiting import wait_until
 
 
 def _frame(pieces: list[bytes], *, ext: bool = False, trailer: bool = False) -> bytes:
