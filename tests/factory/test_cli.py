@@ -24,6 +24,18 @@ def test_sql_json_contract_in_a_fresh_home(factory_home: Path) -> None:
     assert out.stdout.strip() == '[{"x": 1}]'
 
 
+def test_a_closed_pipe_ends_the_command_quietly(factory_home: Path) -> None:
+    """``factory sql ... | head``: the reader goes away; no traceback, SIGPIPE's status."""
+    with subprocess.Popen([str(BIN / "factory"), "sql", "select * from range(200000)",
+                           "--format", "json"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=dict(os.environ)) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.read(10) == b'[{"range":'
+        proc.stdout.close()  # what head does once it has its lines
+        assert proc.wait(120) == 141  # 128 + SIGPIPE
+        assert proc.stderr.read() == b""
+
+
 def test_sql_over_lake_tables(factory_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     Lake().append("raw_traces", [{"raw_trace_id": "a", "source": "upload", "tags": {"k": "v"}}])
     assert main(["sql", "select raw_trace_id, tags from raw_traces", "--format", "json"]) == 0
