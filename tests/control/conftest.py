@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 
 from factory.control.plane import ControlPlane
 from factory.trainer.config import Job
+from tests.waiting import wait_until
 
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "river", "stone"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -55,19 +55,21 @@ def make_job(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Job]:
     return make
 
 
-def drive(plane: ControlPlane, run_id: str, *, timeout_s: float, every_s: float = 0.5,
+def drive(plane: ControlPlane, run_id: str, *, timeout_s: float,
           on_tick: Callable[[dict[str, Any]], None] | None = None) -> str:
     """Tick the control loop until the run ends; returns its final status."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
+
+    def ended() -> str | None:
         report = plane.tick()
         if on_tick is not None:
             on_tick(report)
         status = plane.runs()[run_id].status
-        if status not in ("queued", "running"):
-            return status
-        time.sleep(every_s)
-    segs = plane.segments(run_id)
-    logs = "\n".join(Path(s.handle.info["log"]).read_text()[-2000:] for s in segs
-                     if "log" in s.handle.info and Path(s.handle.info["log"]).exists())
-    raise AssertionError(f"run {run_id} not done in {timeout_s} s: {segs}\n{logs}")
+        return None if status in ("queued", "running") else status
+
+    try:
+        return wait_until(ended, timeout_s, f"run {run_id} to end")
+    except AssertionError as exc:
+        segs = plane.segments(run_id)
+        logs = "\n".join(Path(s.handle.info["log"]).read_text()[-2000:] for s in segs
+                         if "log" in s.handle.info and Path(s.handle.info["log"]).exists())
+        raise AssertionError(f"{exc}: {segs}\n{logs}") from None

@@ -4,42 +4,27 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 
 from factory.control.receiver import trainer_events_route
+from factory.gateway import ServerThread
 from factory.lake import Lake
 from factory.trainer.webhooks import sign
 
 SECRET = b"s3cret"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture()
 def server(factory_home: Path):
     lake = Lake()
     app = Starlette(routes=[trainer_events_route(lake, {"k1": SECRET})])
-    port = _port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/v1/trainer/events", lake
-    srv.should_exit = True
-    t.join(5)
+    with ServerThread(app) as srv:  # started: uvicorn is listening
+        yield f"{srv.url}/v1/trainer/events", lake
 
 
 def _post(url: str, event: dict, *, secret: bytes = SECRET, ts: float | None = None,

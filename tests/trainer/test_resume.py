@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from factory.trainer.config import Job
 from factory.trainer.train import ExitCode, run_job
 from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +33,17 @@ def start(job_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
 
 def wait_for_step(proc: subprocess.Popen[bytes], events: Path, step: int,
                   timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Until the trainer's events file reports ``step``; fails at once if the trainer exits."""
+
+    def reached() -> bool:
         if any(e["type"] == "progress" and e["step"] >= step for e in read_events(events)):
-            return
+            return True
         if proc.poll() is not None:
             out = proc.stdout.read().decode() if proc.stdout else ""
             raise AssertionError(f"trainer exited {proc.returncode} before step {step}:\n{out}")
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} within {timeout_s} s")
+        return False
+
+    wait_until(reached, timeout_s, f"the trainer's step {step}")
 
 
 def final_state(out_dir: Path) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
