@@ -64,9 +64,12 @@ def build_smollm2(dest: Path, *, force: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .model import quiet_progress_bars
+
     src = gguf_path()
 
     def save(tmp: Path) -> dict[str, object]:
+        quiet_progress_bars()
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
                                                      dtype=torch.float32)

@@ -16,7 +16,9 @@ the unmasked causal kernel is ~2x faster than the masked one (bench/trainer.py).
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -36,6 +38,19 @@ PACKED_ATTENTION = "factory_packed_sdpa"
 _PLAIN_ATTENTION_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
+def quiet_progress_bars() -> None:
+    """Turn off transformers' and huggingface_hub's progress bars ("Loading weights: 0%|...")
+    unless stderr is a terminal: in a log file or a Dagster run's captured output every redraw
+    is kept. Called before loading a model; an ``HF_HUB_DISABLE_PROGRESS_BARS`` set by the
+    user wins."""
+    if "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ or (sys.stderr is not None
+                                                         and sys.stderr.isatty()):
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(base_model: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -51,6 +66,7 @@ def load_model(plan: TrainConfig, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+    quiet_progress_bars()
     base = AutoModelForCausalLM.from_pretrained(plan.base_model, dtype=dtype,
                                                 attn_implementation="sdpa")
     if device.type == "cpu" and _plain_attention(base.config, plan.max_seq_len):

@@ -63,12 +63,13 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
     from transformers import AutoModelForCausalLM
 
     from factory.trainer.chat import encode
-    from factory.trainer.model import CausalLMLoss, load_tokenizer
+    from factory.trainer.model import CausalLMLoss, load_tokenizer, quiet_progress_bars
 
     if base_model is None:
         cfg = json.loads((Path(checkpoint_dir) / "adapter_config.json").read_text())
         base_model = cfg["base_model_name_or_path"]
     tok = load_tokenizer(checkpoint_dir)
+    quiet_progress_bars()
     base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",

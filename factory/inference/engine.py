@@ -108,6 +108,8 @@ class Engine:
                  base_chat_template: str = "trainer") -> None:
         from transformers import AutoModelForCausalLM
 
+        from factory.trainer.model import quiet_progress_bars
+
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: must be float32 or bfloat16, got {dtype!r}")
         self.model_path = str(model)
@@ -117,6 +119,7 @@ class Engine:
                                                                      base_chat_template)
         self.tokenizer = _load_tokenizer(model, template)
         self.dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        quiet_progress_bars()
         self.base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         self.base.eval()
         self.model: Any = self.base

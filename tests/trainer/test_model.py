@@ -8,6 +8,9 @@ path), and show that the same rows with continuous positions (naive packing) do 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +181,26 @@ def test_bf16_autocast_frozen_linears_in_bf16_change_nothing(tiny_model_dir: Pat
     assert torch.equal(loss_a, loss_b)
     assert grads_a.keys() == grads_b.keys()
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load, bars", [
+    ("AutoModelForCausalLM.from_pretrained(path)", True),  # what the check would see
+    ("load_model(TrainConfig(base_model=path, max_seq_len=64, learning_rate=1e-3, "
+     "num_steps=1), torch.device('cpu'))", False),
+    ("Engine(path)", False),
+])
+def test_model_loading_draws_no_progress_bars_into_a_log(tiny_model_dir: Path, load: str,
+                                                         bars: bool) -> None:
+    """A log that is not a terminal gets no "Loading weights" bar from the trainer's or the
+    inference server's model loading."""
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+            "from factory.trainer.config import TrainConfig; "
+            "from factory.trainer.model import load_model; "
+            "from factory.inference.engine import Engine; "
+            f"path = sys.argv[1]; {load}")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("Loading weights" in out.stderr) is bars, out.stderr[-2000:]
