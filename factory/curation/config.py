@@ -30,7 +30,23 @@ class CurationConfig:
     near_dup_threshold: float = 0.85
     """Word-3-gram Jaccard similarity at or above which two samples are near-duplicates."""
     decontam_ngram: int = 13
-    """A train prompt sharing a word n-gram this long with an eval prompt is contamination."""
+    """Words per n-gram of decontamination's prompt view (``decide.overlap_share``)."""
+    decontam_threshold: float = 0.9
+    """A train prompt holding at least this share of an eval prompt's n-grams (rarity-weighted,
+    ``decide.overlap_share``) is contamination: the eval prompt pasted into a train prompt.
+
+    0.9: a pasted prompt scores 1.0; between distinct clean support tickets (600 a seed, 4
+    seeds, ``synthetic.templated``'s generator) the highest share was 0.46, and 0.83 behind a
+    fixed 90-word instruction in the user turn (a short ticket whose whole text but a one-word
+    sign-off is in another)."""
+    decontam_paraphrase_threshold: float = 0.6
+    """A train sample holding at least this share of an eval sample's conversation
+    ``shingle_words``-grams (prompt and answer, rarity-weighted) is contamination: a reworded
+    copy that keeps the eval answer.
+
+    0.6: between the same clean tickets (JSON or label answers) the highest share was 0.54;
+    89-100% of their paraphrases (``synthetic.reword``: another greeting, every known phrase
+    of the body reworded, same signature and answer) scored at least 0.6."""
     drop: tuple[str, ...] = DETECTOR_NAMES
     """Detectors whose flags drop the sample; the others only flag (reported, kept)."""
     judge_threshold: float | None = None
@@ -56,6 +72,9 @@ class CurationConfig:
                              f"{self.near_dup_threshold}")
         if self.decontam_ngram < 1:
             raise ValueError(f"decontam_ngram must be positive, got {self.decontam_ngram}")
+        for name in ("decontam_threshold", "decontam_paraphrase_threshold"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         unknown = sorted(set(self.drop) - set(DETECTOR_NAMES))
         if unknown:
             raise ValueError(f"unknown detector(s) {unknown}; known: {', '.join(DETECTOR_NAMES)}")
@@ -80,7 +99,10 @@ class CurationConfig:
         """The settings that decide the result (recorded with each dataset version)."""
         return {"eval_fraction": self.eval_fraction, "max_tokens": self.max_tokens,
                 "near_dup_threshold": self.near_dup_threshold,
-                "decontam_ngram": self.decontam_ngram, "drop": list(self.drop),
+                "decontam_ngram": self.decontam_ngram,
+                "decontam_threshold": self.decontam_threshold,
+                "decontam_paraphrase_threshold": self.decontam_paraphrase_threshold,
+                "drop": list(self.drop),
                 "judge_threshold": self.judge_threshold, "seed": self.seed,
                 "num_bands": self.num_bands, "rows_per_band": self.rows_per_band,
                 "shingle_words": self.shingle_words}

@@ -7,13 +7,19 @@ side of each sample and which rows each step drops, in a fixed order:
     empty -> max_tokens -> exact_dup -> near_dup -> decontamination (train) -> detectors -> judge
 
 The eval side is finished first so that train is decontaminated against the final eval set.
+
+Decontamination asks how much of an eval sample a train sample holds (``overlap_share``), not
+whether they share one phrase: templated traffic (one instruction, form-like user text) shares
+long phrases between distinct clean samples (of 600 generated support tickets, 170 train
+samples share a 13-word phrase with some eval sample, and none holds more than 0.51 of one in
+either view).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from factory.curation import detectors
@@ -21,6 +27,16 @@ from factory.curation.config import DETECTOR_NAMES, CurationConfig
 from factory.curation.neardup import components
 
 TRAIN, EVAL = "train", "eval"
+
+OVERLAP_KINDS = ("eval_prompt_match", "eval_ngram_overlap", "eval_conversation_overlap")
+"""Decontamination reasons, in the order that names a drop when several hold: the same
+normalized prompt; the prompt view of ``overlap_share``; its conversation view."""
+
+BOILERPLATE_DF = 32
+"""An n-gram in more distinct samples than this is template text and weighs 0 in
+``overlap_share`` (it would weigh under 1/32 anyway); the cut also bounds the train x eval pairs
+one n-gram can make, which keeps the overlap join linear in the data."""
+
 # Node prefixes for the split graph; "~" sorts after hex digits, so a component's smallest node
 # is always one of its sample ids.
 TRACE, PREFIX = "~t:", "~p:"
@@ -60,6 +76,46 @@ class RowFacts:
     """Where it came from."""
 
 
+def ngram_weight(num_samples: int) -> float:
+    """Weight of an n-gram found in ``num_samples`` distinct samples: text that only a pair
+    shares weighs 1/2, template text shared by hundreds next to nothing (0 past
+    ``BOILERPLATE_DF``)."""
+    return 1.0 / num_samples if 0 < num_samples <= BOILERPLATE_DF else 0.0
+
+
+NGRAM_WEIGHTS: tuple[float, ...] = tuple(ngram_weight(k) for k in range(BOILERPLATE_DF + 2))
+"""``ngram_weight`` by document frequency, the last entry standing for every df past the cut:
+the lookup the engines index with ``min(df, BOILERPLATE_DF + 1)``."""
+
+
+def overlap_share(shared_weight: float, eval_weight: float) -> float:
+    """The share of an eval sample that a train sample holds: the weight of the n-grams they
+    share over the weight of all the eval sample's n-grams (``ngram_weight`` each), rounded to
+    6 places so that both engines' sums (in different orders) give the same decision."""
+    return round(shared_weight / eval_weight, 6) if eval_weight > 0 else 0.0
+
+
+def threshold(kind: str, config: CurationConfig) -> float:
+    """The share at which an overlap of ``kind`` (``OVERLAP_KINDS``) is contamination."""
+    if kind == "eval_ngram_overlap":
+        return config.decontam_threshold
+    if kind == "eval_conversation_overlap":
+        return config.decontam_paraphrase_threshold
+    assert kind == "eval_prompt_match", kind
+    return 1.0
+
+
+def is_contamination(kind: str, share: float, config: CurationConfig) -> bool:
+    """The decontamination rule: an overlap's share at or above its kind's threshold."""
+    return share >= threshold(kind, config)
+
+
+def candidate_floor(kind: str, config: CurationConfig) -> float:
+    """Engines pass on the pairs whose unrounded share reaches this: a superset of those
+    ``is_contamination`` accepts, since rounding to 6 places moves a share by at most 5e-7."""
+    return threshold(kind, config) - 1e-6
+
+
 @dataclass(kw_only=True)
 class Decisions:
     """What the steps decided."""
@@ -74,6 +130,11 @@ class Decisions:
     """One per dropped row: sample_id, raw_trace_id, split, step, reason, detail."""
     flagged_kept: Counter[str] = field(default_factory=Counter)
     """Detector -> samples it flagged that the policy keeps."""
+    num_clean: int = 0
+    """Distinct samples with nothing wrong in them: not empty, renderable, no detector flag."""
+    clean_lost: Counter[str] = field(default_factory=Counter)
+    """Drop reason -> clean samples it removed from both datasets (an exact duplicate's extra
+    rows remove no sample: its first row stays)."""
 
 
 def format_flags(format_keys: dict[str, str], is_json: dict[str, bool],
@@ -124,14 +185,16 @@ def split_groups(facts: Iterable[SampleFacts], near_edges: Iterable[tuple[str, s
 
 def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
            near_edges: Sequence[tuple[str, str, float]],
-           overlaps: dict[str, list[tuple[str, str]]], config: CurationConfig,
+           overlaps: dict[str, list[tuple[str, str, float]]], config: CurationConfig,
            judge_scores: Callable[[list[str]], dict[str, float]] | None = None,
            groups: dict[str, str] | None = None) -> Decisions:
     """Decide sides and drops.
 
-    ``overlaps``: train-candidate sample_id -> [(kind, eval sample_id)] for every sample on the
-    other side whose prompt it matches (kind ``eval_prompt_match``) or shares a
-    ``decontam_ngram``-gram with (``eval_ngram_overlap``); only pairs on opposite sides count.
+    ``overlaps``: train-candidate sample_id -> [(kind, eval sample_id, share)] for samples on
+    the other side: the same prompt (``eval_prompt_match``, share 1) or the ``overlap_share`` of
+    the eval sample in the prompt view (``eval_ngram_overlap``) or the conversation view
+    (``eval_conversation_overlap``). A pair counts when ``is_contamination`` holds and the eval
+    sample is in the final eval set.
     """
     by_id = {f.sample_id: f for f in facts}
     group = groups if groups is not None else split_groups(facts, near_edges)
@@ -143,11 +206,13 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
     drops: list[dict[str, str | None]] = []
     flagged_kept: Counter[str] = Counter()
     deduped: set[str] = set()
+    removed_by: dict[str, str] = {}
 
     def drop_sample(sid: str, step: str, reason: str, detail: str | None,
                     rows_: Sequence[RowFacts] | None = None) -> None:
         if rows_ is None:  # after the exact-dup step only the sample's first row is left
             rows_ = rows_of[sid][:1] if sid in deduped else rows_of[sid]
+            removed_by[sid] = reason
         for r in rows_:
             drops.append({"sample_id": sid, "raw_trace_id": r.raw_trace_id, "split": side[sid],
                           "step": step, "reason": reason, "detail": detail})
@@ -200,12 +265,13 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
         if final_eval is not None:
             alive, nxt = nxt, []
             for sid in alive:
-                hits = [(k, e) for k, e in overlaps.get(sid, []) if e in final_eval]
+                hits = [(OVERLAP_KINDS.index(k), -share, e, k)
+                        for k, e, share in overlaps.get(sid, [])
+                        if e in final_eval and is_contamination(k, share, config)]
                 if hits:
-                    kind, other = sorted(hits)[0]
-                    what = "same prompt as" if kind == "eval_prompt_match" else \
-                        f"shares a {config.decontam_ngram}-word n-gram with"
-                    drop_sample(sid, "decontamination", kind, f"{what} eval sample {other}")
+                    _, neg, other, kind = min(hits)
+                    drop_sample(sid, "decontamination", kind,
+                                _overlap_detail(kind, -neg, other, config))
                 else:
                     nxt.append(sid)
         # 6. detectors, by policy
@@ -239,5 +305,22 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
     final_train = clean(TRAIN, final_eval)
     kept_rows = {rows_of[s][0].row_key for s in final_eval | final_train}
     drops.sort(key=lambda d: (d["sample_id"] or "", d["step"] or "", d["raw_trace_id"] or ""))
+    clean_ids = [f.sample_id for f in facts if not f.empty_reason and not f.flags]
+    clean_lost = Counter(removed_by[s] for s in clean_ids if s in removed_by)
     return Decisions(side=side, group=group, kept_rows=kept_rows, drops=drops,
-                     flagged_kept=flagged_kept)
+                     flagged_kept=flagged_kept, num_clean=len(clean_ids), clean_lost=clean_lost)
+
+
+def clean_loss_shares(clean_lost: Mapping[str, int], num_clean: int) -> dict[str, float]:
+    """Drop reason -> share of the ``num_clean`` clean samples it removed (6 places)."""
+    return {k: round(v / num_clean, 6) if num_clean else 0.0
+            for k, v in sorted(clean_lost.items())}
+
+
+def _overlap_detail(kind: str, share: float, other: str, config: CurationConfig) -> str:
+    if kind == "eval_prompt_match":
+        return f"same prompt as eval sample {other}"
+    view = (f"prompt {config.decontam_ngram}-grams" if kind == "eval_ngram_overlap"
+            else f"conversation {config.shingle_words}-grams")
+    return (f"holds {share:.0%} of eval sample {other} ({view}, rarity-weighted; "
+            f"threshold {threshold(kind, config):.0%})")

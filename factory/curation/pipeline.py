@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -22,12 +22,17 @@ import pyarrow.compute as pc
 from factory.curation import neardup
 from factory.curation.config import CurationConfig
 from factory.curation.decide import (
+    BOILERPLATE_DF,
     EVAL,
+    NGRAM_WEIGHTS,
     Decisions,
     RowFacts,
     SampleFacts,
+    candidate_floor,
+    clean_loss_shares,
     decide,
     format_flags,
+    overlap_share,
     split_groups,
     split_side,
 )
@@ -55,13 +60,17 @@ class Judge(Protocol):
     def score(self, sample: dict[str, Any]) -> float: ...
 
 
-@dataclass(kw_only=True)
-class CurationResult:
-    """Everything one curation run produced."""
+TableT = TypeVar("TableT")
 
-    train: pa.Table
+
+@dataclass(kw_only=True)
+class CurationResult(Generic[TableT]):
+    """Everything one curation run produced; ``TableT`` is ``pa.Table`` here and a Spark
+    DataFrame on the Spark engine (``factory.curation.spark``)."""
+
+    train: TableT
     """Kept train rows: the samples columns plus DATASET_EXTRA, sorted by sample_id."""
-    eval: pa.Table
+    eval: TableT
     """Kept eval rows, same columns."""
     drops: list[dict[str, Any]]
     """One per dropped row: sample_id, raw_trace_id, split, step, reason, detail."""
@@ -71,12 +80,17 @@ class CurationResult:
     """Profile of the result for the planner (``dataset_profile`` row, sans experiment)."""
     num_selected: int
     """Rows curation started from."""
+    num_clean: int
+    """Distinct samples with nothing wrong in them (``Decisions.num_clean``)."""
+    clean_lost: dict[str, int]
+    """Drop reason -> clean samples it removed (``Decisions.clean_lost``)."""
 
     def drops_by_reason(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for d in self.drops:
-            out[d["reason"]] += 1
-        return dict(sorted(out.items()))
+        return dict(sorted(Counter(d["reason"] for d in self.drops).items()))
+
+    def clean_loss_by_reason(self) -> dict[str, float]:
+        """Drop reason -> share of the clean samples it removed: what cleaning cost."""
+        return clean_loss_shares(self.clean_lost, self.num_clean)
 
 
 def order_rows(samples: pa.Table) -> pa.Table:
@@ -134,11 +148,14 @@ def verified_edges(features: pa.Table, config: CurationConfig) -> list[tuple[str
     return sorted(out)
 
 
-def eval_overlaps(features: pa.Table, side: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
-    """Train sample -> [(kind, eval sample)] by equal prompt or a shared prompt n-gram."""
+def eval_overlaps(features: pa.Table, side: dict[str, str], config: CurationConfig
+                  ) -> dict[str, list[tuple[str, str, float]]]:
+    """Train sample -> [(kind, eval sample, share)]: an equal prompt (share 1), and the pairs
+    whose ``overlap_share`` in the prompt view (``prompt_ngrams``) or the conversation view
+    (``shingles``) may make ``decide.is_contamination`` hold."""
     ids = features.column("sample_id").to_pylist()
     is_eval = np.array([side[s] == EVAL for s in ids], dtype=bool)
-    out: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    out: dict[str, list[tuple[str, str, float]]] = defaultdict(list)
     pkeys = features.column("prompt_key").to_pylist()
     eval_prompt: dict[str, str] = {}
     for sid, k, e in zip(ids, pkeys, is_eval, strict=True):
@@ -146,27 +163,91 @@ def eval_overlaps(features: pa.Table, side: dict[str, str]) -> dict[str, list[tu
             eval_prompt[k] = sid
     for sid, k, e in zip(ids, pkeys, is_eval, strict=True):
         if not e and k in eval_prompt:
-            out[sid].append(("eval_prompt_match", eval_prompt[k]))
-    ng = features.column("prompt_ngrams").combine_chunks()
-    offs = ng.offsets.to_numpy()
-    vals = ng.values.to_numpy()
-    owner = np.repeat(np.arange(len(ids)), np.diff(offs))
-    ev_mask = is_eval[owner]
-    ev_vals, ev_owner = vals[ev_mask], owner[ev_mask]
-    order = np.lexsort((ev_owner, ev_vals))
-    ev_vals, ev_owner = ev_vals[order], ev_owner[order]
-    tr_mask = ~ev_mask
-    tr_vals, tr_owner = vals[tr_mask], owner[tr_mask]
-    hit = np.isin(tr_vals, ev_vals)
-    hit_vals, hit_owner = tr_vals[hit], tr_owner[hit]
-    lo = np.searchsorted(ev_vals, hit_vals, side="left")
-    hi = np.searchsorted(ev_vals, hit_vals, side="right")
-    found: dict[str, set[str]] = defaultdict(set)
-    for o, a, b in zip(hit_owner.tolist(), lo.tolist(), hi.tolist(), strict=True):
-        found[ids[o]].update(ids[e] for e in ev_owner[a:b].tolist())
-    for sid, others in found.items():
-        out[sid].extend(("eval_ngram_overlap", e) for e in others)
-    return {k: sorted(set(v)) for k, v in out.items()}
+            out[sid].append(("eval_prompt_match", eval_prompt[k], 1.0))
+    for kind, column in (("eval_ngram_overlap", "prompt_ngrams"),
+                         ("eval_conversation_overlap", "shingles")):
+        lists = features.column(column).combine_chunks()
+        train, ev, shared, total = weighted_overlaps(lists.values.to_numpy(),
+                                                     lists.offsets.to_numpy(), is_eval)
+        keep = np.flatnonzero(shared >= candidate_floor(kind, config) * total)
+        for i in keep.tolist():
+            out[ids[train[i]]].append((kind, ids[ev[i]], overlap_share(shared[i], total[i])))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def weighted_overlaps(values: np.ndarray, offsets: np.ndarray, is_eval: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(train index, eval index, shared weight, eval sample's weight) of every train x eval
+    pair sharing an n-gram of nonzero ``ngram_weight``; ``values``/``offsets`` are each
+    sample's sorted unique n-gram hashes.
+
+    Only n-grams some eval sample has can count, so those entries are picked first: a bitmap
+    of the eval hashes' low 28 bits (32 MiB) passes ~10% of the entries on to an exact binary
+    search, in chunks. The conversation view has ~100 entries a sample; a binary search of
+    every entry took 6x as long, and sorting them all would hold GBs at 1M samples. One sort
+    then groups equal n-grams; a group of ``df`` samples gives each of them weight
+    ``ngram_weight(df)``, and its train x eval pairs (at most 32 x 32) that weight, summed per
+    pair.
+    """
+    num = len(offsets) - 1
+    ev_vals = _sorted_unique(values[np.repeat(is_eval, np.diff(offsets))])
+    picked = [np.zeros(0, dtype=np.int64)]
+    if len(ev_vals):
+        low = (1 << _BITMAP_BITS) - 1
+        bitmap = np.zeros(1 << (_BITMAP_BITS - 3), dtype=np.uint8)
+        h = ev_vals & low
+        np.bitwise_or.at(bitmap, h >> 3, np.left_shift(1, h & 7).astype(np.uint8))
+        for lo in range(0, len(values), _CHUNK):
+            chunk = values[lo:lo + _CHUNK]
+            h = chunk & low
+            maybe = lo + np.flatnonzero((bitmap[h >> 3] >> (h & 7).astype(np.uint8)) & 1)
+            c = values[maybe]
+            at = np.minimum(np.searchsorted(ev_vals, c), len(ev_vals) - 1)
+            picked.append(maybe[ev_vals[at] == c])
+    idx = np.concatenate(picked)
+    owner = np.searchsorted(offsets, idx, side="right") - 1
+    order = np.lexsort((owner, values[idx]))
+    vals, own = values[idx][order], owner[order]
+    new = np.ones(len(vals), dtype=bool)
+    new[1:] = vals[1:] != vals[:-1]
+    starts = np.flatnonzero(new)
+    sizes = np.diff(np.append(starts, len(vals)))
+    group = np.repeat(np.arange(len(starts)), sizes)
+    weight = np.array(NGRAM_WEIGHTS)[np.minimum(sizes, BOILERPLATE_DF + 1)]
+    total = np.bincount(own, weights=weight[group], minlength=num)
+    ev = is_eval[own]
+    num_eval = np.bincount(group, weights=ev, minlength=len(starts))
+    mixed = (weight > 0) & (num_eval > 0) & (num_eval < sizes)
+    # each train entry of a mixed group, paired with every entry of its group, then kept
+    # where the partner is an eval sample
+    left = np.flatnonzero(mixed[group] & ~ev)
+    reps = sizes[group[left]]
+    left = np.repeat(left, reps)
+    right = starts[group[left]] + np.arange(len(left)) - np.repeat(np.cumsum(reps) - reps, reps)
+    hit = ev[right]
+    left, right = left[hit], right[hit]
+    key = own[left] * num + own[right]
+    by_key = np.argsort(key, kind="stable")
+    key, contrib = key[by_key], weight[group[left]][by_key]
+    first = np.ones(len(key), dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    pairs = key[first]
+    shared = np.add.reduceat(contrib, np.flatnonzero(first)) if len(key) else contrib
+    train, evs = pairs // num, pairs % num
+    return train, evs, shared, total[evs]
+
+
+_BITMAP_BITS = 28
+_CHUNK = 4_000_000
+"""Entries per chunk in ``weighted_overlaps`` (~100 MB of temporaries)."""
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` by one sort: numpy's hash-based unique took ~100x as long on 10M hashes."""
+    s = np.sort(values)
+    keep = np.ones(len(s), dtype=bool)
+    keep[1:] = s[1:] != s[:-1]
+    return s[keep]
 
 
 def facts_from(features: pa.Table, rows: pa.Table) -> tuple[list[SampleFacts], list[RowFacts]]:
@@ -264,7 +345,7 @@ def first_rows(rows: pa.Table) -> pa.Table:
 
 
 def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
-           judge: Judge | None = None, num_workers: int = 1) -> CurationResult:
+           judge: Judge | None = None, num_workers: int = 1) -> CurationResult[pa.Table]:
     """Split, clean and profile ``samples`` (rows of the ``samples`` table).
 
     ``num_workers``: processes computing the per-sample features (``default_workers()`` uses
@@ -280,7 +361,7 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
     facts, row_facts = facts_from(features, rows)
     groups = split_groups(facts, edges)
     side = {sid: split_side(g, config) for sid, g in groups.items()}
-    overlaps = eval_overlaps(features, side)
+    overlaps = eval_overlaps(features, side, config)
 
     judge_scores: Callable[[list[str]], dict[str, float]] | None = None
     if judge is not None:
@@ -310,7 +391,7 @@ def stats_table(features: pa.Table) -> pa.Table:
 
 
 def assemble(rows: pa.Table, samples: pa.Table, features: pa.Table, decisions: Decisions,
-             config: CurationConfig, *, num_selected: int) -> CurationResult:
+             config: CurationConfig, *, num_selected: int) -> CurationResult[pa.Table]:
     """The kept rows of ``samples`` with their stats, sorted by sample_id, split in two.
 
     Indices are chosen, ordered and split with numpy first, then each split is one gather
@@ -344,7 +425,8 @@ def assemble(rows: pa.Table, samples: pa.Table, features: pa.Table, decisions: D
     report = pattern_report(features, decisions, config, num_selected=num_selected)
     profile = build_profile(train, ev, decisions.drops, num_selected=num_selected)
     return CurationResult(train=train, eval=ev, drops=decisions.drops, report=report,
-                          profile=profile, num_selected=num_selected)
+                          profile=profile, num_selected=num_selected,
+                          num_clean=decisions.num_clean, clean_lost=dict(decisions.clean_lost))
 
 
 def dataset_columns(table: pa.Table, experiment: str, names: Sequence[str]) -> pa.Table:

@@ -9,6 +9,7 @@ from typing import Any
 import pyarrow as pa
 
 from factory.curation.config import CurationConfig
+from factory.curation.decide import Decisions, clean_loss_shares
 
 _EXAMPLES = 3
 
@@ -19,10 +20,11 @@ def _pattern(detail: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", text)[:100]
 
 
-def pattern_report(features: pa.Table, decisions: Any, config: CurationConfig, *,
+def pattern_report(features: pa.Table, decisions: Decisions, config: CurationConfig, *,
                    num_selected: int) -> str:
-    """Markdown: drops by step/reason with examples, then detector patterns over all samples."""
-    drops = decisions.drops
+    """Markdown: drops by step/reason with examples, the clean samples each reason cost, then
+    detector patterns over all samples."""
+    drops: list[dict[str, Any]] = list(decisions.drops)
     lines = ["# Trace-pattern report", "",
              f"{num_selected} rows selected, {len(drops)} dropped, "
              f"{len(decisions.kept_rows)} kept.", "", "## Drops by step", "",
@@ -34,6 +36,15 @@ def pattern_report(features: pa.Table, decisions: Any, config: CurationConfig, *
         ex = "; ".join(f"`{d['sample_id'][:12]}` {d['detail'] or ''}".strip()
                        for d in ds[:_EXAMPLES])
         lines.append(f"| {step} | {reason} | {len(ds)} | {_cell(ex)} |")
+    lines += ["", "## Clean samples lost", "",
+              f"{decisions.num_clean} distinct samples are clean (not empty, renderable, no "
+              "detector flag); what each reason removed of them:", "",
+              "| reason | clean samples | share of clean |", "|---|---|---|"]
+    shares = clean_loss_shares(decisions.clean_lost, decisions.num_clean)
+    for reason, share in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])):
+        lines.append(f"| {reason} | {decisions.clean_lost[reason]} | {share:.2%} |")
+    if not shares:
+        lines.append("| (none) | 0 | 0.00% |")
     f = features.select(["sample_id", "refusal", "truncated", "tool_schema",
                          "agent_loop"]).to_pydict()
     lines += ["", "## Patterns found (distinct samples, before the drop policy)", ""]

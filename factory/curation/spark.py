@@ -13,16 +13,29 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from factory.curation.config import CurationConfig
-from factory.curation.decide import EVAL, decide, eval_cutoff, split_groups
+from factory.curation.decide import (
+    EVAL,
+    NGRAM_WEIGHTS,
+    candidate_floor,
+    decide,
+    eval_cutoff,
+    overlap_share,
+    split_groups,
+)
 from factory.curation.features import FEATURES_SCHEMA, sample_features
-from factory.curation.pipeline import ROW_ORDER, Judge, _judge_input, facts_from
+from factory.curation.pipeline import (
+    ROW_ORDER,
+    CurationResult,
+    Judge,
+    _judge_input,
+    facts_from,
+)
 from factory.curation.profile import build_profile
 from factory.curation.report import pattern_report
 from factory.curation.tokens import RenderCounter
@@ -51,30 +64,6 @@ def local_session(app: str = "factory-curation", cores: int = 2) -> Any:
             .config("spark.ui.enabled", "false")
             .config("spark.driver.memory", "1g")
             .getOrCreate())
-
-
-@dataclass(kw_only=True)
-class SparkCuration:
-    """A Spark curation result: datasets as DataFrames, the rest as on the embedded engine."""
-
-    train: Any
-    """DataFrame of kept train rows (dataset columns without ``experiment``)."""
-    eval: Any
-    """DataFrame of kept eval rows."""
-    drops: list[dict[str, Any]]
-    """One per dropped row."""
-    report: str
-    """The trace-pattern report (Markdown)."""
-    profile: dict[str, Any]
-    """The ``dataset_profile`` row (without experiment)."""
-    num_selected: int
-    """Rows curation started from."""
-
-    def drops_by_reason(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for d in self.drops:
-            out[d["reason"]] += 1
-        return dict(sorted(out.items()))
 
 
 def _feature_fn(config: CurationConfig, tokenizer_dir: str) -> Callable[[Iterator[Any]],
@@ -111,8 +100,9 @@ _INPUT = pa.schema([("sample_id", pa.string()), ("messages", pa.string()),
 
 
 def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir: str, *,
-                 judge: Judge | None = None) -> SparkCuration:
-    """Curate ``samples`` (a Spark DataFrame with the ``samples`` columns) on Spark."""
+                 judge: Judge | None = None) -> CurationResult[Any]:
+    """Curate ``samples`` (a Spark DataFrame with the ``samples`` columns) on Spark; the
+    result's ``train`` and ``eval`` are DataFrames (dataset columns without ``experiment``)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -153,7 +143,7 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
     # the split hash in Spark (same integer compare as decide.split_side)
     related = [(s, g) for s, g in groups.items() if s != g]
     group_df = spark.createDataFrame(related or [("", "")], "sample_id string, split_group string")
-    sides = features.select("sample_id", "prompt_key", "prompt_ngrams") \
+    sides = features.select("sample_id", "prompt_key", "prompt_ngrams", "shingles") \
         .join(group_df, "sample_id", "left") \
         .withColumn("split_group", F.coalesce("split_group", "sample_id")) \
         .withColumn("h", F.conv(F.substring(F.sha2(F.concat(F.lit(f"{config.seed}:"),
@@ -162,15 +152,15 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
         .withColumn("split", F.when(F.col("h") < F.lit(eval_cutoff(config)), "eval")
                     .otherwise("train")).cache()
     ev, tr = sides.where("split = 'eval'"), sides.where("split = 'train'")
-    overlaps: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    overlaps: dict[str, list[tuple[str, str, float]]] = defaultdict(list)
     hits = tr.where("prompt_key != ''").select("sample_id", "prompt_key").join(
         ev.select(F.col("sample_id").alias("other"), "prompt_key"), "prompt_key")
     for r in hits.select("sample_id", "other").collect():
-        overlaps[r["sample_id"]].append(("eval_prompt_match", r["other"]))
-    tr_ng = tr.select("sample_id", F.explode("prompt_ngrams").alias("ng"))
-    ev_ng = ev.select(F.col("sample_id").alias("other"), F.explode("prompt_ngrams").alias("ng"))
-    for r in tr_ng.join(ev_ng, "ng").select("sample_id", "other").distinct().collect():
-        overlaps[r["sample_id"]].append(("eval_ngram_overlap", r["other"]))
+        overlaps[r["sample_id"]].append(("eval_prompt_match", r["other"], 1.0))
+    for kind, column in (("eval_ngram_overlap", "prompt_ngrams"),
+                         ("eval_conversation_overlap", "shingles")):
+        for r in _weighted_overlaps(sides, column, candidate_floor(kind, config)).collect():
+            overlaps[r["t"]].append((kind, r["e"], overlap_share(r["shared"], r["total"])))
     overlaps = {k: sorted(set(v)) for k, v in overlaps.items()}
 
     judge_scores = None
@@ -200,9 +190,30 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
                             eval_df.select(*prof_cols).toArrow(), decisions.drops,
                             num_selected=num_selected)
     report = pattern_report(facts_table, decisions, config, num_selected=num_selected)
-    return SparkCuration(train=train_df.drop("size_bytes"), eval=eval_df.drop("size_bytes"),
-                         drops=decisions.drops, report=report, profile=profile,
-                         num_selected=num_selected)
+    return CurationResult(train=train_df.drop("size_bytes"), eval=eval_df.drop("size_bytes"),
+                          drops=decisions.drops, report=report, profile=profile,
+                          num_selected=num_selected, num_clean=decisions.num_clean,
+                          clean_lost=dict(decisions.clean_lost))
+
+
+def _weighted_overlaps(sides: Any, column: str, floor: float) -> Any:
+    """``pipeline.weighted_overlaps`` as a Spark query: (t, e, shared, total) of the train x
+    eval pairs sharing an n-gram of ``column`` with nonzero weight, kept where the share
+    reaches ``floor`` (``decide.candidate_floor``)."""
+    from pyspark.sql import functions as F
+
+    entries = sides.select("sample_id", "split", F.explode(column).alias("ng"))
+    df = entries.groupBy("ng").agg(F.count("*").alias("df"))
+    lookup = F.array(*[F.lit(float(w)) for w in NGRAM_WEIGHTS])
+    weighted = entries.join(df, "ng").withColumn(
+        "w", F.element_at(lookup, (F.least("df", F.lit(len(NGRAM_WEIGHTS) - 1)) + 1).cast("int"))) \
+        .where("w > 0")
+    ev = weighted.where(f"split = '{EVAL}'")
+    total = ev.groupBy(F.col("sample_id").alias("e")).agg(F.sum("w").alias("total"))
+    pairs = weighted.where(f"split != '{EVAL}'").select(F.col("sample_id").alias("t"), "ng", "w") \
+        .join(ev.select(F.col("sample_id").alias("e"), "ng"), "ng") \
+        .groupBy("t", "e").agg(F.sum("w").alias("shared")).join(total, "e")
+    return pairs.where(F.col("shared") >= F.lit(floor) * F.col("total"))
 
 
 def _ddl(schema: pa.Schema) -> str:
@@ -212,7 +223,8 @@ def _ddl(schema: pa.Schema) -> str:
     return ", ".join(f"{f.name} {names[f.type]}" for f in schema)
 
 
-def commit(session: Any, experiment: str, result: SparkCuration, staging: str) -> dict[str, Any]:
+def commit(session: Any, experiment: str, result: CurationResult[Any], staging: str
+           ) -> dict[str, Any]:
     """Write the datasets as Parquet with Spark and commit them to the lake with ``add_files``.
 
     The experiment's previous rows are deleted first (``where experiment = '<name>'``), then the

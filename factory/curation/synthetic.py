@@ -1,8 +1,10 @@
 """Generated ``samples`` rows with a planted mix of problems, and what curation must find.
 
-Used by the curation tests and ``bench/curation.py``. Clean samples are random sentences over a
-large made-up vocabulary, so two clean samples share no 13-word n-gram and have Jaccard ~0;
-every planted problem carries the label of the drop it must cause.
+Used by the curation tests and ``bench/curation.py``. In ``planted``, clean samples are random
+sentences over a large made-up vocabulary, so two clean samples share no 13-word n-gram and have
+Jaccard ~0; every planted problem carries the label of the drop it must cause. ``templated`` is
+the opposite: distinct clean support tickets that share long phrases, plus a paraphrase and a
+paste of eval tickets, the only samples decontamination may drop.
 """
 
 from __future__ import annotations
@@ -216,4 +218,86 @@ def planted(num_clean: int = 200, *, seed: int = 0, config: CurationConfig | Non
         row = g.row(chat(g.words(30), g.words(config.max_tokens) + "."))
         out.rows.append(row)
         out.expected[row["sample_id"]] = "too_long"
+    return out
+
+
+# Rewordings of phrases in the support tickets' bodies (factory.tasks.support_extract).
+_REWORDS = (("would like", "want"), ("charged twice", "billed two times"),
+            ("arrived broken", "came damaged"), ("crashes every time", "freezes whenever"),
+            ("Please", "Kindly"), ("Could you", "Can you"), ("are wrong", "are incorrect"),
+            ("still haven't seen", "have not yet received"), ("blank screen", "empty page"),
+            ("It would be great if", "I'd love it if"), ("Any plans to", "Will you"),
+            ("can't log in", "cannot sign in"), ("got locked", "was blocked"),
+            ("Cancel my plan please", "Please cancel my plan"), ("lost access", "no longer have access"),
+            ("Where is", "What happened to"), ("hasn't updated", "has not moved"),
+            ("was supposed to arrive", "should have arrived"), ("explain", "clarify"),
+            ("Why did", "How come"), ("We no longer need", "We don't need"),
+            ("does nothing", "has no effect"), ("never arrives", "doesn't come"),
+            ("We'd love", "We would like"), ("Do you offer", "Is there"),
+            ("Which card is on file", "What card do you have"), ("never reached us", "never got here"),
+            ("I returned", "I sent back"), ("Since the update", "After the update"),
+            ("Two-factor codes", "The 2FA codes"), ("still says", "keeps saying"))
+_GREETING_SWAP = {"Hi,": "Hello there,", "Hello,": "Hi!", "Hi there,": "Good day,",
+                  "Dear support team,": "To the support team,", "Hey,": "Hi folks,",
+                  "Good morning,": "Good evening,"}
+
+
+def reword(message: str) -> tuple[str, int]:
+    """A paraphrase of a support ticket: another greeting and every known phrase reworded;
+    also the number of phrases reworded. Names, emails, numbers and the ask stay."""
+    lines = message.split("\n")
+    lines[0] = _GREETING_SWAP.get(lines[0], "Hello,\n" + lines[0])
+    text = "\n".join(lines)
+    num = 0
+    for old, new in _REWORDS:
+        if old in text:
+            text, num = text.replace(old, new), num + 1
+    return text, num
+
+
+def templated(num_tickets: int = 600, *, seed: int = 0,
+              config: CurationConfig | None = None) -> Planted:
+    """``num_tickets`` distinct clean support tickets (one system prompt, a few dozen body
+    templates, so many pairs share long phrases) plus two contaminated train samples: a
+    paraphrase of an eval ticket with its answer (``eval_conversation_overlap``) and an eval
+    ticket pasted into a longer prompt with another answer (``eval_ngram_overlap``)."""
+    from factory.tasks.support_extract import SYSTEM_PROMPT, generate_conversations
+
+    config = config or CurationConfig()
+    g = _Gen(seed)
+    out = Planted(rows=[])
+    def ticket(message: str, answer: str) -> dict[str, Any]:
+        return g.row(chat(message, answer, SYSTEM_PROMPT), project="extract",
+                     trace=f"ticket-{g.n + 1:08d}")
+
+    for conv in generate_conversations(num_tickets, seed):
+        m = conv["messages"]
+        out.rows.append(ticket(m[1]["content"], m[2]["content"]))
+    tickets = list(out.rows)
+    evals = [r for r in tickets if split_side(r["sample_id"], config) == EVAL]
+    paraphrased = pasted = False
+    for r in evals:
+        msgs = orjson.loads(r["messages"])
+        message, answer = msgs[1]["content"][0]["text"], msgs[2]["content"][0]["text"]
+        if not paraphrased:
+            text, num = reword(message)
+            row = ticket(text, answer)
+            if num >= 2 and split_side(row["sample_id"], config) == TRAIN:
+                out.rows.append(row)
+                out.expected[row["sample_id"]] = "eval_conversation_overlap"
+                out.overlaps.append((row["sample_id"], r["sample_id"]))
+                paraphrased = True
+                continue
+        if not pasted:
+            text = ("Forwarded from the shared inbox, with the account notes: customer since "
+                    "2019, prefers email, open ticket count two.\n\n" + message)
+            other = canonical_json({**orjson.loads(answer), "company": "Shared Inbox"})
+            row = ticket(text, other)
+            if split_side(row["sample_id"], config) == TRAIN:
+                out.rows.append(row)
+                out.expected[row["sample_id"]] = "eval_ngram_overlap"
+                out.overlaps.append((row["sample_id"], r["sample_id"]))
+                pasted = True
+        if paraphrased and pasted:
+            break
     return out

@@ -38,6 +38,12 @@ def test_planted_problems_are_caught_and_nothing_else(planted_data: Planted, cou
     assert "| detectors | refusal |" in result.report
     assert result.profile["num_train"] == result.train.num_rows > 0
     assert result.profile["share_with_tool_calls"] > 0
+    # clean samples lost, by reason: the planted copies and the too-long samples (duplicate
+    # rows remove no sample; refusals, broken JSON and empty samples are not clean)
+    assert result.clean_lost == {"near_duplicate": len(planted_data.near_pairs),
+                                 "eval_ngram_overlap": len(planted_data.overlaps),
+                                 "too_long": 2}
+    assert result.clean_loss_by_reason()["too_long"] == round(2 / result.num_clean, 6)
 
 
 def test_train_and_eval_share_no_sample_and_no_near_duplicate(planted_data: Planted,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from factory.curation.pipeline import curate
-from factory.curation.synthetic import planted
+from factory.curation.synthetic import Planted, planted, templated
 from tests.curation.conftest import CONFIG
 from tests.curation.test_assets import _checks, _run, _setup
 
@@ -36,8 +36,12 @@ def test_spark_matches_embedded_and_commits_with_add_files(
     from factory.curation.spark import commit, curate_spark, local_session
     from factory.lake import Lake
 
-    data = planted(80, config=CONFIG, seed=5)
+    mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
+    data = Planted(rows=mixed.rows + tickets.rows)
     embedded = curate(data.table(), CONFIG, counter)
+    # the rarity-weighted overlaps agree too: both decontamination views drop their sample
+    assert set(tickets.expected.items()) <= {(d["sample_id"], d["reason"])
+                                             for d in embedded.drops}
     path = factory_home / "in.parquet"
     pq.write_table(data.table(), path)
     spark = local_session()
@@ -48,6 +52,8 @@ def test_spark_matches_embedded_and_commits_with_add_files(
             assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
         assert result.drops == embedded.drops
         assert result.profile == embedded.profile
+        assert (result.num_clean, result.clean_lost) == (embedded.num_clean,
+                                                         embedded.clean_lost)
         lake = Lake()
         session = lake.session(run_id="r1", asset_key="dataset")
         lake.append("dataset_train", embedded.train.append_column(
