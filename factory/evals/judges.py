@@ -77,7 +77,9 @@ def _combine(rubric: Rubric, scored: dict[str, dict[str, Any]]) -> tuple[float, 
     return total / weight, ("; ".join(notes) if notes else "meets every criterion")
 
 
-def _code_scores(rubric: Rubric, answer: Answer, reference: Answer) -> dict[str, dict[str, Any]]:
+def _code_scores(rubric: Rubric, answer: Answer, reference: Answer | None
+                 ) -> dict[str, dict[str, Any]]:
+    """The code-checkable criteria's scores; ``reference`` None when judged without one."""
     out: dict[str, dict[str, Any]] = {}
     for c in rubric.criteria:
         if c.check in CODE_CHECKS:
@@ -133,7 +135,7 @@ class EmbeddedJudge:
                                    [_as_text(i.reference) for i in items])
         rows = []
         for k, (item, ans) in enumerate(zip(items, answers, strict=True)):
-            scored = _code_scores(rubric, ans, item.reference)
+            scored = _code_scores(rubric, ans, item.reference if with_reference else None)
             for c in rubric.criteria:
                 if c.check == "reference_similarity":
                     scored[c.name] = {"score": round(sims[k], 6),
@@ -148,7 +150,9 @@ class EmbeddedJudge:
 
 
 REFERENCE_CHECKS = frozenset({"reference_similarity", "json_fields_match"})
-"""Checks that compare with a reference answer: meaningless when there is none."""
+"""Checks that compare with a reference answer: meaningless when there is none. The exact
+checks (``tool_call_match``, ``json_match``, ``label_match``) are not among them: without a
+reference they check what they can (schemas, keys and types, the label set)."""
 
 
 def _check_reference_free(rubric: Rubric, with_reference: bool) -> None:
@@ -284,7 +288,7 @@ class LLMJudge:
 
     def _one(self, rubric: Rubric, item: EvalItem, answer: Answer, *,
              with_reference: bool = True) -> ScoreRow:
-        scored = _code_scores(rubric, answer, item.reference)
+        scored = _code_scores(rubric, answer, item.reference if with_reference else None)
         asked = [c for c in rubric.criteria if c.check not in CODE_CHECKS]
         attempts = 0
         if asked:

@@ -1,8 +1,34 @@
 """Rubrics: what a good answer looks like for a task, inferred from the team's reference answers.
 
-A rubric is a list of weighted criteria, each saying how it is checked (``check``):
+Inference first recognizes what the references are and checks that exactly; similarity (or an
+LLM judge) is left for free text, where nothing exact exists:
+
+==============  =============================================  ====================================
+kind            recognized when                                criterion (check)
+==============  =============================================  ====================================
+``tool_calls``  at least half the references call a tool       ``tool_call_match``
+``json``        80% of text references parse as an object or   ``json_match``
+                array
+``labels``      80% are short one-line labels from a set that  ``label_match``
+                repeats (at most half as many labels as
+                references)
+``free_text``   otherwise                                      ``length_band``, ``language``,
+                                                               ``single_line``,
+                                                               ``reference_similarity``
+==============  =============================================  ====================================
+
+A criterion's ``check`` says how it is checked:
 
 =======================  ===================================================================
+``tool_call_match``      each call has the reference call's name and exactly its arguments
+                         (parsed JSON); a reference without calls wants none. Without a
+                         reference: the calls name declared tools with arguments that validate
+                         against their schemas (``params.schemas``)
+``json_match``           share of the reference object's fields the answer gets equal
+                         (strings case- and space-insensitively; a non-object reference: equal
+                         JSON). Without a reference: keys and value types of ``params``
+``label_match``          the answer is the reference label (case, spacing, quotes and a final
+                         period aside). Without a reference: one of ``params.labels``
 ``json_valid``           the answer (stripped, code fences allowed) parses as JSON
 ``json_schema``          it is an object with the keys and value types the references have
                          (``params.properties``: key -> allowed JSON types; ``required``)
@@ -20,10 +46,14 @@ A rubric is a list of weighted criteria, each saying how it is checked (``check`
                          judge can score it
 =======================  ===================================================================
 
+Inference writes only the exact checks and the free-text ones; ``json_valid``,
+``json_schema``, ``json_fields_match`` and ``tool_calls`` serve inline and stored rubrics.
+
 Every criterion scores 0..1 for one answer (the LLM judge's 1-10 maps to ``(s - 1) / 9``), and
 a sample's score is the weighted mean over the criteria its judge can score: 0 is useless, 1
-is as good as the reference. A rubric's ``version`` is a hash of its criteria, so scores from
-different rubrics are never mixed.
+is as good as the reference. An exact kind's rubric is its one criterion, so the score is the
+task's exact metric: a wrong label scores 0. A rubric's ``version`` is a hash of its criteria,
+so scores from different rubrics are never mixed.
 """
 
 from __future__ import annotations
@@ -36,9 +66,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKS = ("json_valid", "json_schema", "json_fields_match", "tool_calls", "length_band",
-          "language", "single_line", "reference_similarity", "llm")
+CHECKS = ("tool_call_match", "json_match", "label_match", "json_valid", "json_schema",
+          "json_fields_match", "tool_calls", "length_band", "language", "single_line",
+          "reference_similarity", "llm")
 CODE_CHECKS = frozenset(CHECKS) - {"reference_similarity", "llm"}
+KIND_OF_CHECK = {"tool_call_match": "tool_calls", "json_match": "json", "label_match": "labels",
+                 "tool_calls": "tool_calls", "json_fields_match": "json", "json_schema": "json",
+                 "json_valid": "json"}
+"""The kind of references each check is for (``Rubric.kind``); the first three are the exact
+checks inference writes, the others what stored rubrics may hold."""
 
 # A property must hold for this share of reference answers before it becomes a criterion: one
 # odd reference (a refusal, a truncated answer) must not remove a criterion the task clearly has.
@@ -99,6 +135,15 @@ class Rubric:
             raise ValueError(f"rubric: duplicate criterion {dup[0]!r}")
         for c in self.criteria:
             c.validate()
+
+    @property
+    def kind(self) -> str:
+        """What the references are (``tool_calls``, ``json``, ``labels``), by the first
+        criterion whose check is for one kind (``KIND_OF_CHECK``); else ``free_text``."""
+        for c in self.criteria:
+            if c.check in KIND_OF_CHECK:
+                return KIND_OF_CHECK[c.check]
+        return "free_text"
 
     @property
     def version(self) -> str:
@@ -186,50 +231,69 @@ class Answer:
 
 def infer_rubric(references: Sequence[Answer], *,
                  tools: Sequence[Sequence[dict[str, Any]]] = ()) -> Rubric:
-    """The code-checkable criteria the reference answers share, plus reference similarity.
+    """The criteria that check what the references are (see the module's table).
 
     ``tools`` (per reference, canonical or OpenAI tool declarations) feed the tool-call
-    argument schemas.
+    argument schemas, which score calls when there is no reference (rejection sampling).
     """
-    from factory.curation.text import language
-
     refs = list(references)
     if not refs:
         raise ValueError("infer_rubric: needs at least one reference answer")
     n = len(refs)
-    crit: list[Criterion] = []
-    with_calls = [r for r in refs if r.tool_calls]
-    texts = [r.text for r in refs if r.text.strip()]
-    if len(with_calls) >= _MAJORITY * n:
+    if 2 * sum(1 for r in refs if r.tool_calls) >= n:
         schemas: dict[str, Any] = {}
         for decl in tools:
             for t in decl:
                 fn = t.get("function", t)
                 schemas.setdefault(fn["name"], fn.get("parameters") or {})
-        crit.append(Criterion(
-            name="tool_calls", check="tool_calls", weight=2.0, params={"schemas": schemas},
-            description="Calls the same tools as the reference, with arguments that match each "
-                        "tool's declared parameter schema."))
+        crit = [Criterion(
+            name="tool_calls", check="tool_call_match", params={"schemas": schemas},
+            description="Makes the reference's tool calls: the same tool names with exactly "
+                        "the same arguments; no call where the reference makes none.")]
+        return Rubric(criteria=tuple(crit), source="auto", num_examples=n)
+    texts = [r.text for r in refs if r.text.strip()]
+    json_rubric = _json_criteria(texts)
+    labels = None if json_rubric else closed_labels(texts)
+    if json_rubric:
+        crit = json_rubric
+    elif labels:
+        crit = [Criterion(
+            name="label_match", check="label_match", params={"labels": labels},
+            description="Answers with exactly the reference's label, one of "
+                        + ", ".join(labels[:20]) + (" ..." if len(labels) > 20 else "") + ".")]
+    else:
+        crit = _free_text_criteria(texts)
+    return Rubric(criteria=tuple(crit), source="auto", num_examples=n)
+
+
+def _json_criteria(texts: Sequence[str]) -> list[Criterion]:
+    """``json_match`` when most text references are JSON objects or arrays; [] otherwise."""
     parsed = [parse_json_answer(t) for t in texts]
-    if texts and sum(ok for ok, _ in parsed) >= _MAJORITY * len(texts):
-        crit.append(Criterion(name="json_valid", check="json_valid", weight=1.0,
-                              description="The answer is valid JSON and nothing else."))
-        objects = [v for ok, v in parsed if ok and isinstance(v, dict)]
-        if len(objects) >= _MAJORITY * len(texts):
-            key_count = Counter(k for o in objects for k in o)
-            required = sorted(k for k, c in key_count.items() if c >= _MAJORITY * len(objects))
-            types: dict[str, list[str]] = {}
-            for k in sorted(key_count):
-                types[k] = sorted({json_type(o[k]) for o in objects if k in o})
-            crit.append(Criterion(
-                name="json_schema", check="json_schema", weight=1.0,
-                params={"required": required, "properties": types,
-                        "additional": len(key_count) > len(required)},
-                description="A JSON object with the keys " + ", ".join(required)
-                            + " and the value types the references use."))
-            crit.append(Criterion(
-                name="json_fields_match", check="json_fields_match", weight=2.0,
-                description="Each field has the same value as in the reference answer."))
+    containers = [v for ok, v in parsed if ok and isinstance(v, dict | list)]
+    if not texts or len(containers) < _MAJORITY * len(texts):
+        return []
+    params: dict[str, Any] = {}
+    objects = [v for v in containers if isinstance(v, dict)]
+    described = "JSON with the reference's values"
+    if len(objects) >= _MAJORITY * len(texts):
+        key_count = Counter(k for o in objects for k in o)
+        required = sorted(k for k, c in key_count.items() if c >= _MAJORITY * len(objects))
+        params = {"required": required,
+                  "properties": {k: sorted({json_type(o[k]) for o in objects if k in o})
+                                 for k in sorted(key_count)},
+                  "additional": len(key_count) > len(required)}
+        described = "A JSON object whose fields (" + ", ".join(required) + ") equal the " \
+            "reference's"
+    return [Criterion(name="json_fields_match", check="json_match", params=params,
+                      description=described + "; without a reference, the keys and value "
+                                              "types the references use.")]
+
+
+def _free_text_criteria(texts: Sequence[str]) -> list[Criterion]:
+    """Length, language and line shape of the references, and similarity to them."""
+    from factory.curation.text import language
+
+    crit: list[Criterion] = []
     if texts:
         lengths = sorted(len(t.strip()) for t in texts)
         lo = lengths[int(0.05 * (len(lengths) - 1))]
@@ -250,7 +314,36 @@ def infer_rubric(references: Sequence[Answer], *,
                                   description="One line, like every reference answer."))
     crit.append(Criterion(name="reference_similarity", check="reference_similarity", weight=1.0,
                           description="Says what the reference answer says."))
-    return Rubric(criteria=tuple(crit), source="auto", num_examples=n)
+    return crit
+
+
+_LABEL_MAX_CHARS = 40
+_LABEL_MAX_WORDS = 4
+
+
+def normalize_label(text: str) -> str:
+    """A label as compared: case, spacing, surrounding quotes or backticks and a final period
+    aside (``" Refund."`` is ``refund``; ``bug report`` is not ``bug_report``)."""
+    s = " ".join(text.split()).strip("`'\"").strip()
+    if s.endswith("."):
+        s = s[:-1].rstrip()
+    return s.lower()
+
+
+def closed_labels(texts: Sequence[str]) -> list[str] | None:
+    """The label set, when the texts are labels: at least 80% short one-line labels (at most
+    40 characters and 4 words) drawn from a set that repeats (at most half as many distinct
+    labels as texts, 2 allowed); None otherwise."""
+    if not texts:
+        return None
+    norm = [normalize_label(t) for t in texts]
+    label_like = [x for x, t in zip(norm, texts, strict=True)
+                  if x and "\n" not in t.strip() and len(x) <= _LABEL_MAX_CHARS
+                  and len(x.split()) <= _LABEL_MAX_WORDS]
+    if len(label_like) < _MAJORITY * len(texts):
+        return None
+    distinct = sorted(set(label_like))
+    return distinct if len(distinct) <= max(2, len(texts) // 2) else None
 
 
 # --- code checks ------------------------------------------------------------------------------
@@ -260,37 +353,50 @@ def _norm(v: Any) -> Any:
     return " ".join(v.lower().split()) if isinstance(v, str) else v
 
 
-def check_answer(c: Criterion, answer: Answer, reference: Answer) -> tuple[float, str]:
-    """Score (0..1) and a one-line assessment of ``answer`` on a code-checkable criterion."""
-    if c.check == "json_valid":
-        ok, _ = parse_json_answer(answer.text)
-        return (1.0, "valid JSON") if ok else (0.0, "not valid JSON")
-    if c.check == "json_schema":
+def check_answer(c: Criterion, answer: Answer, reference: Answer | None) -> tuple[float, str]:
+    """Score (0..1) and a one-line assessment of ``answer`` on a code-checkable criterion.
+
+    ``reference`` None: judged without one (rejection sampling); the exact checks then check
+    what they can without it, and a check that needs one (``json_fields_match``) refuses.
+    """
+    if c.check == "tool_call_match":
+        if reference is None:
+            return _check_tool_calls(c, answer, answer)
+        return _tool_calls_exact(answer, reference)
+    if c.check == "json_match":
+        if reference is None:
+            return _json_schema(c.params, answer) if c.params else _json_valid(answer)
+        ok_ref, ref = parse_json_answer(reference.text)
+        if ok_ref and isinstance(ref, dict) and ref:
+            return _json_fields(answer, ref)
         ok, value = parse_json_answer(answer.text)
-        if not ok or not isinstance(value, dict):
-            return 0.0, "not a JSON object"
-        props: dict[str, list[str]] = c.params.get("properties", {})
-        required: list[str] = c.params.get("required", [])
-        problems = [f"missing {k}" for k in required if k not in value]
-        problems += [f"{k} is {json_type(value[k])}, expected {'|'.join(props[k])}"
-                     for k in value if k in props and json_type(value[k]) not in props[k]]
-        if not c.params.get("additional", False):
-            problems += [f"unexpected key {k}" for k in value if k not in props]
-        num_checks = max(1, len(required) + len(value))
-        score = max(0.0, 1.0 - len(problems) / num_checks)
-        return score, "; ".join(problems) or "keys and types as expected"
+        if ok and ok_ref and json_equal(value, ref):
+            return 1.0, "the reference's JSON"
+        return 0.0, "not the reference's JSON" if ok else "not valid JSON"
+    if c.check == "label_match":
+        got = normalize_label(answer.text)
+        if reference is None:
+            labels = c.params.get("labels") or []
+            if got in labels:
+                return 1.0, f"label {got!r}"
+            return 0.0, f"{got[:40]!r} is not one of the labels"
+        want = normalize_label(reference.text)
+        if got == want:
+            return 1.0, f"label {got!r}"
+        return 0.0, f"answered {got[:40]!r}, expected {want!r}"
+    if c.check == "json_valid":
+        return _json_valid(answer)
+    if c.check == "json_schema":
+        return _json_schema(c.params, answer)
     if c.check == "json_fields_match":
+        if reference is None:
+            raise ValueError(f"criterion {c.name}: json_fields_match needs a reference")
         ok_ref, ref = parse_json_answer(reference.text)
         if not ok_ref or not isinstance(ref, dict) or not ref:
             return 1.0, "reference has no fields to match"
-        ok, value = parse_json_answer(answer.text)
-        if not ok or not isinstance(value, dict):
-            return 0.0, "not a JSON object"
-        wrong = [k for k in ref if _norm(value.get(k, "\0missing")) != _norm(ref[k])]
-        score = 1.0 - len(wrong) / len(ref)
-        return score, ("all fields match" if not wrong else "differs on " + ", ".join(wrong))
+        return _json_fields(answer, ref)
     if c.check == "tool_calls":
-        return _check_tool_calls(c, answer, reference)
+        return _check_tool_calls(c, answer, reference or answer)
     if c.check == "length_band":
         n = len(answer.text.strip())
         lo, hi = int(c.params["min_chars"]), int(c.params["max_chars"])
@@ -300,13 +406,87 @@ def check_answer(c: Criterion, answer: Answer, reference: Answer) -> tuple[float
     if c.check == "language":
         from factory.curation.text import language
 
-        got = language(answer.text)
-        want = c.params["language"]
-        return (1.0 if got == want else 0.0), f"language {got}, expected {want}"
+        got_lang = language(answer.text)
+        want_lang = c.params["language"]
+        return (1.0 if got_lang == want_lang else 0.0), \
+            f"language {got_lang}, expected {want_lang}"
     if c.check == "single_line":
         lines = len(answer.text.strip().splitlines())
         return (1.0, "one line") if lines <= 1 else (0.0, f"{lines} lines")
     raise ValueError(f"criterion {c.name}: check {c.check!r} is not code-checkable")
+
+
+def _json_valid(answer: Answer) -> tuple[float, str]:
+    ok, _ = parse_json_answer(answer.text)
+    return (1.0, "valid JSON") if ok else (0.0, "not valid JSON")
+
+
+def _json_schema(params: dict[str, Any], answer: Answer) -> tuple[float, str]:
+    ok, value = parse_json_answer(answer.text)
+    if not ok or not isinstance(value, dict):
+        return 0.0, "not a JSON object"
+    props: dict[str, list[str]] = params.get("properties", {})
+    required: list[str] = params.get("required", [])
+    problems = [f"missing {k}" for k in required if k not in value]
+    problems += [f"{k} is {json_type(value[k])}, expected {'|'.join(props[k])}"
+                 for k in value if k in props and json_type(value[k]) not in props[k]]
+    if not params.get("additional", False):
+        problems += [f"unexpected key {k}" for k in value if k not in props]
+    num_checks = max(1, len(required) + len(value))
+    score = max(0.0, 1.0 - len(problems) / num_checks)
+    return score, "; ".join(problems) or "keys and types as expected"
+
+
+def _json_fields(answer: Answer, ref: dict[str, Any]) -> tuple[float, str]:
+    ok, value = parse_json_answer(answer.text)
+    if not ok or not isinstance(value, dict):
+        return 0.0, "not a JSON object"
+    wrong = [k for k in ref if _norm(value.get(k, "\0missing")) != _norm(ref[k])]
+    score = 1.0 - len(wrong) / len(ref)
+    return score, ("all fields match" if not wrong else "differs on " + ", ".join(wrong))
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """JSON equality: 24.5 == 24.50 and 80 == 80.0, but a boolean is not a number."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _tool_calls_exact(answer: Answer, reference: Answer) -> tuple[float, str]:
+    """Calls compared in order: a point for each with the reference call's name and equal
+    arguments, over the larger number of calls."""
+    want, got = reference.tool_calls, answer.tool_calls
+    if not want:
+        return (1.0, "no tool call, like the reference") if not got else \
+            (0.0, "called " + ", ".join(n for n, _ in got) + "; the reference makes no call")
+    if not got:
+        return 0.0, "no tool call; expected " + ", ".join(n for n, _ in want)
+    points, problems = 0, []
+    for i, (name, args) in enumerate(got):
+        if i >= len(want):
+            problems.append(f"call {i} ({name}) is extra")
+            continue
+        if name != want[i][0]:
+            problems.append(f"call {i} is {name}, expected {want[i][0]}")
+            continue
+        try:
+            same = json_equal(json.loads(args), json.loads(want[i][1]))
+        except json.JSONDecodeError:
+            problems.append(f"call {i} ({name}): arguments are not JSON")
+            continue
+        if not same:
+            problems.append(f"call {i} ({name}): arguments differ from the reference's")
+            continue
+        points += 1
+    problems += [f"missing call {i} ({want[i][0]})" for i in range(len(got), len(want))]
+    return points / max(len(want), len(got)), "; ".join(problems) or "the reference's calls"
 
 
 def _check_tool_calls(c: Criterion, answer: Answer, reference: Answer) -> tuple[float, str]:

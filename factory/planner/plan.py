@@ -490,6 +490,25 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     return plan
 
 
+EVAL_GAP = 0.1
+"""The smallest difference in mean score (0..1) between two checkpoints the eval set should
+resolve: their 95% bootstrap intervals (``factory.evals.selection.summarize``) are disjoint."""
+
+
+def eval_samples_needed(gap: float = EVAL_GAP) -> int:
+    """Eval samples whose 95% intervals reach at most 0.45 ``gap`` to each side at the widest
+    per-sample spread (scores of 0 or 1, half right: standard deviation 0.5):
+    1.96 * 0.5 / sqrt(n) <= 0.45 * gap. Two checkpoints ``gap`` apart then keep a tenth of the
+    gap between their intervals, which the percentile bootstrap's own noise does not close (at
+    0.5 * gap, 385 samples, the intervals of 0.45 and 0.55 touch). 475 at 0.1."""
+    return math.ceil((1.96 * 0.5 / (0.45 * gap)) ** 2)
+
+
+def resolvable_gap(num_samples: int) -> float:
+    """The gap ``num_samples`` eval samples resolve (``eval_samples_needed`` inverted)."""
+    return 1.96 * 0.5 / (0.45 * math.sqrt(max(1, num_samples)))
+
+
 def _plan_eval(plan: Plan, dec: _Decider, experiment: Experiment, profile: DatasetProfile,
                recipe: Recipe, hw: Hardware) -> None:
     arch = recipe.architecture
@@ -524,10 +543,24 @@ def _plan_eval(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
                 f"KV cache: {free / GIB:.1f} GiB free / {per_seq / 2**20:.1f} MiB per sequence "
                 f"of {profile.prompt_tokens_p99}+{plan['eval_max_new_tokens']} tokens "
                 "(at most 256)")
-    num_eval = profile.num_eval_samples or max(1, round(
+    available = profile.num_eval_samples or max(1, round(
         profile.num_samples * experiment.data.eval_fraction / (1 - experiment.data.eval_fraction)))
-    if experiment.eval.max_samples:
-        num_eval = min(num_eval, experiment.eval.max_samples)
+    needed = eval_samples_needed()
+    num_eval = min(available, needed)
+    reason = f"{num_eval} of the {available} eval samples"
+    if experiment.eval.max_samples and experiment.eval.max_samples < num_eval:
+        num_eval = experiment.eval.max_samples
+        reason = f"{num_eval} eval samples (eval.max_samples)"
+    reason += (f": checkpoints {resolvable_gap(num_eval):.2f} apart in mean score get disjoint "
+               "95% bootstrap intervals")
+    if num_eval < needed:
+        reason += f" ({needed} samples resolve {EVAL_GAP:g})"
+        plan.notes.append(f"{num_eval} eval samples tell checkpoints apart only "
+                          f"{resolvable_gap(num_eval):.2f} or more apart in mean score; "
+                          f"{needed} would resolve {EVAL_GAP:g} (raise data.eval_fraction, "
+                          "eval.max_samples or the traffic)")
+    dec.set("eval_num_samples", num_eval, "eval.resolution", reason)
+    num_eval = plan["eval_num_samples"]
     batch = min(plan["eval_max_num_seqs"], num_eval)
     dec.set("eval_batch_size", batch, "eval.batch",
             f"{num_eval} eval samples, at most {plan['eval_max_num_seqs']} at once")

@@ -32,10 +32,9 @@ def _rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
 def test_rubric_inferred_from_references() -> None:
     items = items_from_samples(_rows(30))
     rubric = build_rubric(items)
-    names = [c.name for c in rubric.criteria]
-    assert names == ["json_valid", "json_schema", "json_fields_match", "length_band",
-                     "single_line", "reference_similarity"]
-    schema = rubric.criteria[1].params
+    assert rubric.kind == "json"
+    assert [(c.name, c.check) for c in rubric.criteria] == [("json_fields_match", "json_match")]
+    schema = rubric.criteria[0].params
     assert schema["required"] == ["company", "email", "intent", "name"]
     assert schema["properties"]["email"] == ["null", "string"]
     assert Rubric.from_dict(json.loads(rubric.to_json())).version == rubric.version
@@ -48,17 +47,24 @@ def test_tool_call_rubric() -> None:
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]]
     ref = Answer(text="", tool_calls=(("get_weather", '{"city":"Paris"}'),))
     rubric = infer_rubric([ref], tools=tools)
-    crit = rubric.criteria[0]
+    [crit] = rubric.criteria
     from factory.evals.rubric import check_answer
 
-    assert crit.check == "tool_calls"
+    assert crit.check == "tool_call_match" and rubric.kind == "tool_calls"
     assert check_answer(crit, ref, ref)[0] == 1.0
+    same = Answer(text="", tool_calls=(("get_weather", '{ "city": "Paris" }'),))
+    assert check_answer(crit, same, ref) == (1.0, "the reference's calls")
+    other_city = Answer(text="", tool_calls=(("get_weather", '{"city":"Rome"}'),))
+    score, why = check_answer(crit, other_city, ref)
+    assert score == 0.0 and "arguments differ" in why
+    # without a reference (rejection sampling) the declared schema is what is checked
     bad = Answer(text="", tool_calls=(("get_weather", '{"town":1}'),))
-    score, why = check_answer(crit, bad, ref)
+    score, why = check_answer(crit, bad, None)
     assert score == 0.0 and "city" in why
+    assert check_answer(crit, other_city, None)[0] == 1.0
 
 
-def test_embedded_judge_ranks_good_above_bad() -> None:
+def test_embedded_judge_scores_the_exact_check() -> None:
     items = items_from_samples(_rows(6, seed=2))
     rubric = build_rubric(items)
     judge = EmbeddedJudge()
@@ -67,13 +73,20 @@ def test_embedded_judge_ranks_good_above_bad() -> None:
     assert {r.judge for r in ref_rows} == {"embedded:all-MiniLM-L6-v2"}
     chatty = [Answer(text="Sure! The sender seems to want help with their account.")] * 6
     rows = judge.score(rubric, items, chatty)
-    assert all(r.status == "ok" and r.score is not None and r.score < 0.35 for r in rows)
-    assert "json_valid" in rows[0].assessment
+    assert all(r.status == "ok" and r.score == 0.0 for r in rows)
+    assert "not a JSON object" in rows[0].assessment
+    assert judge._model is None  # no similarity criterion: the embedder is never loaded
+
+
+def _similarity_rubric() -> Rubric:
+    return Rubric.from_dict({"criteria": [
+        {"name": "json_match", "check": "json_match"},
+        {"name": "reference_similarity", "check": "reference_similarity"}]})
 
 
 def test_llm_judge_scores_retries_and_fails_loudly(judge_server: str) -> None:
     items = items_from_samples(_rows(3, seed=4))
-    rubric = infer_rubric([i.reference for i in items])
+    rubric = _similarity_rubric()
     judge = LLMJudge(base_url=judge_server, model="judge-1", max_retries=2, retry_backoff_s=0)
     answers = [Answer(text='{"name":null,"email":null,"company":null,"intent":"refund"}'),
                Answer(text="no idea"),
@@ -97,7 +110,7 @@ def test_llm_judge_scores_retries_and_fails_loudly(judge_server: str) -> None:
 
 def test_llm_judge_unreachable_is_a_failed_row() -> None:
     items = items_from_samples(_rows(1))
-    rubric = infer_rubric([i.reference for i in items])
+    rubric = _similarity_rubric()
     judge = LLMJudge(base_url="http://127.0.0.1:9/v1", model="m", max_retries=1,
                      retry_backoff_s=0, timeout_s=2)
     [row] = judge.score(rubric, items, [items[0].reference])
