@@ -35,6 +35,14 @@ MAX_WALL_HOURS = 24.0
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
+TRAIN_KEYS = ("max_seq_len", "packing", "micro_batch_size", "grad_accum_steps", "learning_rate",
+              "lr_schedule", "warmup_steps", "num_steps", "num_epochs", "weight_decay",
+              "max_grad_norm", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
+              "precision", "gradient_checkpointing", "frozen_modules", "checkpoint_every_steps",
+              "eval_every_steps", "seed", "use_kernels", "num_devices", "parallelism")
+"""The decisions that are ``TrainConfig`` fields (``Plan.train_config``), in its order."""
+
+
 class PlanError(FactoryError):
     """A plan that cannot run; the message says what to change."""
 
@@ -83,34 +91,13 @@ class Plan:
 
     def train_config(self) -> dict[str, Any]:
         """The training part: keyword arguments of ``factory.trainer.config.TrainConfig``."""
-        d = self.decisions
-        cfg: dict[str, Any] = {
-            "base_model": self.base_model,
-            "max_seq_len": d["max_seq_len"].value,
-            "packing": d["packing"].value,
-            "micro_batch_size": d["micro_batch_size"].value,
-            "grad_accum_steps": d["grad_accum_steps"].value,
-            "learning_rate": d["learning_rate"].value,
-            "lr_schedule": d["lr_schedule"].value,
-            "warmup_steps": d["warmup_steps"].value,
-            "num_steps": d["num_steps"].value,
-            "num_epochs": None if d["num_steps"].value is not None else d["num_epochs"].value,
-            "weight_decay": d["weight_decay"].value,
-            "max_grad_norm": d["max_grad_norm"].value,
-            "lora_rank": d["lora_rank"].value,
-            "lora_alpha": float(d["lora_alpha"].value),
-            "lora_dropout": d["lora_dropout"].value,
-            "lora_target_modules": list(d["lora_target_modules"].value),
-            "precision": d["precision"].value,
-            "gradient_checkpointing": d["gradient_checkpointing"].value,
-            "frozen_modules": list(d["frozen_modules"].value),
-            "checkpoint_every_steps": d["checkpoint_every_steps"].value,
-            "eval_every_steps": d["eval_every_steps"].value,
-            "seed": d["seed"].value,
-            "use_kernels": d["use_kernels"].value,
-            "num_devices": d["num_devices"].value,
-            "parallelism": d["parallelism"].value,
-        }
+        cfg: dict[str, Any] = {"base_model": self.base_model,
+                               **{key: self[key] for key in TRAIN_KEYS}}
+        if cfg["num_steps"] is not None:
+            cfg["num_epochs"] = None  # a run is sized by steps or by epochs, never both
+        cfg["lora_alpha"] = float(cfg["lora_alpha"])
+        cfg["lora_target_modules"] = list(cfg["lora_target_modules"])
+        cfg["frozen_modules"] = list(cfg["frozen_modules"])
         return cfg
 
     def eval_serving(self) -> dict[str, Any]:
