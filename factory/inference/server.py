@@ -65,6 +65,13 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
+def _str(body: dict[str, Any], name: str) -> str:
+    v = body.get(name)
+    if not isinstance(v, str):
+        raise EngineError(f"{name}: required string")
+    return v
+
+
 def _int(body: dict[str, Any], name: str, default: int | None, lo: int) -> int | None:
     v = body.get(name, default)
     if v is None:
@@ -118,9 +125,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
     async def load_lora(request: Request) -> Response:
         try:
             body = await _body(request)
-            name, path = body.get("lora_name"), body.get("lora_path")
-            if not isinstance(name, str) or not isinstance(path, str):
-                raise EngineError("lora_name and lora_path: both are required strings")
+            name, path = _str(body, "lora_name"), _str(body, "lora_path")
             await asyncio.to_thread(engine.load_adapter, name, path)
         except EngineError as e:
             return _error(400, str(e))
@@ -128,10 +133,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
 
     async def unload_lora(request: Request) -> Response:
         try:
-            body = await _body(request)
-            name = body.get("lora_name")
-            if not isinstance(name, str):
-                raise EngineError("lora_name: required string")
+            name = _str(await _body(request), "lora_name")
             if name not in engine.adapters:
                 return _error(404, f"The lora adapter '{name}' cannot be found.",
                               "NotFoundError")
@@ -143,9 +145,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
     async def score(request: Request) -> Response:
         try:
             body = await _body(request)
-            model = body.get("model")
-            if not isinstance(model, str):
-                raise EngineError("model: required string")
+            model = _str(body, "model")
             text, _ = _prompt(engine, model, body, add_generation_prompt=False)
             ids = engine.encode(model, text)
             lps = await asyncio.to_thread(engine.score, model, ids)
@@ -158,9 +158,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
     async def chat(request: Request) -> Response:
         try:
             body = await _body(request)
-            model = body.get("model")
-            if not isinstance(model, str):
-                raise EngineError("model: required string")
+            model = _str(body, "model")
             if _int(body, "n", 1, 1) != 1:
                 raise EngineError("n: only 1 is supported")
             max_tokens = _int(body, "max_completion_tokens", None, 1)
