@@ -30,6 +30,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from factory.evals.rubric import json_equal
+
 TAGS = {"project": "agent-orders"}
 """Tags the bench ingests the records with; ``experiments/agent-orders.yaml`` selects them."""
 
@@ -746,17 +748,4 @@ def exact_tool_call(expected: Mapping[str, Any], message: Any) -> bool:
         args = json.loads(raw) if isinstance(raw, str) else raw
     except json.JSONDecodeError:
         return False
-    return _same_json(args, expected["arguments"])
-
-
-def _same_json(a: Any, b: Any) -> bool:
-    """JSON equality: 24.5 == 24.50 and 80 == 80.0, but a bool is not a number."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return a == b
-    return type(a) is type(b) and a == b
+    return json_equal(args, expected["arguments"])
