@@ -108,6 +108,7 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
         "num_train": train.num_rows,
         "num_eval": ev.num_rows,
         "drops_by_reason": dg.MetadataValue.json(result.drops_by_reason()),
+        "clean_loss_by_reason": dg.MetadataValue.json(result.clean_loss_by_reason()),
         "samples_snapshot_id": snapshot,
         **judged,
         "report": dg.MetadataValue.md(result.report),

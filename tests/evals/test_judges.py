@@ -115,3 +115,18 @@ def test_llm_judge_unreachable_is_a_failed_row() -> None:
                      retry_backoff_s=0, timeout_s=2)
     [row] = judge.score(rubric, items, [items[0].reference])
     assert row.status == "failed" and row.score is None and "judge call failed" in str(row.error)
+
+
+def test_an_llm_judge_adds_its_criteria_to_free_text_only() -> None:
+    class Proposing(LLMJudge):
+        def propose_criteria(self, items):  # type: ignore[no-untyped-def]
+            return [{"name": "tone", "description": "Polite.", "weight": 1.0}]
+
+    judge = Proposing(base_url="http://127.0.0.1:9", model="judge-1")
+    exact = build_rubric(items_from_samples(_rows(6, seed=2)), judge=judge)  # JSON answers
+    assert exact.kind != "free_text" and all(c.check != "llm" for c in exact.criteria)
+    prose = [dict(r, messages=r["messages"].replace('{\\"name\\"', 'Dear customer, {\\"name\\"'))
+             for r in _rows(6, seed=2)]
+    free = build_rubric(items_from_samples(prose), judge=judge)
+    assert free.kind == "free_text" and [c.name for c in free.criteria if c.check == "llm"] == \
+        ["tone"]
