@@ -4,21 +4,36 @@ Assets and checks are collected from the modules of the ``factory.assets`` packa
 and schedules from the ``SENSORS``/``JOBS``/``SCHEDULES`` lists of the modules of
 ``factory.sensors``.
 ``workspace.yaml`` loads ``defs`` from here, so ``dagster dev`` / ``factory ui`` show the graph.
+
+Resources are picked per deployment, named by ``$FACTORY_DEPLOYMENT``:
+
+- ``embedded`` (the default): one machine, no services. The lake under ``$FACTORY_HOME``, the
+  factory's CPU server for evals and deployments.
+- ``gpu``: ``vllm serve`` for evals and deployments; the rest as ``embedded``.
+
+In both, two systems outside the factory are configured by a JSON object in the environment
+(how the Helm values set them): ``$FACTORY_PROVIDERS``, the provider ladder and control policy
+(``ProviderResource``; unset: the local rung only), and ``$FACTORY_JUDGE``, an LLM judge
+(``LLMJudgeResource``: ``{"base_url": ..., "model": ..., "api_key_env": ...}``; unset: the
+embedded judge). The launchpad then configures the chosen classes per run.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import pkgutil
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import dagster as dg
 
 from factory import assets, sensors
-from factory.resources.deployer import DeployerResource
-from factory.resources.inference import InferenceResource
-from factory.resources.judge import JudgeResource
+from factory.resources.deployer import CPUDeployerResource, VLLMDeployerResource
+from factory.resources.inference import CPUInferenceResource, VLLMInferenceResource
+from factory.resources.judge import EmbeddedJudgeResource, JudgeResource, LLMJudgeResource
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
 
@@ -32,15 +47,55 @@ def _collect(name: str) -> list[Any]:
     return [item for module in _modules(sensors) for item in getattr(module, name, [])]
 
 
-def build_resources() -> dict[str, Any]:
-    """Resource instances by key: the embedded defaults."""
+DEPLOYMENT_ENV = "FACTORY_DEPLOYMENT"
+
+
+def _env_config(var: str) -> dict[str, Any] | None:
+    """The JSON object in ``$var``; None when it is unset or empty."""
+    raw = os.environ.get(var)
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{var}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{var}: must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _judge() -> JudgeResource:
+    config = _env_config("FACTORY_JUDGE")
+    return LLMJudgeResource(**config) if config is not None else EmbeddedJudgeResource()
+
+
+def embedded() -> dict[str, Any]:
+    """One machine, no services: the CPU server for evals and deployments."""
     return {
         "lake": LakeResource(),
-        "judge": JudgeResource(),
-        "inference": InferenceResource(),
-        "provider": ProviderResource.from_env(),
-        "deployer": DeployerResource(),
+        "judge": _judge(),
+        "inference": CPUInferenceResource(),
+        "provider": ProviderResource(**(_env_config("FACTORY_PROVIDERS") or {})),
+        "deployer": CPUDeployerResource(),
     }
+
+
+def gpu() -> dict[str, Any]:
+    """GPU machines: ``vllm serve`` for evals and deployments, the rest as ``embedded``."""
+    return {**embedded(), "inference": VLLMInferenceResource(), "deployer": VLLMDeployerResource()}
+
+
+DEPLOYMENTS: dict[str, Callable[[], dict[str, Any]]] = {"embedded": embedded, "gpu": gpu}
+
+
+def build_resources(deployment: str | None = None) -> dict[str, Any]:
+    """Resource instances by key for ``deployment`` (default: ``$FACTORY_DEPLOYMENT``, else
+    ``embedded``)."""
+    name = deployment or os.environ.get(DEPLOYMENT_ENV) or "embedded"
+    if name not in DEPLOYMENTS:
+        raise ValueError(f"{DEPLOYMENT_ENV}: must be one of {', '.join(DEPLOYMENTS)}, "
+                         f"got {name!r}")
+    return DEPLOYMENTS[name]()
 
 
 def build_definitions() -> dg.Definitions:

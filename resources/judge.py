@@ -1,7 +1,13 @@
-"""``JudgeResource`` (key ``judge``): the embedded judge by default, an LLM judge when configured."""
+"""``JudgeResource`` (key ``judge``): which judge scores answers.
+
+One class per judge, chosen per deployment in ``factory/definitions.py``:
+``EmbeddedJudgeResource`` (no network: code checks and MiniLM similarity, the embedded default)
+and ``LLMJudgeResource`` (any OpenAI-compatible endpoint: the gateway, a vLLM). The assets type
+against ``JudgeResource``.
+"""
 
 import os
-from typing import Any
+from abc import abstractmethod
 
 import dagster as dg
 
@@ -9,25 +15,36 @@ from factory.evals.judges import EmbeddedJudge, LLMJudge
 
 
 class JudgeResource(dg.ConfigurableResource):  # type: ignore[type-arg]
-    """Which judge scores answers. ``kind="llm"`` needs ``base_url`` (any OpenAI-compatible
-    endpoint: the gateway, a vLLM) and ``model``; the API key is read from the environment
-    variable named by ``api_key_env`` (never stored in config)."""
+    """The judge of the eval and rejection-sampling assets."""
 
-    kind: str = "embedded"
-    base_url: str | None = None
-    model: str | None = None
+    @abstractmethod
+    def judge(self) -> EmbeddedJudge | LLMJudge:
+        """A judge ready to score."""
+
+
+class EmbeddedJudgeResource(JudgeResource):
+    """The embedded judge: code-checkable criteria by code, the rest by MiniLM similarity."""
+
+    def judge(self) -> EmbeddedJudge:
+        return EmbeddedJudge()
+
+
+class LLMJudgeResource(JudgeResource):
+    """A judge model behind ``base_url``; the API key is read from the environment variable
+    named by ``api_key_env`` (never stored in config)."""
+
+    base_url: str
+    """OpenAI base URL of the endpoint (``http://host:port/v1``)."""
+    model: str
+    """Judge model name at that endpoint."""
     api_key_env: str | None = None
     max_retries: int = 2
     timeout_s: float = 120.0
     concurrency: int = 4
 
-    def judge(self) -> Any:
-        if self.kind == "embedded":
-            return EmbeddedJudge()
-        if self.kind != "llm":
-            raise ValueError(f"judge.kind: must be 'embedded' or 'llm', got {self.kind!r}")
+    def judge(self) -> LLMJudge:
         if not self.base_url or not self.model:
-            raise ValueError("judge: kind 'llm' needs base_url and model")
+            raise ValueError("judge: the LLM judge needs base_url and model")
         key = None
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)

@@ -1,5 +1,5 @@
 """The provider interface the scheduler and the control loop speak (implementations live in
-``resources/providers.py``): capacity, launch, status, stop, max runtime, cost per GPU-hour.
+``factory.control.providers``): capacity, launch, status, stop, max runtime, cost per GPU-hour.
 
 A ``Handle`` is plain JSON so a segment launched in one sensor tick (or one process) can be
 followed and stopped from another.

@@ -95,7 +95,7 @@ class ControlConfig:
     """Growth of the recovery backoff."""
     max_backoff_s: float = 1800.0
     """Cap on the recovery backoff."""
-    nan_lr_backoff: float | None = None
+    nan_lr_backoff: float | None = 0.5
     """Multiply the learning rate by this when resuming after a NaN (None: keep it)."""
     priorities: dict[str, int] = field(default_factory=lambda: dict(scheduler.DEFAULT_PRIORITIES))
     """Queue priority per job kind (lower first)."""

@@ -1,4 +1,4 @@
-"""Compute providers (the rungs of the ladder) and ``ProviderResource`` (key ``provider``).
+"""Compute providers: the rungs of the ladder the control plane launches trainers on.
 
 Every provider speaks ``factory.control.base.Provider``: capacity in GPU slots, ``launch(job)``
 returning a JSON-able ``Handle``, ``status``, ``stop`` (SIGTERM, the trainer checkpoints and
@@ -34,13 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
-
 import factory
-from factory.control.base import Handle, Provider, ProviderStatus
-from factory.control.plane import ControlConfig, ControlPlane
+from factory.control.base import Handle, ProviderStatus
 from factory.deploy.process import is_alive, runs_command, stop_group
-from factory.lake import Lake
 from factory.settings import get_settings
 from factory.trainer.config import Job
 
@@ -272,6 +268,8 @@ class SandboxProvider(_ProcessProvider):
     """Serverless is dearer than our cluster."""
     limit_s: float = 24 * 3600.0
     """Hard wall-clock limit of one sandbox."""
+    grace_s: float = 30.0
+    """Seconds between SIGTERM (at the deadline or on stop) and SIGKILL."""
     warm_start: bool = True
     """Fork sandboxes from a warm server (see the module docstring)."""
 
@@ -470,105 +468,3 @@ class KubernetesProvider:
         except ApiException as e:
             if e.status != 404:
                 raise
-
-
-# --- the Dagster resource -------------------------------------------------------------------
-
-
-class LocalConfig(dg.Config):
-    max_gpus: int = 1
-    cost_per_gpu_hour: float = 0.0
-    env: dict[str, str] = {}
-    warm_start: bool = False
-
-
-class SandboxConfig(dg.Config):
-    max_gpus: int = 8
-    cost_per_gpu_hour: float = 4.0
-    limit_s: float = 24 * 3600.0
-    grace_s: float = 30.0
-    warm_start: bool = True
-    env: dict[str, str] = {}
-
-
-class KubernetesConfig(dg.Config):
-    api_server: str
-    image: str
-    namespace: str = "factory"
-    max_gpus: int = 8
-    cost_per_gpu_hour: float = 2.0
-    gpu_resource: str = "nvidia.com/gpu"
-    node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, str]] = []
-    secrets: list[dict[str, str]] = []
-    token_env: str | None = None
-    service_account: str | None = None
-
-
-class ProviderResource(dg.ConfigurableResource):  # type: ignore[type-arg]
-    """The provider ladder and the control policy (key ``provider``).
-
-    ``order`` lists rung names, preferred first; only configured rungs may be named.
-    """
-
-    order: list[str] = ["local"]
-    local: LocalConfig = LocalConfig()
-    sandbox: SandboxConfig | None = None
-    kubernetes: KubernetesConfig | None = None
-    rollover_margin_s: float = 3600.0
-    heartbeat_timeout_s: float = 900.0
-    max_recoveries: int = 3
-    backoff_s: float = 30.0
-    nan_lr_backoff: float | None = 0.5
-    webhook_url: str | None = None
-    webhook_key_id: str | None = None
-    webhook_secret_env: str | None = None
-
-    @classmethod
-    def from_env(cls, var: str = "FACTORY_PROVIDERS") -> "ProviderResource":
-        """From the JSON in ``$FACTORY_PROVIDERS`` (how the Helm values configure it); the
-        embedded default (local only) when it is unset."""
-        raw = os.environ.get(var)
-        if not raw:
-            return cls()
-        try:
-            return cls(**json.loads(raw))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{var}: not JSON ({e})") from None
-
-    def ladder(self) -> list[Provider]:
-        rungs: list[Provider] = []
-        for name in self.order:
-            if name == "local":
-                rungs.append(LocalProvider(max_gpus=self.local.max_gpus, env=self.local.env,
-                                           cost_per_gpu_hour=self.local.cost_per_gpu_hour,
-                                           warm_start=self.local.warm_start))
-            elif name == "sandbox" and self.sandbox is not None:
-                s = self.sandbox
-                rungs.append(SandboxProvider(max_gpus=s.max_gpus, limit_s=s.limit_s,
-                                             grace_s=s.grace_s, warm_start=s.warm_start,
-                                             env=s.env, cost_per_gpu_hour=s.cost_per_gpu_hour))
-            elif name == "kubernetes" and self.kubernetes is not None:
-                c = self.kubernetes
-                rungs.append(KubernetesProvider(
-                    api_server=c.api_server, image=c.image, namespace=c.namespace,
-                    max_gpus=c.max_gpus, cost_per_gpu_hour=c.cost_per_gpu_hour,
-                    gpu_resource=c.gpu_resource, node_selector=dict(c.node_selector),
-                    tolerations=[dict(t) for t in c.tolerations],
-                    secrets=[SecretEnv(**s) for s in c.secrets], token_env=c.token_env,
-                    service_account=c.service_account))
-            else:
-                raise ValueError(f"order: rung {name!r} is not configured "
-                                 f"(configure local, sandbox or kubernetes)")
-        return rungs
-
-    def control_config(self) -> ControlConfig:
-        return ControlConfig(rollover_margin_s=self.rollover_margin_s,
-                             heartbeat_timeout_s=self.heartbeat_timeout_s,
-                             max_recoveries=self.max_recoveries, backoff_s=self.backoff_s,
-                             nan_lr_backoff=self.nan_lr_backoff, webhook_url=self.webhook_url,
-                             webhook_key_id=self.webhook_key_id,
-                             webhook_secret_env=self.webhook_secret_env)
-
-    def plane(self, lake: Lake) -> ControlPlane:
-        return ControlPlane(lake, self.ladder(), self.control_config())

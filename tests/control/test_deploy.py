@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubernetes import client as k
 
-from factory.resources.providers import KubernetesProvider, ProviderResource
+from factory.control.providers import KubernetesProvider
 from tests.conftest import ROOT
 
 INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT",
@@ -76,6 +76,8 @@ def test_bad_dockerfile_is_rejected(tmp_path: Path) -> None:
 
 
 def test_helm_values_render_to_the_expected_job_spec(make_job, monkeypatch) -> None:
+    from factory.definitions import build_resources
+
     values = yaml.safe_load((ROOT / "deploy" / "helm" / "values.yaml").read_text())
     assert values["runLauncher"]["type"] == "K8sRunLauncher"
     launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
@@ -83,7 +85,7 @@ def test_helm_values_render_to_the_expected_job_spec(make_job, monkeypatch) -> N
     assert dep["dagsterApiGrpcArgs"] == ["-m", "factory.definitions"]
     env = {e["name"]: e["value"] for e in dep["env"]}
     monkeypatch.setenv("FACTORY_PROVIDERS", env["FACTORY_PROVIDERS"])
-    resource = ProviderResource.from_env()
+    resource = build_resources()["provider"]
     ladder = resource.ladder()
     assert [p.name for p in ladder] == ["kubernetes", "sandbox"]
     kube = ladder[0]

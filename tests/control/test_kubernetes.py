@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kubernetes import client as k
 
-from factory.resources.providers import KubernetesProvider, SecretEnv
+from factory.control.providers import KubernetesProvider, SecretEnv
 
 
 def _provider(url: str = "http://127.0.0.1:1") -> KubernetesProvider:

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from factory.control.plane import ControlConfig, ControlPlane
+from factory.control.providers import LocalProvider, SandboxProvider
 from factory.lake import Lake
-from factory.resources.providers import LocalProvider, SandboxProvider
 from factory.trainer.train import ExitCode, run_job
 from tests.control.conftest import ONE_THREAD, drive
 

@@ -93,8 +93,8 @@ def test_checkpoint_lineage_leads_to_the_run_its_plan_and_data(server, make_job,
     ``training_runs`` holds by the time the checkpoint arrives)."""
     from factory.app.cli import main
     from factory.control.plane import ControlPlane
+    from factory.control.providers import LocalProvider
     from factory.lake import Lineage
-    from factory.resources.providers import LocalProvider
 
     url, lake = server
     upstream = Lineage(run_id="plan-run", asset_key="training_plan")

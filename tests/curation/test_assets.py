@@ -26,14 +26,14 @@ def _setup(home: Path, monkeypatch: pytest.MonkeyPatch, data: Planted, where: st
 
 def _run(key: str = "support", engine: str | None = None) -> Any:
     from factory.assets.curation import dataset, dataset_profile
-    from factory.resources.judge import JudgeResource
+    from factory.resources.judge import EmbeddedJudgeResource
     from factory.resources.lake import LakeResource
 
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("experiments", [key])
     run_config = {"ops": {"dataset": {"config": {"engine": engine}}}} if engine else None
     return dg.materialize([dataset, dataset_profile], instance=instance, partition_key=key,
-                          resources={"lake": LakeResource(), "judge": JudgeResource()},
+                          resources={"lake": LakeResource(), "judge": EmbeddedJudgeResource()},
                           run_config=run_config, raise_on_error=False)
 
 

@@ -23,15 +23,15 @@ STEPS = (10, 20)
 
 
 def _resources() -> dict[str, Any]:
-    from factory.resources.inference import InferenceResource
-    from factory.resources.judge import JudgeResource
+    from factory.resources.inference import CPUInferenceResource
+    from factory.resources.judge import EmbeddedJudgeResource
     from factory.resources.lake import LakeResource
 
     # 16 new tokens keep generation on the random tiny model to a few seconds.
-    return {"lake": LakeResource(), "judge": JudgeResource(),
-            "inference": InferenceResource(threads=1, max_tokens=16, concurrency=4,
-                                           max_num_seqs=4, max_model_len=1024,
-                                           startup_timeout_s=240)}
+    return {"lake": LakeResource(), "judge": EmbeddedJudgeResource(),
+            "inference": CPUInferenceResource(threads=1, max_tokens=16, concurrency=4,
+                                              max_num_seqs=4, max_model_len=1024,
+                                              startup_timeout_s=240)}
 
 
 def _checks(result: Any) -> dict[str, bool]:

@@ -43,7 +43,7 @@ def _samples(n: int, *, seed: int, corrupt: set[int]) -> list[dict[str, Any]]:
 def test_dataset_drops_samples_the_judge_scores_below_threshold(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path) -> None:
     from factory.assets.curation import dataset
-    from factory.resources.judge import JudgeResource
+    from factory.resources.judge import EmbeddedJudgeResource
     from factory.resources.lake import LakeResource
 
     corrupt = {3, 11, 17, 26, 33}
@@ -55,7 +55,7 @@ def test_dataset_drops_samples_the_judge_scores_below_threshold(
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("experiments", ["support"])
     result = dg.materialize([dataset], instance=instance, partition_key="support",
-                            resources={"lake": LakeResource(), "judge": JudgeResource()})
+                            resources={"lake": LakeResource(), "judge": EmbeddedJudgeResource()})
     assert result.success
     meta = result.asset_materializations_for_node("dataset")[0].metadata
     assert meta["judge"].value == "embedded:all-MiniLM-L6-v2"

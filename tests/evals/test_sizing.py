@@ -91,8 +91,8 @@ def test_checkpoint_evals_starts_vllm_sized_by_the_plan(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         fake_vllm: Path) -> None:
     from factory.assets.evals import checkpoint_evals
-    from factory.resources.inference import InferenceResource
-    from factory.resources.judge import JudgeResource
+    from factory.resources.inference import VLLMInferenceResource
+    from factory.resources.judge import EmbeddedJudgeResource
     from factory.resources.lake import LakeResource
 
     plan, run_id = _plan(factory_home, monkeypatch)
@@ -111,9 +111,9 @@ def test_checkpoint_evals_starts_vllm_sized_by_the_plan(
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("checkpoints", [f"{run_id}:2"])
     # max_tokens is set on the resource: an explicit override of the plan's max_new_tokens.
-    inference = InferenceResource(backend="vllm", max_tokens=16, startup_timeout_s=60)
+    inference = VLLMInferenceResource(max_tokens=16, startup_timeout_s=60)
     result = dg.materialize([checkpoint_evals], instance=instance, partition_key=f"{run_id}:2",
-                            resources={"lake": LakeResource(), "judge": JudgeResource(),
+                            resources={"lake": LakeResource(), "judge": EmbeddedJudgeResource(),
                                        "inference": inference}, raise_on_error=False)
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
@@ -149,7 +149,7 @@ def test_cpu_server_batch_and_overrides(factory_home: Path,
     """The CPU server's batch and the client's concurrency are the plan's batch_size; a field
     set on the resource wins and says so; a run without a plan gets the defaults, saying why."""
     from factory.inference.sizing import plan_of_run
-    from factory.resources.inference import InferenceResource
+    from factory.resources.inference import CPUInferenceResource
 
     write_experiment(factory_home, monkeypatch,
                      'name: support\ndata: {where: "true"}\nrecipe: smollm2-135m-lora\n'
@@ -164,10 +164,10 @@ def test_cpu_server_batch_and_overrides(factory_home: Path,
     assert stored is not None and session.lineage.reads["training_plans"]
     assert plan_of_run(session, "support-other-run", "support") is None
 
-    box = InferenceResource().serving_size(stored)
+    box = CPUInferenceResource().serving_size(stored)
     assert box.batch_size == 3 == plan.eval_serving()["batch_size"]  # max_samples caps it
     assert box.max_new_tokens == plan.eval_serving()["max_new_tokens"]
-    server = InferenceResource().server("/m", {"a": "/a"}, size=box)
+    server = CPUInferenceResource().server("/m", {"a": "/a"}, size=box)
     server.port = 8123  # the argv as start() would run it, without starting it
     argv = server.command()
     assert argv[1:4] == ["-m", "factory.inference", "/m"]
@@ -175,13 +175,13 @@ def test_cpu_server_batch_and_overrides(factory_home: Path,
     assert _flag(argv, "--max-model-len") == str(plan["max_seq_len"]
                                                  + plan.eval_serving()["max_new_tokens"])
 
-    forced = InferenceResource(concurrency=2, max_model_len=1024).serving_size(stored)
+    forced = CPUInferenceResource(concurrency=2, max_model_len=1024).serving_size(stored)
     assert (forced.batch_size, forced.sizing.max_model_len) == (2, 1024)
     assert forced.decisions["batch_size"]["source"] == "override"
     assert forced.decisions["max_model_len"]["source"] == "override"
     assert forced.decisions["max_num_seqs"]["source"] == "plan"
 
-    bare = InferenceResource().serving_size(None, no_plan_reason="run r has no plan")
+    bare = CPUInferenceResource().serving_size(None, no_plan_reason="run r has no plan")
     assert {d["source"] for d in bare.decisions.values()} == {"default"}
     assert bare.decisions["batch_size"]["reason"] == "run r has no plan"
 
@@ -200,7 +200,7 @@ def test_deployment_server_is_sized_by_the_plan_but_keeps_its_context(
     """``factory deploy`` / the deployment asset start vLLM through the same path, sized like
     the checkpoint's evals, except the eval set's max length (clients' prompts are longer)."""
     from factory.deploy import DeployConfig, Deployer, DeploymentError
-    from factory.resources.deployer import DeployerResource
+    from factory.resources.deployer import VLLMDeployerResource
 
     plan, run_id = _plan(factory_home, monkeypatch)
     box = plan.eval_serving()
@@ -220,7 +220,7 @@ def test_deployment_server_is_sized_by_the_plan_but_keeps_its_context(
     [failed] = [d for d in Deployer().versions("support") if d.status == "failed"]
     assert failed.run_id == run_id and failed.step == 2
 
-    forced = DeployerResource(backend="vllm", tensor_parallel_size=4, max_model_len=8192)
+    forced = VLLMDeployerResource(tensor_parallel_size=4, max_model_len=8192)
     lake = Lake()
     sized = forced.deployer(lake.session(run_id="t", asset_key="deployment")).serving_size_of(
         "support", deployer.resolve("support", f"{run_id}:2"))
