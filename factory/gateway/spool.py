@@ -9,7 +9,8 @@ cache), and made durable against power loss by a group-commit thread that fsyncs
 The active segment is ``<ns>-<pid>-<seq>.open``; after ``segment_max_age_s`` or
 ``segment_max_bytes`` it is fsynced and renamed ``.seg`` (sealed), and only sealed segments are
 read by the flusher, which deletes them after the lake commit succeeded. At start, ``.open``
-segments of dead processes (a crash) are sealed and drained like any other.
+segments whose writer is gone (a crash) are sealed and drained like any other: a writer holds
+an ``flock`` on its active segment, which the kernel releases when the process dies.
 
 Frame: ``b"FSP1"``, payload length (u32 LE), CRC-32 of the payload (u32 LE), payload. Payload:
 a one-line JSON header, ``\\n``, then the raw bodies whose lengths the header gives. A torn or
@@ -19,6 +20,7 @@ deleted, so nothing is silently lost.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import struct
@@ -70,13 +72,24 @@ def read_segment(path: Path) -> tuple[list[SpoolEntry], bool]:
     return entries, True
 
 
-def _pid_alive(pid: int) -> bool:
+def _writer_gone(path: Path) -> bool:
+    """Whether no process appends to the active segment ``path`` any more.
+
+    A writer holds an ``flock`` on its active segment until it is sealed; the kernel releases
+    it when the process dies, SIGKILL included. So a lock taken here means the writer is gone,
+    which a pid check cannot tell when the pid was reused or belongs to another container
+    sharing the folder.
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False  # sealed by its writer meanwhile
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
-    except PermissionError:
-        return True
+    finally:
+        os.close(fd)  # releases the lock taken, if any
     return True
 
 
@@ -113,17 +126,16 @@ class SpoolWriter:
         self._thread.start()
 
     def recover(self) -> list[Path]:
-        """Seal ``.open`` segments left by processes that are gone (crash, kill -9)."""
+        """Seal ``.open`` segments left by writers that are gone (crash, kill -9)."""
         sealed = []
         for path in sorted(self.dir.glob("*.open")):
-            try:
-                pid = int(path.name.split("-")[1])
-            except (IndexError, ValueError):
-                continue
-            if pid != os.getpid() and _pid_alive(pid):
+            if not _writer_gone(path):
                 continue
             target = path.with_suffix(".seg")
-            os.replace(path, target)
+            try:
+                os.replace(path, target)
+            except FileNotFoundError:
+                continue  # another starting gateway recovered it first
             sealed.append(target)
         if sealed:
             self._fsync_dir()
@@ -193,14 +205,15 @@ class SpoolWriter:
         self._seal(fd, path, count)
 
     def _seal(self, fd: int, path: Path, count: int) -> None:
-        """Make a segment no one appends to any more durable and hand it to the flusher."""
+        """Make a segment no one appends to any more durable and hand it to the flusher (the
+        file is renamed before it is closed: until then its lock says its writer lives)."""
         os.fdatasync(fd)
-        os.close(fd)
         if count:
             os.replace(path, path.with_suffix(".seg"))
             self.num_sealed_records += count
         else:
             path.unlink(missing_ok=True)
+        os.close(fd)
         self._fsync_dir()
 
     def _open_segment(self) -> None:
@@ -208,6 +221,7 @@ class SpoolWriter:
         name = f"{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.open"
         self._path = self.dir / name
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # held while this process may append (recover)
         self._opened_at = time.monotonic()
         self._size = 0
         self._count = 0

@@ -54,6 +54,21 @@ def test_writer_recovers_segments_of_dead_processes(tmp_path: Path) -> None:
     assert ids == ["id-1", "id-2"] and not list(tmp_path.glob("*.open"))
 
 
+def test_writer_leaves_the_segment_of_a_live_writer_alone(tmp_path: Path) -> None:
+    """A live writer's active segment is locked: another writer starting on the same folder
+    (here in the same process, where a pid check cannot tell them apart) does not seal it."""
+    first = SpoolWriter(tmp_path, segment_max_age_s=60)
+    first.start()
+    try:
+        first.append(_capture(1))
+        second = SpoolWriter(tmp_path, segment_max_age_s=60)
+        assert second.recover() == []
+        assert len(list(tmp_path.glob("*.open"))) == 1 and not sealed_segments(tmp_path)
+    finally:
+        first.stop()
+    assert second.recover() == [] and len(sealed_segments(tmp_path)) == 1
+
+
 def test_seal_thread_outlives_an_unexpected_error(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in one seal pass is logged; the thread keeps sealing later captures."""
