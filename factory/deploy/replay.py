@@ -15,11 +15,16 @@ from typing import Any
 
 import orjson
 
-from factory.gateway.app import Receive, Scope, Send
-from factory.gateway.standin import acknowledge_lifespan
-
-_JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+from factory.gateway.asgi import (
+    SSE_HEADERS,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    acknowledge_lifespan,
+    read_body,
+    reply,
+)
 
 
 def _key(messages: Any) -> bytes:
@@ -41,31 +46,29 @@ class ReplayUpstream:
             return
         if scope["type"] != "http":
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
+        try:
+            raw = await read_body(receive)
+        except ClientGone:
+            return
         self.num_requests += 1
         if scope["method"] != "POST" or scope["path"] != "/v1/chat/completions":
-            await _send(send, 404, _error(f"no route {scope['method']} {scope['path']}"))
+            await reply(send, 404, _error(f"no route {scope['method']} {scope['path']}"))
             return
         try:
-            body = orjson.loads(b"".join(chunks) or b"{}")
+            body = orjson.loads(raw or b"{}")
         except orjson.JSONDecodeError:
-            await _send(send, 400, _error("body is not JSON"))
+            await reply(send, 400, _error("body is not JSON"))
             return
         answer = self.answers.get(_key(body.get("messages")))
         if answer is None:
-            await _send(send, 404, _error("the replay upstream has no recorded answer for "
+            await reply(send, 404, _error("the replay upstream has no recorded answer for "
                                           "these messages"))
             return
         answer = {**answer, "model": body.get("model", answer.get("model"))}
         if body.get("stream") is not True:
-            await _send(send, 200, orjson.dumps(answer))
+            await reply(send, 200, orjson.dumps(answer))
             return
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         for piece in _sse(answer, include_usage=bool(
                 (body.get("stream_options") or {}).get("include_usage"))):
             await send({"type": "http.response.body", "body": piece, "more_body": True})
@@ -92,12 +95,6 @@ def _sse(answer: dict[str, Any], *, include_usage: bool) -> list[bytes]:
         out.append(event({**base, "choices": [], "usage": answer["usage"]}))
     out.append(b"data: [DONE]\n\n")
     return out
-
-
-async def _send(send: Send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _error(message: str) -> bytes:

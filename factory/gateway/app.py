@@ -13,12 +13,21 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import orjson
 
+from factory.gateway.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    reply,
+)
 from factory.gateway.config import PROVIDERS, GatewayConfig
 from factory.gateway.errors import error_body
 from factory.gateway.flusher import Flusher, stream_complete
@@ -36,11 +45,6 @@ from factory.settings import Settings, get_settings
 
 log = logging.getLogger("factory.gateway")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-_JSON = [(b"content-type", b"application/json")]
 # Never forwarded upstream: hop-by-hop headers, our own headers, and framing we set ourselves.
 _DROP_REQUEST = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"te",
                            b"transfer-encoding", b"upgrade", b"trailer", b"accept-encoding",
@@ -57,14 +61,6 @@ TRAINER_EVENTS_PATH = "/v1/trainer/events"  # factory.control.receiver.PATH
 # or /metrics. Races between writers resolve in well under a second.
 LAKE_PATIENCE_S = 5.0
 _GEMINI_PREFIX = "/v1beta/models/"
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _ClientGone(Exception):
-    pass
 
 
 def _upstream_url(base: str, path: str, query: bytes) -> str:
@@ -233,22 +229,22 @@ class Gateway:
         elif path in ("/v1/models", "/v1/traces", "/metrics"):
             route = path.rsplit("/", 1)[1]
         if not route:
-            await _reply(send, 404, error_body(provider, 404, f"no route {method} {path}"))
+            await reply(send, 404, error_body(provider, 404, f"no route {method} {path}"))
             return
         expected = "GET" if route in ("models", "metrics") else "POST"
         if method != expected:
-            await _reply(send, 405, error_body(provider, 405,
-                                               f"{path} accepts {expected}, not {method}"))
+            await reply(send, 405, error_body(provider, 405,
+                                              f"{path} accepts {expected}, not {method}"))
             return
         headers = dict(scope["headers"])
         denied = self._check_access(scope, headers)
         if denied is not None:
             status, message = denied
-            await _reply(send, status, error_body(provider, status, message))
+            await reply(send, status, error_body(provider, status, message))
             return
         if route == "metrics":
-            await _reply(send, 200, self.metrics.render(),
-                         [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
+            await reply(send, 200, self.metrics.render(),
+                        [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
         elif route == "models":
             await self._models(scope, headers, send)
         elif route == "traces":
@@ -273,13 +269,14 @@ class Gateway:
                      send: Send, provider: str, route: str, model: str | None) -> None:
         started = time.perf_counter()
         try:
-            body = await _read_body(receive, headers, self.config.max_body_bytes)
-        except _BodyTooLarge:
+            body = await read_body(receive, limit=self.config.max_body_bytes,
+                                   declared=headers.get(b"content-length"))
+        except BodyTooLarge:
             await self._fail(send, provider, route, started, 413,
                              f"request body over the gateway limit of "
                              f"{self.config.max_body_bytes} bytes")
             return
-        except _ClientGone:
+        except ClientGone:
             return
         try:
             request = orjson.loads(body)
@@ -449,7 +446,7 @@ class Gateway:
 
     async def _fail(self, send: Send, provider: str, route: str, started: float, status: int,
                     message: str, answer: bytes | None = None) -> None:
-        await _reply(send, status, answer or error_body(provider, status, message))
+        await reply(send, status, answer or error_body(provider, status, message))
         self.metrics.request(provider, route, status, time.perf_counter() - started, None)
 
     # -- other routes ----------------------------------------------------------------------------
@@ -485,12 +482,13 @@ class Gateway:
                       send: Send) -> None:
         started = time.perf_counter()
         try:
-            body = await _read_body(receive, headers, self.config.max_body_bytes)
-        except _BodyTooLarge:
+            body = await read_body(receive, limit=self.config.max_body_bytes,
+                                   declared=headers.get(b"content-length"))
+        except BodyTooLarge:
             await self._fail(send, "otel", "traces", started, 413,
                              f"OTLP body over the limit of {self.config.max_body_bytes} bytes")
             return
-        except _ClientGone:
+        except ClientGone:
             return
         content_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0]
         content_type = content_type.strip().lower()
@@ -519,7 +517,7 @@ class Gateway:
             header = {"k": "otel", "at": now, "project": project, "tags": tags}
             self._spool(header, b"", orjson.dumps(record))
         answer = b"{}" if content_type == "application/json" else b""
-        await _reply(send, 200, answer, [(b"content-type", content_type.encode())])
+        await reply(send, 200, answer, [(b"content-type", content_type.encode())])
         self.metrics.request("otel", "traces", 200, time.perf_counter() - started, None)
 
     async def _healthz(self, send: Send) -> None:
@@ -532,7 +530,7 @@ class Gateway:
             body["lake_error"] = flusher.last_error
         if flusher is not None and self._started and not flusher.running:
             body["flusher"] = "stopped"
-        await _reply(send, 200, orjson.dumps(body))
+        await reply(send, 200, orjson.dumps(body))
 
 
 def _auth_header(provider: str, key: str) -> tuple[bytes, bytes]:
@@ -550,37 +548,6 @@ def _metadata(headers: dict[bytes, bytes]) -> tuple[str | None, dict[str, str]]:
         if raw_project else None
     tags = parse_tags(raw_tags.decode("utf-8", errors="replace")) if raw_tags else {}
     return project, tags
-
-
-async def _read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
-    declared = headers.get(b"content-length")
-    if declared is not None:
-        try:
-            if int(declared) > limit:
-                raise _BodyTooLarge
-        except ValueError:
-            raise _BodyTooLarge from None
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _reply(send: Send, status: int, body: bytes,
-                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    out = list(headers or _JSON)
-    out.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": out})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _count_frames(path: Any) -> int:

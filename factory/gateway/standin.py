@@ -17,20 +17,17 @@ from urllib.parse import parse_qsl
 
 import orjson
 
-from factory.gateway.app import Receive, Scope, Send
-
-
-async def acknowledge_lifespan(receive: Receive, send: Send) -> None:
-    """Answer ASGI startup and shutdown for an app with nothing to start or stop."""
-    while True:
-        message = await receive()
-        kind = message["type"].replace("lifespan.", "")
-        await send({"type": f"lifespan.{kind}.complete"})
-        if kind == "shutdown":
-            return
-
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_JSON = [(b"content-type", b"application/json")]
+from factory.gateway.asgi import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    acknowledge_lifespan,
+    read_body,
+    reply,
+)
 
 
 def _text_of(content: Any) -> str:
@@ -77,16 +74,13 @@ class StandIn:
             self.seen_auth["key"] = query["key"]
         path = scope["path"]
         if scope["method"] == "GET" and path == "/v1/models":
-            await _send(send, 200, orjson.dumps({"object": "list", "data": [
+            await reply(send, 200, orjson.dumps({"object": "list", "data": [
                 {"id": "stand-in", "object": "model", "created": 0, "owned_by": "factory"}]}))
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = orjson.loads(b"".join(chunks) or b"{}")
+        try:
+            body = orjson.loads(await read_body(receive) or b"{}")
+        except ClientGone:
+            return
         if path == "/v1/chat/completions":
             provider, model = "openai", body.get("model", "")
         elif path == "/v1/messages":
@@ -95,33 +89,27 @@ class StandIn:
             provider = "gemini"
             model = path[len("/v1beta/models/"):].rpartition(":")[0]
         else:
-            await _send(send, 404, b'{"error": {"message": "not found"}}')
+            await reply(send, 404, b'{"error": {"message": "not found"}}')
             return
         if model == "error-429":
-            await _send(send, 429, _error(provider))
+            await reply(send, 429, _error(provider))
             return
         if model == "slow":
             await asyncio.sleep(self.slow_s)
         text = "echo: " + _last_user_text(provider, body)
         stream = body.get("stream") is True or path.endswith(":streamGenerateContent")
         if not stream:
-            await _send(send, 200, orjson.dumps(_answer(provider, model, text)))
+            await reply(send, 200, orjson.dumps(_answer(provider, model, text)))
             return
         delay = self.slow_s / 10 if model == "slow-stream" else 0.0
         sse = provider != "gemini" or query.get("alt") == "sse"
         await send({"type": "http.response.start", "status": 200,
-                    "headers": _SSE if sse else _JSON})
+                    "headers": SSE_HEADERS if sse else JSON_HEADERS})
         for i, piece in enumerate(_stream(provider, model, text, sse=sse)):
             if delay and i:
                 await asyncio.sleep(delay)
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _send(send: Send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _error(provider: str) -> bytes:

@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from factory.gateway import Gateway, ServerThread
+from factory.gateway.asgi import acknowledge_lifespan
 from factory.gateway.flusher import stream_complete
-from factory.gateway.standin import acknowledge_lifespan
 from factory.ingest.rows import outcome
 from tests.gateway.conftest import Collected, make_config
 from tests.waiting import wait_until
