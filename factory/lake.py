@@ -464,7 +464,7 @@ def stop_idle_reader_pool() -> None:
     pyiceberg reads manifests and data files on a thread pool it keeps for the process's
     life (and makes again when next needed). A file ingest reads the ids the lake holds that
     way, then starts its workers, which are forked only from a process with no other thread
-    (``factory.ingest_blocks.worker_context``): without this, every ingest into a lake that
+    (``factory.ingest.workers.worker_context``): without this, every ingest into a lake that
     had data would spawn them. Called from the main thread, between two reads: the pool is
     idle then, and nothing else can be using it. Does nothing otherwise.
     """

@@ -1,11 +1,11 @@
 """The main module of the spawned ingest worker processes, in place of their parent's.
-(Forked workers, ``factory.ingest_blocks.worker_context``, run nothing again and keep their
+(Forked workers, ``factory.ingest.workers.worker_context``, run nothing again and keep their
 parent's environment.)
 
 A spawned child first runs its parent's main module again: for an ingest that is the
 ``dagster`` or ``factory`` command (seconds of imports per worker), or a user's script, which
 without an ``if __name__ == "__main__"`` guard would start an ingest of its own in every
-worker. ``factory.ingest_blocks.WorkerContext`` names this module instead. It runs before
+worker. ``factory.ingest.workers.WorkerContext`` names this module instead. It runs before
 anything loads numpy or pyarrow, so it also sets the workers' environment, which those
 libraries read as they load. It imports nothing else.
 """
