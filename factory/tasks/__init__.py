@@ -8,9 +8,14 @@ demo and the evals tests use to show a fine-tune beating its base model.
 ``agent_orders``: an order-support agent with four function tools (enum and nested arguments),
 tool results and text answers, in four languages, with held-out requests phrased differently
 and an exact tool-call scorer; ``bench/agent.py`` trains on it and scores base vs deployed.
+
+``ticket_triage``: support tickets routed to one of five teams, answered with the label alone,
+with varied phrasing (lengths, typos, casing, distractor words of another team), held-out tickets
+phrased with frames the training data never used and an exact-label scorer; ``bench/loop.py``
+times the loop from ingest to a live endpoint on it.
 """
 
-from factory.tasks import agent_orders
+from factory.tasks import agent_orders, ticket_triage
 from factory.tasks.support_extract import (
     INTENTS,
     SYSTEM_PROMPT,
@@ -20,4 +25,4 @@ from factory.tasks.support_extract import (
 )
 
 __all__ = ["INTENTS", "agent_orders", "SYSTEM_PROMPT", "field_accuracy", "generate_conversations",
-           "generate_records"]
+           "generate_records", "ticket_triage"]
