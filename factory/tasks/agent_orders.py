@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from factory.evals.rubric import json_equal
+from factory.tasks.sampling import capitalized, choice, schedule
 
 TAGS = {"project": "agent-orders"}
 """Tags the bench ingests the records with; ``experiments/agent-orders.yaml`` selects them."""
@@ -466,24 +467,10 @@ RETURN_DAYS = 30
 # ---------------------------------------------------------------------------------------------
 
 
-def _choice(rng: random.Random, items: tuple[Any, ...]) -> Any:
-    return items[rng.randrange(len(items))]
 
 
-def _schedule(rng: random.Random, n: int, shares: Mapping[str, float]) -> list[str]:
-    """``n`` labels in the exact ``shares`` (largest remainders), shuffled."""
-    exact = {k: n * w for k, w in shares.items()}
-    counts = {k: int(v) for k, v in exact.items()}
-    short = n - sum(counts.values())
-    for k in sorted(exact, key=lambda k: (counts[k] - exact[k], k))[:short]:
-        counts[k] += 1
-    labels = [k for k in shares for _ in range(counts[k])]
-    rng.shuffle(labels)
-    return labels
 
 
-def _cap(text: str) -> str:
-    return text[:1].upper() + text[1:]
 
 
 def _money(cents: int, lang: str) -> str:
@@ -499,7 +486,7 @@ def _amount(cents: int) -> int | float:
 
 
 def _draw_cents(rng: random.Random, lo: int, hi: int) -> int:
-    return rng.randrange(lo, hi) * 100 + _choice(rng, (0, 0, 50, 90, 95, 99))
+    return rng.randrange(lo, hi) * 100 + choice(rng, (0, 0, 50, 90, 95, 99))
 
 
 def _date(rng: random.Random) -> str:
@@ -509,8 +496,8 @@ def _date(rng: random.Random) -> str:
 def _postal(rng: random.Random, country: str) -> str:
     if country == "NL":
         letters = "ABCDEFGHJKLMNPRSTVWXZ"
-        return f"{rng.randrange(1000, 10000)} {_choice(rng, tuple(letters))}" \
-               f"{_choice(rng, tuple(letters))}"
+        return f"{rng.randrange(1000, 10000)} {choice(rng, tuple(letters))}" \
+               f"{choice(rng, tuple(letters))}"
     if country == "AT":
         return str(rng.randrange(1010, 9999))
     return f"{rng.randrange(1000, 99999):05d}"
@@ -518,11 +505,11 @@ def _postal(rng: random.Random, country: str) -> str:
 
 def _address(rng: random.Random, lang: str) -> tuple[dict[str, str], str]:
     """An address argument and how the user writes it."""
-    country = _choice(rng, COUNTRIES)
+    country = choice(rng, COUNTRIES)
     number = rng.randrange(1, 140)
-    street_name = _choice(rng, _STREETS[country])
+    street_name = choice(rng, _STREETS[country])
     street = f"{number} {street_name}" if country == "FR" else f"{street_name} {number}"
-    city = _choice(rng, _CITIES[country])
+    city = choice(rng, _CITIES[country])
     postal = _postal(rng, country)
     args = {"street": street, "city": city, "postal_code": postal, "country": country}
     return args, f"{street}, {postal} {city}, {_COUNTRY_NAMES[lang][country]}"
@@ -539,24 +526,24 @@ def _tool_request(rng: random.Random, lang: str, tool: str, frames: tuple[str, .
     slots: dict[str, Any] = {"order": order}
     args: dict[str, Any] = {"order_id": order}
     if tool == "cancel_order":
-        reason = _choice(rng, CANCEL_REASONS)
-        phrase = _choice(rng, _CANCEL_PHRASES[lang][reason])
-        slots.update(reason=phrase, Reason=_cap(phrase))
+        reason = choice(rng, CANCEL_REASONS)
+        phrase = choice(rng, _CANCEL_PHRASES[lang][reason])
+        slots.update(reason=phrase, Reason=capitalized(phrase))
         args["reason"] = reason
     elif tool == "update_shipping_address":
         address, text = _address(rng, lang)
         slots.update(address=text, street=address["street"], city=address["city"])
         args["address"] = address
     elif tool == "issue_refund":
-        reason = _choice(rng, REFUND_REASONS)
-        item, fem = _choice(rng, _ITEMS[lang])
-        problem = _choice(rng, _REFUND_PHRASES[lang][reason]).format(
+        reason = choice(rng, REFUND_REASONS)
+        item, fem = choice(rng, _ITEMS[lang])
+        problem = choice(rng, _REFUND_PHRASES[lang][reason]).format(
             item=item, o="a" if fem else "o", e="e" if fem else "")
         cents = _draw_cents(rng, 5, 180)
-        slots.update(problem=problem, Problem=_cap(problem), amount=_money(cents, lang))
+        slots.update(problem=problem, Problem=capitalized(problem), amount=_money(cents, lang))
         args.update(amount=_amount(cents), reason=reason)
-    frame = _choice(rng, frames)
-    return frame, _cap(frame.format(**slots)), args, slots
+    frame = choice(rng, frames)
+    return frame, capitalized(frame.format(**slots)), args, slots
 
 
 def _topic_request(rng: random.Random, lang: str, topic: str, frames: tuple[str, ...]
@@ -565,7 +552,7 @@ def _topic_request(rng: random.Random, lang: str, topic: str, frames: tuple[str,
     answers = _TOPIC_ANSWERS[lang]
     slots: dict[str, Any]
     if topic == "returns":
-        item, fem = _choice(rng, _ITEMS[lang])
+        item, fem = choice(rng, _ITEMS[lang])
         days = rng.randrange(2, 60)
         slots = {"item": item, "days": days, "e": "e" if fem else ""}
         answer = answers["returns_yes" if days <= RETURN_DAYS else "returns_no"]
@@ -577,13 +564,13 @@ def _topic_request(rng: random.Random, lang: str, topic: str, frames: tuple[str,
                          else "shipping_paid"]
     elif topic == "payment":
         accepted = rng.random() < 0.5
-        slots = {"method": _choice(rng, _METHODS_ACCEPTED if accepted else _METHODS_REFUSED)}
+        slots = {"method": choice(rng, _METHODS_ACCEPTED if accepted else _METHODS_REFUSED)}
         answer = answers["payment_yes" if accepted else "payment_no"]
     else:
-        slots = {"name": _choice(rng, _NAMES)}
+        slots = {"name": choice(rng, _NAMES)}
         answer = answers[topic]
-    frame = _choice(rng, frames)
-    return frame, _cap(frame.format(**slots)), _cap(answer.format(**slots))
+    frame = choice(rng, frames)
+    return frame, capitalized(frame.format(**slots)), capitalized(answer.format(**slots))
 
 
 def _tool_result(rng: random.Random, lang: str, tool: str, args: dict[str, Any],
@@ -591,7 +578,7 @@ def _tool_result(rng: random.Random, lang: str, tool: str, args: dict[str, Any],
     """(tool result, the final answer that reports it) of a call."""
     order = args["order_id"]
     if tool == "get_order_status":
-        status = _choice(rng, ("processing", "shipped", "delivered"))
+        status = choice(rng, ("processing", "shipped", "delivered"))
         date = _date(rng)
         result = {"order_id": order, "status": status, "date": date}
         answer = _STATUS_ANSWERS[lang][status].format(order=order, date=date)
@@ -630,20 +617,20 @@ def generate_conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
     topic), ``"template"`` (the frame of the user turn)``}``. Every request declares ``TOOLS``."""
     _check_n(n)
     rng = random.Random(seed)
-    kinds = _schedule(rng, n, KIND_SHARES)
-    languages = _schedule(rng, n, LANGUAGE_SHARES)
+    kinds = schedule(rng, n, KIND_SHARES)
+    languages = schedule(rng, n, LANGUAGE_SHARES)
     out = []
     for i, (kind, lang) in enumerate(zip(kinds, languages, strict=True)):
         system: dict[str, Any] = {"role": "system", "content": SYSTEM_PROMPT}
         messages: list[dict[str, Any]]
         if kind == "none":
-            topic = _choice(rng, TOPICS)
+            topic = choice(rng, TOPICS)
             frame, text, answer = _topic_request(rng, lang, topic, _TRAIN[lang][topic])
             messages = [system, {"role": "user", "content": text},
                         {"role": "assistant", "content": answer}]
             intent = topic
         else:
-            intent = _choice(rng, TOOL_NAMES)
+            intent = choice(rng, TOOL_NAMES)
             frame, text, args, slots = _tool_request(rng, lang, intent, _TRAIN[lang][intent])
             call_id = _call_id(seed, i, intent)
             call: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
@@ -699,17 +686,17 @@ def generate_heldout(n: int, seed: int = 0) -> list[dict[str, Any]]:
     of a no-tool request, else None)``}``. Send ``messages`` with ``tools=TOOLS``."""
     _check_n(n)
     rng = random.Random(seed)
-    kinds = _schedule(rng, n, HELDOUT_KIND_SHARES)
-    languages = _schedule(rng, n, LANGUAGE_SHARES)
+    kinds = schedule(rng, n, HELDOUT_KIND_SHARES)
+    languages = schedule(rng, n, LANGUAGE_SHARES)
     out = []
     for kind, lang in zip(kinds, languages, strict=True):
         reference = None
         if kind == "none":
-            intent = _choice(rng, TOPICS)
+            intent = choice(rng, TOPICS)
             frame, text, reference = _topic_request(rng, lang, intent, _HELDOUT[lang][intent])
             expected: dict[str, Any] = {"name": None, "arguments": None}
         else:
-            intent = _choice(rng, TOOL_NAMES)
+            intent = choice(rng, TOOL_NAMES)
             frame, text, args, _ = _tool_request(rng, lang, intent, _HELDOUT[lang][intent])
             expected = {"name": intent, "arguments": args}
         out.append({"messages": [{"role": "system", "content": SYSTEM_PROMPT},

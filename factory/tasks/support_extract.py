@@ -17,6 +17,8 @@ import json
 import random
 from typing import Any
 
+from factory.tasks.sampling import choice
+
 INTENTS = ("refund", "bug_report", "billing_question", "cancel_subscription",
            "feature_request", "account_access", "shipping_status")
 """The labels ``intent`` takes."""
@@ -95,8 +97,6 @@ _GREETINGS = ("Hi,", "Hello,", "Hi there,", "Dear support team,", "Hey,", "Good 
 _DAYS = ("Monday", "Tuesday", "March 3", "May 14", "June 2", "last Friday", "the 21st")
 
 
-def _choice(rng: random.Random, items: tuple[str, ...]) -> str:
-    return items[rng.randrange(len(items))]
 
 
 def _slug(text: str) -> str:
@@ -105,30 +105,30 @@ def _slug(text: str) -> str:
 
 def _one(rng: random.Random) -> tuple[str, dict[str, Any]]:
     """One support message and its exact extraction."""
-    first, last = _choice(rng, _FIRST), _choice(rng, _LAST)
-    intent = _choice(rng, INTENTS)
+    first, last = choice(rng, _FIRST), choice(rng, _LAST)
+    intent = choice(rng, INTENTS)
     has_name = rng.random() < 0.9
     has_company = rng.random() < 0.65
     has_email = rng.random() < 0.85
-    company = _choice(rng, _COMPANIES) if has_company else None
+    company = choice(rng, _COMPANIES) if has_company else None
     if company is not None and rng.random() < 0.7:
-        domain = _slug(company.split()[0]) + _choice(rng, (".com", ".io", ".co"))
+        domain = _slug(company.split()[0]) + choice(rng, (".com", ".io", ".co"))
     else:
-        domain = _choice(rng, _FREE_MAIL)
-    local = _choice(rng, (f"{first}.{last}", f"{first[0]}{last}", f"{first}", f"{first}{last[0]}"))
+        domain = choice(rng, _FREE_MAIL)
+    local = choice(rng, (f"{first}.{last}", f"{first[0]}{last}", f"{first}", f"{first}{last[0]}"))
     email = f"{local.lower()}@{domain}" if has_email else None
-    body = _choice(rng, _BODIES[intent]).format(
-        num=rng.randrange(10000, 99999), day=_choice(rng, _DAYS),
+    body = choice(rng, _BODIES[intent]).format(
+        num=rng.randrange(10000, 99999), day=choice(rng, _DAYS),
         amount=f"${rng.randrange(9, 400)}.{rng.randrange(100):02d}",
-        product=_choice(rng, _PRODUCTS))
+        product=choice(rng, _PRODUCTS))
     body = body[0].upper() + body[1:]
     lines = []
-    greeting = _choice(rng, _GREETINGS)
+    greeting = choice(rng, _GREETINGS)
     if greeting:
         lines.append(greeting)
     intro = ""
     if company is not None and rng.random() < 0.5:
-        intro = _choice(rng, (f"I work at {company}. ", f"We're a customer from {company}. ",
+        intro = choice(rng, (f"I work at {company}. ", f"We're a customer from {company}. ",
                               f"Writing on behalf of {company}. "))
         company_in_sig = False
     else:
@@ -141,11 +141,11 @@ def _one(rng: random.Random) -> tuple[str, dict[str, Any]]:
         email_in_sig = email is not None
     sig = []
     if has_name:
-        sig.append(_choice(rng, ("Thanks,", "Best,", "Regards,", "Cheers,", "Thank you,"))
+        sig.append(choice(rng, ("Thanks,", "Best,", "Regards,", "Cheers,", "Thank you,"))
                    + "\n" + (f"{first} {last}" if rng.random() < 0.8 else first))
         name: str | None = sig[-1].split("\n", 1)[1]
     else:
-        sig.append(_choice(rng, ("Thanks", "Regards", "Thank you")))
+        sig.append(choice(rng, ("Thanks", "Regards", "Thank you")))
         name = None
     if company_in_sig:
         sig.append(company)  # type: ignore[arg-type]

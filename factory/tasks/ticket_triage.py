@@ -32,6 +32,8 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from factory.tasks.sampling import capitalized, choice, schedule
+
 TAGS = {"project": "ticket-triage"}
 """Tags the bench ingests the records with."""
 
@@ -289,51 +291,35 @@ TEMPLATES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
 # ---------------------------------------------------------------------------------------------
 
 
-def _choice(rng: random.Random, items: tuple[Any, ...]) -> Any:
-    return items[rng.randrange(len(items))]
 
 
-def _schedule(rng: random.Random, n: int, shares: Mapping[str, float]) -> list[str]:
-    """``n`` labels in the exact ``shares`` (largest remainders, ties in declaration order),
-    shuffled."""
-    exact = {k: n * w for k, w in shares.items()}
-    counts = {k: int(v) for k, v in exact.items()}
-    order = list(shares)
-    short = n - sum(counts.values())
-    for k in sorted(exact, key=lambda k: (counts[k] - exact[k], order.index(k)))[:short]:
-        counts[k] += 1
-    labels = [k for k in shares for _ in range(counts[k])]
-    rng.shuffle(labels)
-    return labels
 
 
-def _cap(text: str) -> str:
-    return text[:1].upper() + text[1:]
 
 
 def _slots(rng: random.Random) -> dict[str, str]:
     """One draw of every slot (all of them, every time, so the stream of draws does not depend
     on which frame is chosen)."""
-    name = _choice(rng, _NAMES)
-    cents = rng.randrange(9, 400) * 100 + _choice(rng, (0, 0, 0, 99, 50))
-    currency = _choice(rng, ("$", "€", "£"))
+    name = choice(rng, _NAMES)
+    cents = rng.randrange(9, 400) * 100 + choice(rng, (0, 0, 0, 99, 50))
+    currency = choice(rng, ("$", "€", "£"))
     return {
         "order": f"BD-{rng.randrange(10000, 100000)}",
         "amount": f"{currency}{cents // 100}.{cents % 100:02d}",
-        "plan": _choice(rng, _PLANS), "screen": _choice(rng, _SCREENS),
-        "device": _choice(rng, _DEVICES), "carrier": _choice(rng, _CARRIERS),
-        "city": _choice(rng, _CITIES), "country": _choice(rng, _COUNTRIES),
-        "weekday": _choice(rng, _WEEKDAYS), "month": _choice(rng, _MONTHS),
-        "error": _choice(rng, _ERRORS), "wish": _choice(rng, _WISHES),
+        "plan": choice(rng, _PLANS), "screen": choice(rng, _SCREENS),
+        "device": choice(rng, _DEVICES), "carrier": choice(rng, _CARRIERS),
+        "city": choice(rng, _CITIES), "country": choice(rng, _COUNTRIES),
+        "weekday": choice(rng, _WEEKDAYS), "month": choice(rng, _MONTHS),
+        "error": choice(rng, _ERRORS), "wish": choice(rng, _WISHES),
         "days": str(rng.randrange(2, 21)), "name": name,
-        "email": f"{name.lower()}{rng.randrange(1, 100)}@{_choice(rng, _MAIL_DOMAINS)}",
+        "email": f"{name.lower()}{rng.randrange(1, 100)}@{choice(rng, _MAIL_DOMAINS)}",
     }
 
 
 def _fill(frame: str, slots: Mapping[str, str]) -> str:
     """The frame filled; a frame that starts with a slot gets a capital first letter."""
     text = frame.format(**slots)
-    return _cap(text) if frame.startswith("{") else text
+    return capitalized(text) if frame.startswith("{") else text
 
 
 def _typo(rng: random.Random, text: str) -> str:
@@ -343,7 +329,7 @@ def _typo(rng: random.Random, text: str) -> str:
     candidates = [i for i, w in enumerate(words) if len(w) >= 5 and w.isalpha()]
     if not candidates:
         return text
-    i = _choice(rng, tuple(candidates))
+    i = choice(rng, tuple(candidates))
     w = words[i]
     j = rng.randrange(1, len(w) - 1)
     kind = rng.randrange(3)
@@ -372,17 +358,17 @@ def _ticket(rng: random.Random, label: str, split: str) -> dict[str, Any]:
     frames = TEMPLATES[split]
     slots = _slots(rng)
     style = _style(rng)
-    core_frame = _choice(rng, frames["core"][label])
+    core_frame = choice(rng, frames["core"][label])
     core = _fill(core_frame, slots)
     parts = [core]
     used = {"core": core_frame}
     aside_p = {"short": 0.0, "medium": 0.25, "long": 0.75}[style]
     if style == "long":
-        detail_frame = _choice(rng, frames["detail"][label])
+        detail_frame = choice(rng, frames["detail"][label])
         used["detail"] = detail_frame
         parts.append(_fill(detail_frame, slots))
     if rng.random() < aside_p:
-        aside_frame = _choice(rng, frames["aside"][label])
+        aside_frame = choice(rng, frames["aside"][label])
         used["aside"] = aside_frame
         aside = _fill(aside_frame, slots)
         if rng.random() < 0.5:
@@ -390,8 +376,8 @@ def _ticket(rng: random.Random, label: str, split: str) -> dict[str, Any]:
         else:
             parts.append(aside)
     if style != "short":
-        parts.insert(0, _choice(rng, GREETINGS))
-        parts.append(_fill(_choice(rng, SIGNOFFS), slots))
+        parts.insert(0, choice(rng, GREETINGS))
+        parts.append(_fill(choice(rng, SIGNOFFS), slots))
     sep = "\n" if style == "long" and rng.random() < 0.4 else " "
     text = sep.join(parts)
     noise = rng.random()
@@ -418,7 +404,7 @@ def _check_n(n: Any) -> None:
 def _tickets(n: int, seed: int, split: str) -> list[dict[str, Any]]:
     _check_n(n)
     rng = random.Random(seed)
-    labels = _schedule(rng, n, {label: 1 / len(LABELS) for label in LABELS})
+    labels = schedule(rng, n, {label: 1 / len(LABELS) for label in LABELS})
     out = []
     for label in labels:
         ticket = _ticket(rng, label, split)
