@@ -50,11 +50,11 @@ included; a text answer at most 66): 96 lets every right answer finish, and caps
 (the base model runs to the limit on most requests)."""
 
 
-def _loadavg() -> list[float]:
+def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _cli(args: list[str], env: dict[str, str], *, log: Path | None = None,
+def run_cli(args: list[str], env: dict[str, str], *, log: Path | None = None,
          echo: bool = False) -> tuple[int, str, float]:
     """Run ``factory ARGS`` (the environment's console script, as a user would); returns (exit
     code, stdout, seconds). stderr goes to ``log`` (and to this process's stderr with ``echo``)."""
@@ -92,7 +92,7 @@ def _cli(args: list[str], env: dict[str, str], *, log: Path | None = None,
     return code, out, time.monotonic() - started
 
 
-def _last_json(text: str) -> dict[str, Any]:
+def last_json(text: str) -> dict[str, Any]:
     lines = [line for line in text.strip().splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
 
@@ -197,12 +197,12 @@ def main() -> int:
 
     from factory.tasks import agent_orders as task
 
-    report: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": _loadavg(),
+    report: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": loadavg(),
                               "factory_home": str(home), "records": args.records,
                               "heldout": args.heldout}
     print(json.dumps(report), flush=True)
 
-    code, out, secs = _cli(["base-model"], env)
+    code, out, secs = run_cli(["base-model"], env)
     if code != 0:
         print("factory base-model failed", file=sys.stderr)
         return 1
@@ -214,8 +214,8 @@ def main() -> int:
                             for r in task.generate_records(args.records, args.seed)),
                     encoding="utf-8")
     tag = ",".join(f"{k}={v}" for k, v in task.TAGS.items())
-    code, out, secs = _cli(["ingest", str(path), "--tag", tag], env)
-    summary = _last_json(out)
+    code, out, secs = run_cli(["ingest", str(path), "--tag", tag], env)
+    summary = last_json(out)
     report["ingest"] = summary
     report["ingest_s"] = round(secs, 1)
     if code != 0 or summary.get("ingested") != args.records:
@@ -239,13 +239,13 @@ def main() -> int:
     if not args.no_train:
         print(f"factory run {EXPERIMENT} (log {home / 'factory-run.log'}) ...", file=sys.stderr,
               flush=True)
-        load = _loadavg()
-        code, out, secs = _cli(["run", EXPERIMENT], env, log=home / "factory-run.log",
+        load = loadavg()
+        code, out, secs = run_cli(["run", EXPERIMENT], env, log=home / "factory-run.log",
                                echo=True)
-        run = _last_json(out)
+        run = last_json(out)
         ok_run = code == 0 and bool(run.get("endpoint"))
         report["run"] = {"exit": code, "seconds": round(secs, 1), "loadavg_before": load,
-                         "loadavg_after": _loadavg(),
+                         "loadavg_after": loadavg(),
                          **{k: run.get(k) for k in ("base_score", "best_score", "best_step",
                                                     "endpoint", "version", "run_id")}}
         if lake.exists("dataset_profile"):
@@ -298,7 +298,7 @@ def main() -> int:
         if server is not None:
             server.stop()
         if ok_run and not args.keep:
-            _cli(["undeploy", EXPERIMENT], env)
+            run_cli(["undeploy", EXPERIMENT], env)
 
     print()
     print(f"{args.heldout} held-out requests (templates disjoint from training), exact tool name "
@@ -327,7 +327,7 @@ def main() -> int:
         print(f"goal: deployed >= {GOAL_EXACT:.0%} exact: {'met' if dep >= GOAL_EXACT else 'NOT met'}"
               f"; factory run <= {GOAL_RUN_S} s: {run_s:.0f} s, "
               f"{'met' if run_s <= GOAL_RUN_S else 'NOT met'}")
-    report["loadavg_after"] = _loadavg()
+    report["loadavg_after"] = loadavg()
     print(json.dumps(report, default=str))
     return 0 if args.no_train or ok_run else 1
 

@@ -66,7 +66,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.agent import _cli, _last_json, _loadavg  # noqa: E402
+from bench.agent import last_json, loadavg, run_cli  # noqa: E402
 
 EXPERIMENT = "ticket-triage"
 GOAL_WALL_S = 10 * 60
@@ -248,8 +248,8 @@ def _run(name: str, env: dict[str, str], home: Path, *, deploy: bool) -> dict[st
     log = home / f"factory-run-{name}.log"
     print(f"factory run {name} (log {log}) ...", file=sys.stderr, flush=True)
     args = ["run", name] + ([] if deploy else ["--no-deploy"])
-    code, out, secs = _cli(args, env, log=log, echo=True)
-    return {"exit": code, "seconds": round(secs, 1), **_last_json(out)}
+    code, out, secs = run_cli(args, env, log=log, echo=True)
+    return {"exit": code, "seconds": round(secs, 1), **last_json(out)}
 
 
 def _latest(lake: Any, table: str, columns: str, name: str) -> dict[str, Any] | None:
@@ -356,12 +356,12 @@ def main() -> int:
 
     from factory.tasks import ticket_triage as task
 
-    report: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": _loadavg(),
+    report: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": loadavg(),
                               "factory_home": str(home), "records": args.records,
                               "heldout": args.heldout, "overrides": args.overrides}
     print(json.dumps(report), flush=True)
 
-    code, _, secs = _cli(["base-model"], env)
+    code, _, secs = run_cli(["base-model"], env)
     if code != 0:
         print("factory base-model failed", file=sys.stderr)
         return 1
@@ -376,9 +376,9 @@ def main() -> int:
     tag = ",".join(f"{k}={v}" for k, v in task.TAGS.items())
 
     began = time.time()
-    code, out, secs = _cli(["ingest", str(path), "--tag", tag], env)
+    code, out, secs = run_cli(["ingest", str(path), "--tag", tag], env)
     ingested = time.time()
-    summary = _last_json(out)
+    summary = last_json(out)
     report["ingest"] = {**summary, "seconds": round(secs, 1)}
     if code != 0 or summary.get("ingested") != args.records:
         print(f"ingest: {summary}", file=sys.stderr)
@@ -393,14 +393,14 @@ def main() -> int:
     server = None
     try:
         if not args.no_train:
-            load = _loadavg()
+            load = loadavg()
             run = _run(EXPERIMENT, env, home, deploy=True)
             ended = time.time()
             ok_run = run["exit"] == 0 and bool(run.get("endpoint"))
             report["run"] = {**{k: run.get(k) for k in ("exit", "seconds", "base_score",
                                                          "best_score", "best_step", "endpoint",
                                                          "version", "run_id")},
-                             "loadavg_before": load, "loadavg_after": _loadavg()}
+                             "loadavg_before": load, "loadavg_after": loadavg()}
             _record_times(report, began, ingested, ended)
             report.update(_dataset_and_plan(lake, EXPERIMENT))
             print(json.dumps({k: report.get(k) for k in ("run", "wall_s", "split_s", "busy_s",
@@ -438,7 +438,7 @@ def main() -> int:
             from factory.deploy import Deployer
 
             if Deployer(lake).live(EXPERIMENT) is not None:
-                _cli(["undeploy", EXPERIMENT], env)
+                run_cli(["undeploy", EXPERIMENT], env)
 
     reference = None
     if ok_run and args.reference_epochs:
@@ -486,7 +486,7 @@ def main() -> int:
         print(f"base {base:.1%} (goal below {GOAL_BASE_BELOW:.0%})")
     report["goals"] = goals
     print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()))
-    report["loadavg_after"] = _loadavg()
+    report["loadavg_after"] = loadavg()
     print(json.dumps(report, default=str))
     return 0 if args.no_train or ok_run else 1
 
