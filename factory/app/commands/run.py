@@ -29,5 +29,6 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps({k: out[k] for k in ("base_score", "best_score", "best_step", "endpoint",
                                           "model", "factory_home")}
                      | {k: v for k, v in out.items()
-                        if k in ("experiment", "run_id", "version", "curve_png", "seconds")}))
+                        if k in ("experiment", "chain", "run_id", "version", "curve_png",
+                                 "seconds")}))
     return 0
