@@ -1,7 +1,9 @@
 """The decision tree: every training and eval value from the data profile, recipe and hardware.
 
 ``make_plan`` walks the decisions in dependency order (hardware, precision, sequence length,
-packing, batch, memory fit, schedule, LoRA, cadences, eval serving size). Each value is a
+packing, batch, memory fit, schedule, LoRA, eval serving size, then the time model's: eval
+sample count and cadence within the eval budget, checkpoints, the predicted wall time in
+``Plan.estimates``). Each value is a
 ``Decision`` carrying the rule that produced it and a reason in words; a value the experiment
 overrides (or a sweep point sets) wins and is marked ``overridden``, with what the planner would
 have picked kept in the reason. Validation (``validate``) runs last and refuses the plan with a
@@ -12,14 +14,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from factory.errors import FactoryError
+from factory.evals.selection import CLEAR_MARGIN, PLATEAU_PATIENCE
 from factory.experiments import Experiment
 from factory.planner.hardware import Hardware, get_hardware
 from factory.planner.memory import GIB, MemoryEstimate, estimate_memory
 from factory.planner.profile import DatasetProfile
+from factory.planner.timing import (
+    EVAL_SHARE,
+    MIN_EVAL_SAMPLES,
+    MIN_EVALS,
+    EvalShape,
+    duration,
+    eval_budget,
+    eval_cost,
+    eval_seconds,
+    fits,
+    forward_flops_per_token,
+    run_time,
+    step_seconds,
+    time_constants,
+)
 from factory.recipes import Recipe, load_recipe
 from factory.settings import Settings
 
@@ -82,7 +100,11 @@ class Plan:
     memory_budget: int = 0
     """Bytes a device may use."""
     estimates: dict[str, float] = field(default_factory=dict)
-    """Step time, total steps and wall hours (estimates, for people)."""
+    """The time model's prediction (``factory.planner.timing``): ``step_seconds``, ``steps``,
+    ``tokens_per_step``, ``train_seconds``, ``num_evals``, ``first_eval_seconds``,
+    ``eval_seconds`` (each later eval), ``evals_seconds`` (the wall they add),
+    ``wall_seconds`` and ``hours`` (the whole run), ``eval_share`` (of the run's wall on CPU,
+    of its device time on GPUs), ``eval_wall_share`` and ``eval_budget_share``."""
     notes: list[str] = field(default_factory=list)
     """Warnings that do not block the plan."""
 
@@ -436,43 +458,10 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     dec.set("use_kernels", False, "kernels.opt_in",
             "Triton kernels are opt-in (set use_kernels: true to use them)")
 
-    # --- time estimate, eval and checkpoint cadence -----------------------------------------
-    fill = 0.95 if packing else 1.0
-    tokens_per_step = real_batch * seq_len * fill
-    params = arch.num_parameters - arch.vision_parameters
-    flops_per_token = (6 if gc else 4) * params \
-        + 12 * arch.num_layers * seq_len * arch.num_heads * arch.head_dim // 2
-    step_s = tokens_per_step * flops_per_token / (hw.bf16_tflops * 1e12 * hw.mfu * devices)
-    plan.estimates = {"step_seconds": round(step_s, 3), "steps": float(total),
-                      "hours": round(step_s * total / 3600, 3),
-                      "tokens_per_step": round(tokens_per_step)}
-    if plan.estimates["hours"] > MAX_WALL_HOURS:
-        plan.notes.append(f"estimated {plan.estimates['hours']:.0f} h exceeds a 24 h sandbox; "
-                          "the run continues from checkpoints across sandboxes")
-    if experiment.eval.every_steps is not None and not dec.forced("eval_every_steps"):
-        plan.decisions["eval_every_steps"] = Decision(
-            value=experiment.eval.every_steps, rule="experiment.eval", overridden=True,
-            reason="eval.every_steps of the experiment file")
-    else:
-        every = max(1, min(steps_per_epoch // recipe.evals_per_epoch, total // 4 or 1))
-        dec.set("eval_every_steps", every, "eval.per_epoch",
-                f"{recipe.evals_per_epoch} evals per epoch of ~{steps_per_epoch} steps "
-                "(at least 4 per run)")
-    ckpt = max(1, min(total, int(CHECKPOINT_EVERY_S // max(step_s, 1e-9))))
-    eval_every = int(plan.decisions["eval_every_steps"].value)
-    if eval_every < ckpt:
-        # Mid-training evals judge checkpoints (the checkpoint sensor fires them), so every eval
-        # step needs one; the preemption rule alone would checkpoint less often.
-        dec.set("checkpoint_every_steps", eval_every, "ckpt.eval",
-                f"every eval judges a checkpoint: one each {eval_every} steps (the 15-minute "
-                f"preemption rule alone would give {ckpt})")
-    else:
-        dec.set("checkpoint_every_steps", ckpt, "ckpt.15min",
-                f"a step takes ~{step_s:.3g} s on {devices} x {hw.name}: every {ckpt} steps a "
-                "preemption loses at most ~15 minutes" + (" (the whole run is shorter)"
-                                                           if ckpt == total else ""))
-
-    _plan_eval(plan, dec, experiment, profile, recipe, hw)
+    # --- time, eval serving, eval budget and cadence, checkpoints ---------------------------
+    _plan_eval_serving(plan, dec, profile, recipe, hw)
+    _plan_time(plan, dec, experiment, profile, recipe, hw, steps_per_epoch=steps_per_epoch,
+               total=total, real_batch=real_batch)
     _validate_plan(plan, recipe, hw)
     return plan
 
@@ -496,8 +485,8 @@ def resolvable_gap(num_samples: int) -> float:
     return 1.96 * 0.5 / (0.45 * math.sqrt(max(1, num_samples)))
 
 
-def _plan_eval(plan: Plan, dec: _Decider, experiment: Experiment, profile: DatasetProfile,
-               recipe: Recipe, hw: Hardware) -> None:
+def _plan_eval_serving(plan: Plan, dec: _Decider, profile: DatasetProfile, recipe: Recipe,
+                       hw: Hardware) -> None:
     arch = recipe.architecture
     weights = arch.num_parameters * 2
     if hw.name == "CPU":
@@ -530,32 +519,248 @@ def _plan_eval(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
                 f"KV cache: {free / GIB:.1f} GiB free / {per_seq / 2**20:.1f} MiB per sequence "
                 f"of {profile.prompt_tokens_p99}+{plan['eval_max_new_tokens']} tokens "
                 "(at most 256)")
-    available = profile.num_eval_samples or max(1, round(
-        profile.num_samples * experiment.data.eval_fraction / (1 - experiment.data.eval_fraction)))
-    needed = eval_samples_needed()
-    num_eval = min(available, needed)
-    reason = f"{num_eval} of the {available} eval samples"
-    if experiment.eval.max_samples and experiment.eval.max_samples < num_eval:
-        num_eval = experiment.eval.max_samples
-        reason = f"{num_eval} eval samples (eval.max_samples)"
-    reason += (f": checkpoints {resolvable_gap(num_eval):.2f} apart in mean score get disjoint "
-               "95% bootstrap intervals")
-    if num_eval < needed:
-        reason += f" ({needed} samples resolve {EVAL_GAP:g})"
-        plan.notes.append(f"{num_eval} eval samples tell checkpoints apart only "
-                          f"{resolvable_gap(num_eval):.2f} or more apart in mean score; "
-                          f"{needed} would resolve {EVAL_GAP:g} (raise data.eval_fraction, "
-                          "eval.max_samples or the traffic)")
-    dec.set("eval_num_samples", num_eval, "eval.resolution", reason)
-    num_eval = plan["eval_num_samples"]
-    batch = min(plan["eval_max_num_seqs"], num_eval)
-    dec.set("eval_batch_size", batch, "eval.batch",
-            f"{num_eval} eval samples, at most {plan['eval_max_num_seqs']} at once")
+
+
+def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: DatasetProfile,
+               recipe: Recipe, hw: Hardware, *, steps_per_epoch: int, total: int,
+               real_batch: int) -> None:
+    """The time model's decisions: eval sample count and cadence within the eval budget, the
+    checkpoint cadence, and the predicted wall time (``factory.planner.timing``)."""
+    arch = recipe.architecture
     judge = experiment.eval.judge if experiment.eval.judge != "embedded" else recipe.judge_model
     plan.decisions["eval_judge"] = Decision(
         value=judge, rule="eval.judge",
         reason="experiment eval.judge" if experiment.eval.judge != "embedded"
         else f"recipe {recipe.name} judge")
+    c = time_constants(recipe.name, arch, hw, judge=judge)
+    dec.set("time_model", "measured" if c.measured else "defaults",
+            "time.measured" if c.measured else "time.defaults",
+            (f"{recipe.name} on {hw.name}: " if c.measured else "") + c.provenance)
+    devices, seq_len = plan["num_devices"], plan["max_seq_len"]
+    eval_devices = plan["eval_devices"]
+    # Packed rows are ~95% full and each sample attends to itself; unpacked rows pad to the
+    # longest row of their micro-batch (taken as the p99 sample).
+    packing = plan["packing"]
+    row = int(seq_len * 0.95) if packing else min(seq_len, profile.length_p99)
+    span = min(profile.length_p50, seq_len) if packing else row
+    tokens_per_step = real_batch * row
+    step_s = step_seconds(c, arch, tokens_per_step=tokens_per_step, span=span,
+                          recompute=plan["gradient_checkpointing"], num_devices=devices,
+                          precision=plan["precision"])
+    budget_train_s = c.train_fixed_s + total * step_s
+    budget = eval_budget(hw, train_s=budget_train_s, num_devices=devices)
+    cost_kind = "wall" if hw.evals_share_devices else "device time"
+
+    available = profile.num_eval_samples or max(1, round(
+        profile.num_samples * experiment.data.eval_fraction / (1 - experiment.data.eval_fraction)))
+    forced_batch = ({**dec.overrides, **dec.point}["eval_batch_size"]
+                    if dec.forced("eval_batch_size") else None)
+
+    def shape(n: int) -> EvalShape:
+        batch = forced_batch or min(plan["eval_max_num_seqs"], n)
+        return EvalShape(num_samples=n, batch=batch,
+                         prompt_tokens=min(profile.prompt_tokens_p99, seq_len),
+                         new_tokens=plan["eval_max_new_tokens"],
+                         sample_tokens=min(profile.length_p99, seq_len))
+
+    def times(n: int) -> tuple[float, float]:
+        return (eval_seconds(c, arch, shape(n), first=True),
+                eval_seconds(c, arch, shape(n), first=False))
+
+    def ok(n: int, k: int) -> bool:
+        first, later = times(n)
+        return fits(hw, c, first_s=first, eval_s=later, num_evals=k, train_s=budget_train_s,
+                    num_devices=devices, eval_devices=eval_devices)
+
+    def cost(n: int, k: int) -> float:
+        first, later = times(n)
+        return eval_cost(hw, c, first_s=first, eval_s=later, num_evals=k,
+                         train_s=budget_train_s, eval_devices=eval_devices)
+
+    budget_words = (f"{EVAL_SHARE:.0%} of the run's {cost_kind} ({duration(budget)} for "
+                    f"~{duration(budget_train_s)} of training)")
+    if not hw.evals_share_devices:
+        budget_words += f", and the wall they add within {EVAL_SHARE:.0%} of the run's"
+
+    # --- eval sample count and cadence within the budget. What gives way, in order: samples
+    # down to MIN_EVAL_SAMPLES (keeping MIN_EVALS evals), then evals down to one (the final
+    # checkpoint must be judged); evals beyond MIN_EVALS only with budget to spare.
+    needed = eval_samples_needed()
+    min_evals = min(MIN_EVALS, total)
+    wanted = min(available, needed)
+    floor = min(wanted, MIN_EVAL_SAMPLES)
+
+    def most_samples(k: int) -> int:
+        """The most samples (at least ``floor``) with which ``k`` evals fit."""
+        lo, hi = floor, wanted  # the cost grows with the sample count
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if ok(mid, k) else (lo, mid - 1)
+        return lo
+
+    if ok(wanted, min_evals):
+        num, rule = wanted, "eval.resolution"
+        why = (f"{num} of the {available} eval samples: checkpoints "
+               f"{resolvable_gap(num):.2f} apart in mean score get disjoint 95% bootstrap "
+               f"intervals" + (f" ({needed} samples resolve {EVAL_GAP:g})" if num < needed
+                               else "")
+               + f"; {min_evals} evals of them take ~{duration(cost(num, min_evals))}, within "
+               + budget_words)
+    else:
+        keep = min_evals if ok(floor, min_evals) else next(
+            (k for k in range(min_evals - 1, 0, -1) if ok(floor, k)), 1)
+        num, rule = most_samples(keep), "eval.budget"
+        why = (f"{num} of the {available} eval samples: {min_evals} evals of {wanted} would "
+               f"take ~{duration(cost(wanted, min_evals))}, over {budget_words}")
+        if ok(num, keep):
+            why += f"; {keep} eval{'s' if keep > 1 else ''} of {num} fit"
+        elif num < wanted:
+            why += (f"; {num} is the fewest the budget cuts to (their 95% interval stays within "
+                    f"{CLEAR_MARGIN:g} of the mean)")
+        else:
+            why += (f"; the budget cuts to no fewer than {MIN_EVAL_SAMPLES} (their 95% interval "
+                    f"stays within {CLEAR_MARGIN:g} of the mean)")
+        why += f"; they resolve checkpoints {resolvable_gap(num):.2f} apart"
+    cap = experiment.eval.max_samples
+    if cap and cap < num:
+        plan.decisions["eval_num_samples"] = Decision(
+            value=cap, rule="experiment.eval", overridden=True,
+            reason=f"eval.max_samples of the experiment file (the planner would pick {num}: "
+                   f"{why}); {cap} resolve checkpoints {resolvable_gap(cap):.2f} apart")
+    else:
+        plan.decisions["eval_num_samples"] = Decision(value=num, rule=rule, reason=why)
+    num_eval = plan["eval_num_samples"]
+    if num_eval < needed:
+        plan.notes.append(f"{num_eval} eval samples tell checkpoints apart only "
+                          f"{resolvable_gap(num_eval):.2f} or more apart in mean score; "
+                          f"{needed} would resolve {EVAL_GAP:g}"
+                          + (" (raise data.eval_fraction, eval.max_samples or the traffic)"
+                             if num_eval in (available, cap) else
+                             " (the eval budget: a longer run affords more)"))
+    batch = min(plan["eval_max_num_seqs"], num_eval)
+    dec.set("eval_batch_size", batch, "eval.batch",
+            f"{num_eval} eval samples, at most {plan['eval_max_num_seqs']} at once")
+    first_s, eval_s = times(num_eval)
+
+    epochs_run = max(1, math.ceil(total / steps_per_epoch))
+    most = max(1, min(total, recipe.evals_per_epoch * epochs_run))
+    afford = next((k for k in range(most, 0, -1) if ok(num_eval, k)), 0)
+    count = max(1, min(most, afford))
+    every = max(1, math.ceil(total / count))
+    each = (f"one eval ~{duration(eval_s)} ({duration(first_s)} the first, with the base "
+            f"model's answers) on {hw.name}")
+    together = f"together ~{duration(cost(num_eval, count))}"
+    if afford >= most:
+        crule = "eval.per_epoch"
+        cwhy = (f"{count} evals ({recipe.evals_per_epoch} per epoch of ~{steps_per_epoch} "
+                f"steps, as the recipe asks): {each}; {together}, within {budget_words}")
+    elif afford >= min_evals:
+        crule = "eval.budget"
+        cwhy = (f"{count} evals, the most within {budget_words}: {each}; {together} (the "
+                f"recipe would take {most}, {recipe.evals_per_epoch} per epoch)")
+    elif afford >= 1:
+        crule = "eval.budget_few"
+        cwhy = (f"{count} eval{'s' if count > 1 else ''}, all that fit "
+                f"{budget_words}: {each}; {together}; fewer than the {MIN_EVALS} the plateau "
+                "stop needs, so the run trains to its end and "
+                + ("the best of these checkpoints is chosen" if count > 1
+                   else "its final checkpoint is judged"))
+    else:
+        crule = "eval.final_only"
+        cwhy = (f"one eval, of the final checkpoint: even that takes "
+                f"~{duration(first_s)} (with the base model's answers), over {budget_words}")
+    cwhy += f"; every {every} of ~{total} steps"
+    if experiment.eval.every_steps is not None and not dec.forced("eval_every_steps"):
+        plan.decisions["eval_every_steps"] = Decision(
+            value=experiment.eval.every_steps, rule="experiment.eval", overridden=True,
+            reason=f"eval.every_steps of the experiment file (the planner would pick {every}: "
+                   f"{cwhy})")
+    else:
+        dec.set("eval_every_steps", every, crule, cwhy)
+    eval_every = int(plan["eval_every_steps"])
+
+    # --- checkpoint cadence: the checkpoint sensor judges every checkpoint, so checkpoints
+    # beyond the evals' cadence are evals too, and only where the budget affords them ---
+    ckpt = max(1, min(total, int(CHECKPOINT_EVERY_S // max(step_s, 1e-9))))
+    judged = math.ceil(total / ckpt)
+    if eval_every <= ckpt:
+        # Mid-training evals judge checkpoints (the checkpoint sensor fires them), so every eval
+        # step needs one; the preemption rule alone would checkpoint less often.
+        dec.set("checkpoint_every_steps", eval_every, "ckpt.eval",
+                f"every eval judges a checkpoint: one each {eval_every} steps (the 15-minute "
+                f"preemption rule alone would give {ckpt})")
+    elif ok(num_eval, judged):
+        dec.set("checkpoint_every_steps", ckpt, "ckpt.15min",
+                f"a step takes ~{step_s:.3g} s on {devices} x {hw.name}: every {ckpt} steps a "
+                f"preemption loses at most ~15 minutes; the checkpoint sensor judges all "
+                f"{judged}, ~{duration(cost(num_eval, judged))}, within {budget_words}")
+    else:
+        # As many checkpoints as the budget can judge, at least one per eval.
+        evals = math.ceil(total / eval_every)
+        most_judged = next((k for k in range(judged - 1, evals, -1) if ok(num_eval, k)), evals)
+        every_ckpt = min(eval_every, math.ceil(total / most_judged))
+        lost = duration(every_ckpt * step_s)
+        dec.set("checkpoint_every_steps", every_ckpt, "ckpt.eval_budget",
+                f"every {every_ckpt} steps (~{lost} of training), as often as the budget can "
+                f"judge them: the checkpoint sensor judges every checkpoint, and the 15-minute "
+                f"rule's {judged} would take ~{duration(cost(num_eval, judged))}, over "
+                f"{budget_words}; a stop by SIGTERM still checkpoints, a hard kill loses at "
+                f"most {lost}")
+
+    # --- the prediction: every checkpoint is judged (checkpoint_sensor), the final one too ---
+    ckpt_every = int(plan["checkpoint_every_steps"])
+    num_evals = math.ceil(total / ckpt_every)
+    loss_span = min(profile.length_p50, seq_len)
+    loss_pass_s = available * loss_span * forward_flops_per_token(arch, span=loss_span) \
+        / (c.forward_tflops * 1e12 * devices)
+    rt = run_time(hw, c, step_s=step_s, num_steps=total, loss_passes=total // eval_every,
+                  loss_pass_s=loss_pass_s, first_eval_s=first_s, eval_s=eval_s,
+                  num_evals=num_evals, num_devices=devices, eval_devices=eval_devices)
+    plan.estimates = {
+        "step_seconds": round(step_s, 3), "steps": float(total),
+        "tokens_per_step": round(tokens_per_step),
+        "train_seconds": round(rt.train_s, 1), "num_evals": float(num_evals),
+        "first_eval_seconds": round(first_s, 1), "eval_seconds": round(eval_s, 1),
+        "evals_seconds": round(rt.evals_s, 1), "wall_seconds": round(rt.wall_s, 1),
+        "hours": round(rt.wall_s / 3600, 3), "eval_share": round(rt.share, 3),
+        "eval_wall_share": round(rt.wall_share, 3), "eval_budget_share": EVAL_SHARE}
+    extra = ckpt_every < eval_every and num_evals > math.ceil(total / eval_every)
+    if extra:
+        plan.notes.append(f"the checkpoint sensor judges every checkpoint: the 15-minute "
+                          f"checkpoints make {num_evals} evals, the eval cadence "
+                          f"{math.ceil(total / eval_every)}")
+    if max(rt.share, rt.wall_share) > EVAL_SHARE + 5e-4:
+        # The experiment's own choices that size the evals or the training they share.
+        forced = {"eval_every_steps": "eval.every_steps", "eval_num_samples": "eval.max_samples",
+                  **{k: k for k in ("num_steps", "num_epochs", "checkpoint_every_steps",
+                                    "eval_batch_size", "eval_max_new_tokens",
+                                    "eval_max_num_seqs")}}
+        causes = [name for key, name in forced.items() if plan.decisions[key].overridden]
+        cause = (f"the experiment file sets {', '.join(causes)}" if causes
+                 else "the 15-minute checkpoints, each judged" if extra
+                 else "even one eval of the fewest samples costs more than a run this short "
+                      "affords")
+        taken = (f"{rt.share:.0%} of the run's wall" if hw.evals_share_devices else
+                 f"{rt.share:.0%} of the run's device time and {rt.wall_share:.0%} of its wall")
+        plan.notes.append(f"evals are predicted to take {taken} (budget {EVAL_SHARE:.0%}): "
+                          f"{cause}")
+    if rt.train_s / 3600 > MAX_WALL_HOURS:
+        plan.notes.append(f"estimated {rt.train_s / 3600:.0f} h of training exceeds a 24 h "
+                          "sandbox; the run continues from checkpoints across sandboxes")
+    epochs = plan.decisions["num_epochs"]
+    per_epoch = steps_per_epoch * step_s
+    if plan["num_steps"] is not None:
+        stop = f"the run is {plan['num_steps']} steps long (num_steps)"
+    elif num_evals >= MIN_EVALS:
+        stop = (f"the plateau stop ends a run whose last {PLATEAU_PATIENCE} evals do not beat "
+                "the best checkpoint before them beyond its bootstrap interval, so later passes "
+                "run only while they help")
+    else:
+        stop = (f"with {num_evals} eval{'s' if num_evals > 1 else ''} the plateau stop cannot "
+                f"act (it needs {MIN_EVALS}): every pass runs")
+    plan.decisions["num_epochs"] = replace(epochs, reason=(
+        f"{epochs.reason}; a pass is ~{steps_per_epoch} steps, ~{duration(per_epoch)} on "
+        f"{hw.name}; {stop}"))
 
 
 def _validate_inputs(experiment: Experiment, profile: DatasetProfile, recipe: Recipe,

@@ -1,4 +1,5 @@
-"""Plans and experiments as Markdown: the value + reason table and the experiment card.
+"""Plans and experiments as Markdown: the value + reason table (with the predicted wall time)
+and the experiment card.
 
 The card (what it trains, on which data, with which plan) is shown in the Dagster UI as asset
 metadata and written to ``docs/experiments/<name>.md`` by ``factory plan --write-card``.
@@ -13,6 +14,7 @@ from typing import Any
 
 from factory.experiments import Experiment, list_experiments, sweep_points
 from factory.planner.plan import Plan
+from factory.planner.timing import duration
 from factory.recipes import Recipe
 
 
@@ -46,12 +48,37 @@ def plan_table(plan: Plan) -> str:
                      + (f", kept by the CPU allocator {mem['retained']:.2f}"
                         if mem["retained"] else "") + ").")
     if plan.estimates:
-        e = plan.estimates
-        lines.append(f"Estimated ~{e['steps']:.0f} steps of ~{e['step_seconds']:.3g} s: "
-                     f"~{e['hours']:.3g} h.")
+        lines.append(wall_time(plan))
     for note in plan.notes:
         lines.append(f"- note: {note}")
     return "\n".join(lines)
+
+
+def wall_time(plan: Plan) -> str:
+    """The predicted wall time of a planned run, split into training and evals."""
+    e = plan.estimates
+    shared = plan["gpu"] == "CPU"
+    evals = (f"evals {duration(e['evals_seconds'])} ({e['num_evals']:.0f} of ~"
+             f"{duration(e['eval_seconds'])}, the first ~{duration(e['first_eval_seconds'])}"
+             + (", on the training cores" if shared else
+                ", on their own devices: only the last one lengthens the run") + ")")
+    share = (f"{e['eval_share']:.0%} of the wall" if shared
+             else f"{e['eval_share']:.0%} of the device time and {e['eval_wall_share']:.0%} "
+                  "of the wall")
+    source = plan.decisions.get("time_model")
+    return (f"Predicted wall time: **{duration(e['wall_seconds'])}**: training "
+            f"{duration(e['train_seconds'])} (~{e['steps']:.0f} steps of "
+            f"~{e['step_seconds']:.3g} s), {evals}; evals take {share} (budget "
+            f"{e['eval_budget_share']:.0%}); time constants: "
+            f"{source.value if source else 'defaults'}.")
+
+
+def wall_summary(plan: Plan) -> str:
+    """One line: the predicted wall time and its split."""
+    e = plan.estimates
+    return (f"predicted wall {duration(e['wall_seconds'])}: training "
+            f"{duration(e['train_seconds'])} + evals {duration(e['evals_seconds'])} "
+            f"({e['num_evals']:.0f} evals)")
 
 
 NO_PROFILE = "Not planned yet: the dataset has no profile (materialize `dataset_profile`)."

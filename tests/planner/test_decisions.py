@@ -163,12 +163,19 @@ def test_cpu_plan_and_gradient_checkpointing_flip() -> None:
 
 def test_checkpoint_cadence_follows_step_time() -> None:
     big = profile(num_samples=200_000)
-    fast = make_plan(experiment("qwen3-4b-lora", overrides={"gpu": "H200"}), big)
-    slow = make_plan(experiment("qwen3-4b-lora", overrides={"gpu": "L4"}), big)
+    fast = make_plan(experiment("qwen3-1.7b-lora", overrides={"gpu": "H200"}), big)
+    slow = make_plan(experiment("qwen3-1.7b-lora", overrides={"gpu": "L4"}), big)
     assert fast["checkpoint_every_steps"] > slow["checkpoint_every_steps"]
-    assert slow.decisions["checkpoint_every_steps"].rule == "ckpt.15min"
     # On the fast GPU the 15-minute rule would wait longer than the eval cadence.
     assert fast.decisions["checkpoint_every_steps"].rule == "ckpt.eval"
+    # On the slow one it would checkpoint every ~40 steps, and the checkpoint sensor judges each:
+    # 25 evals do not fit the eval budget, so checkpoints come as often as it can judge them,
+    # more often than the evals.
+    ckpt = slow.decisions["checkpoint_every_steps"]
+    assert ckpt.rule == "ckpt.eval_budget" and "the 15-minute rule's 25" in ckpt.reason
+    assert ckpt.value < slow["eval_every_steps"]
+    assert slow.estimates["num_evals"] == -(-slow.estimates["steps"] // ckpt.value)
+    assert slow.estimates["eval_share"] <= 0.2
 
 
 def test_overrides_win_and_are_marked() -> None:
@@ -189,9 +196,12 @@ def test_sweep_point_wins() -> None:
 
 
 def test_eval_serving() -> None:
-    p = make_plan(experiment("qwen3-8b-lora", eval={"max_samples": 50}), profile())
+    p = make_plan(experiment("qwen3-8b-lora", eval={"max_samples": 20}), profile())
     box = p.eval_serving()
-    assert box["devices"] == 1 and box["batch_size"] == 50  # capped by eval.max_samples
+    assert box["devices"] == 1 and box["batch_size"] == 20  # capped by eval.max_samples
+    samples = p.decisions["eval_num_samples"]
+    assert samples.value == 20 and samples.overridden and samples.rule == "experiment.eval"
+    assert "the planner would pick 43" in samples.reason
     assert box["max_new_tokens"] == 384  # 1.25 x p99 completion (300) rounded to 16
     assert p.decisions["eval_max_num_seqs"].rule == "eval.kv_cache"
 

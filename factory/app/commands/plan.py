@@ -1,4 +1,5 @@
-"""``factory plan EXPERIMENT``: every planned value of each run with the rule that chose it.
+"""``factory plan EXPERIMENT``: every planned value of each run with the rule that chose it,
+and the run's predicted wall time split into training and evals.
 
 Plans from the experiment's newest ``dataset_profile`` row (or ``--profile FILE.json``, a row as
 JSON, to try a plan before any data exists). A plan that cannot run exits 2 with what to change.
@@ -30,7 +31,7 @@ def _plan(args: argparse.Namespace) -> int:
     from factory.errors import FactoryError
     from factory.experiments import load_experiment
     from factory.planner.profile import DatasetProfile, read_profile
-    from factory.planner.render import experiment_card, plan_table
+    from factory.planner.render import experiment_card, plan_table, wall_summary
     from factory.planner.service import plan_runs
     from factory.recipes import load_recipe
 
@@ -59,7 +60,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps([p.to_dict() for p in plans], default=str))
         return 0
     for plan in plans:
-        print(f"## {plan.run_key}\n")
+        print(f"## {plan.run_key}: {wall_summary(plan)}\n")
         print(plan_table(plan))
         print()
     return 0

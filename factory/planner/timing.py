@@ -1,0 +1,356 @@
+"""The time model: what a training step, an eval and a whole run cost on the target hardware.
+
+The planner budgets time with it the way it budgets memory with ``memory.py``: it predicts a
+step's seconds, one eval's seconds and the run's wall time, and chooses the eval sample count and
+cadence so that evals take a bounded share of the run (``EVAL_SHARE``).
+
+Constants are per (recipe, hardware type) (``TimeConstants``). Measured ones (``MEASURED``) say
+where and how they were measured; every other pair gets conservative defaults derived from the
+hardware table's FLOPs and memory bandwidth (``default_constants``), slower than every
+measurement so far, and the plan's reasons say so. A missing measurement never fails a plan.
+
+What the model counts (BENCHMARKS.md, "Planner time model", compares it with real runs):
+- a training step: the planner's FLOP count of the rows it trains (unpacked rows pad to the
+  longest row of their micro-batch, taken as the p99 sample) at the achieved rate; the run adds
+  a fixed launch-and-load cost and the trainer's held-out loss pass at each eval step;
+- an eval (``checkpoint_evals``): a fixed cost (run launch, server boot, adapter, the trainer-side
+  model of the equivalence check), the equivalence check's two samples scored on both sides, then
+  per batch of ``eval_batch_size`` answers a prefill of the batch's prompts (left-padded to the
+  longest: the p99 prompt) and ``eval_max_new_tokens`` decode steps (a batch runs until its
+  longest answer; early checkpoints and the base often reach the budget), then the judge per
+  answer. The run's first eval also answers with the base model and judges the references
+  (counted: whether another run's scores can be reused is only known when the eval runs);
+- where evals run: on CPU they share the training cores, so each eval during training adds its
+  seconds times ``overlap_factor`` to the wall (the two processes slow each other), and the last
+  one, after the final step, adds its own; on GPUs they run on their own devices (vLLM) beside
+  training and lengthen the run only by the last eval (and by any queue if they fall behind).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from factory.evals.selection import CLEAR_MARGIN, PLATEAU_PATIENCE
+from factory.planner.hardware import Hardware
+from factory.recipes import Architecture
+
+EVAL_SHARE = 0.20
+"""Most of a run's cost evals may take. On CPU the cost is wall time (evals share the cores: at
+most 20% of the predicted wall); on GPUs, where evals run on their own devices, both their
+device time (at most 20% of the run's device-seconds) and the wall they add (the last eval, and
+any backlog behind training: at most 20% of the wall)."""
+MIN_EVALS = PLATEAU_PATIENCE + 1
+"""Evals a run needs before the plateau stop can end it (``factory.evals.selection``: the last
+``PLATEAU_PATIENCE`` checkpoints against the best one before them)."""
+MIN_EVAL_SAMPLES = math.ceil((1.96 * 0.5 / CLEAR_MARGIN) ** 2)
+"""The fewest eval samples the budget may cut to (43): with them the 95% interval of a mean score
+reaches at most ``CLEAR_MARGIN`` (0.15) to each side at the widest spread (0/1 scores, half
+right), so a checkpoint that clearly beats the base is seen to."""
+EQUIVALENCE_SAMPLES = 2
+"""Samples the train/serve equivalence check scores per eval (``checkpoint_evals``)."""
+UNMEASURED_DERATE = 0.4
+"""Share of the hardware table's throughput (peak x MFU) and memory bandwidth the defaults
+assume. On the one pair measured (SmolLM2-135M on CPU) training reached 0.74 of peak x MFU and
+fp32 prefill 0.44: 0.4 keeps every default slower than what was measured."""
+CPU_FP32_SLOWDOWN = 76.6 / 140.1
+"""Training tokens/s of fp32 over bf16 autocast on CPU (BENCHMARKS.md, "Trainer"): the measured
+CPU constants are bf16 autocast's."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeConstants:
+    """Time constants of one recipe on one hardware type."""
+
+    train_tflops: float
+    """Achieved training throughput per device, TFLOP/s of the planner's FLOP count."""
+    forward_tflops: float
+    """Achieved forward-only throughput per device (the trainer's held-out loss pass)."""
+    prefill_tflops: float
+    """Achieved prompt throughput of one eval server, TFLOP/s (2 x parameters per token)."""
+    decode_step_s: float
+    """Seconds of one decode step of a batch of one sequence."""
+    decode_seq_s: float
+    """Seconds each further sequence of the batch adds to a decode step."""
+    train_fixed_s: float
+    """Seconds a training run spends outside its steps (launch, model and data load, the end)."""
+    eval_fixed_s: float
+    """Seconds an eval spends outside prefill, decode and judging (run launch, server boot and
+    adapter load, the trainer-side model of the equivalence check, writing the scores)."""
+    judge_s: float
+    """Seconds to judge one answer."""
+    overlap_factor: float
+    """Wall seconds an eval costs per second of its own while training runs on the same devices
+    (unused where evals run on their own devices)."""
+    measured: bool
+    """Whether these were measured (else derived defaults)."""
+    provenance: str
+    """Where and how they were measured, or how the defaults were derived."""
+
+
+MEASURED: dict[tuple[str, str], TimeConstants] = {
+    ("smollm2-135m-lora", "CPU"): TimeConstants(
+        # Steps: 4.72 s for 8 rows padded to ~197 tokens (make demo) and 21.44 s for 8 rows of
+        # ~800 (agent task): 0.186 and 0.185 TFLOP/s. Held-out loss: 3.84 s for 27 x 177 tokens,
+        # 32.5 s for 54 x 675: 0.342 and 0.328.
+        train_tflops=0.185, forward_tflops=0.33,
+        # 1 thread, CPU-seconds (what load moves least), fp32 as the server runs: batch of 8
+        # prompts of 150 / 700 tokens at 486 / 408 tokens/s (x 2 x 134.5M FLOPs); a decode step
+        # 0.058-0.068 s at batch 1, 0.132-0.141 s at batch 8.
+        prefill_tflops=0.11, decode_step_s=0.063, decode_seq_s=0.0105,
+        # Training run launch to trainer start 10.5 / 14.1 s, finish to run end 4.6 / 3.2 s.
+        # Eval: the demo's eval at step 8 took 33.3 s from its run's creation to its end, of
+        # which the model above gives 17.9 s to the equivalence check, prefill, decode (46
+        # steps, its longest answer) and judging.
+        train_fixed_s=16.0, eval_fixed_s=15.4, judge_s=0.05,
+        # The demo's eval at step 4 ran beside the trainer's last step: 88.9 s of wall for
+        # 50.4 s of eval and 9.1 s of training as the model gives them alone: (88.9 - 9.1) / 50.4.
+        overlap_factor=1.58, measured=True,
+        provenance="measured on dev-cpu (2 cores): the steps, evals and run launches of the "
+                   "`make demo` and agent-task runs in BENCHMARKS.md (idle machine), the "
+                   "generation rates with the CPU server's engine on one thread"),
+}
+"""Measured constants by (recipe name, hardware type); BENCHMARKS.md "Planner time model"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KindDefaults:
+    """Fixed costs of a kind of hardware the FLOP count cannot give."""
+
+    train_fixed_s: float
+    """Seconds a training run spends launching, before model weights are counted."""
+    eval_fixed_s: float
+    """Seconds an eval spends launching and booting its server, before weights are counted."""
+    load_bytes_per_s: float
+    """Weight bytes loaded per second (an eval loads them twice: server and equivalence)."""
+    decode_overhead_s: float
+    """Seconds of each decode step besides reading the weights."""
+    decode_seq_overhead_s: float
+    """Seconds each further sequence adds to a decode step besides its FLOPs."""
+    overlap_factor: float
+    """As ``TimeConstants.overlap_factor``."""
+    reason: str
+    """Where the numbers come from."""
+
+
+CPU_DEFAULTS = KindDefaults(
+    train_fixed_s=15.0, eval_fixed_s=10.5, load_bytes_per_s=0.1e9, decode_overhead_s=0.0,
+    decode_seq_overhead_s=0.0105, overlap_factor=1.58,
+    reason="the CPU server's fixed costs as measured for SmolLM2-135M, weights loaded at "
+           "0.1 GB/s (SmolLM2: 0.27 GB in ~3 s)")
+GPU_DEFAULTS = KindDefaults(
+    train_fixed_s=120.0, eval_fixed_s=120.0, load_bytes_per_s=1e9, decode_overhead_s=0.01,
+    decode_seq_overhead_s=0.0, overlap_factor=1.0,
+    reason="unmeasured: 2 minutes to start a training container and to boot vLLM (CUDA graphs, "
+           "compilation), weights loaded at 1 GB/s, 10 ms of scheduling per decode step")
+
+
+def default_constants(arch: Architecture, hw: Hardware, *, judge: str = "embedded"
+                      ) -> TimeConstants:
+    """Conservative constants from the hardware table (peak x MFU and bandwidth, derated by
+    ``UNMEASURED_DERATE``) and the kind's fixed costs: for a pair nobody measured."""
+    kind = CPU_DEFAULTS if hw.evals_share_devices else GPU_DEFAULTS
+    flops = hw.bf16_tflops * hw.mfu * UNMEASURED_DERATE
+    # The CPU server generates in fp32, vLLM in bf16; every decode step reads every weight.
+    served = arch.num_parameters * (4 if hw.evals_share_devices else 2)
+    on_disk = arch.num_parameters * 2
+    decode = served / (hw.memory_bandwidth_gbs * 1e9 * UNMEASURED_DERATE) \
+        + kind.decode_overhead_s
+    return TimeConstants(
+        train_tflops=flops, forward_tflops=flops, prefill_tflops=flops, decode_step_s=decode,
+        decode_seq_s=2 * arch.num_parameters / (flops * 1e12) + kind.decode_seq_overhead_s,
+        train_fixed_s=kind.train_fixed_s + on_disk / kind.load_bytes_per_s,
+        eval_fixed_s=kind.eval_fixed_s + 2 * on_disk / kind.load_bytes_per_s,
+        judge_s=judge_seconds(judge), overlap_factor=kind.overlap_factor, measured=False,
+        provenance=f"no measured time constants: defaults from {hw.name}'s "
+                   f"{hw.bf16_tflops:g} TFLOP/s x MFU {hw.mfu:g} and "
+                   f"{hw.memory_bandwidth_gbs:g} GB/s, each x {UNMEASURED_DERATE:g}; "
+                   + kind.reason)
+
+
+def duration(seconds: float) -> str:
+    """Seconds for people: 45 s, 3.2 min, 2.4 h."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def judge_seconds(judge: str) -> float:
+    """Seconds per judged answer: the embedded judge (exact checks and a MiniLM embedding,
+    which loads in 0.14 s: 0.05 s bounds it) or an LLM judge (unmeasured: one ~2 s call per
+    answer, four at a time as ``LLMJudge`` sends them)."""
+    return 0.05 if judge == "embedded" else 0.5
+
+
+def time_constants(recipe: str, arch: Architecture, hw: Hardware, *,
+                   judge: str = "embedded") -> TimeConstants:
+    """The measured constants of (``recipe``, ``hw``), else ``default_constants``."""
+    found = MEASURED.get((recipe, hw.name))
+    if found is None:
+        return default_constants(arch, hw, judge=judge)
+    if judge != "embedded":
+        return replace(found, judge_s=judge_seconds(judge))
+    return found
+
+
+def training_flops_per_token(arch: Architecture, *, span: int, recompute: bool) -> float:
+    """FLOPs per trained token of a LoRA step: forward 2N, backward through the frozen weights
+    2N (no weight gradients), recomputation another 2N; causal attention over ``span`` tokens."""
+    params = arch.num_parameters - arch.vision_parameters
+    attention = 6 * arch.num_layers * span * arch.num_heads * arch.head_dim
+    return (6 if recompute else 4) * params + attention
+
+
+def forward_flops_per_token(arch: Architecture, *, span: int) -> float:
+    """FLOPs per token of a forward pass (the held-out loss)."""
+    params = arch.num_parameters - arch.vision_parameters
+    return 2 * params + 2 * arch.num_layers * span * arch.num_heads * arch.head_dim
+
+
+def step_seconds(c: TimeConstants, arch: Architecture, *, tokens_per_step: float, span: int,
+                 recompute: bool, num_devices: int, precision: str) -> float:
+    """Seconds of one optimizer step."""
+    rate = c.train_tflops * (CPU_FP32_SLOWDOWN if precision == "fp32" and c.measured else 1.0)
+    flops = tokens_per_step * training_flops_per_token(arch, span=span, recompute=recompute)
+    return flops / (rate * 1e12 * num_devices)
+
+
+def generation_seconds(c: TimeConstants, arch: Architecture, *, num_samples: int, batch: int,
+                       prompt_tokens: int, new_tokens: int) -> float:
+    """Seconds to answer ``num_samples`` prompts in batches of ``batch``."""
+    full, rest = divmod(num_samples, max(1, batch))
+    sizes = [batch] * full + ([rest] if rest else [])
+    prefill_rate = c.prefill_tflops * 1e12 / (2 * arch.num_parameters)
+    return sum(b * prompt_tokens / prefill_rate
+               + new_tokens * (c.decode_step_s + (b - 1) * c.decode_seq_s) for b in sizes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalShape:
+    """What one eval generates: the plan's eval serving values and the data's lengths."""
+
+    num_samples: int
+    """Eval samples answered."""
+    batch: int
+    """Answers generated together."""
+    prompt_tokens: int
+    """Prompt tokens of a batch's longest prompt (the p99 prompt)."""
+    new_tokens: int
+    """Decode steps of a batch (the answer budget)."""
+    sample_tokens: int
+    """Tokens of a whole sample (the equivalence check scores two)."""
+
+
+def eval_seconds(c: TimeConstants, arch: Architecture, shape: EvalShape, *,
+                 first: bool) -> float:
+    """Seconds of one eval; the ``first`` also answers with the base model and judges the
+    references."""
+    prefill_rate = c.prefill_tflops * 1e12 / (2 * arch.num_parameters)
+    check = 2 * EQUIVALENCE_SAMPLES * shape.sample_tokens / prefill_rate  # server + trainer
+    answer = generation_seconds(c, arch, num_samples=shape.num_samples, batch=shape.batch,
+                                prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens)
+    answers = 2 if first else 1
+    judged = shape.num_samples * (answers + (1 if first else 0))
+    return c.eval_fixed_s + check + answers * answer + judged * c.judge_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunTime:
+    """Predicted seconds of one run."""
+
+    step_s: float
+    """One optimizer step."""
+    train_s: float
+    """The training run: fixed cost, steps and held-out loss passes."""
+    first_eval_s: float
+    """The first eval, alone."""
+    eval_s: float
+    """Each later eval, alone."""
+    num_evals: int
+    """Evals of the run (judged checkpoints)."""
+    evals_s: float
+    """Wall seconds the evals add to the run."""
+    eval_cost_s: float
+    """What the budget counts: the evals' wall seconds where they share the devices, their
+    device-seconds where they have their own."""
+    train_cost_s: float
+    """The same for training: wall seconds, or device-seconds."""
+
+    @property
+    def wall_s(self) -> float:
+        return self.train_s + self.evals_s
+
+    @property
+    def share(self) -> float:
+        """The evals' share of the run's cost: wall on CPU, device time on GPUs."""
+        total = self.train_cost_s + self.eval_cost_s
+        return self.eval_cost_s / total if total > 0 else 0.0
+
+    @property
+    def wall_share(self) -> float:
+        """The evals' share of the run's wall."""
+        return self.evals_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def evals_wall(hw: Hardware, c: TimeConstants, *, first_s: float, eval_s: float,
+               num_evals: int, train_s: float) -> float:
+    """Wall seconds ``num_evals`` evals add to a run of ``train_s`` seconds of training."""
+    if num_evals <= 0:
+        return 0.0
+    if hw.evals_share_devices:
+        # All but the last run beside the trainer; the last judges the final checkpoint.
+        last = eval_s if num_evals > 1 else first_s
+        during = (first_s + (num_evals - 2) * eval_s) if num_evals > 1 else 0.0
+        return during * c.overlap_factor + last
+    # Own devices: only the last eval lengthens the run, and any backlog past the training.
+    total = first_s + (num_evals - 1) * eval_s
+    last = eval_s if num_evals > 1 else first_s
+    return last + max(0.0, total - last - train_s)
+
+
+def eval_cost(hw: Hardware, c: TimeConstants, *, first_s: float, eval_s: float,
+              num_evals: int, train_s: float, eval_devices: int) -> float:
+    """The evals' cost as ``EVAL_SHARE`` counts it (``RunTime.eval_cost_s``)."""
+    if hw.evals_share_devices:
+        return evals_wall(hw, c, first_s=first_s, eval_s=eval_s, num_evals=num_evals,
+                          train_s=train_s)
+    if num_evals <= 0:
+        return 0.0
+    return (first_s + (num_evals - 1) * eval_s) * eval_devices
+
+
+def eval_budget(hw: Hardware, *, train_s: float, num_devices: int) -> float:
+    """The most the evals may cost (as ``eval_cost``) for a share of ``EVAL_SHARE``."""
+    train_cost = train_s if hw.evals_share_devices else train_s * num_devices
+    return EVAL_SHARE / (1 - EVAL_SHARE) * train_cost
+
+
+def fits(hw: Hardware, c: TimeConstants, *, first_s: float, eval_s: float, num_evals: int,
+         train_s: float, num_devices: int, eval_devices: int) -> bool:
+    """Whether ``num_evals`` evals stay within the budget (on their own devices: their device
+    time, and the wall they add, the last eval's and any backlog's, each within the share)."""
+    cost = eval_cost(hw, c, first_s=first_s, eval_s=eval_s, num_evals=num_evals,
+                     train_s=train_s, eval_devices=eval_devices)
+    if cost > eval_budget(hw, train_s=train_s, num_devices=num_devices) + 1e-9:
+        return False
+    if not hw.evals_share_devices:
+        walls = evals_wall(hw, c, first_s=first_s, eval_s=eval_s, num_evals=num_evals,
+                           train_s=train_s)
+        return walls <= EVAL_SHARE / (1 - EVAL_SHARE) * train_s + 1e-9
+    return True
+
+
+def run_time(hw: Hardware, c: TimeConstants, *, step_s: float, num_steps: int,
+             loss_passes: int, loss_pass_s: float, first_eval_s: float, eval_s: float,
+             num_evals: int, num_devices: int, eval_devices: int) -> RunTime:
+    """The run's predicted seconds from its parts."""
+    train_s = c.train_fixed_s + num_steps * step_s + loss_passes * loss_pass_s
+    walls = evals_wall(hw, c, first_s=first_eval_s, eval_s=eval_s, num_evals=num_evals,
+                       train_s=train_s)
+    cost = eval_cost(hw, c, first_s=first_eval_s, eval_s=eval_s, num_evals=num_evals,
+                     train_s=train_s, eval_devices=eval_devices)
+    return RunTime(step_s=step_s, train_s=train_s, first_eval_s=first_eval_s, eval_s=eval_s,
+                   num_evals=num_evals, evals_s=walls, eval_cost_s=cost,
+                   train_cost_s=train_s if hw.evals_share_devices else train_s * num_devices)
