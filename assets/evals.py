@@ -108,7 +108,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
     plan = plan_of_run(session, run_id, experiment)
     spec = _planned_eval(plan, experiment)
     rubric = _latest_rubric(session, experiment)
-    rows = eval_rows(session, experiment, spec)
+    rows = eval_rows(session, experiment, spec, plan=plan)
     items = items_from_samples(rows)
     base_model = json.loads((Path(ckpt["path"]) / "adapter_config.json").read_text())[
         "base_model_name_or_path"]

@@ -16,12 +16,17 @@ from factory.resources.judge import JudgeResource
 from factory.resources.lake import LakeResource
 
 
-def eval_rows(session, experiment: str, spec: EvalSpec):  # type: ignore[no-untyped-def]
-    """The experiment's eval samples (``dataset_eval``), at most ``spec.max_samples``."""
+def eval_rows(session, experiment: str, spec: EvalSpec,  # type: ignore[no-untyped-def]
+              plan: dict | None = None):
+    """The experiment's eval samples (``dataset_eval``), at most ``spec.max_samples`` and, for
+    a planned run, at most the plan's ``eval_num_samples`` (sized for its time budget)."""
     rows = session.sql("SELECT sample_id, messages, tools FROM dataset_eval "
                        "WHERE experiment = ? ORDER BY sample_id", [experiment]).to_pylist()
     if spec.max_samples:
         rows = rows[:spec.max_samples]
+    planned = ((plan or {}).get("values") or {}).get("eval_num_samples")
+    if planned:
+        rows = rows[:int(planned)]
     if not rows:
         raise dg.Failure(f"experiment {experiment!r} has no eval samples; materialize "
                          "its dataset first")
