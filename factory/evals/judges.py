@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -89,11 +92,18 @@ def _code_scores(rubric: Rubric, answer: Answer, reference: Answer | None
 
 
 class EmbeddedJudge:
-    """Code checks + embedding similarity; runs offline in-process."""
+    """Code checks + embedding similarity; runs offline in-process.
 
-    def __init__(self, model_path: str | None = None) -> None:
+    A reference answer is embedded once: its vector is kept in memory and on disk under
+    ``cache_dir`` (default ``$FACTORY_HOME/embeddings``, one ``.npy`` per text hash), so the
+    base model's, every checkpoint's and every run's evals of one eval set reuse it; only the
+    answers are embedded each time."""
+
+    def __init__(self, model_path: str | None = None, cache_dir: Path | None = None) -> None:
         self.model_path = model_path
+        self.cache_dir = cache_dir
         self._model: Any = None
+        self._references: dict[str, Any] = {}
 
     @property
     def name(self) -> str:
@@ -120,8 +130,35 @@ class EmbeddedJudge:
             return []
         model = self._embedder()
         a = model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True)
-        b = model.encode(list(references), normalize_embeddings=True, convert_to_numpy=True)
+        b = self._reference_vectors(references)
         return [float(min(1.0, max(0.0, (x * y).sum()))) for x, y in zip(a, b, strict=True)]
+
+    def _reference_vectors(self, references: Sequence[str]) -> list[Any]:
+        """The references' embeddings: from memory, else from the disk cache, else encoded (once
+        per distinct text) and stored in both."""
+        import numpy as np
+
+        if self.cache_dir is None:
+            from factory.settings import get_settings
+
+            self.cache_dir = get_settings().home / "embeddings"
+        files = {t: self.cache_dir / (hashlib.sha256(
+            f"{self.name}\0{t}".encode()).hexdigest() + ".npy") for t in set(references)}
+        for text, path in files.items():
+            if text not in self._references and path.is_file():
+                self._references[text] = np.load(path)
+        missing = sorted(t for t in files if t not in self._references)
+        if missing:
+            vectors = self._embedder().encode(missing, normalize_embeddings=True,
+                                              convert_to_numpy=True)
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            for text, vec in zip(missing, vectors, strict=True):
+                self._references[text] = vec
+                tmp = files[text].with_suffix(f".{os.getpid()}.tmp")
+                with open(tmp, "wb") as f:
+                    np.save(f, vec)
+                os.replace(tmp, files[text])  # readers never see a half-written vector
+        return [self._references[t] for t in references]
 
     def score(self, rubric: Rubric, items: Sequence[EvalItem], answers: Sequence[Answer], *,
               with_reference: bool = True) -> list[ScoreRow]:

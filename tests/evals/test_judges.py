@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -130,3 +131,32 @@ def test_an_llm_judge_adds_its_criteria_to_free_text_only() -> None:
     free = build_rubric(items_from_samples(prose), judge=judge)
     assert free.kind == "free_text" and [c.name for c in free.criteria if c.check == "llm"] == \
         ["tone"]
+
+
+def test_the_embedded_judge_embeds_each_reference_once(tmp_path: Path) -> None:
+    items = items_from_samples(_rows(4, seed=3))
+    rubric = _similarity_rubric()
+    answers = [Answer(text="a short answer"), Answer(text="another one"),
+               Answer(text="a third"), Answer(text="and a fourth")]
+    first = EmbeddedJudge(cache_dir=tmp_path / "emb")
+    encoded: list[list[str]] = []
+    real = first._embedder().encode
+
+    def spy(texts, **kw):  # type: ignore[no-untyped-def]
+        encoded.append(list(texts))
+        return real(texts, **kw)
+
+    first._model.encode = spy
+    want = first.score(rubric, items, answers)
+    refs = {i.reference.text for i in items}
+    assert sum(t in refs for batch in encoded for t in batch) == len(refs)
+    encoded.clear()
+    assert first.score(rubric, items, answers) == want       # the same scores from memory
+    assert not any(t in refs for batch in encoded for t in batch)
+    # Another run's judge (another process) reads the vectors from disk.
+    second = EmbeddedJudge(cache_dir=tmp_path / "emb")
+    second._embedder().encode = spy
+    encoded.clear()
+    assert second.score(rubric, items, answers) == want
+    assert not any(t in refs for batch in encoded for t in batch)
+    assert len(list((tmp_path / "emb").glob("*.npy"))) == len(refs)
