@@ -167,6 +167,29 @@ def _row(label: str, s: dict[str, Any]) -> str:
     return f"| {label} | " + " | ".join(cells) + f" | {s['seconds']:.0f} |"
 
 
+def models_to_score(lake: Any, experiment: str, *, deployed: bool, home: Path,
+                    threads: int | None) -> tuple[str, dict[str, str], Any]:
+    """(base URL, label -> served model, the server this started or None): the live
+    deployment's server, which serves the base model beside the adapter, when ``deployed``;
+    else a server of the base model alone (stop it when done)."""
+    if deployed:
+        import httpx
+
+        from factory.deploy import Deployer
+
+        live = Deployer(lake).live(experiment)
+        assert live is not None
+        ids = [m["id"] for m in httpx.get(live.endpoint + "/models").json()["data"]]
+        return live.endpoint, {"base": next(i for i in ids if i != live.adapter),
+                               "deployed": live.adapter}, None
+    from factory.base_model import smollm2_dir
+    from factory.inference import InferenceServer
+
+    server = InferenceServer(smollm2_dir(), served_model_name=f"{experiment}-base",
+                             threads=threads, log_path=home / "base-server.log").start()
+    return server.base_url, {"base": f"{experiment}-base"}, server
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=600, help="training records to ingest")
@@ -272,26 +295,8 @@ def main() -> int:
 
     server = None
     try:
-        if ok_run:
-            from factory.deploy import Deployer
-
-            live = Deployer(lake).live(EXPERIMENT)
-            assert live is not None
-            import httpx
-
-            ids = [m["id"] for m in httpx.get(live.endpoint + "/models").json()["data"]]
-            base_id = next(i for i in ids if i != live.adapter)
-            models = {"base": base_id, "deployed": live.adapter}
-            base_url = live.endpoint
-        else:
-            from factory.base_model import smollm2_dir
-            from factory.inference import InferenceServer
-
-            server = InferenceServer(smollm2_dir(), served_model_name=f"{EXPERIMENT}-base",
-                                     threads=args.server_threads,
-                                     log_path=home / "base-server.log").start()
-            models = {"base": f"{EXPERIMENT}-base"}
-            base_url = server.base_url
+        base_url, models, server = models_to_score(lake, EXPERIMENT, deployed=ok_run,
+                                                   home=home, threads=args.server_threads)
         scores = {label: _score(base_url, model, heldout, task.TOOLS, args.concurrency)
                   for label, model in models.items()}
     finally:

@@ -66,7 +66,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.agent import last_json, loadavg, run_cli  # noqa: E402
+from bench.agent import last_json, loadavg, models_to_score, run_cli  # noqa: E402
 
 EXPERIMENT = "ticket-triage"
 GOAL_WALL_S = 10 * 60
@@ -409,26 +409,8 @@ def main() -> int:
             if not ok_run:
                 print(f"factory run {EXPERIMENT} failed (exit {run['exit']}); scoring the base "
                       "model only", file=sys.stderr)
-        if ok_run:
-            import httpx
-
-            from factory.deploy import Deployer
-
-            live = Deployer(lake).live(EXPERIMENT)
-            assert live is not None
-            ids = [m["id"] for m in httpx.get(live.endpoint + "/models").json()["data"]]
-            models = {"base": next(i for i in ids if i != live.adapter),
-                      "deployed": live.adapter}
-            base_url = live.endpoint
-        else:
-            from factory.base_model import smollm2_dir
-            from factory.inference import InferenceServer
-
-            server = InferenceServer(smollm2_dir(), served_model_name=f"{EXPERIMENT}-base",
-                                     threads=args.server_threads,
-                                     log_path=home / "base-server.log").start()
-            models = {"base": f"{EXPERIMENT}-base"}
-            base_url = server.base_url
+        base_url, models, server = models_to_score(lake, EXPERIMENT, deployed=ok_run,
+                                                   home=home, threads=args.server_threads)
         scores = {label: score(base_url, model, heldout, args.concurrency)
                   for label, model in models.items()}
     finally:
