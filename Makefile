@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256s
 # Every pip call is constrained to the local CPU build of torch: anything else pulls CUDA wheels.
 PIP := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip
 
-.PHONY: install native demo test lint site typecheck contracts unit bench cards clean ui
+.PHONY: install native demo test lint typecheck contracts unit bench cards clean ui
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,24 +39,13 @@ demo: install native
 lint: install
 	$(BIN)/ruff check .
 
-# The package as `pip install .` lays it out (assets/ ... kernels/ as factory.assets ...
-# factory.kernels), for the tools that cannot follow setuptools' editable finder: import-linter
-# (grimp) and mypy. Built afresh from the working tree each time (about 2 s); their reports name
-# files under build/site/factory/ (build/site/factory/assets/x.py is assets/x.py).
-SITE := build/site
+# assets/ resources/ sensors/ trainer/ kernels/ are factory.assets ... factory.kernels through
+# the links in factory/, so both tools read one tree, as installed.
+typecheck: install
+	$(BIN)/mypy factory
 
-site: install
-	rm -rf $(SITE)
-	$(PIP) install -q --no-deps --no-build-isolation --no-compile --target $(SITE) .
-
-typecheck: site
-	cd $(SITE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml \
-	  --cache-dir $(CURDIR)/.mypy_cache -p factory
-
-# Run where only the built package is importable as factory (not the checkout's factory/).
-contracts: site
-	cd $(SITE) && PYTHONPATH=$(CURDIR)/$(SITE) $(CURDIR)/$(BIN)/lint-imports --no-cache \
-	  $(CURDIR)/pyproject.toml
+contracts: install
+	$(BIN)/lint-imports
 
 unit: install native
 	$(BIN)/pytest -q
@@ -73,4 +62,4 @@ cards: install
 
 clean:
 	-$(BIN)/python -m factory.native clean
-	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache $(SITE)
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

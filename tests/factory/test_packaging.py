@@ -1,6 +1,7 @@
 """What ``pip install .`` puts into site-packages: one top-level name, ``factory``, with the
-folders assets/ resources/ sensors/ trainer/ kernels/ as its subpackages, so nothing of ours can
-collide with another distribution's top-level package (Hugging Face's ``kernels``, say)."""
+folders assets/ resources/ sensors/ trainer/ kernels/ as its subpackages (through the links
+factory/assets -> ../assets and so on), so nothing of ours can collide with another
+distribution's top-level package (Hugging Face's ``kernels``, say)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+LINKED = ("assets", "resources", "sensors", "trainer", "kernels")
+"""The layout's top-level folders, each linked into factory/ as a subpackage."""
 
 
 def _packages_in(folder: Path, name: str) -> set[str]:
@@ -19,11 +22,18 @@ def _packages_in(folder: Path, name: str) -> set[str]:
             for init in folder.rglob("__init__.py")}
 
 
+def test_each_folder_is_linked_into_factory_and_nothing_else_is() -> None:
+    links = {p.name: p for p in (ROOT / "factory").iterdir() if p.is_symlink()}
+    assert sorted(links) == sorted(LINKED)
+    for name, link in links.items():
+        assert link.readlink() == Path("..") / name  # relative: the clone can live anywhere
+        assert link.resolve() == ROOT / name
+
+
 def test_the_package_list_names_every_package_of_the_tree() -> None:
-    found = _packages_in(ROOT / "factory", "factory")
-    for name, folder in SETUPTOOLS["package-dir"].items():
-        assert not (ROOT / "factory" / name.removeprefix("factory.")).exists(), name
-        found |= _packages_in(ROOT / folder, name)
+    found = _packages_in(ROOT / "factory", "factory")  # rglob does not follow the links
+    for name in LINKED:
+        found |= _packages_in(ROOT / name, f"factory.{name}")
     assert set(SETUPTOOLS["packages"]) == found
 
 
@@ -45,9 +55,6 @@ def test_the_wheel_has_one_top_level_name_and_the_package_data(tmp_path: Path) -
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["factory"]
 
 
-MAPPED = {name.removeprefix("factory.") for name in SETUPTOOLS["package-dir"]}
-
-
 def _top_level_imports(path: Path) -> list[tuple[int, str]]:
     import ast
 
@@ -57,10 +64,10 @@ def _top_level_imports(path: Path) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
-    return [(line, name) for line, name in out if name.split(".")[0] in MAPPED]
+    return [(line, name) for line, name in out if name.split(".")[0] in LINKED]
 
 
-def test_nothing_imports_a_folder_by_its_uninstalled_name() -> None:
+def test_nothing_imports_a_folder_by_its_top_level_name() -> None:
     # pytest puts the repository root on sys.path, so ``import assets`` would still work in the
     # suite while failing in an installed factory: only this check catches it.
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, check=True,
