@@ -15,7 +15,6 @@ import pytest
 from factory.gateway import Gateway, GatewayConfig, ServerThread
 from factory.gateway.standin import StandIn
 from tests.inference.conftest import make_adapter
-from tests.waiting import wait_until  # noqa: F401  (test_ui_path imports it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,9 +24,9 @@ from typing import Any
 import openai
 import pytest
 
-from tests.deploy.conftest import wait_until
 from tests.deploy.dagster_ui import UI, factory_ui
 from tests.inference.conftest import make_adapter
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
