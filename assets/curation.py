@@ -28,7 +28,8 @@ from factory.curation.store import (
     write_dataset,
     write_profile,
 )
-from factory.curation.tokens import RenderCounter
+from factory.curation.text import parse_json
+from factory.curation.tokens import RenderCounter, shared_prefix_tokens
 from factory.errors import FactoryError
 from factory.evals.rejection import rejection_judge
 from factory.experiments import CURATION_ENGINES, load_experiment
@@ -178,7 +179,11 @@ def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg
     train, ev, drops = read_dataset(session, experiment.name)
     profile = build_profile(train, ev, drops.to_pylist(),
                             num_selected=train.num_rows + ev.num_rows + drops.num_rows)
-    tokenizer = tokenizer_dir_for(experiment.recipe).name
+    tokenizer_dir = tokenizer_dir_for(experiment.recipe)
+    tokenizer = tokenizer_dir.name
+    profile["shared_prefix_tokens"] = shared_prefix_tokens(
+        RenderCounter(tokenizer_dir), [parse_json(m) for m in train.column("messages").to_pylist()],
+        [parse_json(t) for t in train.column("tools").to_pylist()], seed=config.seed)
     # The samples snapshot the dataset was built from, from the dataset's own lineage.
     reads = session.lake.snapshot_info("dataset_train").get("reads", {})
     write_profile(session, experiment.name, profile, config=config, tokenizer=tokenizer,

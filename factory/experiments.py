@@ -163,6 +163,7 @@ PLAN_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     # the trainer's TrainConfig fields (same names)
     "max_seq_len": (_pos_int, "a positive integer (tokens)"),
     "packing": (_bool, "true or false"),
+    "share_prefix": (_bool, "true or false"),
     "micro_batch_size": (_pos_int, "a positive integer"),
     "grad_accum_steps": (_pos_int, "a positive integer"),
     "learning_rate": (_pos_float, "a positive number such as 2.0e-4"),

@@ -211,6 +211,7 @@ TABLES: dict[str, pa.Schema] = {
         ("total_tokens_p99", pa.int32()),
         ("total_tokens_max", pa.int32()),
         ("num_train_tokens", pa.int64()),
+        ("shared_prefix_tokens", pa.int32()),  # what share_prefix computes once (planner)
         ("turns_mean", pa.float64()),
         ("turns_p50", pa.int32()),
         ("turns_max", pa.int32()),

@@ -18,6 +18,13 @@ from pathlib import Path
 from typing import Any
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+PLAIN_ATTENTION_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Decoders whose attention is plain causal softmax attention (no sliding window unless it is
+wider than the rows, no logit softcapping, no learned position bias): attending within each
+packed segment, or to a shared prefix, is exactly what their own mask does."""
+MIN_SHARED_PREFIX = 16
+"""Shorter common beginnings are left in their rows (``share_prefix``): the saving would not
+pay for the extra attention calls."""
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PARALLELISMS = ("single", "fsdp2")
 TRACKERS = ("jsonl", "mlflow", "neptune", "none")
@@ -32,9 +39,15 @@ class TrainConfig:
     base_model: str
     """A local Hugging Face directory, or a hub id where a hub is reachable."""
     max_seq_len: int
-    """Longest row in tokens; longer samples are truncated (and dropped if no label survives)."""
+    """Longest sample (and packed row) in tokens; a longer sample is dropped whole
+    (``too_long_for_plan``), never cut."""
     packing: bool = True
     """Pack several samples per row (per-sample positions, no cross-sample attention)."""
+    share_prefix: bool = False
+    """Compute the tokens every sample of a micro-batch begins with (a shared system prompt)
+    once: the micro-batch becomes one row, the prefix and then each sample's rest, each rest
+    attending to the prefix and to itself (``trainer.data.collate_shared``). The same loss and
+    gradient as separate rows, for fewer tokens. Needs a plain-attention model."""
     micro_batch_size: int = 1
     """Rows per forward pass on one device."""
     grad_accum_steps: int = 1
@@ -104,7 +117,8 @@ class TrainConfig:
         _choice(self, "lr_schedule", LR_SCHEDULES)
         _choice(self, "precision", PRECISIONS)
         _choice(self, "parallelism", PARALLELISMS)
-        for name in ("packing", "gradient_checkpointing", "deterministic", "use_kernels"):
+        for name in ("packing", "share_prefix", "gradient_checkpointing", "deterministic",
+                     "use_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) \

@@ -12,6 +12,15 @@ attends within each segment instead, so packed samples never attend to each othe
 tests/trainer/test_model.py checks the per-sample loss against unpacked rows. Row padding is a
 segment of its own (positions restart there too), unlabeled.
 
+With ``share_prefix`` a micro-batch whose samples all begin with the same tokens (the usual
+case of logged traffic: one system prompt) becomes one row: the shared tokens once, then each
+sample's rest with its positions continuing after the prefix (``collate_shared``).
+``model.packed_sdpa_attention`` reads a segment that starts at position ``p > 0`` as a rest that
+attends to the row's first ``p`` tokens and causally to itself, so every sample sees exactly
+the context it has alone: the loss and gradient are those of separate rows (without LoRA
+dropout, whose mask on the prefix is then one for the micro-batch), for a fraction of the tokens
+when the prompt is long and the rests are short. tests/trainer/test_model.py holds the two equal.
+
 A sample is trained whole or not at all: one longer than the plan's ``max_seq_len`` is dropped
 (``too_long_for_plan``), never cut, because the cut falls at the end of the conversation, on the
 assistant turn the sample exists for. ``check_plan_data`` is the pre-launch check the
@@ -31,7 +40,7 @@ from typing import Any
 import torch
 
 from .chat import IGNORE_INDEX, encode
-from .config import Job
+from .config import MIN_SHARED_PREFIX, Job
 
 # First-fit packing looks at this many open rows: 99%+ fill on realistic length mixes while
 # staying linear in the number of samples.
@@ -230,6 +239,36 @@ def pack(lengths: Sequence[int], order: Sequence[int], max_len: int) -> list[lis
     return rows
 
 
+def first_target(labels: Sequence[int]) -> int:
+    """Index of the first trained token (position 0 is never one); ``len(labels)`` if none."""
+    for t in range(1, len(labels)):
+        if labels[t] != IGNORE_INDEX:
+            return t
+    return len(labels)
+
+
+def shared_prefix_length(examples: Sequence[Example]) -> int:
+    """Tokens all ``examples`` begin with, ending before the first trained token of each.
+
+    The token right after the prefix is then never a target, so a rest placed after another
+    rest (``collate_shared``) loses no prediction: that token's target is ignored either way.
+    """
+    if not examples:
+        return 0
+    first = examples[0].input_ids
+    n = min(first_target(e.labels) - 1 for e in examples)
+    for e in examples[1:]:
+        ids = e.input_ids
+        k = 0
+        limit = min(n, len(ids))
+        while k < limit and ids[k] == first[k]:
+            k += 1
+        n = k
+        if not n:
+            break
+    return max(n, 0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Batch:
     """One micro-batch as tensors."""
@@ -248,6 +287,13 @@ class Batch:
     """Non-padding tokens."""
     num_label_tokens: int
     """Tokens the loss is taken on."""
+    num_row_tokens: int = 0
+    """Non-padding tokens of the rows, the tokens computed: ``num_real_tokens`` less the shared
+    prefixes computed once (0: the same as ``num_real_tokens``)."""
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.num_row_tokens or self.num_real_tokens
 
     def to(self, device: torch.device) -> Batch:
         return Batch(input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
@@ -255,7 +301,7 @@ class Batch:
                      attention_mask=None if self.attention_mask is None
                      else self.attention_mask.to(device),
                      sample_index=self.sample_index, num_real_tokens=self.num_real_tokens,
-                     num_label_tokens=self.num_label_tokens)
+                     num_label_tokens=self.num_label_tokens, num_row_tokens=self.num_row_tokens)
 
 
 def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], *, packed: bool,
@@ -294,6 +340,32 @@ def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], *, packe
                  num_label_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()))
 
 
+def collate_shared(examples: Sequence[Example], indices: Sequence[int], prefix: int) -> Batch:
+    """The examples ``indices`` as one row: their first ``prefix`` tokens (the same in all, see
+    ``shared_prefix_length``) once, then each example's rest at positions ``prefix...``."""
+    first = examples[indices[0]]
+    ids = list(first.input_ids[:prefix])
+    pos = list(range(prefix))
+    labs = [IGNORE_INDEX] * prefix
+    idx = [indices[0]] * prefix
+    real = 0
+    for i in indices:
+        e = examples[i]
+        n = len(e.input_ids)
+        real += n
+        ids += e.input_ids[prefix:]
+        pos += range(prefix, n)
+        # e.labels[prefix] is never a target (the prefix ends before the first one).
+        labs += e.labels[prefix:]
+        idx += [i] * (n - prefix)
+    labels = torch.tensor([labs], dtype=torch.long)
+    return Batch(input_ids=torch.tensor([ids], dtype=torch.long),
+                 position_ids=torch.tensor([pos], dtype=torch.long), labels=labels,
+                 attention_mask=None, sample_index=torch.tensor([idx], dtype=torch.long),
+                 num_real_tokens=real, num_label_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()),
+                 num_row_tokens=len(ids))
+
+
 class MicroBatchStream:
     """The endless, deterministic sequence of micro-batches over epochs.
 
@@ -302,7 +374,8 @@ class MicroBatchStream:
     """
 
     def __init__(self, examples: Sequence[Example], *, max_seq_len: int, packing: bool,
-                 micro_batch_size: int, seed: int, pad_id: int, shuffle: bool = True) -> None:
+                 micro_batch_size: int, seed: int, pad_id: int, shuffle: bool = True,
+                 share_prefix: bool = False) -> None:
         if not examples:
             raise ValueError("data_files: no usable samples (each needs an assistant turn)")
         self.examples = examples
@@ -312,6 +385,7 @@ class MicroBatchStream:
         self.seed = seed
         self.pad_id = pad_id
         self.shuffle = shuffle
+        self.share_prefix = share_prefix
         self._cache: dict[int, list[list[list[int]]]] = {}
         self.per_epoch = len(self._layout(0))
 
@@ -336,7 +410,30 @@ class MicroBatchStream:
         return self._layout(index // self.per_epoch)[index % self.per_epoch]
 
     def batch(self, index: int) -> Batch:
-        return collate(self.examples, self.rows(index), packed=self.packing, pad_id=self.pad_id)
+        rows = self.rows(index)
+        if self.share_prefix:
+            indices = [i for row in rows for i in row]
+            prefix = shared_prefix_length([self.examples[i] for i in indices])
+            if len(indices) > 1 and prefix >= MIN_SHARED_PREFIX:
+                return collate_shared(self.examples, indices, prefix)
+        return collate(self.examples, rows, packed=self.packing, pad_id=self.pad_id)
+
+    def shared_prefix_summary(self) -> dict[str, Any]:
+        """What ``share_prefix`` saves over the first epoch: micro-batches that share a prefix,
+        and the tokens computed against the samples' own."""
+        real = computed = shared = 0
+        per_epoch = self.per_epoch
+        for k in range(per_epoch):
+            examples = [self.examples[i] for row in self.rows(k) for i in row]
+            n = sum(len(e.input_ids) for e in examples)
+            real += n
+            prefix = shared_prefix_length(examples) if self.share_prefix else 0
+            if len(examples) > 1 and prefix >= MIN_SHARED_PREFIX:
+                shared += 1
+                n -= prefix * (len(examples) - 1)
+            computed += n
+        return {"micro_batches": shared, "of": per_epoch, "tokens": real,
+                "tokens_computed": computed}
 
     def num_label_tokens(self, index: int) -> int:
         return sum(_num_targets(self.examples[i].labels) for row in self.rows(index) for i in row)

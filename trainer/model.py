@@ -28,14 +28,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .chat import IGNORE_INDEX
-from .config import TrainConfig
+from .config import PLAIN_ATTENTION_MODELS, TrainConfig
 
 LOSS_CHUNK_TOKENS = 1024
 PACKED_ATTENTION = "factory_packed_sdpa"
-# Decoders whose attention is plain causal softmax attention (no sliding window unless it is
-# wider than the rows, no logit softcapping, no learned position bias), so attending within
-# each packed segment is exactly the block-diagonal mask.
-_PLAIN_ATTENTION_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def quiet_progress_bars() -> None:
@@ -69,9 +65,16 @@ def load_model(plan: TrainConfig, device: torch.device) -> Any:
     quiet_progress_bars()
     base = AutoModelForCausalLM.from_pretrained(plan.base_model, dtype=dtype,
                                                 attn_implementation="sdpa")
-    if device.type == "cpu" and _plain_attention(base.config, plan.max_seq_len):
-        # Measured on CPU only; on a GPU the per-segment loop is more kernel launches, where a
-        # varlen flash kernel would be the right tool, so GPUs keep the masked SDPA call.
+    plain = _plain_attention(base.config, plan.max_seq_len)
+    if plan.share_prefix and not plain:
+        raise ValueError(f"plan.share_prefix: needs plain causal attention, and "
+                         f"{getattr(base.config, 'model_type', '?')} is not one of "
+                         f"{', '.join(sorted(PLAIN_ATTENTION_MODELS))} (or has a sliding "
+                         f"window or logit softcapping)")
+    if plain and (device.type == "cpu" or plan.share_prefix):
+        # Measured on CPU; on a GPU the per-segment loop is more kernel launches, where a
+        # varlen flash kernel would be the right tool, so GPUs keep the masked SDPA call
+        # unless rows share prefixes, which only the per-segment attention expresses.
         _register_packed_attention()
         base.set_attn_implementation(PACKED_ATTENTION)
     base.config.use_cache = False
@@ -158,7 +161,7 @@ def _plain_attention(config: Any, max_seq_len: int) -> bool:
     window = getattr(config, "sliding_window", None)
     if not getattr(config, "use_sliding_window", True):
         window = None
-    return (getattr(config, "model_type", None) in _PLAIN_ATTENTION_MODELS
+    return (getattr(config, "model_type", None) in PLAIN_ATTENTION_MODELS
             and (window is None or window >= max_seq_len)
             and not getattr(config, "attn_logit_softcapping", None))
 
@@ -175,13 +178,17 @@ def _register_packed_attention() -> None:
 def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, attention_mask: torch.Tensor | None,
                           dropout: float = 0.0, scaling: float | None = None,
-                          segments: list[list[int]] | None = None, **kwargs: Any
+                          segments: list[list[int]] | None = None,
+                          segment_starts: list[list[int]] | None = None, **kwargs: Any
                           ) -> tuple[torch.Tensor, None]:
     """transformers attention function: causal SDPA within each packed segment.
 
     ``segments`` (from ``CausalLMLoss``) gives each row's segment lengths; without it this is
-    transformers' own SDPA attention. query/key/value are [B, heads, L, head_dim]; returns
-    [B, L, heads, head_dim] like every transformers attention function.
+    transformers' own SDPA attention. ``segment_starts`` gives each segment's first position:
+    a segment starting at ``p > 0`` continues the row's first ``p`` tokens (a shared prefix,
+    ``trainer.data.collate_shared``) and attends to them as well as causally to itself.
+    query/key/value are [B, heads, L, head_dim]; returns [B, L, heads, head_dim] like every
+    transformers attention function.
     """
     if segments is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -193,12 +200,22 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     for b, lengths in enumerate(segments):
         parts = []
         start = 0
-        for n in lengths:
+        firsts = segment_starts[b] if segment_starts is not None else [0] * len(lengths)
+        for n, p in zip(lengths, firsts, strict=True):
             end = start + n
-            parts.append(F.scaled_dot_product_attention(
-                query[b:b + 1, :, start:end], key[b:b + 1, :, start:end],
-                value[b:b + 1, :, start:end], dropout_p=dropout, scale=scaling, is_causal=True,
-                enable_gqa=gqa))
+            q = query[b:b + 1, :, start:end]
+            if p and start:
+                assert p <= lengths[0], "a continued segment's prefix opens the row"
+                k = torch.cat([key[b:b + 1, :, :p], key[b:b + 1, :, start:end]], dim=2)
+                v = torch.cat([value[b:b + 1, :, :p], value[b:b + 1, :, start:end]], dim=2)
+                mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device)
+                mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+                parts.append(F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+            else:
+                parts.append(F.scaled_dot_product_attention(
+                    q, key[b:b + 1, :, start:end], value[b:b + 1, :, start:end],
+                    dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa))
             start = end
         assert start == query.shape[2], "segments must cover the row"
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
@@ -220,6 +237,19 @@ def segment_lengths(position_ids: torch.Tensor) -> list[list[int]]:
     for row in breaks:
         starts = row.nonzero().flatten().tolist() + [row.numel()]
         out.append([b - a for a, b in zip(starts, starts[1:], strict=False)])
+    return out
+
+
+def segment_starts(position_ids: torch.Tensor, segments: list[list[int]]) -> list[list[int]]:
+    """Per row, the first position of each of its ``segments`` (0 but for shared-prefix rests)."""
+    pos = position_ids.detach().cpu()
+    out = []
+    for b, lengths in enumerate(segments):
+        firsts, start = [], 0
+        for n in lengths:
+            firsts.append(int(pos[b, start]))
+            start += n
+        out.append(firsts)
     return out
 
 
@@ -283,7 +313,11 @@ class CausalLMLoss(nn.Module):
                attention_mask: torch.Tensor | None) -> torch.Tensor:
         extra: dict[str, Any] = {}
         if self.packed_attention and attention_mask is None:
-            extra["segments"] = segment_lengths(position_ids)
+            segments = segment_lengths(position_ids)
+            extra["segments"] = segments
+            starts = segment_starts(position_ids, segments)
+            if any(p for row in starts for p in row[1:]):
+                extra["segment_starts"] = starts
         out = self.decoder(input_ids=input_ids, position_ids=position_ids,
                            attention_mask=attention_mask, use_cache=False, **extra)
         return out.last_hidden_state

@@ -216,7 +216,7 @@ class Trainer:
         self.stream = MicroBatchStream(examples, max_seq_len=plan.max_seq_len,
                                        packing=plan.packing,
                                        micro_batch_size=plan.micro_batch_size, seed=plan.seed,
-                                       pad_id=pad_id)
+                                       pad_id=pad_id, share_prefix=plan.share_prefix)
         self.fingerprint = fingerprint(examples)
         self.per_step = plan.grad_accum_steps * self.world
         if plan.num_steps is not None:
@@ -235,7 +235,8 @@ class Trainer:
                                  f"{ev_stats.describe_drops()}")
             self.eval_stream = MicroBatchStream(ev, max_seq_len=plan.max_seq_len, packing=True,
                                                 micro_batch_size=plan.micro_batch_size,
-                                                seed=0, pad_id=pad_id, shuffle=False)
+                                                seed=0, pad_id=pad_id, shuffle=False,
+                                                share_prefix=plan.share_prefix)
         self.model = load_model(plan, self.device)
         self.loss_module = CausalLMLoss(self.model)
         if plan.parallelism == "fsdp2":
@@ -346,7 +347,8 @@ class Trainer:
 
         LoRA training costs ~4N FLOPs per token (forward 2N, backward through activations 2N;
         the frozen weights need no weight gradient), N the base model's parameter count;
-        ``tokens_per_s`` is summed over all ranks.
+        ``tokens_per_s`` is summed over all ranks and counts the tokens computed (a shared
+        prefix once per micro-batch).
         """
         if self.device.type != "cuda":
             return None
@@ -394,10 +396,11 @@ class Trainer:
         num_label = sum(self.stream.num_label_tokens(k) for k in indices)
         scale = self.world / max(1, num_label)  # FSDP averages gradients over ranks
         loss_sum = torch.zeros((), dtype=torch.float64)
-        real = 0
+        real = computed = 0
         for k in indices[self.rank::self.world]:
             batch = self.stream.batch(k).to(self.device)
             real += batch.num_real_tokens
+            computed += batch.num_computed_tokens
             with _autocast(plan, self.device):
                 loss = self.loss_module(batch.input_ids, batch.position_ids,
                                         batch.attention_mask, batch.labels)
@@ -409,20 +412,22 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        stats = torch.tensor([float(loss_sum), float(real), float(norm)], dtype=torch.float64)
+        stats = torch.tensor([float(loss_sum), float(real), float(computed), float(norm)],
+                             dtype=torch.float64)
         if self.world > 1:  # on the device: NCCL reduces only CUDA tensors
-            summed = stats[:2].to(self.device)
+            summed = stats[:3].to(self.device)
             torch.distributed.all_reduce(summed)
-            stats[:2] = summed.cpu()
+            stats[:3] = summed.cpu()
         loss_value = float(stats[0]) / max(1, num_label)
-        grad_norm = float(stats[2])
+        grad_norm = float(stats[3])
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             return {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "finite": 0.0}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "finite": 1.0,
-                "real_tokens": float(stats[1]), "label_tokens": float(num_label)}
+                "real_tokens": float(stats[1]), "computed_tokens": float(stats[2]),
+                "label_tokens": float(num_label)}
 
     def run(self, reporter: Reporter) -> ExitCode:
         plan = self.plan
@@ -438,13 +443,14 @@ class Trainer:
                       resumed_from=self.resumed_from, world_size=self.world,
                       device=str(self.device), pid=os.getpid(),
                       data=vars(self.data_stats),
+                      shared_prefix=self.stream.shared_prefix_summary(),
                       num_trainable_parameters=sum(p.numel() for p in self.params),
                       kernels=_kernel_summary(self.model))
         if self.rank == 0:
             reporter.tracker.log_params({"run_id": job.run_id, **plan.to_dict()})
         self.model.train()
         window_t = time.perf_counter()
-        window_tokens = 0.0
+        window_tokens = window_computed = 0.0
         while self.step < self.num_steps:
             if self._agree_stop():
                 raise Preempted
@@ -459,11 +465,12 @@ class Trainer:
             self.step = step
             self.loss_history.append([step, out["loss"]])
             window_tokens += out["real_tokens"]
+            window_computed += out["computed_tokens"]
             if step % plan.log_every_steps == 0 or step == self.num_steps:
                 elapsed = time.perf_counter() - window_t
                 metrics = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                            "tokens_per_s": window_tokens / max(elapsed, 1e-9)}
-                mfu = self._mfu(metrics["tokens_per_s"])
+                mfu = self._mfu(window_computed / max(elapsed, 1e-9))
                 if mfu is not None:
                     metrics["mfu"] = mfu
                 if self.eval_stream is not None and plan.eval_every_steps \
@@ -475,7 +482,7 @@ class Trainer:
                 if self.rank == 0:
                     reporter.tracker.log_metrics({**metrics, **{k: float(v) for k, v in
                                                                 mem.items()}}, step=step)
-                window_t, window_tokens = time.perf_counter(), 0.0
+                window_t, window_tokens, window_computed = time.perf_counter(), 0.0, 0.0
             elif self.eval_stream is not None and plan.eval_every_steps \
                     and step % plan.eval_every_steps == 0:
                 reporter.emit("progress", step=step, eval_loss=self._eval_loss())

@@ -82,6 +82,49 @@ class RenderCounter:
         return out
 
 
+SHARED_PREFIX_GROUP = 8
+"""Samples per group ``shared_prefix_tokens`` measures: a typical micro-batch."""
+
+
+def shared_prefix_tokens(counter: RenderCounter, conversations: list[list[dict[str, Any]]],
+                         tools: list[list[dict[str, Any]]] | None = None, *,
+                         max_samples: int = 512, seed: int = 0) -> int:
+    """The median, over random groups of ``SHARED_PREFIX_GROUP`` samples (at most
+    ``max_samples`` in all), of the tokens every sample of the group begins with, up to its
+    first trained token: what the trainer's ``share_prefix`` computes once per micro-batch.
+    0 when fewer than two samples render."""
+    import random
+
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    ids: list[list[int]] = []
+    for i in order[:max_samples]:
+        try:
+            text, trained = spans(conversations[i], tools[i] if tools is not None else None)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        enc = counter.tokenizer.encode(text, add_special_tokens=False)
+        cut = trained[0][0] if trained else len(text)
+        # The first trained token is the first that ends past the cut (``label_ids``), and
+        # the prefix ends before the token ahead of it.
+        first = bisect.bisect_right([end for _, end in enc.offsets], cut)
+        ids.append(enc.ids[:max(first - 1, 0)])
+    groups = [ids[k:k + SHARED_PREFIX_GROUP] for k in range(0, len(ids), SHARED_PREFIX_GROUP)]
+    lengths = sorted(_common_prefix(g) for g in groups if len(g) > 1)
+    return lengths[len(lengths) // 2] if lengths else 0
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    n = min(len(r) for r in rows)
+    first = rows[0]
+    for r in rows[1:]:
+        k = 0
+        while k < n and r[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
 @cache
 def _load(path: str) -> Any:
     from tokenizers import Tokenizer

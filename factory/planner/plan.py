@@ -40,6 +40,7 @@ from factory.planner.timing import (
 )
 from factory.recipes import Recipe, load_recipe
 from factory.settings import Settings
+from factory.trainer.config import MIN_SHARED_PREFIX, PLAIN_ATTENTION_MODELS
 
 MEMORY_HEADROOM = 0.90
 """Share of a device's memory a plan may use (the rest: fragmentation, CUDA context)."""
@@ -53,7 +54,7 @@ MAX_WALL_HOURS = 24.0
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
-TRAIN_KEYS = ("max_seq_len", "packing", "micro_batch_size", "grad_accum_steps", "learning_rate",
+TRAIN_KEYS = ("max_seq_len", "packing", "share_prefix", "micro_batch_size", "grad_accum_steps", "learning_rate",
               "lr_schedule", "warmup_steps", "num_steps", "num_epochs", "weight_decay",
               "max_grad_norm", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
               "precision", "gradient_checkpointing", "frozen_modules", "checkpoint_every_steps",
@@ -254,6 +255,21 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
                 f"median sample ({p50} tokens) fills over half of max_seq_len ({seq_len}): "
                 f"padding is ~{padding:.0%}, packing gains little")
     packing = plan["packing"]
+    shared = min(profile.shared_prefix_tokens, profile.length_p50)
+    mean = profile.num_tokens / max(1, profile.num_samples)
+    if arch.family not in PLAIN_ATTENTION_MODELS:
+        dec.set("share_prefix", False, "prefix.attention",
+                f"{arch.family} attention is not plain causal attention (the per-segment "
+                f"attention a shared prefix needs is exact for "
+                f"{', '.join(sorted(PLAIN_ATTENTION_MODELS))})")
+    elif shared >= MIN_SHARED_PREFIX:
+        dec.set("share_prefix", True, "prefix.shared",
+                f"samples begin with ~{shared} shared tokens (a system prompt) of ~{mean:.0f}: "
+                f"each micro-batch computes them once, for the same loss and gradient")
+    else:
+        dec.set("share_prefix", False, "prefix.none",
+                f"samples share {shared} leading tokens (under {MIN_SHARED_PREFIX}): nothing "
+                f"worth computing once")
 
     # --- dataset size: rows, effective batch, epochs ----------------------------------------
     n = profile.num_samples
@@ -544,6 +560,13 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
     row = int(seq_len * 0.95) if packing else min(seq_len, profile.length_p99)
     span = min(profile.length_p50, seq_len) if packing else row
     tokens_per_step = real_batch * row
+    if plan["share_prefix"]:
+        # A micro-batch is one unpadded row: its shared prefix once, then every sample's rest.
+        mean = profile.num_tokens / max(1, profile.num_samples)
+        shared = min(profile.shared_prefix_tokens, int(mean))
+        per_row = seq_len * 0.95 / mean if packing else 1.0
+        micro_batches = real_batch // plan["micro_batch_size"]
+        tokens_per_step = round(real_batch * per_row * (mean - shared) + micro_batches * shared)
     step_s = step_seconds(c, arch, tokens_per_step=tokens_per_step, span=span,
                           recompute=plan["gradient_checkpointing"], num_devices=devices,
                           precision=plan["precision"])

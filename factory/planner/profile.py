@@ -61,6 +61,9 @@ class DatasetProfile:
     """Language code -> share of samples."""
     num_train_tokens: int | None = None
     """Tokens in the train set (chat template included); None: median length x samples."""
+    shared_prefix_tokens: int = 0
+    """Median tokens that the samples of a micro-batch-sized group (8) all begin with, before
+    any trained token (a shared system prompt): what ``share_prefix`` computes once."""
 
     @property
     def length_p50(self) -> int:

@@ -109,3 +109,39 @@ def test_counter_pickles_as_its_folder(counter: Any) -> None:
     messages, tools = agent_conversations()[1]
     assert again.count([messages], [tools]) == counter.count([messages], [tools])
     assert json.loads(json.dumps(again.count([messages], [tools])))  # plain ints
+
+
+def test_shared_prefix_is_what_the_trainer_computes_once(counter: Any,
+                                                          trainer_tokenizer: Any) -> None:
+    from factory.curation.tokens import shared_prefix_tokens
+    from factory.trainer.chat import install_chat_template
+    from factory.trainer.data import Example, shared_prefix_length
+
+    system = ("You triage support tickets for a desk shop. Route each ticket to one team: "
+              "billing, bug or shipping. Answer with the label only.")
+    tickets = [f"ticket {i}: {w}" for i, w in enumerate(["refund", "crash", "late"] * 8)]
+
+    def convo(sys_text: str, ticket: str, label: str) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": _text(sys_text)},
+                {"role": "user", "content": _text(ticket)},
+                {"role": "assistant", "content": _text(label)}]
+
+    same = [convo(system, t, "bug") for t in tickets]
+    n = shared_prefix_tokens(counter, same)
+    tok = install_chat_template(trainer_tokenizer)
+    examples = []
+    for m in same:
+        ids, labels = encode(m, None, tok)
+        examples.append(Example(sample_id="x", input_ids=ids, labels=labels))
+    # The trainer's own measure on a group of 8 (every group here shares the same prefix).
+    assert n == shared_prefix_length(examples[:8]) > 20
+    # One sample of each group with its own system prompt: little in common.
+    mixed = [convo("Be brief." if i % 8 == 0 else system, t, "bug")
+             for i, t in enumerate(tickets)]
+    assert shared_prefix_tokens(counter, mixed) < 8
+    # Samples that differ only in their answers share everything up to the answer, and the
+    # prefix still ends before the first trained token.
+    answers = [convo(system, "same ticket", label) for label in ("bug", "billing") * 4]
+    first_trained = next(i for i, lab in enumerate(encode(answers[0], None, tok)[1])
+                         if i and lab != IGNORE_INDEX)
+    assert shared_prefix_tokens(counter, answers) == first_trained - 1

@@ -252,3 +252,29 @@ def test_forced_micro_batch_recomputes_only_when_it_must() -> None:
     with pytest.raises(PlanError, match="needs .* GiB per device.*micro_batch_size: 4") as err:
         make_plan(experiment(data={"max_tokens": 8192}, overrides={"micro_batch_size": 8}), long)
     assert "gradient_checkpointing: true" not in str(err.value)  # it is already on
+
+
+def test_a_shared_system_prompt_is_computed_once_per_micro_batch() -> None:
+    # The triage shape: ~90-token samples, ~60 of them one system prompt, label answers.
+    triage = dict(num_samples=434, prompt_tokens_p50=87, prompt_tokens_p95=108,
+                  prompt_tokens_p99=114, prompt_tokens_max=121, completion_tokens_p50=4,
+                  completion_tokens_p95=5, completion_tokens_p99=5, completion_tokens_max=5,
+                  total_tokens_p50=92, total_tokens_p99=118, total_tokens_max=126,
+                  num_train_tokens=40380)
+    shared = make_plan(experiment(), profile(**triage, shared_prefix_tokens=60))
+    alone = make_plan(experiment(), profile(**triage, shared_prefix_tokens=3))
+    assert shared["share_prefix"] is True and shared.decisions["share_prefix"].rule == "prefix.shared"
+    assert "~60 shared tokens" in shared.decisions["share_prefix"].reason
+    assert alone["share_prefix"] is False and alone.decisions["share_prefix"].rule == "prefix.none"
+    assert TrainConfig(**shared.train_config()).share_prefix is True
+    # The step the time model predicts is the rows' tokens: 8 x 118 padded against
+    # 60 + 8 x (93 - 60), so well under half.
+    assert shared.estimates["tokens_per_step"] < 0.45 * alone.estimates["tokens_per_step"]
+    assert shared.estimates["step_seconds"] < 0.6 * alone.estimates["step_seconds"]
+    # An override turns it off, marked as such.
+    off = make_plan(experiment(overrides={"share_prefix": False}),
+                    profile(**triage, shared_prefix_tokens=60))
+    assert off["share_prefix"] is False and off.decisions["share_prefix"].rule == "override"
+    # Attention that is not plain causal attention cannot share a prefix exactly.
+    vl = make_plan(experiment("qwen2.5-vl-7b-lora"), profile(shared_prefix_tokens=60))
+    assert vl["share_prefix"] is False and vl.decisions["share_prefix"].rule == "prefix.attention"

@@ -204,3 +204,89 @@ def test_model_loading_draws_no_progress_bars_into_a_log(tiny_model_dir: Path, l
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert ("Loading weights" in out.stderr) is bars, out.stderr[-2000:]
+
+
+SYSTEM = ("You triage support tickets for a desk shop. Route each ticket to one team: billing, "
+          "bug, account_access, shipping or feature_request. Answer with the label only.")
+
+
+def _triage(n: int, *, system: str = SYSTEM) -> list[dict]:
+    teams = ["billing", "bug", "shipping"]
+    out = []
+    for i in range(n):
+        ticket = " ".join(["my order", "the app", "a refund", "login"][: 1 + i % 4]) + f" #{i}"
+        out.append({"sample_id": f"t{i}", "tools": [], "messages": [
+            {"role": "system", "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": [{"type": "text", "text": ticket}]},
+            {"role": "assistant", "content": [{"type": "text", "text": teams[i % 3]}]}]})
+    return out
+
+
+def test_a_shared_prefix_computed_once_gives_each_sample_its_own_loss_and_gradient(tiny) -> None:
+    from factory.trainer.config import MIN_SHARED_PREFIX
+    from factory.trainer.data import collate_shared, shared_prefix_length
+
+    model, loss_module, _, tok = tiny
+    examples, _ = tokenize(_triage(5), tok, max_seq_len=512)
+    n = len(examples)
+    prefix = shared_prefix_length(examples)
+    assert prefix >= MIN_SHARED_PREFIX
+    first = min(next(t for t in range(1, len(e.labels)) if e.labels[t] != -100) for e in examples)
+    assert prefix < first  # the prefix never reaches a trained token
+    shared = collate_shared(examples, list(range(n)), prefix)
+    unpacked = collate(examples, [[i] for i in range(n)], packed=False, pad_id=tok.pad_token_id)
+    assert shared.input_ids.shape[0] == 1
+    assert shared.num_row_tokens == shared.num_real_tokens - prefix * (n - 1)
+    assert shared.num_real_tokens == unpacked.num_real_tokens
+    assert shared.num_label_tokens == unpacked.num_label_tokens
+
+    ls = loss_module.token_losses(shared.input_ids, shared.position_ids, None, shared.labels)
+    lu = loss_module.token_losses(unpacked.input_ids, unpacked.position_ids,
+                                  unpacked.attention_mask, unpacked.labels)
+    per_shared, per_unpacked = _per_sample(ls, shared.sample_index), _per_sample(lu,
+                                                                                unpacked.sample_index)
+    assert per_shared.keys() == per_unpacked.keys() == set(range(n))
+    for i in range(n):
+        assert per_shared[i] == pytest.approx(per_unpacked[i], rel=1e-4), i
+
+    def grads(batch) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        loss_module(batch.input_ids, batch.position_ids, batch.attention_mask,
+                    batch.labels).backward()
+        out = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    g_shared, g_unpacked = grads(shared), grads(unpacked)
+    for k, g in g_unpacked.items():
+        scale = float(g.abs().max())
+        torch.testing.assert_close(g_shared[k], g, rtol=1e-4, atol=1e-4 * scale)
+
+    # Without the prefix attention the rests would see only themselves: the loss changes.
+    no_prefix = shared.position_ids.clone()
+    starts = no_prefix[0] == prefix
+    no_prefix[0] = torch.where(no_prefix[0] >= prefix, no_prefix[0] - prefix, no_prefix[0])
+    assert starts.sum() == n
+    lx = loss_module.token_losses(shared.input_ids, no_prefix, None, shared.labels)
+    per_x = _per_sample(lx, shared.sample_index)
+    assert any(abs(per_x[i] - per_unpacked[i]) > 1e-3 * per_unpacked[i] for i in range(1, n))
+
+
+def test_share_prefix_makes_one_row_only_where_the_samples_share_one(tiny) -> None:
+    from factory.trainer.config import MIN_SHARED_PREFIX
+
+    _, _, _, tok = tiny
+    same, _ = tokenize(_triage(8), tok, max_seq_len=512)
+    mixed, _ = tokenize(_triage(4) + _triage(4, system="Say which team."), tok, max_seq_len=512)
+    for examples, rows in ((same, 1), (mixed, 8)):
+        stream = MicroBatchStream(examples, max_seq_len=512, packing=False, micro_batch_size=8,
+                                  seed=0, pad_id=tok.pad_token_id, share_prefix=True)
+        assert stream.batch(0).input_ids.shape[0] == rows
+        summary = stream.shared_prefix_summary()
+        assert summary["micro_batches"] == (1 if rows == 1 else 0)
+        saved = summary["tokens"] - summary["tokens_computed"]
+        assert (saved >= 7 * MIN_SHARED_PREFIX) if rows == 1 else saved == 0
+    plain = MicroBatchStream(same, max_seq_len=512, packing=False, micro_batch_size=8, seed=0,
+                             pad_id=tok.pad_token_id)
+    assert plain.batch(0).input_ids.shape[0] == 8
+    assert plain.shared_prefix_summary()["tokens_computed"] == plain.shared_prefix_summary()["tokens"]
