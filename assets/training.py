@@ -3,14 +3,16 @@ per ``<run_id>:<step>``, materialized by the checkpoint sensor from the receiver
 
 ``training_run`` (partitioned like ``training_plan`` by run key) builds the trainer job from the
 run's newest plan and the experiment's dataset (or takes a ready job file from its config),
-checks that the plan fits its data before any compute (``factory.trainer.data.check_job_data``, the
-trainer's own tokenizing: a plan that would drop more than 1% of the samples fails the step with
-the numbers, and nothing is launched), submits it to the control plane and follows it to the
-end; to the team it is one run, and its metadata shows the segments underneath (provider,
-sandbox id, first and last step, why each ended), one loss curve across them (a step redone
-after a resume keeps the value of its last run, which is bitwise the same in deterministic mode)
-and what tokenizing kept and dropped, by reason (``num_dropped_too_long_for_plan``...). A run
-that fails (a data error of the trainer's, say) fails the step with the run's reason.
+checks that the plan fits its data before any compute (``factory.trainer.data.check_job_data``,
+the trainer's own tokenizing: a plan that would drop more than 1% of the samples fails the step
+with the numbers, and nothing is launched), submits it to the control plane and follows it to
+the end, ticking the control loop itself only while no daemon evaluates the rollover and
+recovery sensors (else it watches the run's row); to the team it is one run, and its metadata
+shows the segments underneath (provider, sandbox id, first and last step, why each ended), one
+loss curve across them (a step redone after a resume keeps the value of its last run, which is
+bitwise the same in deterministic mode) and what tokenizing kept and dropped, by reason
+(``num_dropped_too_long_for_plan``...). A run that fails (a data error of the trainer's, say)
+fails the step with the run's reason.
 """
 
 import time
@@ -25,7 +27,7 @@ from factory.errors import FactoryError
 from factory.partitions import CHECKPOINTS, RUNS
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
-from factory.runs import TRAINER_RUN_TAG
+from factory.runs import TRAINER_RUN_TAG, sensors_ticking
 from factory.trainer.config import Job
 from factory.trainer.data import DROP_REASONS, check_job_data
 
@@ -35,6 +37,13 @@ checkpoints = dg.AssetsDefinition(specs=[dg.AssetSpec(
                 "partition per <run_id>:<step>; materialized by checkpoint_sensor from the "
                 "trainer's signed checkpoint events.")])
 
+WATCH_S = 2.0
+"""Seconds between looks at the run while the sensors drive it: one catalog lookup of
+``training_runs``' snapshot (about 1.5 ms CPU), the table re-read only when it changed, so the
+run's end shows here within 2 s of the plane recording it."""
+DRIVER_CHECK_S = 30.0
+"""Seconds between checks of whether the daemon's sensors tick the plane (about 10 ms each)."""
+
 
 class TrainingRunConfig(dg.Config):
     job_file: str | None = None
@@ -42,12 +51,14 @@ class TrainingRunConfig(dg.Config):
     experiment: str = ""
     """Experiment of a ``job_file`` run (a planned run knows its own)."""
     poll_s: float = 5.0
-    """Seconds between looks at the run."""
+    """Seconds between ticks of the control loop while this run drives it; while it only
+    watches, it looks at the run every ``min(poll_s, WATCH_S)`` seconds."""
     timeout_s: float | None = None
     """Give up (and stop the run) after this long; None: wait for the run to end."""
-    drive: bool = True
-    """Tick the control loop while waiting (the embedded default, where no sensor daemon runs);
-    with the rollover/recovery sensors running it only watches."""
+    drive: bool | None = None
+    """Tick the control loop while waiting. None: only while no daemon evaluates the
+    rollover/recovery sensors (which tick it every 15 s), re-checked every ``DRIVER_CHECK_S``;
+    True or False: always, never."""
 
 
 @dg.asset(group_name="training", kinds={"python", "pytorch"}, partitions_def=RUNS,
@@ -78,18 +89,32 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     # Who follows this Dagster run (chain_sensor, factory run) finds the trainer run here.
     context.instance.add_run_tags(context.run.run_id, {TRAINER_RUN_TAG: job.run_id})
     start = time.monotonic()
+    driving, decided = bool(config.drive), None
+    seen: int | None = None  # the training_runs snapshot the run was last read at
     try:
         while True:
-            if config.drive:
+            if config.drive is None and (decided is None
+                                         or time.monotonic() - decided >= DRIVER_CHECK_S):
+                # Two tickers of one plane would do every read and commit twice.
+                now_driving = not sensors_ticking(context.instance)
+                if decided is None or now_driving != driving:
+                    context.log.info(f"training run {job.run_id}: " + (
+                        "this step ticks the control loop" if now_driving
+                        else "the daemon's rollover and recovery sensors tick the control loop"))
+                driving, decided = now_driving, time.monotonic()
+            if driving:
                 plane.tick()
-            run = plane.runs()[job.run_id]
-            if run.status not in RUN_ACTIVE:
-                break
+            snapshot = session.lake.snapshot_id("training_runs")
+            if snapshot is None or snapshot != seen:
+                seen = snapshot
+                run = plane.runs()[job.run_id]
+                if run.status not in RUN_ACTIVE:
+                    break
             if config.timeout_s is not None and time.monotonic() - start > config.timeout_s:
                 plane.stop_run(job.run_id, reason=f"timeout after {config.timeout_s} s")
                 raise dg.Failure(f"training run {job.run_id} did not end in "
                                  f"{config.timeout_s} s")
-            time.sleep(config.poll_s)
+            time.sleep(config.poll_s if driving else min(config.poll_s, WATCH_S))
     except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError):
         # Ctrl-C, or the Dagster run terminated (Dagster raises SIGINT and SIGTERM here as
         # DagsterExecutionInterruptedError): the trainer this run launched must not outlive it.

@@ -6,6 +6,7 @@ same in the UI's Automation page, in ``factory run``'s output and in a chain's o
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import dagster as dg
@@ -14,6 +15,14 @@ CHAIN_TAG = "factory/chain"
 """On every run of an experiment's chain: the Dagster run id of its ``start_experiment_job``."""
 TRAINER_RUN_TAG = "factory/trainer-run"
 """Set by ``training_run`` on its own Dagster run: the trainer run id it submitted."""
+
+ROLLOVER_SENSOR = "rollover_sensor"
+RECOVERY_SENSOR = "recovery_sensor"
+CONTROL_SENSORS = (ROLLOVER_SENSOR, RECOVERY_SENSOR)
+"""The sensors that tick the training control plane (``sensors/training.py``)."""
+SENSOR_STALE_S = 60.0
+"""A sensor whose latest tick started longer ago than this is not being evaluated (the control
+sensors tick every 15 s)."""
 
 FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE,
             dg.DagsterRunStatus.CANCELED)
@@ -41,3 +50,22 @@ def materialized(instance: dg.DagsterInstance, run_id: str, asset: str) -> dict[
         if mat is not None and mat.asset_key == dg.AssetKey(asset):
             return {k: v.value for k, v in mat.metadata.items()}
     return {}
+
+
+def sensors_ticking(instance: dg.DagsterInstance, names: tuple[str, ...] = CONTROL_SENSORS, *,
+                    now: float | None = None) -> bool:
+    """Whether a daemon evaluates every sensor in ``names`` for ``instance``: each is not
+    stopped and its latest tick started less than ``SENSOR_STALE_S`` ago and did not fail."""
+    now = time.time() if now is None else now
+    # Compared by value: Dagster exports none of these enums publicly.
+    states = {s.name: s for s in instance.all_instigator_state()
+              if s.name in names and s.instigator_type.value == "SENSOR"}
+    for name in names:
+        state = states.get(name)
+        if state is None or state.status.value == "STOPPED":
+            return False
+        ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=1)
+        if not ticks or ticks[0].status.value == "FAILURE" \
+                or now - ticks[0].timestamp > SENSOR_STALE_S:
+            return False
+    return True

@@ -24,6 +24,7 @@ from factory.experiments import list_experiments
 from factory.lake import Lake
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
+from factory.runs import RECOVERY_SENSOR, ROLLOVER_SENSOR
 from factory.sensors.chains import start_experiment_job
 
 CHECKPOINT_EVALS = dg.AssetKey("checkpoint_evals")
@@ -120,11 +121,11 @@ def _control_sensor(name: str, steps: tuple[str, ...], description: str) -> Any:
 
 
 rollover_sensor = _control_sensor(
-    "rollover_sensor", ("dispatch", "rollover"),
+    ROLLOVER_SENSOR, ("dispatch", "rollover"),
     "Places queued runs on the provider ladder; gives a sandbox near its deadline a "
     "continuation from the latest verified checkpoint and stops it once that one started.")
 recovery_sensor = _control_sensor(
-    "recovery_sensor", ("early_stop", "recover"),
+    RECOVERY_SENSOR, ("early_stop", "recover"),
     "Resumes failed, NaN or silent training segments from the last good checkpoint, with "
     "bounded retries, backoff and an optional learning-rate backoff; stops runs the evals "
     "flagged for early stopping.")

@@ -7,19 +7,27 @@ and the training run), checked every second so a chain's steps follow each other
 
 ``ensure_daemon`` is what ``factory run`` and ``factory demo`` call: a daemon already working
 for the instance (``factory ui``'s, or a deployment's ``dagster-daemon``) is used as it is;
-with none, one is started (``dagster-daemon run`` on the factory's code location) and stopped
-again when the caller is done.
+with none, one is started for the block and stopped when it ends. It is two processes: a code
+server for the factory's code location (``dagster api grpc -m factory.definitions`` on a free
+local port) and ``dagster-daemon run`` on a workspace file
+(``$FACTORY_HOME/daemon-workspace.yaml``) whose ``grpc_server`` entry points at it. A daemon given the module itself starts its own code
+server and replaces it at every workspace refresh (every 60 s), re-importing the definitions
+each time (~8 CPU-s on a 2-core machine, taken from the training run); with a ``grpc_server``
+entry a refresh only fetches the snapshot again. The daemon launches runs through that server
+(``DefaultRunLauncher``), so each ``factory run`` runs the code as it is when it starts.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,14 @@ CODE_LOCATION = "factory.definitions"
 DAEMON_STALE_S = 60.0
 """A daemon whose sensor and run-queue heartbeats are older than this is not running."""
 DAEMON_START_S = 180.0
-"""How long a started daemon gets to send its first heartbeats."""
+"""How long a started daemon gets to send its first heartbeats, and a started code server to
+answer (it imports the definitions first: ~8 s on an idle 2-core machine)."""
+STOP_GRACE_S = 30.0
+"""How long a stopped process gets after SIGINT before its process group is killed."""
+WORKSPACE_FILE = "daemon-workspace.yaml"
+"""In ``$FACTORY_HOME``: the workspace of the daemon ``ensure_daemon`` starts."""
+ROOT = Path(__file__).resolve().parents[2]
+"""The working directory of the started processes (the checkout, for an editable install)."""
 
 INSTANCE_CONFIG = """\
 # Written by the factory when the instance was created; edit freely.
@@ -74,54 +89,127 @@ def daemon_running(inst: Any, *, now: float | None = None) -> bool:
                for kind in ("SENSOR", "QUEUED_RUN_COORDINATOR"))
 
 
-def daemon_command() -> list[str]:
-    return [sys.executable, "-m", "dagster._daemon", "run", "-m", CODE_LOCATION]
+@dataclass(frozen=True, kw_only=True)
+class StartedDaemon:
+    """The processes ``ensure_daemon`` started."""
+
+    pid: int
+    """The daemon's."""
+    code_server_pid: int
+    """The code server's, which the daemon's workspace points at."""
+    port: int
+    """The code server's port on 127.0.0.1."""
+    workspace: Path
+    """The daemon's workspace file."""
+
+
+def code_server_command(port: int) -> list[str]:
+    return [sys.executable, "-m", "dagster", "api", "grpc", "-m", CODE_LOCATION,
+            "-d", str(ROOT), "--location-name", CODE_LOCATION, "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning"]
+
+
+def workspace_yaml(port: int) -> str:
+    """A workspace of one code location, served by the code server on ``port``."""
+    return ("# Written by factory run for the daemon it starts; rewritten at each start.\n"
+            "load_from:\n"
+            "  - grpc_server:\n"
+            "      host: 127.0.0.1\n"
+            f"      port: {port}\n"
+            f"      location_name: {CODE_LOCATION}\n")
+
+
+def daemon_command(workspace: Path) -> list[str]:
+    return [sys.executable, "-m", "dagster._daemon", "run", "-w", str(workspace)]
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @contextmanager
-def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[int | None]:
+def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | None]:
     """A daemon for ``inst`` while the block runs: yields None when one was already running,
-    else the pid of the one started here (stopped when the block ends)."""
+    else the processes started here (stopped when the block ends, also on an error)."""
     if daemon_running(inst):
         yield None
         return
     settings = get_settings().ensure()
-    log = settings.home / "logs" / "daemon.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    logs = settings.home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DAGSTER_HOME": str(dagster_home()), "FACTORY_HOME": str(settings.home)}
+    server_log, daemon_log = logs / "code-server.log", logs / "daemon.log"
+    port = free_port()
     if progress:
-        progress(f"  starting the Dagster daemon (log {log})")
-    with open(log, "ab") as out:
-        # Its own session: Ctrl-C in the terminal reaches the caller, which stops it in order.
-        proc = subprocess.Popen(daemon_command(), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                cwd=Path(__file__).resolve().parents[2])
-    try:
+        progress(f"  starting the Dagster daemon (logs {daemon_log}, {server_log})")
+    with ExitStack() as stack:
+        # Stopped in reverse: the daemon first (no run is launched through a stopped server).
+        server = stack.enter_context(_process(code_server_command(port), server_log, env))
+        deadline = time.monotonic() + DAEMON_START_S
+        while not _serving(port):
+            _check_started(server, "code server", server_log, deadline)
+            time.sleep(0.5)
+        workspace = settings.home / WORKSPACE_FILE
+        workspace.write_text(workspace_yaml(port))
+        daemon = stack.enter_context(_process(daemon_command(workspace), daemon_log, env))
         deadline = time.monotonic() + DAEMON_START_S
         while not daemon_running(inst):
-            if proc.poll() is not None:
-                tail = log.read_bytes()[-1500:].decode("utf-8", "replace")
-                raise FactoryError(f"the Dagster daemon exited ({proc.returncode}); "
-                                   f"log {log}:\n{tail}")
-            if time.monotonic() > deadline:
-                raise FactoryError(f"the Dagster daemon sent no heartbeat in "
-                                   f"{DAEMON_START_S:.0f} s; log {log}")
+            _check_started(daemon, "daemon", daemon_log, deadline)
+            _check_started(server, "code server", server_log, deadline)
             time.sleep(0.5)
-        yield proc.pid
+        yield StartedDaemon(pid=daemon.pid, code_server_pid=server.pid, port=port,
+                            workspace=workspace)
+
+
+@contextmanager
+def _process(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """``cmd`` running in a session of its own, output appended to ``log``, while the block runs;
+    stopped with its whole process group when it ends."""
+    with open(log, "ab") as out:
+        # Its own session: Ctrl-C in the terminal reaches the caller, which stops it in order.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                cwd=ROOT)
+    try:
+        yield proc
     finally:
-        stop_daemon(proc)
+        stop_group(proc)
 
 
-def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
-    """SIGINT (the daemon stops its threads and code server), then SIGKILL of its group."""
+def _serving(port: int) -> bool:
+    from dagster._core.errors import DagsterUserCodeUnreachableError
+    from dagster._grpc.client import DagsterGrpcClient
+
+    try:
+        DagsterGrpcClient(port=port, host="127.0.0.1").ping("factory")
+    except DagsterUserCodeUnreachableError:
+        return False
+    return True
+
+
+def _check_started(proc: subprocess.Popen[bytes], what: str, log: Path,
+                   deadline: float) -> None:
+    if proc.poll() is not None:
+        tail = log.read_bytes()[-1500:].decode("utf-8", "replace")
+        raise FactoryError(f"the Dagster {what} exited ({proc.returncode}); log {log}:\n{tail}")
+    if time.monotonic() > deadline:
+        raise FactoryError(f"the Dagster {what} did not start in {DAEMON_START_S:.0f} s; "
+                           f"log {log}")
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT to ``proc``'s process group (the daemon stops its threads, the code server its
+    runs), then SIGKILL of the group: nothing started in it may outlive it."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    # The code server it started runs in the same session; nothing of it may outlive it.
+            proc.wait(timeout=STOP_GRACE_S)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
