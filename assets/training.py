@@ -15,6 +15,7 @@ bitwise the same in deterministic mode) and what tokenizing kept and dropped, by
 fails the step with the run's reason.
 """
 
+import json
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from factory.resources.providers import ProviderResource
 from factory.runs import TRAINER_RUN_TAG, sensors_ticking
 from factory.trainer.config import Job
 from factory.trainer.data import DROP_REASONS, check_job_data
+from factory.trainer.webhooks import read_events
 
 checkpoints = dg.AssetsDefinition(specs=[dg.AssetSpec(
     "checkpoints", partitions_def=CHECKPOINTS, group_name="training", kinds={"iceberg"},
@@ -41,6 +43,9 @@ WATCH_S = 2.0
 """Seconds between looks at the run while the sensors drive it: one catalog lookup of
 ``training_runs``' snapshot (about 1.5 ms CPU), the table re-read only when it changed, so the
 run's end shows here within 2 s of the plane recording it."""
+STOP_CHECKPOINT_S = 120.0
+"""How long a stopped run's step waits for the trainer's last checkpoint to reach the lake (the
+trainer's SIGTERM grace, then a sensor tick)."""
 DRIVER_CHECK_S = 30.0
 """Seconds between checks of whether the daemon's sensors tick the plane (about 10 ms each)."""
 
@@ -122,6 +127,15 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         with signals_ignored():  # a second Ctrl-C must not cut the cleanup short
             cancel_run(plane, job.run_id, reason="interrupted")
         raise
+    if run.status == "stopped":
+        # An early stop marks the run at once, and the trainer then writes a checkpoint of
+        # where it stopped: that checkpoint must be in the lake before this step ends, or the
+        # best checkpoint is selected before its evaluation is even requested.
+        missing = _await_stop_checkpoints(plane, session.lake, job.run_id, drive=driving)
+        if missing:
+            context.log.warning(f"training run {job.run_id}: {len(missing)} checkpoint event(s) "
+                                f"of the stopped trainer not in the lake after "
+                                f"{STOP_CHECKPOINT_S:.0f} s")
     segs = plane.segments(job.run_id)
     events = plane.events(job.run_id)
     curve = loss_curve(events)
@@ -143,6 +157,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     # The trainer's own report of what it trained on; the pre-launch check's when it reported
     # none (the same tokenize over the same rows).
     metadata.update(_data_metadata(data_stats(events) or vars(checked)))
+    shared = _shared_prefix(events)
+    if shared:
+        metadata["shared_prefix"] = dg.MetadataValue.json(shared)
     metadata.update(session.metadata())
     # "stopped" is the evals' early stop (the score fell after its peak): the run ended as it
     # should, and its best checkpoint is selected like a finished run's.
@@ -150,6 +167,47 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         raise dg.Failure(f"training run {job.run_id} {run.status}: {run.reason}",
                          metadata=metadata)
     return dg.MaterializeResult(metadata=metadata)
+
+
+def _await_stop_checkpoints(plane: Any, lake: Any, run_id: str, *, drive: bool) -> list[str]:
+    """Wait (up to ``STOP_CHECKPOINT_S``) until the run's stopped trainers have exited and every
+    checkpoint event in their events files is a row of ``checkpoints``; sync the events here
+    when no sensor does (``drive``). Returns the event ids still missing."""
+    deadline = time.monotonic() + STOP_CHECKPOINT_S
+    segs = plane.segments(run_id)
+    while True:
+        running = [s for s in segs if s.provider in plane.by_name
+                   and not plane.by_name[s.provider].status(s.handle).done]
+        wanted = {ev["event_id"] for s in segs if s.handle.info.get("events_file")
+                  for ev in read_events(s.handle.info["events_file"])
+                  if ev.get("type") == "checkpoint" and ev.get("event_id")}
+        if not running:
+            if drive:
+                plane.sync_events()
+            have = set()
+            if wanted and lake.exists("checkpoints"):
+                have = {r["event_id"] for r in lake.sql(
+                    "SELECT event_id FROM checkpoints WHERE run_id = ?", [run_id]).to_pylist()}
+            missing = sorted(wanted - have)
+            if not missing:
+                return []
+        else:
+            missing = sorted(wanted)
+        if time.monotonic() > deadline:
+            return missing
+        time.sleep(WATCH_S)
+
+
+def _shared_prefix(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest ``started`` event's ``shared_prefix`` summary (micro-batches of an epoch that
+    computed a shared prefix once, and the tokens computed against the samples' own)."""
+    out = None
+    for ev in events:
+        if ev["type"] == "started":
+            value = json.loads(ev["payload"]).get("shared_prefix")
+            if isinstance(value, dict):
+                out = value
+    return out
 
 
 def _data_metadata(stats: dict[str, Any]) -> dict[str, Any]:

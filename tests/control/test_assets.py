@@ -77,6 +77,9 @@ def test_training_run_materializes_segments_and_loss_curve(factory_home, make_jo
     [started] = [json.loads(r["payload"]) for r in Lake().read("training_events").to_pylist()
                  if r["type"] == "started"]
     assert started["data"]["num_dropped_by_reason"]["too_long_for_plan"] == 1
+    # What share_prefix saved (nothing: the job does not ask for it), as the trainer reports it.
+    assert md["shared_prefix"].value == started["shared_prefix"]
+    assert started["shared_prefix"]["tokens_computed"] == started["shared_prefix"]["tokens"] > 0
     lake = Lake()
     rows = lake.read("checkpoints").to_pylist()
     assert sorted(r["step"] for r in rows) == [2, 4]
@@ -189,3 +192,43 @@ def test_a_failed_training_run_says_why(factory_home, tiny_model_dir) -> None:
     assert failed.split("(not retried): ")[1].startswith(
         "plan.lora_target_modules: the model has no module 'no_such_proj'")
 
+
+
+def test_an_early_stopped_run_ends_its_step_with_the_stop_checkpoint_in_the_lake(
+        factory_home, make_job, tmp_path: Path) -> None:
+    # The evals flag the run while it trains; the trainer checkpoints where SIGTERM finds it,
+    # and that checkpoint must be a row of `checkpoints` when the step ends (the best checkpoint
+    # is selected right after, and must not miss it).
+    import threading
+
+    from tests.waiting import wait_until
+
+    job = make_job("stop-run", num_steps=400, checkpoint_every_steps=1000,
+                   debug={"sleep_per_step_s": 0.2})
+    lake = Lake()
+
+    def flag() -> None:
+        def training() -> bool:
+            if not lake.exists("training_events"):
+                return False
+            return any(r["type"] == "progress" and r["run_id"] == "stop-run"
+                       for r in lake.read("training_events").to_pylist())
+
+        wait_until(training, timeout_s=240, what="the trainer's first progress event")
+        lake.append("early_stops", [{
+            "run_id": "stop-run", "experiment": "demo", "peak_step": 1, "peak_score": 0.9,
+            "last_step": 3, "last_score": 0.9, "reason": "plateau (test)",
+            "created_at": datetime.now(UTC)}])
+
+    flagger = threading.Thread(target=flag, daemon=True)
+    flagger.start()
+    result = _materialize(job, tmp_path)
+    flagger.join(timeout=5)
+    assert result.success
+    [mat] = result.asset_materializations_for_node("training_run")
+    assert mat.metadata["status"].value == "stopped"
+    last = max(s for s in mat.metadata["loss_curve"].value["step"])
+    assert last < 400
+    steps = {int(r["step"]) for r in Lake().read("checkpoints").to_pylist()
+             if r["run_id"] == "stop-run" and r["verified"]}
+    assert steps and max(steps) >= last
