@@ -569,7 +569,7 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         tokens_per_step = round(real_batch * per_row * (mean - shared) + micro_batches * shared)
     step_s = step_seconds(c, arch, tokens_per_step=tokens_per_step, span=span,
                           recompute=plan["gradient_checkpointing"], num_devices=devices,
-                          precision=plan["precision"])
+                          precision=plan["precision"], share_prefix=plan["share_prefix"])
     budget_train_s = c.train_fixed_s + total * step_s
     budget = eval_budget(hw, train_s=budget_train_s, num_devices=devices)
     cost_kind = "wall" if hw.evals_share_devices else "device time"

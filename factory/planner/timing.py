@@ -86,6 +86,9 @@ class TimeConstants:
     """Whether these were measured (else derived defaults)."""
     provenance: str
     """Where and how they were measured, or how the defaults were derived."""
+    shared_prefix_rate: float = 0.5
+    """The share of ``train_tflops`` a step reaches on ``share_prefix`` rows (one row per
+    micro-batch: smaller matmuls, and a masked attention call per sample's rest)."""
 
 
 MEASURED: dict[tuple[str, str], TimeConstants] = {
@@ -106,6 +109,9 @@ MEASURED: dict[tuple[str, str], TimeConstants] = {
         # The demo's eval at step 4 ran beside the trainer's last step: 88.9 s of wall for
         # 50.4 s of eval and 9.1 s of training as the model gives them alone: (88.9 - 9.1) / 50.4.
         overlap_factor=1.58, measured=True,
+        # bench/shared_prefix.py (the triage plan, 366 tokens a step): 1.539 s per step where
+        # train_tflops gives 1.089 s.
+        shared_prefix_rate=0.71,
         provenance="measured on dev-cpu (2 cores): the steps, evals and run launches of the "
                    "`make demo` and agent-task runs in BENCHMARKS.md (idle machine), the "
                    "generation rates with the CPU server's engine on one thread"),
@@ -210,9 +216,12 @@ def forward_flops_per_token(arch: Architecture, *, span: int) -> float:
 
 
 def step_seconds(c: TimeConstants, arch: Architecture, *, tokens_per_step: float, span: int,
-                 recompute: bool, num_devices: int, precision: str) -> float:
-    """Seconds of one optimizer step."""
+                 recompute: bool, num_devices: int, precision: str,
+                 share_prefix: bool = False) -> float:
+    """Seconds of one optimizer step (``tokens_per_step``: the tokens its rows compute)."""
     rate = c.train_tflops * (CPU_FP32_SLOWDOWN if precision == "fp32" and c.measured else 1.0)
+    if share_prefix:
+        rate *= c.shared_prefix_rate
     flops = tokens_per_step * training_flops_per_token(arch, span=span, recompute=recompute)
     return flops / (rate * 1e12 * num_devices)
 

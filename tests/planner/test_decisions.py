@@ -270,7 +270,7 @@ def test_a_shared_system_prompt_is_computed_once_per_micro_batch() -> None:
     # The step the time model predicts is the rows' tokens: 8 x 118 padded against
     # 60 + 8 x (93 - 60), so well under half.
     assert shared.estimates["tokens_per_step"] < 0.45 * alone.estimates["tokens_per_step"]
-    assert shared.estimates["step_seconds"] < 0.6 * alone.estimates["step_seconds"]
+    assert shared.estimates["step_seconds"] < 0.7 * alone.estimates["step_seconds"]
     # An override turns it off, marked as such.
     off = make_plan(experiment(overrides={"share_prefix": False}),
                     profile(**triage, shared_prefix_tokens=60))

@@ -35,6 +35,13 @@ AGENT_PROFILE = {
     "completion_tokens_p95": 76, "completion_tokens_p99": 78, "completion_tokens_max": 80,
     "total_tokens_p50": 675, "total_tokens_p99": 800, "total_tokens_max": 805,
     "num_train_tokens": 366515, "share_with_tool_calls": 0.809}
+# The triage task's (bench/loop.py, commit 48960a5): one ~55-token system prompt in every sample.
+TRIAGE_PROFILE = {
+    "num_train": 434, "num_eval": 55, "prompt_tokens_p50": 87, "prompt_tokens_p95": 108,
+    "prompt_tokens_p99": 114, "prompt_tokens_max": 121, "completion_tokens_p50": 4,
+    "completion_tokens_p95": 5, "completion_tokens_p99": 5, "completion_tokens_max": 5,
+    "total_tokens_p50": 92, "total_tokens_p99": 118, "total_tokens_max": 126,
+    "num_train_tokens": 40380, "shared_prefix_tokens": 54}
 # Their experiment files' settings (experiments/demo-extract.yaml, agent-orders.yaml).
 DEMO = dict(data={"max_tokens": 1024}, eval={"every_steps": 4, "max_samples": 12},
             overrides={"num_steps": 8, "learning_rate": 2e-3, "warmup_steps": 1})
@@ -60,6 +67,10 @@ def test_predictions_match_the_measured_runs() -> None:
     # budget, the checkpoint stopped at 74, so the prediction is high by design.
     assert 112.2 <= agent["first_eval_seconds"] <= 112.2 * 1.10
     assert _within(agent["wall_seconds"], 512.5, 0.05)
+    # The triage plan with share_prefix: bench/shared_prefix.py measured 1.539 s a step.
+    triage = make_plan(experiment(), DatasetProfile.from_row(TRIAGE_PROFILE))
+    assert triage["share_prefix"] is True
+    assert _within(triage.estimates["step_seconds"], 1.539, 0.05)
 
 
 # A run long enough that four evals fit 20% of it on each hardware type (short prompts on CPU).
@@ -185,7 +196,7 @@ def test_defaults_are_slower_than_what_was_measured() -> None:
     recipe = load_recipe("smollm2-135m-lora")
     measured = MEASURED[(recipe.name, "CPU")]
     default = default_constants(recipe.architecture, HARDWARE["CPU"])
-    for rate in ("train_tflops", "forward_tflops", "prefill_tflops"):
+    for rate in ("train_tflops", "forward_tflops", "prefill_tflops", "shared_prefix_rate"):
         assert getattr(default, rate) < getattr(measured, rate), rate
     for cost in ("decode_step_s", "decode_seq_s", "train_fixed_s", "eval_fixed_s"):
         assert getattr(default, cost) >= getattr(measured, cost), cost
