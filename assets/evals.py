@@ -25,7 +25,7 @@ import dagster as dg
 from factory.assets.rubric import eval_rows
 from factory.evals.equivalence import check_equivalence
 from factory.evals.progress import unscored_checkpoints
-from factory.evals.report import plot_png, read_curves
+from factory.evals.report import plot_png, read_curves, record_early_stop
 from factory.evals.reuse import borrow_scores
 from factory.evals.rubric import Rubric
 from factory.evals.runner import (
@@ -33,7 +33,7 @@ from factory.evals.runner import (
     items_from_samples,
     score_reference,
 )
-from factory.evals.selection import decide_stop, select_best, summarize
+from factory.evals.selection import select_best, summarize
 from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServerError
 from factory.inference.sizing import plan_of_run
@@ -202,13 +202,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
         yield check
         return
     summary = summarize(step, scores)
-    curves = read_curves(session, run_id)
-    stop = decide_stop(curves.samples)
-    if stop is not None:
-        session.append("early_stops", [{
-            "run_id": run_id, "experiment": experiment, "peak_step": stop.peak_step,
-            "peak_score": stop.peak_score, "last_step": stop.last_step,
-            "last_score": stop.last_score, "reason": stop.reason, "created_at": _now()}])
+    curves, stop = record_early_stop(session, run_id, experiment)
     png = plot_png(curves, get_settings().home / "reports" / run_id / "curve.png")
     yield dg.MaterializeResult(metadata={
         "run_id": run_id, "step": step, "mean_score": summary.mean,

@@ -31,6 +31,25 @@ class RunCurves:
     """(step, training loss)."""
 
 
+def record_early_stop(lake: Any, run_id: str, experiment: str) -> tuple[RunCurves, Any]:
+    """After a checkpoint of ``run_id`` is scored: its curves, and the early stop they call for
+    (``selection.decide_stop``: the score fell after its peak, or it plateaued), appended to
+    ``early_stops`` (the recovery sensor then stops the run). Returns (curves, stop or None)."""
+    from datetime import UTC, datetime
+
+    from factory.evals.selection import decide_stop
+
+    curves = read_curves(lake, run_id)
+    stop = decide_stop(curves.samples)
+    if stop is not None:
+        lake.append("early_stops", [{
+            "run_id": run_id, "experiment": experiment, "peak_step": stop.peak_step,
+            "peak_score": stop.peak_score, "last_step": stop.last_step,
+            "last_score": stop.last_score, "reason": stop.reason,
+            "created_at": datetime.now(UTC)}])
+    return curves, stop
+
+
 def read_curves(lake: Any, run_id: str) -> RunCurves:
     """Curves of ``run_id`` (``lake``: a Lake or LakeSession), under the rubric version of the
     run's newest eval: scores from different rubrics are never averaged together."""
