@@ -15,14 +15,13 @@ bitwise the same in deterministic mode) and what tokenizing kept and dropped, by
 fails the step with the run's reason.
 """
 
-import json
 import time
 from typing import Any
 
 import dagster as dg
 
 from factory.control.jobs import job_from_plan
-from factory.control.plane import RUN_ACTIVE, cancel_run, data_stats, loss_curve
+from factory.control.plane import RUN_ACTIVE, cancel_run, data_stats, loss_curve, reported
 from factory.deploy.process import signals_ignored
 from factory.errors import FactoryError
 from factory.partitions import CHECKPOINTS, RUNS
@@ -157,7 +156,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     # The trainer's own report of what it trained on; the pre-launch check's when it reported
     # none (the same tokenize over the same rows).
     metadata.update(_data_metadata(data_stats(events) or vars(checked)))
-    shared = _shared_prefix(events)
+    # The trainer's shared_prefix summary: micro-batches of an epoch that computed a shared
+    # prefix once, and the tokens computed against the samples' own.
+    shared = reported(events, "shared_prefix")
     if shared:
         metadata["shared_prefix"] = dg.MetadataValue.json(shared)
     metadata.update(session.metadata())
@@ -196,18 +197,6 @@ def _await_stop_checkpoints(plane: Any, lake: Any, run_id: str, *, drive: bool) 
         if time.monotonic() > deadline:
             return missing
         time.sleep(WATCH_S)
-
-
-def _shared_prefix(events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The newest ``started`` event's ``shared_prefix`` summary (micro-batches of an epoch that
-    computed a shared prefix once, and the tokens computed against the samples' own)."""
-    out = None
-    for ev in events:
-        if ev["type"] == "started":
-            value = json.loads(ev["payload"]).get("shared_prefix")
-            if isinstance(value, dict):
-                out = value
-    return out
 
 
 def _data_metadata(stats: dict[str, Any]) -> dict[str, Any]:

@@ -198,6 +198,25 @@ def spans(messages: Any, tools: Any = None) -> tuple[str, list[tuple[int, int]]]
     return "".join(t for t, _ in segs), out
 
 
+def common_prefix(rows: Sequence[Sequence[int]], limit: int | None = None) -> int:
+    """How many leading tokens all ``rows`` share (at most ``limit``): what ``share_prefix``
+    computes once (``trainer.data.shared_prefix_length``, and curation's measure of it)."""
+    if not rows:
+        return 0
+    n = min(len(r) for r in rows)
+    if limit is not None:
+        n = min(n, max(limit, 0))
+    first = rows[0]
+    for r in rows[1:]:
+        k = 0
+        while k < n and r[k] == first[k]:
+            k += 1
+        n = k
+        if not n:
+            break
+    return n
+
+
 def label_ids(ids: Sequence[int], offsets: Sequence[tuple[int, int]],
               trained: Sequence[tuple[int, int]]) -> list[int]:
     """``labels`` for tokens ``ids`` at character ``offsets``: a token is trained when its last

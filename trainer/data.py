@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .chat import IGNORE_INDEX, encode
+from .chat import IGNORE_INDEX, common_prefix, encode
 from .config import MIN_SHARED_PREFIX, Job
 
 # First-fit packing looks at this many open rows: 99%+ fill on realistic length mixes while
@@ -255,18 +255,8 @@ def shared_prefix_length(examples: Sequence[Example]) -> int:
     """
     if not examples:
         return 0
-    first = examples[0].input_ids
-    n = min(first_target(e.labels) - 1 for e in examples)
-    for e in examples[1:]:
-        ids = e.input_ids
-        k = 0
-        limit = min(n, len(ids))
-        while k < limit and ids[k] == first[k]:
-            k += 1
-        n = k
-        if not n:
-            break
-    return max(n, 0)
+    return common_prefix([e.input_ids for e in examples],
+                         min(first_target(e.labels) - 1 for e in examples))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -409,30 +399,35 @@ class MicroBatchStream:
     def rows(self, index: int) -> list[list[int]]:
         return self._layout(index // self.per_epoch)[index % self.per_epoch]
 
+    def _shared(self, index: int) -> tuple[list[int], int] | None:
+        """(the micro-batch's example indices, their shared prefix) when ``share_prefix`` makes
+        it one row; None when it trains as its rows."""
+        if not self.share_prefix:
+            return None
+        indices = [i for row in self.rows(index) for i in row]
+        prefix = shared_prefix_length([self.examples[i] for i in indices])
+        return (indices, prefix) if len(indices) > 1 and prefix >= MIN_SHARED_PREFIX else None
+
     def batch(self, index: int) -> Batch:
-        rows = self.rows(index)
-        if self.share_prefix:
-            indices = [i for row in rows for i in row]
-            prefix = shared_prefix_length([self.examples[i] for i in indices])
-            if len(indices) > 1 and prefix >= MIN_SHARED_PREFIX:
-                return collate_shared(self.examples, indices, prefix)
-        return collate(self.examples, rows, packed=self.packing, pad_id=self.pad_id)
+        shared = self._shared(index)
+        if shared is not None:
+            return collate_shared(self.examples, *shared)
+        return collate(self.examples, self.rows(index), packed=self.packing, pad_id=self.pad_id)
 
     def shared_prefix_summary(self) -> dict[str, Any]:
         """What ``share_prefix`` saves over the first epoch: micro-batches that share a prefix,
         and the tokens computed against the samples' own."""
-        real = computed = shared = 0
-        per_epoch = self.per_epoch
-        for k in range(per_epoch):
-            examples = [self.examples[i] for row in self.rows(k) for i in row]
-            n = sum(len(e.input_ids) for e in examples)
+        real = computed = num_shared = 0
+        for k in range(self.per_epoch):
+            n = sum(len(self.examples[i].input_ids) for row in self.rows(k) for i in row)
             real += n
-            prefix = shared_prefix_length(examples) if self.share_prefix else 0
-            if len(examples) > 1 and prefix >= MIN_SHARED_PREFIX:
-                shared += 1
-                n -= prefix * (len(examples) - 1)
+            shared = self._shared(k)
+            if shared is not None:
+                indices, prefix = shared
+                num_shared += 1
+                n -= prefix * (len(indices) - 1)
             computed += n
-        return {"micro_batches": shared, "of": per_epoch, "tokens": real,
+        return {"micro_batches": num_shared, "of": self.per_epoch, "tokens": real,
                 "tokens_computed": computed}
 
     def num_label_tokens(self, index: int) -> int:

@@ -730,16 +730,23 @@ def _trainer_log_line(handle: Handle) -> str | None:
     return lines[-1] if lines else None
 
 
+def reported(events: Iterable[dict[str, Any]], key: str,
+             types: tuple[str, ...] = ("started",)) -> dict[str, Any] | None:
+    """The object the newest of ``events`` (``training_events`` rows) of one of ``types``
+    reports under ``key``; None when none does."""
+    out = None
+    for ev in events:
+        if ev["type"] in types:
+            value = json.loads(ev["payload"]).get(key)
+            if isinstance(value, dict):
+                out = value
+    return out
+
+
 def data_stats(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """What the trainer's tokenizing kept and dropped (``factory.trainer.data.DataStats`` as a dict),
     from the newest ``started`` or ``failed`` event that reports it; None when none does."""
-    out = None
-    for ev in events:
-        if ev["type"] in ("started", "failed"):
-            data = json.loads(ev["payload"]).get("data")
-            if isinstance(data, dict):
-                out = data
-    return out
+    return reported(events, "data", ("started", "failed"))
 
 
 def event_row(event: dict[str, Any], *, segment_id: str | None, source: str,

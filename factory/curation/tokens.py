@@ -21,7 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from factory.trainer.chat import spans
+from factory.trainer.chat import common_prefix, spans
 
 Count = tuple[int, int] | None
 """(total tokens, prompt tokens) of one sample; None when it cannot be rendered."""
@@ -110,19 +110,8 @@ def shared_prefix_tokens(counter: RenderCounter, conversations: list[list[dict[s
         first = bisect.bisect_right([end for _, end in enc.offsets], cut)
         ids.append(enc.ids[:max(first - 1, 0)])
     groups = [ids[k:k + SHARED_PREFIX_GROUP] for k in range(0, len(ids), SHARED_PREFIX_GROUP)]
-    lengths = sorted(_common_prefix(g) for g in groups if len(g) > 1)
+    lengths = sorted(common_prefix(g) for g in groups if len(g) > 1)
     return lengths[len(lengths) // 2] if lengths else 0
-
-
-def _common_prefix(rows: list[list[int]]) -> int:
-    n = min(len(r) for r in rows)
-    first = rows[0]
-    for r in rows[1:]:
-        k = 0
-        while k < n and r[k] == first[k]:
-            k += 1
-        n = k
-    return n
 
 
 @cache

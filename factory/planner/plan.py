@@ -256,7 +256,7 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
                 f"padding is ~{padding:.0%}, packing gains little")
     packing = plan["packing"]
     shared = min(profile.shared_prefix_tokens, profile.length_p50)
-    mean = profile.num_tokens / max(1, profile.num_samples)
+    mean = profile.length_mean
     if arch.family not in PLAIN_ATTENTION_MODELS:
         dec.set("share_prefix", False, "prefix.attention",
                 f"{arch.family} attention is not plain causal attention (the per-segment "
@@ -562,7 +562,7 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
     tokens_per_step = real_batch * row
     if plan["share_prefix"]:
         # A micro-batch is one unpadded row: its shared prefix once, then every sample's rest.
-        mean = profile.num_tokens / max(1, profile.num_samples)
+        mean = profile.length_mean
         shared = min(profile.shared_prefix_tokens, int(mean))
         per_row = seq_len * 0.95 / mean if packing else 1.0
         micro_batches = real_batch // plan["micro_batch_size"]

@@ -78,6 +78,11 @@ class DatasetProfile:
         return self.total_tokens_max or self.prompt_tokens_max + self.completion_tokens_max
 
     @property
+    def length_mean(self) -> float:
+        """Mean whole-sample tokens."""
+        return self.num_tokens / max(1, self.num_samples)
+
+    @property
     def num_tokens(self) -> int:
         """Tokens in the train set (measured, else median length times samples)."""
         return self.num_train_tokens or self.num_samples * self.length_p50
