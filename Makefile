@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256s
 # Every pip call is constrained to the local CPU build of torch: anything else pulls CUDA wheels.
 PIP := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip
 
-.PHONY: install native demo test lint typecheck contracts unit bench cards clean ui
+.PHONY: install sysdeps native demo test lint typecheck contracts unit bench cards clean ui
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,18 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 install: $(STAMP)
+
+# Debian packages the tests start for real: Chromium and its WebDriver (the comparison page's
+# browser test) and PostgreSQL 15 (throwaway clusters for the shared-state tests). Installed
+# only when missing; apt-get runs through sudo when this is not root.
+SYSDEPS := chromium chromium-driver postgresql-15
+sysdeps:
+	@missing=""; for p in $(SYSDEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+	  echo "installing Debian packages:$$missing"; \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $$missing; \
+	fi
 
 # The normalizers compiled with mypyc (factory/native.py), built unless the build is current
 # (sha256 of the sources, not file dates); a stale build is never used (the source runs).
@@ -47,7 +59,7 @@ typecheck: install
 contracts: install
 	$(BIN)/lint-imports
 
-unit: install native
+unit: install sysdeps native
 	$(BIN)/pytest -q
 
 test: lint typecheck contracts unit
