@@ -123,7 +123,7 @@ TABLES: dict[str, pa.Schema] = {
         ("first_step", pa.int64()),
         ("last_step", pa.int64()),
         ("end_reason", pa.string()),      # finished | rollover | preempted | killed | failed |
-                                          # nan | heartbeat | stopped
+                                          # nan | heartbeat | stopped | superseded
         ("ended_at", _TS),
         ("learning_rate", pa.float64()),
         ("updated_at", _TS),
@@ -285,6 +285,55 @@ TABLES: dict[str, pa.Schema] = {
         ("started_at", _TS),
         ("stopped_at", _TS),
         ("updated_at", _TS),
+    ]),
+    # Shadow evaluation (factory/shadow): which client-facing model a candidate deployment
+    # shadows. Append-only, the latest row per route wins; active=false ends shadowing.
+    "shadows": pa.schema([
+        ("route", pa.string()),            # the model name clients send (e.g. gpt-4o-mini)
+        ("experiment", pa.string()),
+        ("version", pa.string()),          # the candidate's deployment version
+        ("base_url", pa.string()),         # the candidate server's OpenAI base URL
+        ("deployment", pa.string()),       # the model name the candidate server knows
+        ("share", pa.float64()),           # share of the route's calls shadowed, 0..1
+        ("active", pa.bool_()),
+        ("registered_at", _TS),
+    ]),
+    # One row per shadowed call: the frontier's answer (what the client got) and the
+    # candidate's, to the same request. The frontier call is also a capture (raw_trace_id);
+    # the candidate's answer never is.
+    "shadow_pairs": pa.schema([
+        ("pair_id", pa.string()),
+        ("raw_trace_id", pa.string()),     # the frontier call's capture in raw_traces
+        ("experiment", pa.string()),
+        ("version", pa.string()),          # the candidate deployment version
+        ("route", pa.string()),
+        ("candidate_model", pa.string()),
+        ("project", pa.string()),
+        ("request", pa.string()),          # the client's request body (JSON)
+        ("frontier_message", pa.string()),  # canonical assistant message (JSON); null: none
+        ("candidate_message", pa.string()),
+        ("frontier_status", pa.int32()),
+        ("candidate_status", pa.int32()),  # HTTP status; 0 when no answer came
+        ("candidate_error", pa.string()),  # why the candidate gave no usable answer
+        ("frontier_latency_ms", pa.float64()),
+        ("candidate_latency_ms", pa.float64()),
+        ("frontier_prompt_tokens", pa.int64()),
+        ("frontier_completion_tokens", pa.int64()),
+        ("candidate_prompt_tokens", pa.int64()),
+        ("candidate_completion_tokens", pa.int64()),
+        ("created_at", _TS),
+    ]),
+    # The judge's score of each pair's candidate answer against the frontier's (the reference).
+    "shadow_scores": pa.schema([
+        ("pair_id", pa.string()),
+        ("experiment", pa.string()),
+        ("version", pa.string()),
+        ("rubric_version", pa.string()),
+        ("judge", pa.string()),
+        ("score", pa.float64()),           # 0..1; 0 for a candidate that gave no answer
+        ("passed", pa.bool_()),            # score reached the rubric's pass threshold
+        ("assessment", pa.string()),
+        ("scored_at", _TS),
     ]),
     # Overfitting signals for the control plane (the score fell after its peak).
     "early_stops": pa.schema([

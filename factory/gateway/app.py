@@ -34,6 +34,7 @@ from factory.gateway.flusher import Flusher, stream_complete
 from factory.gateway.keys import KeyStore, keys_path
 from factory.gateway.metrics import Metrics
 from factory.gateway.routes import RoutingTable
+from factory.gateway.shadow import Shadower, ShadowTable
 from factory.gateway.spool import SpoolWriter, encode, oldest_pending_age_s, pending_files
 from factory.gateway.upstream import (
     UpstreamError,
@@ -91,12 +92,17 @@ class Gateway:
     def __init__(self, config: GatewayConfig, *, settings: Settings | None = None,
                  routes: RoutingTable | None = None, keys: KeyStore | None = None,
                  lake_factory: Callable[[], Any] | None = None,
-                 ingest: Callable[[Any, list[Any]], Any] | None = None) -> None:
+                 ingest: Callable[[Any, list[Any]], Any] | None = None,
+                 shadows: ShadowTable | None = None) -> None:
         self.config = config
         self.settings = (settings or get_settings()).ensure()
         self.metrics = Metrics()
         self.keys = keys or KeyStore(keys_path(self.settings))
         self.routes = routes or RoutingTable()
+        self.shadows = shadows or ShadowTable()
+        self.shadower = Shadower(self._spool_shadow, queue_size=config.shadow_queue_size,
+                                 concurrency=config.shadow_concurrency,
+                                 timeout_s=config.shadow_timeout_s)
         self.spool = SpoolWriter(self.settings.spool, group_commit_ms=config.group_commit_ms,
                                  segment_max_age_s=config.segment_max_age_s,
                                  segment_max_bytes=config.segment_max_bytes)
@@ -127,7 +133,8 @@ class Gateway:
                                     if p.suffix == ".seg")
         if self.flusher is not None:
             self.flusher.start()
-        self.routes.start(self._lake_factory, self.config.routes_poll_s)
+        self.routes.start(self._lake_factory, self.config.routes_poll_s,
+                          also=(self.shadows.refresh,))
         self.client = UpstreamPool(timeout_s=self.config.upstream_timeout_s,
                                    connect_timeout_s=self.config.upstream_connect_timeout_s,
                                    max_idle_per_origin=self.config.max_upstream_connections)
@@ -137,6 +144,8 @@ class Gateway:
         if not self._started:
             return
         self._started = False
+        await self.shadower.drain()
+        await self.shadower.stop()
         if self.client is not None:
             self.client.close()
         self.routes.stop()
@@ -172,6 +181,25 @@ class Gateway:
         m.gauge("factory_gateway_flusher_up",
                 "1 while the flusher thread runs; 0 when it stopped on an error (or is off).",
                 lambda: float(self.flusher is not None and self.flusher.running))
+        shadow = self.shadower
+        m.gauge("factory_gateway_shadow_queue_depth",
+                "Shadow calls waiting for a candidate (the queue is bounded).",
+                lambda: float(shadow.depth))
+        m.gauge("factory_gateway_shadow_offered_total",
+                "Completed calls chosen for shadowing by their rule's share.",
+                lambda: float(shadow.num_offered))
+        m.gauge("factory_gateway_shadow_dropped_total",
+                "Shadow calls dropped because the shadow queue was full (the client's call "
+                "was answered as always).", lambda: float(shadow.num_dropped))
+        m.gauge("factory_gateway_shadow_skipped_total",
+                "Calls on a shadowed model not shadowed: not OpenAI chat completions, or the "
+                "frontier's answer was an error or cut short.",
+                lambda: float(shadow.num_skipped))
+        m.gauge("factory_gateway_shadow_answered_total",
+                "Candidate calls that got an HTTP answer.", lambda: float(shadow.num_sent))
+        m.gauge("factory_gateway_shadow_failed_total",
+                "Candidate calls that got no answer (refused, timed out, broken); stored as "
+                "pairs with the reason.", lambda: float(shadow.num_failed))
 
     def _trainer_events_route(self) -> Any:
         if self._trainer_route is None:
@@ -181,7 +209,7 @@ class Gateway:
         return self._trainer_route
 
     def spool_depth(self) -> float:
-        committed = self.flusher.num_committed if self.flusher else 0
+        committed = self.flusher.num_committed + self.flusher.num_pairs if self.flusher else 0
         return float(max(0, self._initial_pending + self.spool.num_written - committed))
 
     # -- ASGI ------------------------------------------------------------------------------------
@@ -334,6 +362,7 @@ class Gateway:
                                    if k != "key"]).encode("latin-1")
         forward.append((b"accept-encoding", b"identity"))
         url = _upstream_url(base, path, query)
+        shadow = self.shadows.get(model) if model else None
 
         capture = {"k": "c", "id": str(uuid.uuid4()), "provider": provider,
                    "endpoint": scope["path"], "status": 0, "partial": False,
@@ -361,6 +390,10 @@ class Gateway:
                 stream_kind == "json" or "event-stream" in content_type):
             await self._relay_stream(upstream, out_headers, capture, body, receive, send,
                                      provider, route, started, up_started)
+            if shadow is not None:
+                self.shadower.offer(shadow, provider=provider, route=route, request=request,
+                                    body=body, frontier=capture.pop("_data", b""),
+                                    header=capture)
             return
         if stream_kind and "event-stream" not in content_type:
             capture["stream"] = None  # an error answer to a streaming call is one JSON body
@@ -382,6 +415,10 @@ class Gateway:
         await send({"type": "http.response.body", "body": data})
         self.metrics.request(provider, route, upstream.status,
                              time.perf_counter() - started, up_seconds)
+        if shadow is not None:
+            self.shadower.offer(shadow, provider=provider, route=route, request=request,
+                                body=body, frontier=data,
+                                header={**capture, "ms": up_seconds * 1000.0})
 
     async def _relay_stream(self, upstream: UpstreamResponse,
                             out_headers: list[tuple[bytes, bytes]],
@@ -421,6 +458,8 @@ class Gateway:
             capture["error"] = f"upstream stream failed: {type(exc).__name__}"
         up_seconds = time.perf_counter() - up_started
         self._spool(capture, body, data)
+        capture["ms"] = up_seconds * 1000.0
+        capture["_data"] = data  # the relayed answer, for a shadow call after this returns
         if not client_gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         self.metrics.request(provider, route, upstream.status,
@@ -433,6 +472,13 @@ class Gateway:
         except OSError as exc:
             self.metrics.captures_dropped += 1
             log.error("capture %s dropped: the spool refused it: %s", header.get("id"), exc)
+
+    def _spool_shadow(self, header: dict[str, Any], request: bytes, response: bytes) -> None:
+        try:
+            self.spool.append(encode(header, request, response))
+        except OSError as exc:
+            self.shadower.num_dropped += 1
+            log.error("shadow pair %s dropped: the spool refused it: %s", header.get("id"), exc)
 
     async def _upstream_failed(self, send: Send, capture: dict[str, Any], body: bytes,
                                provider: str, route: str, started: float, status: int,

@@ -57,6 +57,12 @@ class GatewayConfig:
     """How often the routing table is re-read from the lake (skipped when unchanged)."""
     flush: bool = True
     """Run the background flusher (off: only spool; another process drains)."""
+    shadow_queue_size: int = 256
+    """Shadow calls waiting for their candidate at most; past it they are dropped (counted)."""
+    shadow_concurrency: int = 4
+    """Candidate calls in flight at once (background tasks on the event loop)."""
+    shadow_timeout_s: float = 60.0
+    """Longest wait for a candidate's next bytes; past it the pair is stored as failed."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:

@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from factory.gateway.shadow import SHADOW_KIND, commit_pairs
 from factory.gateway.spool import SpoolEntry, read_segment, sealed_segments
 
 log = logging.getLogger("factory.gateway")
@@ -253,6 +254,9 @@ class Flusher:
         self.num_failures = 0
         """Flush attempts that raised (each logged with its traceback, its batch retried)."""
         self.num_corrupt_segments = 0
+        self.num_pairs = 0
+        """Shadow frames committed to ``shadow_pairs`` by this process (a replayed one counts
+        again; the table keeps it once)."""
         self.last_success_at: float | None = None
         """Unix time of the last commit."""
         self.last_error: str | None = None
@@ -343,9 +347,13 @@ class Flusher:
         used: list[Path] = []
         corrupt: list[Path] = []
         records: list[Any] = []
+        pairs: list[SpoolEntry] = []
         for seg in segments:
             entries, intact = read_segment(seg)
             for entry in entries:
+                if entry.header.get("k") == SHADOW_KIND:
+                    pairs.append(entry)  # a candidate's answer: never a capture
+                    continue
                 try:
                     records.append(to_raw_record(entry))
                 except (ValueError, KeyError, TypeError) as exc:
@@ -365,6 +373,11 @@ class Flusher:
                 self.num_rejected += rejected
                 log.info("flusher: %d of %d captures rejected by ingest; the reasons are in "
                          "rejected_traces", rejected, len(records))
+        if pairs:
+            if self._lake is None:
+                self._lake = self.lake_factory()
+            commit_pairs(self._lake, pairs)
+            self.num_pairs += len(pairs)
         for seg in used:
             seg.unlink()
         for seg in corrupt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -119,7 +120,10 @@ class RoutingTable:
         self._snapshot = snap
         return True
 
-    def start(self, lake_factory: object, interval_s: float) -> None:
+    def start(self, lake_factory: object, interval_s: float, *,
+              also: tuple[Callable[[Lake], object], ...] = ()) -> None:
+        """Poll the lake every ``interval_s`` in a thread; ``also``: other tables' refreshers
+        (the shadow rules) read on the same poll."""
         def loop() -> None:
             lake = None
             while not self._stop.is_set():
@@ -128,6 +132,8 @@ class RoutingTable:
                     if lake is None:
                         return  # no lake (tests of the proxy alone): static routes only
                     self.refresh(lake)
+                    for refresh in also:
+                        refresh(lake)
                 except Exception as exc:  # a locked or missing catalog: keep the last table
                     log.warning("routing table not refreshed: %s", _one_line(exc))
                 self._stop.wait(interval_s)
