@@ -17,3 +17,11 @@ class QueryError(FactoryError):
 
 class SnapshotNotFoundError(FactoryError):
     """A snapshot id that the table does not have."""
+
+
+class SettingsError(FactoryError):
+    """Environment settings that contradict each other or cannot be used as given."""
+
+
+class UnmigratedLakeError(FactoryError):
+    """A shared catalog is configured while this home still holds an embedded lake."""

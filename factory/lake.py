@@ -1,9 +1,12 @@
 """The lake: Iceberg tables through a pyiceberg catalog, queried with DuckDB, with lineage.
 
 Embedded default: pyiceberg's SQL catalog on SQLite plus a local warehouse under
-``$FACTORY_HOME``. With ``FACTORY_CATALOG=<name>`` set, the catalog is pyiceberg's own
-``load_catalog(<name>)`` (``~/.pyiceberg.yaml`` or ``PYICEBERG_CATALOG__<NAME>__*`` variables), so a
-REST, Glue or Hive catalog on object storage needs no code change.
+``$FACTORY_HOME``. With ``FACTORY_DATABASE_URL=postgresql://...`` the same SQL catalog lives in
+PostgreSQL, shared by every node, with table data in ``FACTORY_WAREHOUSE``. With
+``FACTORY_CATALOG=<name>`` set, the catalog is pyiceberg's own ``load_catalog(<name>)``
+(``~/.pyiceberg.yaml`` or ``PYICEBERG_CATALOG__<NAME>__*`` variables), so a REST, Glue or Hive
+catalog on object storage needs no code change. A home that still holds an embedded lake is
+never switched to a shared catalog silently: ``UnmigratedLakeError`` says what to do with it.
 
 Every write goes through ``LakeSession`` (or ``Lake.append`` with a ``Lineage``) and records, in
 the Iceberg snapshot summary, the Dagster run id, the asset key, the code version and the
@@ -13,7 +16,6 @@ snapshot ids of every table read before it. ``walk_lineage`` follows that chain 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
@@ -33,7 +35,7 @@ from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.table import Table
 
 from factory.datafiles import FileTarget
-from factory.errors import QueryError, SnapshotNotFoundError
+from factory.errors import QueryError, SnapshotNotFoundError, UnmigratedLakeError
 from factory.settings import Settings, get_settings
 from factory.tables import DOCUMENT_COLUMNS, NAMESPACE, TABLE_PROPERTIES, TABLES, schema_of
 
@@ -124,7 +126,7 @@ def _open_sql_catalog(settings: Settings, deadline: float | None = None) -> Cata
         try:
             with _CATALOG_INIT_LOCK:
                 return SqlCatalog("factory", uri=f"sqlite:///{settings.catalog_db}",
-                                  warehouse=settings.warehouse.as_uri())
+                                  warehouse=settings.warehouse_location)
         except Exception as exc:
             lost_race = "already exists" in str(exc).lower() or _is_transient(exc)
             if (not lost_race or attempt == 19
@@ -132,6 +134,64 @@ def _open_sql_catalog(settings: Settings, deadline: float | None = None) -> Cata
                 raise
             time.sleep(0.02 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+def postgres_catalog(settings: Settings, deadline: float | None = None) -> Catalog:
+    """pyiceberg's SQL catalog in ``settings.database_url``, table data in the warehouse.
+
+    The constructor creates the catalog tables when absent; two processes doing that at once
+    collide on PostgreSQL's unique index of type names ("duplicate key", "already exists"):
+    the loser retries and finds them (20 tries, none after ``deadline``). Connections are
+    checked before use (``pool_pre_ping``): a long-lived gateway outlives a database restart.
+    """
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    assert settings.database_url is not None
+    for attempt in range(20):
+        try:
+            return SqlCatalog("factory", uri=settings.database_url,
+                              warehouse=settings.warehouse_location, pool_pre_ping="true")
+        except Exception as exc:
+            text = str(exc).lower()
+            lost_race = "already exists" in text or "duplicate key" in text
+            if (not lost_race or attempt == 19
+                    or (deadline is not None and time.monotonic() >= deadline)):
+                raise
+            time.sleep(0.02 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def embedded_tables(settings: Settings) -> list[str]:
+    """The tables the embedded catalog at ``settings.catalog_db`` holds (none without one)."""
+    import sqlite3
+
+    if not settings.catalog_db.is_file():
+        return []
+    con = sqlite3.connect(f"{settings.catalog_db.as_uri()}?mode=ro", uri=True)
+    try:
+        rows = con.execute("SELECT table_namespace, table_name FROM iceberg_tables "
+                           "ORDER BY 1, 2").fetchall()
+    except sqlite3.OperationalError:
+        return []  # created but never written: no catalog tables yet
+    finally:
+        con.close()
+    return [f"{ns}.{name}" for ns, name in rows]
+
+
+def refuse_unmigrated(settings: Settings) -> None:
+    """Raise ``UnmigratedLakeError`` when a shared catalog is configured while this home's
+    embedded catalog still holds tables: using the shared one would hide them silently."""
+    held = embedded_tables(settings)
+    if not held:
+        return
+    target = ("FACTORY_DATABASE_URL" if settings.database_url
+              else f"FACTORY_CATALOG={settings.catalog_name}")
+    raise UnmigratedLakeError(
+        f"{target} is set, but {settings.catalog_db} holds an embedded lake of {len(held)} "
+        f"table(s) ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}). It is not "
+        f"migrated silently: run `factory migrate` to copy it into the shared catalog, or "
+        f"move {settings.catalog_db.name} aside to start the shared catalog without it, or "
+        f"unset {target.split('=')[0]} to keep using it")
 
 
 def to_arrow(name: str, data: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Table:
@@ -178,9 +238,13 @@ class Lake:
     @property
     def catalog(self) -> Catalog:
         if self._catalog is None:
-            name = os.environ.get("FACTORY_CATALOG")
-            if name:
-                self._catalog = load_catalog(name)
+            settings = self.settings
+            if settings.catalog_name:
+                refuse_unmigrated(settings)
+                self._catalog = load_catalog(settings.catalog_name)
+            elif settings.database_url:
+                refuse_unmigrated(settings)
+                self._catalog = postgres_catalog(settings, self._deadline())
             else:
                 self._catalog = _open_sql_catalog(self.settings, self._deadline())
             try:

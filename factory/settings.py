@@ -1,42 +1,134 @@
-"""Where the factory keeps its embedded state, read from the environment once per call.
+"""Where the factory keeps its state, read from the environment once per call.
 
-Everything the factory writes lives under ``$FACTORY_HOME`` (default ``./.factory``), so pointing
+Embedded default: everything lives under ``$FACTORY_HOME`` (default ``./.factory``), so pointing
 it at an empty folder gives a fresh factory.
+
+Past one machine, three settings split that state into what nodes share and what stays on the
+node:
+
+- ``FACTORY_DATABASE_URL=postgresql://...`` puts the Iceberg catalog (pyiceberg's SQL catalog)
+  and Dagster's run, event and schedule storage (``dagster-postgres``) in that database.
+- ``FACTORY_WAREHOUSE`` (a shared path, ``file://`` URI or object-store URI such as ``s3://``)
+  holds table data. When it is a filesystem path, the artifacts several nodes open (blobs,
+  checkpoints, built base models, the trainer's job files) go under it too.
+- ``FACTORY_SHARED_DIR`` (a shared filesystem path) holds those artifacts instead; it is needed
+  when table data is in an object store or named by ``FACTORY_CATALOG``, because the trainer and
+  the inference server open checkpoints and models as files.
+
+What only one node uses stays under ``$FACTORY_HOME``: the gateway's spool, the upload drop
+folder, the Dagster home (its ``dagster.yaml``, compute logs), logs and caches.
+
+``FACTORY_CATALOG`` (a catalog pyiceberg configures itself) and ``FACTORY_DATABASE_URL`` both
+name where the catalog lives: together they are an error, as is ``FACTORY_WAREHOUSE`` with
+``FACTORY_CATALOG`` (that catalog's own ``warehouse`` property places its data).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from factory.errors import SettingsError
+
+POSTGRES_SCHEMES = ("postgresql", "postgresql+psycopg2")
+"""URL schemes ``FACTORY_DATABASE_URL`` accepts: SQLAlchemy's names for the psycopg2 driver,
+which pyiceberg's SQL catalog and dagster-postgres both use (SQLAlchemy 2 refuses the
+``postgres://`` alias, and Dagster reads the variable as it is)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """Paths of the embedded factory."""
+    """Paths and locations of the factory's state."""
 
     home: Path
-    """Root of all embedded state (``$FACTORY_HOME``)."""
+    """Root of the node-local state (``$FACTORY_HOME``)."""
     experiments_dir: Path
     """Folder of experiment files (``$FACTORY_EXPERIMENTS_DIR``, default ``experiments/``)."""
     models_dir: Path
-    """Built base models (``$FACTORY_MODELS_DIR``, default ``$FACTORY_HOME/models``)."""
+    """Built base models (``$FACTORY_MODELS_DIR``, default ``models/`` of the shared root)."""
+    database_url: str | None = None
+    """PostgreSQL holding the catalog and Dagster's storage (``$FACTORY_DATABASE_URL``); None
+    for the embedded SQLite catalog and Dagster's SQLite storage under ``home``."""
+    catalog_name: str | None = None
+    """A catalog pyiceberg configures from its own settings (``$FACTORY_CATALOG``)."""
+    warehouse_uri: str | None = None
+    """Where table data goes (``$FACTORY_WAREHOUSE``: a path, ``file://`` or object-store URI);
+    None for ``home/warehouse``."""
+    shared_dir: Path | None = None
+    """Root of the artifacts several nodes open (``$FACTORY_SHARED_DIR``); None for the
+    warehouse when it is a filesystem path, else ``home``."""
+
+    def __post_init__(self) -> None:
+        if self.catalog_name and self.database_url:
+            raise SettingsError(
+                "FACTORY_CATALOG and FACTORY_DATABASE_URL both say where the catalog is: keep "
+                "FACTORY_CATALOG for a catalog pyiceberg configures (REST, Glue, Hive), or "
+                "FACTORY_DATABASE_URL for the SQL catalog on PostgreSQL, not both")
+        if self.catalog_name and self.warehouse_uri:
+            raise SettingsError(
+                f"FACTORY_WAREHOUSE is set with FACTORY_CATALOG={self.catalog_name}: that "
+                "catalog's own 'warehouse' property places table data; set FACTORY_SHARED_DIR "
+                "for the shared artifacts instead")
+        if self.database_url is not None:
+            scheme = urlsplit(self.database_url).scheme
+            if scheme not in POSTGRES_SCHEMES:
+                raise SettingsError(
+                    f"FACTORY_DATABASE_URL must be a postgresql:// URL, got scheme {scheme!r}"
+                    + (" (write postgresql://)" if scheme == "postgres" else ""))
+        if (self.shared_dir is None and self.warehouse_uri is not None
+                and _local_path(self.warehouse_uri) is None):
+            raise SettingsError(
+                f"FACTORY_WAREHOUSE={self.warehouse_uri} puts table data in an object store; "
+                "checkpoints, blobs and built models are files every node opens: set "
+                "FACTORY_SHARED_DIR to a shared filesystem path for them")
+
+    # -- shared state ------------------------------------------------------------------------
+    @property
+    def shared(self) -> Path:
+        """Root of the artifacts several nodes open (``home`` on one machine)."""
+        if self.shared_dir is not None:
+            return self.shared_dir
+        local = _local_path(self.warehouse_uri) if self.warehouse_uri else None
+        return local if local is not None else self.home
 
     @property
-    def catalog_db(self) -> Path:
-        return self.home / "catalog.db"
+    def warehouse_location(self) -> str:
+        """The warehouse as the catalog takes it (a URI)."""
+        if self.warehouse_uri is None:
+            return (self.home / "warehouse").as_uri()
+        local = _local_path(self.warehouse_uri)
+        return local.as_uri() if local is not None else self.warehouse_uri
 
     @property
     def warehouse(self) -> Path:
-        return self.home / "warehouse"
+        """The warehouse as a folder; a ``SettingsError`` when it is in an object store."""
+        if self.warehouse_uri is None:
+            return self.home / "warehouse"
+        local = _local_path(self.warehouse_uri)
+        if local is None:
+            raise SettingsError(f"FACTORY_WAREHOUSE={self.warehouse_uri} is not a folder")
+        return local
 
     @property
     def blobs(self) -> Path:
-        return self.home / "blobs"
+        return self.shared / "blobs"
 
     @property
     def checkpoints(self) -> Path:
-        return self.home / "checkpoints"
+        return self.shared / "checkpoints"
+
+    @property
+    def runs(self) -> Path:
+        """Trainer job files and their data: read by whichever node runs the trainer."""
+        return self.shared / "runs"
+
+    # -- node-local state --------------------------------------------------------------------
+    @property
+    def catalog_db(self) -> Path:
+        """The embedded SQLite catalog (used without ``database_url`` and ``catalog_name``)."""
+        return self.home / "catalog.db"
 
     @property
     def spool(self) -> Path:
@@ -50,20 +142,37 @@ class Settings:
     def dagster_home(self) -> Path:
         return self.home / "dagster"
 
-    @property
-    def runs(self) -> Path:
-        return self.home / "runs"
-
     def ensure(self) -> Settings:
-        for path in (self.home, self.warehouse, self.blobs, self.checkpoints, self.spool,
-                     self.uploads, self.dagster_home, self.runs, self.models_dir):
+        local = [self.home, self.spool, self.uploads, self.dagster_home]
+        shared = [self.blobs, self.checkpoints, self.runs, self.models_dir]
+        if self.catalog_name is None and _local_path(self.warehouse_location) is not None:
+            shared.append(self.warehouse)
+        for path in local + shared:
             path.mkdir(parents=True, exist_ok=True)
         return self
 
 
+def _local_path(location: str) -> Path | None:
+    """``location`` as a folder when it is a plain path or a ``file://`` URI, else None."""
+    parts = urlsplit(location)
+    if parts.scheme == "file":
+        return Path(unquote(parts.path)).absolute()
+    if parts.scheme == "":
+        return Path(location).expanduser().absolute()
+    return None
+
+
 def get_settings() -> Settings:
     """Read the settings from the environment (not cached: tests switch ``FACTORY_HOME``)."""
-    home = Path(os.environ.get("FACTORY_HOME") or ".factory").absolute()
-    experiments = Path(os.environ.get("FACTORY_EXPERIMENTS_DIR") or "experiments").absolute()
-    models = Path(os.environ.get("FACTORY_MODELS_DIR") or home / "models").absolute()
-    return Settings(home=home, experiments_dir=experiments, models_dir=models)
+    env = os.environ
+    home = Path(env.get("FACTORY_HOME") or ".factory").absolute()
+    experiments = Path(env.get("FACTORY_EXPERIMENTS_DIR") or "experiments").absolute()
+    shared_dir = (Path(env["FACTORY_SHARED_DIR"]).expanduser().absolute()
+                  if env.get("FACTORY_SHARED_DIR") else None)
+    settings = Settings(home=home, experiments_dir=experiments, models_dir=home / "models",
+                        database_url=env.get("FACTORY_DATABASE_URL") or None,
+                        catalog_name=env.get("FACTORY_CATALOG") or None,
+                        warehouse_uri=env.get("FACTORY_WAREHOUSE") or None,
+                        shared_dir=shared_dir)
+    models = Path(env.get("FACTORY_MODELS_DIR") or settings.shared / "models").absolute()
+    return replace(settings, models_dir=models)

@@ -1,4 +1,5 @@
-"""Shared fixtures: a fresh ``$FACTORY_HOME`` per test, and base models built once per session.
+"""Shared fixtures: a fresh ``$FACTORY_HOME`` per test, a throwaway PostgreSQL cluster for the
+shared-state tests, and base models built once per session.
 
 Models are cached in ``$FACTORY_TEST_MODELS`` (default ``.cache/test-models`` in the checkout,
 ignored by git) so repeated runs skip the ~20 s GGUF dequantization.
@@ -24,6 +25,8 @@ from pathlib import Path
 import hypothesis  # noqa: F401
 import pytest
 
+from tests.postgres import Cluster, server_bin
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -39,10 +42,43 @@ def factory_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     home = tmp_path / "factory-home"
     home.mkdir()
     monkeypatch.setenv("FACTORY_HOME", str(home))
+    for shared in ("FACTORY_DATABASE_URL", "FACTORY_WAREHOUSE", "FACTORY_SHARED_DIR",
+                   "FACTORY_CATALOG"):
+        monkeypatch.delenv(shared, raising=False)  # the embedded default unless a test says
     monkeypatch.setenv("FACTORY_MODELS_DIR", str(_models_cache()))
     monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))
     (home / "dagster").mkdir()
     yield home
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[Cluster]:
+    """A PostgreSQL cluster for the session (``tests/postgres.py``); skipped only where the
+    server binaries are absent (``make sysdeps`` installs them)."""
+    if server_bin() is None:
+        pytest.skip("no PostgreSQL server binaries (initdb); `make sysdeps` installs them")
+    cluster = Cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture()
+def database_url(postgres_cluster: Cluster) -> str:
+    """The URL of a new, empty database."""
+    return postgres_cluster.new_database()
+
+
+@pytest.fixture()
+def shared_factory(factory_home: Path, database_url: str, tmp_path: Path,
+                   monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``factory_home`` with its shared state in PostgreSQL and a shared warehouse folder
+    (returned)."""
+    warehouse = tmp_path / "shared-warehouse"
+    monkeypatch.setenv("FACTORY_DATABASE_URL", database_url)
+    monkeypatch.setenv("FACTORY_WAREHOUSE", str(warehouse))
+    return warehouse
 
 
 @pytest.fixture(scope="session")

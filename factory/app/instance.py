@@ -4,6 +4,11 @@ The instance lives in ``$FACTORY_HOME/dagster`` (``$DAGSTER_HOME`` wins when set
 ``dagster.yaml`` is written once, when missing: runs queue and the daemon launches them, one
 ``checkpoint_evals`` at a time (each boots an inference server; two on 2 cores slow each other
 and the training run), checked every second so a chain's steps follow each other quickly.
+With ``FACTORY_DATABASE_URL`` set, it also puts the run, event-log and schedule storage in that
+PostgreSQL database (``dagster-postgres``, the URL read from the variable, never written to the
+file), so a daemon, a webserver and run workers on different nodes share one instance; compute
+logs stay in the node's Dagster home. A ``dagster.yaml`` whose storage disagrees with the setting
+is an error, not rewritten: the runs it recorded would vanish from view.
 
 ``ensure_daemon`` is what ``factory run`` and ``factory demo`` call: a daemon already working
 for the instance (``factory ui``'s, or a deployment's ``dagster-daemon``) is used as it is;
@@ -32,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.errors import FactoryError
-from factory.settings import get_settings
+from factory.settings import Settings, get_settings
 
 CODE_LOCATION = "factory.definitions"
 """The module ``workspace.yaml``, ``factory ui`` and the daemon load the definitions from."""
@@ -62,15 +67,61 @@ telemetry:
   enabled: false
 """
 
+POSTGRES_STORAGE = """storage:
+  postgres:
+    postgres_url:
+      env: FACTORY_DATABASE_URL
+"""
+"""Run, event-log and schedule storage in ``FACTORY_DATABASE_URL`` (read when the instance
+loads, in every process of it)."""
+
+
+def instance_config(settings: Settings) -> str:
+    """The ``dagster.yaml`` the factory writes for ``settings``."""
+    return INSTANCE_CONFIG + (POSTGRES_STORAGE if settings.database_url else "")
+
+
+def storage_in_database(config: Path) -> bool | None:
+    """Whether ``config`` keeps storage in ``FACTORY_DATABASE_URL`` (True), in SQLite under the
+    Dagster home (False), or somewhere of its own choosing (None: another database or URL)."""
+    import yaml
+
+    storage = (yaml.safe_load(config.read_text()) or {}).get("storage")
+    if storage is None:
+        return False
+    url = storage.get("postgres", {}).get("postgres_url") if isinstance(storage, dict) else None
+    if url == {"env": "FACTORY_DATABASE_URL"}:
+        return True
+    return None
+
 
 def dagster_home() -> Path:
     settings = get_settings().ensure()
     os.environ.setdefault("DAGSTER_HOME", str(settings.dagster_home))
     home = Path(os.environ["DAGSTER_HOME"])
     config = home / "dagster.yaml"
-    if home == settings.dagster_home and not config.exists():
-        config.write_text(INSTANCE_CONFIG)
+    if home == settings.dagster_home:
+        if not config.exists():
+            config.write_text(instance_config(settings))
+        else:
+            check_storage(config, settings)
     return home
+
+
+def check_storage(config: Path, settings: Settings) -> None:
+    """A ``FactoryError`` when ``config`` and ``FACTORY_DATABASE_URL`` disagree on where
+    Dagster's storage is."""
+    shared = storage_in_database(config)
+    if settings.database_url and shared is False:
+        raise FactoryError(
+            f"FACTORY_DATABASE_URL is set, but {config} keeps Dagster's runs in SQLite under "
+            f"{config.parent}; they are not moved silently. Add to it:\n{POSTGRES_STORAGE}"
+            f"or remove it to have it written with that storage (the SQLite history stays "
+            f"where it is, out of view), or unset FACTORY_DATABASE_URL")
+    if not settings.database_url and shared is True:
+        raise FactoryError(
+            f"{config} keeps Dagster's storage in the database named by FACTORY_DATABASE_URL, "
+            f"which is not set: set it, or remove the file for an embedded SQLite instance")
 
 
 def instance() -> Any:
