@@ -2,11 +2,15 @@
 
 For a few eval samples, the trainer's view (``factory.trainer.chat.encode`` with the checkpoint's
 tokenizer, the trainer's ``CausalLMLoss.token_losses`` on base + adapter) is compared with the
-server's (``POST /v1/score``: the conversation rendered by the server with the chat template it
-uses for that model, tokenized and scored). The token ids must be identical, and the
-log-probabilities of the trained (assistant) tokens must agree within ``atol``. A checkpoint
-whose chat template, tokenizer or special tokens differ from training fails with the first
-point of difference spelled out.
+server's, asked only what a stock ``vllm serve`` answers (docs/serving-protocol.md):
+
+1. the token ids of the conversation as the server renders it with the chat template it uses
+   for that model (a chat completion with ``add_generation_prompt: false`` and
+   ``return_token_ids``) must be the trainer's ids; a checkpoint whose chat template, tokenizer
+   or special tokens differ from training fails here with the first point of difference;
+2. the log-probabilities the server gives the trainer's own token ids (a text completion whose
+   prompt is those ids, with ``echo`` and ``logprobs``) must agree with the trainer's within
+   ``atol`` on the trained (assistant) tokens.
 
 Default tolerance: both sides run fp32 on CPU here, where the only differences are summation
 order (measured ~1e-5); 1e-3 leaves room without hiding a real mismatch, which moves log-probs
@@ -94,6 +98,7 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
     trainer's view of ``checkpoint_dir`` on ``samples`` (canonical, reference answer last)."""
     from factory.evals.runner import to_openai_messages, to_openai_tools
     from factory.trainer.chat import IGNORE_INDEX
+    from factory.trainer.model import load_tokenizer
 
     if not samples:
         raise ValueError("check_equivalence: needs at least one sample")
@@ -101,27 +106,27 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
     problems: list[str] = []
     max_diff: float | None = None
     num_tokens = 0
+    tok: Any = None  # the checkpoint's tokenizer, loaded to spell out a mismatch
     for k, (s, (ids, labels, lps)) in enumerate(zip(samples, views, strict=True)):
-        served = client.score(model, to_openai_messages(s["messages"]),
-                              to_openai_tools(s.get("tools")))
-        got = list(served["token_ids"])
+        got = client.rendered_ids(model, to_openai_messages(s["messages"]),
+                                  to_openai_tools(s.get("tools")) or None)
         if got != ids:
             i = next((j for j, (a, b) in enumerate(zip(got, ids, strict=False)) if a != b),
                      min(len(got), len(ids)))
-            tokens = served.get("tokens") or []
+            tok = tok or load_tokenizer(checkpoint_dir)
             problems.append(
                 f"sample {k}: the server renders different tokens than the trainer "
                 f"(first difference at token {i} of {len(ids)}: server "
-                f"{tokens[i] if i < len(tokens) else '<end>'!r} vs trainer id "
-                f"{ids[i] if i < len(ids) else '<end>'}; server text starts "
-                f"{served.get('text', '')[:80]!r}) -- chat template or tokenizer mismatch")
+                f"{_token(tok, got, i)} vs trainer {_token(tok, ids, i)}; the server's text "
+                f"from there {tok.decode(got[i:i + 16])!r}) -- chat template or tokenizer "
+                "mismatch")
             continue
+        served = client.prompt_logprobs(model, ids)
         diffs = []
         for i in range(len(ids) - 1):
             if labels[i + 1] == IGNORE_INDEX:
                 continue
-            theirs = served["logprobs"][i + 1]
-            diffs.append(abs(float(theirs) - lps[i]))
+            diffs.append(abs(served[i] - lps[i]))
         num_tokens += len(diffs)
         worst = max(diffs) if diffs else 0.0
         max_diff = worst if max_diff is None else max(max_diff, worst)
@@ -132,3 +137,10 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
     return EquivalenceResult(passed=not problems, num_samples=len(samples),
                              num_tokens=num_tokens, max_abs_diff=max_diff, atol=atol,
                              problems=problems)
+
+
+def _token(tok: Any, ids: list[int], i: int) -> str:
+    """Token ``i`` of ``ids`` as ``id (text)``, or ``<end>`` past the last."""
+    if i >= len(ids):
+        return "<end>"
+    return f"{ids[i]} ({tok.convert_ids_to_tokens(ids[i])!r})"

@@ -1,7 +1,11 @@
 """A small synchronous client for the servers ``InferenceServer`` starts (CPU server or vLLM).
 
 Plain httpx, so it also works against the gateway or any OpenAI-compatible endpoint; the
-official ``openai`` SDK works against the same servers (tests/inference checks it).
+official ``openai`` SDK works against the same servers (tests/inference checks it). It sends only
+the requests of the serving protocol (``factory.inference.contract``, docs/serving-protocol.md)
+and reads only the fields written there, so what works against the CPU server works against
+``vllm serve`` (tests/inference/test_client_contract.py runs it against a stand-in that serves
+exactly those shapes).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 import httpx
 
 from factory.errors import FactoryError
+from factory.inference.contract import TOKEN_ID_PREFIX
 
 
 class InferenceClientError(FactoryError):
@@ -20,7 +25,7 @@ class InferenceClientError(FactoryError):
 
 
 class InferenceClient:
-    """OpenAI-compatible calls plus vLLM's adapter endpoints and the CPU server's ``/v1/score``."""
+    """OpenAI-compatible calls plus vLLM's adapter endpoints and extra parameters."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None,
                  timeout_s: float = 600.0) -> None:
@@ -70,11 +75,51 @@ class InferenceClient:
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
             return list(pool.map(one, conversations))
 
-    def score(self, model: str, messages: list[dict[str, Any]],
-              tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """Per-token log-probs of the whole conversation as the server renders it."""
-        body: dict[str, Any] = {"model": model, "messages": messages}
-        if tools:
-            body["tools"] = tools
-        result: dict[str, Any] = self._post("/score", body).json()
+    def complete(self, model: str, prompt: str | Sequence[int], *, max_tokens: int = 16,
+                 **extra: Any) -> dict[str, Any]:
+        """One text completion of ``prompt`` (text, or token ids used as they are) (the full
+        response object)."""
+        body: dict[str, Any] = {"model": model, "prompt": prompt if isinstance(prompt, str)
+                                else list(prompt), "max_tokens": max_tokens, "temperature": 0,
+                                **extra}
+        result: dict[str, Any] = self._post("/completions", body).json()
         return result
+
+    def rendered_ids(self, model: str, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids of the whole conversation as the server renders it for ``model``: a
+        chat completion with vLLM's ``add_generation_prompt: false`` (the conversation ends
+        with its last message, as in training) and ``return_token_ids`` (the response's
+        ``prompt_token_ids``); the one generated token is not read."""
+        body: dict[str, Any] = {"add_generation_prompt": False, "return_token_ids": True}
+        out = self.chat(model, messages, tools=tools, max_tokens=1, **body)
+        ids = out.get("prompt_token_ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise InferenceClientError(
+                "POST /chat/completions: no prompt_token_ids in the response to "
+                "return_token_ids (vLLM returns them since 0.10.2)")
+        return ids
+
+    def prompt_logprobs(self, model: str, token_ids: Sequence[int]) -> list[float]:
+        """``out[i]``: the log-probability of ``token_ids[i + 1]`` given ``token_ids[:i + 1]``,
+        as ``model`` on the server computes it (one fewer than the ids: the first token has
+        none). Asked as a text completion of the ids with ``echo``, ``logprobs`` and
+        ``max_tokens: 0``: the ids are the prompt, so the server scores exactly these tokens,
+        and they are echoed back as ids (``return_tokens_as_token_ids``) to prove it."""
+        ids = list(token_ids)
+        out = self.complete(model, ids, max_tokens=0, echo=True, logprobs=1,
+                            return_tokens_as_token_ids=True)
+        lp = (out.get("choices") or [{}])[0].get("logprobs") or {}
+        tokens, values = lp.get("tokens"), lp.get("token_logprobs")
+        if not isinstance(tokens, list) or not isinstance(values, list) \
+                or len(tokens) < len(ids) or len(values) < len(ids) \
+                or not all(isinstance(v, int | float) for v in values[1:len(ids)]):
+            raise InferenceClientError(
+                "POST /completions: the response to echo + logprobs has no log-prob for every "
+                f"prompt token after the first ({len(ids)} sent)")
+        echoed = [t[len(TOKEN_ID_PREFIX):] if isinstance(t, str) else t
+                  for t in tokens[:len(ids)]]
+        if echoed != [str(t) for t in ids]:
+            raise InferenceClientError("POST /completions: the server echoed other tokens than "
+                                       "the prompt's ids it was sent")
+        return [float(v) for v in values[1:len(ids)]]

@@ -15,7 +15,6 @@ batched together by ``BatchScheduler``; the model itself is used by one thread a
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -71,8 +70,23 @@ class GenerationResult:
     """``stop`` (end-of-turn token or stop string) or ``length``."""
     num_prompt_tokens: int
     """Prompt length in tokens."""
-    logprobs: list[dict[str, Any]] | None = None
-    """Per generated token: ``token``, ``logprob``, ``bytes``, ``top_logprobs`` (OpenAI shape)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per generated token: its log-prob, rank and the most likely alternatives (when asked)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenLogprob:
+    """One position's log-probs, as vLLM's engine reports them (the server writes them in the
+    response's shape, ``factory.inference.contract``)."""
+
+    token_id: int
+    """The token at this position (generated, or given in the prompt)."""
+    logprob: float
+    """Its log-probability given the tokens before it."""
+    rank: int
+    """1 + the number of tokens more likely than it at this position."""
+    top: list[tuple[int, float]] = field(default_factory=list)
+    """The k most likely tokens at this position and their log-probs, most likely first."""
 
 
 def _load_tokenizer(path: str | Path, template: str | None) -> Any:
@@ -212,7 +226,17 @@ class Engine:
         return str(text)
 
     def encode(self, model: str, text: str) -> list[int]:
-        ids = list(self.tokenizer_for(model)(text, add_special_tokens=False)["input_ids"])
+        return self.check_prompt(
+            model, list(self.tokenizer_for(model)(text, add_special_tokens=False)["input_ids"]))
+
+    def check_prompt(self, model: str, ids: list[int]) -> list[int]:
+        """``ids`` if ``model`` can take them as a prompt, else ``EngineError`` saying why."""
+        vocab = len(self.tokenizer_for(model))
+        if not ids:
+            raise EngineError("prompt: must not be empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise EngineError(f"prompt: token id {bad} is not in the vocabulary ({vocab} tokens)")
         if len(ids) >= self.max_model_len:
             raise EngineError(f"This model's maximum context length is {self.max_model_len} "
                               f"tokens; the prompt has {len(ids)}.")
@@ -226,18 +250,22 @@ class Engine:
             ids.add(im_end)
         return {i for i in ids if i is not None}
 
-    # --- scoring ------------------------------------------------------------------------------
+    # --- prompt log-probs --------------------------------------------------------------------
 
     @torch.no_grad()
-    def score(self, model: str, token_ids: list[int]) -> list[float | None]:
-        """Log-probability of each token given the ones before it (None for the first)."""
+    def prompt_logprobs(self, model: str, token_ids: list[int], k: int = 0
+                        ) -> list[TokenLogprob | None]:
+        """Each prompt token's log-prob given the ones before it, with its rank and the ``k``
+        most likely tokens there; None for the first token (nothing precedes it)."""
         if not token_ids:
-            raise EngineError("nothing to score")
+            raise EngineError("prompt: must not be empty")
         with self.lock, self._forward_model(model):
             ids = torch.tensor([token_ids])
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
-        return [None, *lp.tolist()]
+        lsm = torch.log_softmax(logits, dim=-1)
+        out: list[TokenLogprob | None] = [None]
+        out += [_token_logprob(lsm[i], token_ids[i + 1], k) for i in range(len(token_ids) - 1)]
+        return out
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -264,7 +292,7 @@ class Engine:
         texts = [""] * n
         emitted = [0] * n
         finish: list[str | None] = [None] * n
-        logprobs: list[list[dict[str, Any]]] = [[] for _ in requests]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
         budget = [min(r.max_tokens, self.max_model_len - len(r.prompt_ids)) for r in requests]
         for i in range(n):
             if budget[i] <= 0:
@@ -291,7 +319,7 @@ class Engine:
                     out_ids[i].append(t)
                     if r.top_logprobs is not None:
                         assert lsm is not None
-                        logprobs[i].append(_logprob_entry(tok, lsm[i], t, r.top_logprobs))
+                        logprobs[i].append(_token_logprob(lsm[i], t, r.top_logprobs))
                     if t in stops:
                         finish[i] = "stop"
                         continue
@@ -340,20 +368,15 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float,
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def _token_entry(tok: Any, token_id: int, logprob: float) -> dict[str, Any]:
-    text = tok.decode([token_id], skip_special_tokens=False)
-    return {"token": text, "logprob": logprob if math.isfinite(logprob) else -9999.0,
-            "bytes": list(text.encode("utf-8"))}
-
-
-def _logprob_entry(tok: Any, lsm: torch.Tensor, token_id: int, k: int) -> dict[str, Any]:
-    entry = _token_entry(tok, token_id, float(lsm[token_id]))
-    entry["top_logprobs"] = []
+def _token_logprob(lsm: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """``token_id``'s entry at a position whose log-softmax is ``lsm``."""
+    lp = float(lsm[token_id])
+    top: list[tuple[int, float]] = []
     if k > 0:
         values, idx = torch.topk(lsm, k)
-        entry["top_logprobs"] = [_token_entry(tok, int(j), float(v))
-                                 for v, j in zip(values, idx, strict=True)]
-    return entry
+        top = [(int(j), float(v)) for v, j in zip(values, idx, strict=True)]
+    return TokenLogprob(token_id=token_id, logprob=lp, rank=int((lsm > lsm[token_id]).sum()) + 1,
+                        top=top)
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

@@ -1,6 +1,10 @@
-"""The CPU server's HTTP API: the OpenAI-compatible subset vLLM serves, plus one factory endpoint.
+"""The CPU server's HTTP API: the part of vLLM's OpenAI-compatible server the factory uses.
 
-- ``GET /health``: 200 once the model is loaded.
+``docs/serving-protocol.md`` is the contract (vLLM's documentation cited there) and
+``factory.inference.contract`` holds its shapes; tests/inference/test_contract.py checks this
+server against them.
+
+- ``GET /health``: 200 with an empty body once the model is loaded (as vLLM answers).
 - ``GET /v1/models``: the base model (``--served-model-name``) and every loaded adapter.
 - ``POST /v1/chat/completions``: streaming (SSE, ``stream_options.include_usage``) and not;
   ``max_tokens``/``max_completion_tokens``, ``temperature``/``top_p``/``seed``, ``stop``,
@@ -10,14 +14,19 @@
   ``"tool_calls"``), streamed as OpenAI streams tool-call deltas; a malformed call is returned
   as content. ``factory.inference.protocol`` says how, and how a request's messages become the
   canonical conversation that is rendered. Any other ``tool_choice`` is served as ``"auto"``:
-  generation is not constrained.
+  generation is not constrained. vLLM's extra parameters ``add_generation_prompt`` (default
+  true), ``return_token_ids`` (the response's ``prompt_token_ids`` and ``choices[0].token_ids``)
+  and ``prompt_logprobs`` (non-streamed) are honoured: the equivalence gate reads the rendered
+  prompt's token ids with them.
+- ``POST /v1/completions``: one prompt, text or token ids, not streamed; ``max_tokens``
+  (default 16; 0 only with ``echo``), ``echo``, ``logprobs`` (the OpenAI legacy shape:
+  ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``, prompt tokens included with
+  ``echo``), ``temperature``/``top_p``/``seed``, ``stop``, and vLLM's ``prompt_logprobs``,
+  ``return_token_ids`` and ``return_tokens_as_token_ids``. The equivalence gate scores the
+  trainer's token ids with ``echo`` + ``logprobs``.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and
   ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: vLLM's runtime LoRA API, same bodies, same
   plain-text success replies.
-- ``POST /v1/score`` (factory-specific) ``{"model", "messages", "tools"?}``: renders the whole
-  conversation with the model's chat template (no generation prompt) and returns
-  ``{"model", "text", "token_ids", "tokens", "logprobs"}``, the log-probability of every token
-  given the ones before it (``null`` for the first). The train/serve equivalence check reads it.
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "code"}}``.
 """
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,7 +47,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from factory.inference.engine import BatchScheduler, Engine, EngineError, GenerationRequest
+from factory.inference.contract import TOKEN_ID_PREFIX
+from factory.inference.engine import (
+    BatchScheduler,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    TokenLogprob,
+)
 from factory.inference.protocol import (
     FIRST_DELTA,
     ReplyStream,
@@ -90,6 +107,95 @@ def _float(body: dict[str, Any], name: str, default: float, lo: float, hi: float
     return float(v)
 
 
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise EngineError(f"{name}: must be a boolean, got {v!r}")
+    return v
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of a chat or text completion request, as ``GenerationRequest``'s."""
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise EngineError("stop: must be a string or a list of strings")
+    if _int(body, "n", 1, 1) != 1:
+        raise EngineError("n: only 1 is supported")
+    return {"temperature": _float(body, "temperature", 0.0, 0.0, 2.0),
+            "top_p": _float(body, "top_p", 1.0, 0.0, 1.0), "seed": _int(body, "seed", None, 0),
+            "stop": stop}
+
+
+def _finite(logprob: float) -> float:
+    """-inf written as OpenAI and vLLM write it (JSON has no infinity)."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _token_text(tok: Any, token_id: int) -> str:
+    return str(tok.decode([token_id], skip_special_tokens=False))
+
+
+def _chat_logprob(tok: Any, e: TokenLogprob) -> dict[str, Any]:
+    """One generated token in a chat response's ``logprobs.content``."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tok, token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {**entry(e.token_id, e.logprob),
+            "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+
+
+def _prompt_logprobs(tok: Any, entries: list[TokenLogprob | None]) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: null for the first token, then per token a map from token
+    id to ``{logprob, rank, decoded_token}``, the prompt's own token first."""
+    out: list[Any] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": _finite(e.logprob), "rank": e.rank,
+                               "decoded_token": _token_text(tok, e.token_id)}}
+        for rank, (t, lp) in enumerate(e.top, start=1):
+            d.setdefault(str(t), {"logprob": _finite(lp), "rank": rank,
+                                  "decoded_token": _token_text(tok, t)})
+        out.append(d)
+    return out
+
+
+def _completion_logprobs(tok: Any, ids: list[int], entries: list[TokenLogprob | None], k: int,
+                         *, as_ids: bool) -> dict[str, Any]:
+    """The OpenAI legacy ``logprobs`` of a text completion over ``ids`` (with ``echo``, the
+    prompt's tokens too, the first one without a log-prob): the token itself and then the ``k``
+    most likely at each position in ``top_logprobs``, as vLLM fills it."""
+    def name(token_id: int) -> str:
+        return f"{TOKEN_ID_PREFIX}{token_id}" if as_ids else _token_text(tok, token_id)
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    pos = 0
+    for token_id, e in zip(ids, entries, strict=True):
+        tokens.append(name(token_id))
+        offsets.append(pos)
+        pos += len(tokens[-1])
+        if e is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_finite(e.logprob))
+        top = {tokens[-1]: _finite(e.logprob)}
+        for t, lp in e.top[:k]:
+            top.setdefault(name(t), _finite(lp))
+        top_logprobs.append(top)
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+            "top_logprobs": top_logprobs}
+
+
 def _prompt(engine: Engine, model: str, body: dict[str, Any], *,
             add_generation_prompt: bool) -> tuple[str, bool]:
     """The request's conversation rendered for ``model``, and whether it declared tools."""
@@ -112,7 +218,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
     created = int(time.time())
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return Response(status_code=200)
 
     async def models(request: Request) -> Response:
         data = [{"id": engine.served_model_name, "object": "model", "created": created,
@@ -142,42 +248,26 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
             return _error(400, str(e))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    async def score(request: Request) -> Response:
-        try:
-            body = await _body(request)
-            model = _str(body, "model")
-            text, _ = _prompt(engine, model, body, add_generation_prompt=False)
-            ids = engine.encode(model, text)
-            lps = await asyncio.to_thread(engine.score, model, ids)
-        except (EngineError, NormalizeError) as e:
-            return _request_error(e)
-        tok = engine.tokenizer_for(model)
-        return JSONResponse({"model": model, "text": text, "token_ids": ids,
-                             "tokens": tok.convert_ids_to_tokens(ids), "logprobs": lps})
-
     async def chat(request: Request) -> Response:
         try:
             body = await _body(request)
             model = _str(body, "model")
-            if _int(body, "n", 1, 1) != 1:
-                raise EngineError("n: only 1 is supported")
             max_tokens = _int(body, "max_completion_tokens", None, 1)
             max_tokens = _int(body, "max_tokens", max_tokens or DEFAULT_MAX_TOKENS, 1)
             assert max_tokens is not None
-            stop = body.get("stop") or []
-            if isinstance(stop, str):
-                stop = [stop]
-            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-                raise EngineError("stop: must be a string or a list of strings")
             top_logprobs: int | None = None
             if body.get("logprobs"):
                 top_logprobs = _int(body, "top_logprobs", 0, 0)
-            prompt, has_tools = _prompt(engine, model, body, add_generation_prompt=True)
-            req = GenerationRequest(
-                model=model, prompt_ids=engine.encode(model, prompt), max_tokens=max_tokens,
-                temperature=_float(body, "temperature", 0.0, 0.0, 2.0),
-                top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
-                seed=_int(body, "seed", None, 0), stop=stop, top_logprobs=top_logprobs)
+            return_ids = _bool(body, "return_token_ids", False)
+            prompt_lps = _int(body, "prompt_logprobs", None, 0)
+            if prompt_lps is not None and body.get("stream"):
+                raise EngineError("prompt_logprobs: not available when stream is true")
+            prompt, has_tools = _prompt(
+                engine, model, body,
+                add_generation_prompt=_bool(body, "add_generation_prompt", True))
+            req = GenerationRequest(model=model, prompt_ids=engine.encode(model, prompt),
+                                    max_tokens=max_tokens, top_logprobs=top_logprobs,
+                                    **_sampling(body))
         except (EngineError, NormalizeError) as e:
             return _request_error(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -185,24 +275,98 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
         tool_calls = has_tools and body.get("tool_choice") != "none"
         if body.get("stream"):
             return _stream(req, rid, now, tool_calls,
-                           bool((body.get("stream_options") or {}).get("include_usage")))
+                           bool((body.get("stream_options") or {}).get("include_usage")),
+                           req.prompt_ids if return_ids else None)
         result = await asyncio.wrap_future(scheduler.submit(req))
         if tool_calls:
             message, finish = reply_message(result.text, result.finish_reason)
         else:
             message = {"role": "assistant", "content": result.text}
             finish = result.finish_reason
+        tok = engine.tokenizer_for(model)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish,
                                   "logprobs": None}
         if result.logprobs is not None:
-            choice["logprobs"] = {"content": result.logprobs}
-        return JSONResponse({
+            choice["logprobs"] = {"content": [_chat_logprob(tok, e) for e in result.logprobs]}
+        out: dict[str, Any] = {
             "id": rid, "object": "chat.completion", "created": now, "model": model,
             "choices": [choice], "usage": _usage(result.num_prompt_tokens,
-                                                 len(result.token_ids))})
+                                                 len(result.token_ids))}
+        if return_ids:
+            choice["token_ids"] = result.token_ids
+            out["prompt_token_ids"] = req.prompt_ids
+        if prompt_lps is not None:
+            entries = await asyncio.to_thread(engine.prompt_logprobs, model, req.prompt_ids,
+                                              prompt_lps)
+            out["prompt_logprobs"] = _prompt_logprobs(tok, entries)
+        return JSONResponse(out)
+
+    async def completions(request: Request) -> Response:
+        try:
+            body = await _body(request)
+            model = _str(body, "model")
+            tok = engine.tokenizer_for(model)
+            if body.get("stream"):
+                raise EngineError("stream: text completions are not streamed by this server")
+            prompt = body.get("prompt")
+            if isinstance(prompt, str) and prompt:
+                ids = engine.encode(model, prompt)
+            elif isinstance(prompt, list) and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                ids = engine.check_prompt(model, list(prompt))
+            else:
+                raise EngineError("prompt: must be a non-empty string or a list of token ids "
+                                  "(one prompt per request)")
+            echo = _bool(body, "echo", False)
+            max_tokens = _int(body, "max_tokens", 16, 0)
+            assert max_tokens is not None
+            if max_tokens == 0 and not echo:
+                raise EngineError("max_tokens: 0 is only allowed with echo")
+            logprobs = _int(body, "logprobs", None, 0)
+            prompt_lps = _int(body, "prompt_logprobs", None, 0)
+            return_ids = _bool(body, "return_token_ids", False)
+            as_ids = _bool(body, "return_tokens_as_token_ids", False)
+            sampling = _sampling(body)
+        except (EngineError, NormalizeError) as e:
+            return _request_error(e)
+        # vLLM computes the prompt's log-probs for prompt_logprobs, or for echo with logprobs.
+        prompt_k = prompt_lps if prompt_lps is not None else logprobs if echo else None
+        prompt_entries: list[TokenLogprob | None] = []
+        if prompt_k is not None:
+            prompt_entries = await asyncio.to_thread(engine.prompt_logprobs, model, ids,
+                                                     prompt_k)
+        gen_ids: list[int] = []
+        gen_entries: list[TokenLogprob] = []
+        text, finish = "", "length"
+        if max_tokens > 0:
+            result = await asyncio.wrap_future(scheduler.submit(GenerationRequest(
+                model=model, prompt_ids=ids, max_tokens=max_tokens, top_logprobs=logprobs,
+                **sampling)))
+            gen_ids, text, finish = result.token_ids, result.text, result.finish_reason
+            gen_entries = result.logprobs or []
+        if echo:
+            text = (prompt if isinstance(prompt, str)
+                    else str(tok.decode(ids, skip_special_tokens=False))) + text
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                  "finish_reason": finish, "stop_reason": None}
+        if logprobs is not None:
+            shown: list[int] = [*ids, *gen_ids] if echo else gen_ids
+            entries: list[TokenLogprob | None] = (
+                [*prompt_entries, *gen_entries] if echo else list(gen_entries))
+            choice["logprobs"] = _completion_logprobs(tok, shown, entries, logprobs,
+                                                      as_ids=as_ids)
+        if prompt_k is not None:
+            choice["prompt_logprobs"] = _prompt_logprobs(tok, prompt_entries)
+        if return_ids:
+            choice["prompt_token_ids"] = ids
+            choice["token_ids"] = gen_ids
+        return JSONResponse({
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": _usage(len(ids), len(gen_ids))})
 
     def _stream(req: GenerationRequest, rid: str, now: int, tool_calls: bool,
-                include_usage: bool) -> StreamingResponse:
+                include_usage: bool, prompt_token_ids: list[int] | None) -> StreamingResponse:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -227,7 +391,12 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
             return "data: " + json.dumps(obj) + "\n\n"
 
         async def events() -> Any:
-            yield chunk(dict(FIRST_DELTA) if reply else {"role": "assistant", "content": ""})
+            first = chunk(dict(FIRST_DELTA) if reply else {"role": "assistant", "content": ""})
+            if prompt_token_ids is not None:  # vLLM sends them with the first chunk only
+                obj = json.loads(first[len("data: "):])
+                first = "data: " + json.dumps({**obj, "prompt_token_ids": prompt_token_ids}) \
+                    + "\n\n"
+            yield first
             while True:
                 kind, value = await deltas.get()
                 if kind == "delta":
@@ -268,7 +437,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
-        Route("/v1/score", score, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
     ], lifespan=lifespan)
     return app
 

@@ -2,9 +2,9 @@
 
 vLLM runs where a GPU exists (it is not installed on CPU machines), so this module only builds
 the argv; ``InferenceServer`` runs it the same way it runs the CPU server, and both speak the
-same API (OpenAI-compatible plus ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``;
-the latter need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in the environment, see
-``VLLM_ENV``).
+same API (docs/serving-protocol.md: the OpenAI-compatible chat and text completions, ``/v1/models``,
+``/health``, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; the latter two need
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in the environment, see ``VLLM_ENV``).
 
 Tool calls are served as the CPU server serves them: ``--enable-auto-tool-choice`` with vLLM's
 ``hermes`` parser, which reads exactly the trainer's call format (``<tool_call>``, a JSON object
@@ -69,16 +69,23 @@ def lora_rank_bucket(rank: int) -> int:
 
 
 def vllm_serve_command(sizing: ServeSizing, model: str, adapters: Mapping[str, str] | None = None,
-                       *, served_model_name: str | None = None, host: str = "127.0.0.1",
-                       port: int = 8000, chat_template: str | None = None,
+                       *, chat_template: str, served_model_name: str | None = None,
+                       host: str = "127.0.0.1", port: int = 8000,
                        executable: str = "vllm") -> list[str]:
-    """``vllm serve MODEL ...`` as argv: LoRA enabled (adapters also hot-loadable later), the
-    sizing's limits, tool calls parsed (``TOOL_CALL_PARSER``), ``chat_template`` (a file) when
-    given, and the adapters as ``--lora-modules name=path``."""
+    """``vllm serve MODEL ...`` as argv: the name clients ask for (``--served-model-name``,
+    default ``model``), ``--chat-template`` (a file holding the template the model was trained
+    with: without it vLLM renders with the tokenizer's own, which for SmolLM2 knows no tools),
+    tool calls parsed by ``TOOL_CALL_PARSER``, LoRA enabled (adapters also hot-loadable later),
+    the sizing's limits, and the adapters as ``--lora-modules name=path``."""
     sizing.validate()
+    if not chat_template:
+        raise ValueError("chat_template: the file of the template the model was trained with "
+                         "is required")
     cmd = [executable, "serve", model,
            "--host", host, "--port", str(port),
            "--served-model-name", served_model_name or model,
+           "--chat-template", chat_template,
+           "--enable-auto-tool-choice", "--tool-call-parser", TOOL_CALL_PARSER,
            "--dtype", sizing.dtype,
            "--max-model-len", str(sizing.max_model_len),
            "--gpu-memory-utilization", str(sizing.gpu_memory_utilization),
@@ -86,10 +93,7 @@ def vllm_serve_command(sizing: ServeSizing, model: str, adapters: Mapping[str, s
            "--tensor-parallel-size", str(sizing.tensor_parallel_size),
            "--enable-lora",
            "--max-lora-rank", str(sizing.max_lora_rank),
-           "--max-loras", str(sizing.max_loras),
-           "--enable-auto-tool-choice", "--tool-call-parser", TOOL_CALL_PARSER]
-    if chat_template:
-        cmd += ["--chat-template", chat_template]
+           "--max-loras", str(sizing.max_loras)]
     if adapters:
         cmd.append("--lora-modules")
         cmd += [f"{name}={path}" for name, path in adapters.items()]

@@ -183,12 +183,11 @@ def test_a_multi_turn_request_renders_as_in_training(cpu_server: InferenceServer
     messages, tools = canonical_request(AGENT_TURN, TOOLS)
     assert messages[1]["tool_calls"][0]["arguments"] == '{"city":"Zürich"}'
     assert messages[2]["content"][0]["text"] == '{"sky":"sunny","temp_c":21}'
-    scored = httpx.post(cpu_server.base_url + "/score",
-                        json={"model": "base", "messages": AGENT_TURN, "tools": TOOLS},
-                        timeout=120).json()
-    assert scored["text"] == render(messages, tools)
-    # The chat prompt is the trainer's rendering with the generation prompt, token for token.
     tok = load_tokenizer(str(tiny_model_dir))
+    # Without the generation prompt the server renders the conversation as the trainer does ...
+    rendered = cpu_server.client().rendered_ids("base", AGENT_TURN, TOOLS)
+    assert rendered == tok(render(messages, tools), add_special_tokens=False)["input_ids"]
+    # ... and the chat prompt is the trainer's rendering with the generation prompt.
     prompt = tok(render(messages, tools, add_generation_prompt=True),
                  add_special_tokens=False)["input_ids"]
     full = _sdk(cpu_server).chat.completions.create(model="base", messages=AGENT_TURN,

@@ -20,19 +20,24 @@ def test_vllm_serve_argv() -> None:
     sizing = ServeSizing(gpu_memory_utilization=0.85, max_num_seqs=32, tensor_parallel_size=2,
                          max_model_len=2048, max_lora_rank=16, max_loras=2)
     cmd = vllm_serve_command(sizing, "/models/smollm2", {"demo-step-40": "/ckpt/step-40"},
-                             served_model_name="base", host="0.0.0.0", port=8123)
+                             chat_template="/t.jinja", served_model_name="base", host="0.0.0.0",
+                             port=8123)
     assert cmd == ["vllm", "serve", "/models/smollm2", "--host", "0.0.0.0", "--port", "8123",
-                   "--served-model-name", "base", "--dtype", "auto", "--max-model-len", "2048",
+                   "--served-model-name", "base", "--chat-template", "/t.jinja",
+                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                   "--dtype", "auto", "--max-model-len", "2048",
                    "--gpu-memory-utilization", "0.85", "--max-num-seqs", "32",
                    "--tensor-parallel-size", "2", "--enable-lora", "--max-lora-rank", "16",
-                   "--max-loras", "2", "--enable-auto-tool-choice", "--tool-call-parser",
-                   "hermes", "--lora-modules", "demo-step-40=/ckpt/step-40"]
+                   "--max-loras", "2", "--lora-modules", "demo-step-40=/ckpt/step-40"]
 
 
-def test_no_adapters_and_chat_template() -> None:
+def test_no_adapters_and_the_chat_template_is_required() -> None:
     cmd = vllm_serve_command(ServeSizing(), "m", chat_template="/t.jinja")
-    assert "--lora-modules" not in cmd and cmd[-2:] == ["--chat-template", "/t.jinja"]
+    assert "--lora-modules" not in cmd
     assert "--enable-lora" in cmd  # adapters can still be hot-loaded later
+    assert cmd[cmd.index("--served-model-name") + 1] == "m"
+    with pytest.raises(ValueError, match="chat_template"):
+        vllm_serve_command(ServeSizing(), "m", chat_template="")
 
 
 def test_the_launcher_serves_vllm_with_the_trainers_chat_template(factory_home: Path) -> None:
@@ -54,7 +59,8 @@ def test_the_launcher_serves_vllm_with_the_trainers_chat_template(factory_home: 
                                               ("max_num_seqs", 0), ("max_lora_rank", 12)])
 def test_bad_sizing_is_refused(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
-        vllm_serve_command(ServeSizing(**{field: value}), "m")  # type: ignore[arg-type]
+        vllm_serve_command(ServeSizing(**{field: value}), "m",  # type: ignore[arg-type]
+                           chat_template="/t.jinja")
 
 
 def test_rank_bucket_and_cpu_argv() -> None:
