@@ -35,6 +35,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from factory.deploy import DeployConfig, Deployer, Deployment, DeploymentError, route_model
+from factory.deploy.deployer import CANDIDATE
 from factory.evals.shadow import ShadowSummary, summarize
 from factory.gateway.shadow import ShadowRule, load_shadows
 from factory.lake import Lake
@@ -301,7 +302,7 @@ def experiments(lake: Lake) -> list[dict[str, Any]]:
             pairs[r["experiment"]] = int(r["n"])
     names |= set(pairs)
     names |= {rule.experiment for rule in load_shadows(lake).values()}
-    names |= {d.name for d in Deployer(lake).versions() if d.status == "candidate"}
+    names |= {d.name for d in Deployer(lake).versions() if d.status == CANDIDATE}
     out = []
     for name in sorted(names):
         versions = pair_versions(lake, name)
@@ -647,9 +648,6 @@ class Compare:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self.app(scope, receive, send)
 
-    def _prices(self) -> Prices:
-        return load_prices(prices_path(self.lake))
-
     def _known(self, experiment: str) -> bool:
         return known(self.lake, experiment)
 
@@ -694,10 +692,15 @@ class Compare:
             version = asked
         else:
             version = versions[0][0] if versions else None
-        comparison = compare(self.lake, e, version, self._prices())
+        try:
+            prices, notice = load_prices(prices_path(self.lake)), ""
+        except ValueError as exc:
+            prices, notice = Prices(), f"{exc}. Costs use the default prices."
+        comparison = compare(self.lake, e, version, prices)
         deployer = Deployer(self.lake)
         return page(f"{e}: candidate vs frontier",
-                    experiment_html(comparison, deployer.candidate(e), deployer.live(e)))
+                    (f"<p class=error id=prices-error>{esc(notice)}</p>" if notice else "")
+                    + experiment_html(comparison, deployer.candidate(e), deployer.live(e)))
 
     async def vibe(self, request: Request) -> Response:
         e = request.path_params["experiment"]

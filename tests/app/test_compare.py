@@ -19,10 +19,11 @@ import pytest
 
 from factory.app.compare import Compare, Prices, buckets, percentile
 from factory.deploy import DeployConfig, Deployer
-from factory.gateway import ServerThread, load_routes
+from factory.gateway import Gateway, ServerThread, load_routes
 from factory.gateway.shadow import ShadowRule, register_shadow
 from factory.gateway.standin import StandIn
 from factory.lake import Lake
+from tests.gateway.conftest import make_config
 from tests.waiting import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
@@ -158,11 +159,21 @@ def test_experiment_page_shows_the_figures_and_the_worst_pair(lake: Lake, page: 
         expect(page.locator("#frontier-row td").first).to_have_text("900 ms")
 
 
+class Captures(list[Any]):
+    """The gateway's ingest, keeping the captured records instead of writing the lake."""
+
+    def __call__(self, lake: Any, records: list[Any]) -> None:
+        self.extend(records)
+
+
 def test_vibe_check_asks_both_models_at_once(lake: Lake, page: Any) -> None:
     from playwright.sync_api import expect
 
     seed(lake)
-    with ServerThread(StandIn()) as gateway, ServerThread(StandIn()) as candidate, \
+    captures = Captures()
+    with ServerThread(StandIn()) as upstream, ServerThread(StandIn()) as candidate, \
+            ServerThread(Gateway(make_config(upstream), lake_factory=lambda: None,
+                                 ingest=captures)) as gateway, \
             serve(lake, gateway.url) as srv:
         lake.append("deployments", [deployment("v2", "candidate",
                                                endpoint=candidate.url + "/v1")])
@@ -175,7 +186,10 @@ def test_vibe_check_asks_both_models_at_once(lake: Lake, page: Any) -> None:
         expect(answers.locator(".candidate")).to_contain_text(f"Candidate: v2 ({EXP}-v2)")
         expect(answers.locator(".candidate .answer")).to_have_text("echo: Is ticket 7 urgent?")
         expect(answers.locator(".latency")).to_have_text([re.compile(r"^\d[\d,]* ms$")] * 2)
-        assert gateway.app.num_requests == 1 and candidate.app.num_requests == 1
+        assert upstream.app.num_requests == 1 and candidate.app.num_requests == 1
+        # The gateway captured the frontier call, tagged as the vibe check's.
+        [capture] = wait_until(lambda: list(captures), 30, "the gateway's capture")
+        assert capture.tags == {"source": "compare-vibe-check"}
 
         candidate.stop()  # a candidate that is down: its side says why, the frontier answers
         page.locator("#vibe button").click()
@@ -342,3 +356,16 @@ def test_command_line() -> None:
 
     args = build_parser().parse_args(["compare", "--gateway", "http://gw:8787"])
     assert (args.host, args.port, args.gateway) == ("127.0.0.1", 8799, "http://gw:8787")
+
+
+def test_a_broken_price_file_is_named_not_a_crash(lake: Lake, factory_home: Path) -> None:
+    seed(lake)
+    (factory_home / "compare-prices.json").write_text("{not json")
+    with serve(lake) as srv:
+        experiment = httpx.get(f"{srv.url}/e/{EXP}")
+        prices = httpx.get(f"{srv.url}/prices")
+    assert experiment.status_code == 200 and prices.status_code == 200
+    assert "compare-prices.json: not a price table" in experiment.text
+    assert "Costs use the default prices." in experiment.text
+    assert "$0.2700" in experiment.text  # gpt-4o-mini at the default price
+    assert "compare-prices.json: not a price table" in prices.text
