@@ -18,6 +18,7 @@ import httpx
 
 from factory.errors import FactoryError
 from factory.inference.contract import TOKEN_ID_PREFIX
+from factory.inference.protocol import wire_messages, wire_tools
 
 
 class InferenceClientError(FactoryError):
@@ -56,11 +57,13 @@ class InferenceClient:
     def chat(self, model: str, messages: list[dict[str, Any]], *,
              tools: list[dict[str, Any]] | None = None, max_tokens: int = 256,
              **extra: Any) -> dict[str, Any]:
-        """One non-streaming chat completion (the full response object)."""
-        body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                                "temperature": 0, **extra}
+        """One non-streaming chat completion (the full response object). ``messages`` and
+        ``tools`` may be canonical: they are sent as the protocol carries them
+        (``factory.inference.protocol.wire_messages``)."""
+        body: dict[str, Any] = {"model": model, "messages": wire_messages(messages),
+                                "max_tokens": max_tokens, "temperature": 0, **extra}
         if tools:
-            body["tools"] = tools
+            body["tools"] = wire_tools(tools)
         result: dict[str, Any] = self._post("/chat/completions", body).json()
         return result
 

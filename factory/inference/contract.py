@@ -51,10 +51,21 @@ _CHAT_LOGPROB: dict[str, Any] = {"type": "object", "required": ["token", "logpro
                  "properties": {"token": _STR, "logprob": _NUM,
                                 "bytes": {"type": ["array", "null"], "items": _INT}}}
 
-_MESSAGE = {"type": "object", "required": ["role"],
-            "properties": {"role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-                           "content": {"type": ["string", "array", "null"]},
-                           "tool_calls": {"type": "array"}, "tool_call_id": _STR}}
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+              "properties": {"type": {"const": "text"}, "text": _STR}}
+_MESSAGE = {
+    "type": "object", "required": ["role"], "additionalProperties": False,
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [_STR, {"type": "null"}, {"type": "array", "items": _TEXT_PART}]},
+        "tool_calls": {"type": "array", "items": {
+            "type": "object", "required": ["id", "type", "function"],
+            "properties": {"id": _STR, "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name", "arguments"],
+                                        "properties": {"name": _STR, "arguments": _STR}}}}},
+        "tool_call_id": _STR}}
+"""A message as the factory sends it: text only (``factory.inference.protocol.wire_messages``
+writes canonical reasoning and image parts as the text the trainer renders for them)."""
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     # GET /v1/models

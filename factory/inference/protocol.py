@@ -54,6 +54,7 @@ from factory.normalize.canon import (
     tool_call,
 )
 from factory.normalize.openai import convert_messages, convert_tools
+from factory.trainer.chat import _content as rendered_content
 from factory.trainer.chat import parse_assistant
 
 OPEN = "<tool_call>"
@@ -125,6 +126,38 @@ def chat_template_input(messages: list[dict[str, Any]], tools: list[dict[str, An
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out, ([{"type": "function", "function": t} for t in tools] or None)
+
+
+def wire_messages(messages: Any) -> list[dict[str, Any]]:
+    """Canonical or OpenAI-shaped messages as the serving protocol carries them
+    (docs/serving-protocol.md): content a string, text parts or null, calls nested under
+    ``function``. vLLM refuses the canonical ``reasoning`` and ``image`` parts, so content that
+    holds one is sent as the text the trainer renders for it (``<think>`` block, the ``[image]``
+    placeholder of text-only models, parts joined by newlines): the server renders the same
+    prompt, and vLLM accepts it. Other messages go as they are."""
+    out = []
+    for m in messages:
+        msg = dict(m)
+        parts = msg.get("content")
+        if isinstance(parts, list) and any(isinstance(p, dict) and p.get("type")
+                                           in _CANONICAL_PART_TYPES for p in parts):
+            msg["content"] = rendered_content(parts)
+        if msg.get("tool_calls"):
+            if not msg.get("content"):
+                msg["content"] = None
+            msg["tool_calls"] = [
+                c if not isinstance(c, dict) or "function" in c else
+                {"id": c.get("id"), "type": "function",
+                 "function": {"name": c.get("name"), "arguments": c.get("arguments")}}
+                for c in msg["tool_calls"]]
+        out.append(msg)
+    return out
+
+
+def wire_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Tools as the serving protocol carries them (``{"type": "function", "function": ...}``),
+    from canonical (flat) or OpenAI-shaped ones; None for none."""
+    return _wrapped_tools(list(tools)) if tools else None
 
 
 def _is_canonical(msg: Any) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from factory.inference import InferenceServer
 from factory.inference.contract import SCHEMAS, ContractError, check
+from factory.inference.protocol import wire_messages, wire_tools
 from factory.trainer.chat import render
 from factory.trainer.model import load_tokenizer
 
@@ -89,6 +90,30 @@ def test_a_chat_without_generation_prompt_returns_the_rendered_token_ids(
                                          "max_tokens": 1, "return_token_ids": True})
     assert default["prompt_token_ids"] == _ids(
         tiny_model_dir, render(MESSAGES[:2], add_generation_prompt=True))
+
+
+def test_canonical_messages_go_as_text_and_render_as_trained(cpu_server: InferenceServer,
+                                                             tiny_model_dir: Path) -> None:
+    """Reasoning and image parts (which vLLM refuses) travel as the text the trainer renders
+    for them, flat calls and tools nested: the same prompt, token for token."""
+    canonical: list[Any] = [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                     {"type": "image", "media_type": "image/png",
+                                      "sha256": "ab" * 32}]},
+        {"role": "assistant", "content": [{"type": "reasoning", "text": "A cat?"}],
+         "tool_calls": [{"id": "call_0", "name": "lookup", "arguments": '{"q":"cat"}'}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": [{"type": "text",
+                                                                "text": '{"a":2}'}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]
+    tools = [{"name": "lookup", "description": "", "parameters": {}}]
+    wire = wire_messages(canonical)
+    body = {"model": "base", "messages": wire, "tools": wire_tools(tools), "max_tokens": 1,
+            "add_generation_prompt": False, "return_token_ids": True}
+    assert wire[0]["content"] == "What is this?\n[image]"
+    assert wire[1]["content"] == "<think>\nA cat?\n</think>"
+    out = _post(cpu_server, "chat", body)
+    assert out["prompt_token_ids"] == _ids(tiny_model_dir, render(canonical, tools))
+    assert cpu_server.client().rendered_ids("base", canonical, tools) == out["prompt_token_ids"]
 
 
 def test_a_streamed_chat_sends_the_prompt_token_ids_first(cpu_server: InferenceServer,
