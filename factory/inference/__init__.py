@@ -1,5 +1,6 @@
-"""Inference for evals and deploys: one protocol (OpenAI-compatible + vLLM's LoRA endpoints),
-two servers (vLLM on GPUs, the factory's transformers server on CPU), one launcher."""
+"""Inference for evals and deploys: one protocol, the part of vLLM's OpenAI-compatible server
+the factory uses (docs/serving-protocol.md, ``contract``), two servers (vLLM on GPUs, the
+factory's transformers server on CPU), one launcher."""
 
 from factory.inference.client import InferenceClient, InferenceClientError
 from factory.inference.launcher import (

@@ -56,6 +56,8 @@ def test_health_models_and_adapters(cpu_server: InferenceServer,
                                     adapter_dirs: dict[str, Path]) -> None:
     health = httpx.get(cpu_server.url + "/health")
     assert (health.status_code, health.content) == (200, b"")
+    # Nothing outside the contract is served (vLLM has no such endpoint).
+    assert httpx.post(cpu_server.base_url + "/score", json={}).status_code == 404
     _post(cpu_server, "load_lora_adapter",
           {"lora_name": "c", "lora_path": str(adapter_dirs["good"])})
     try:
