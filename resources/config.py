@@ -30,7 +30,8 @@ def _nested(hint: Any) -> Any:
 
 def config_class(source: type, *, base: type = dg.Config, exclude: Iterable[str] = ()) -> Any:
     """A subclass of ``base`` (``dg.Config`` or ``dg.ConfigurableResource``) whose fields are
-    those of the dataclass ``source`` but ``exclude``: same names, types and defaults; a list of
+    those of the dataclass ``source`` but ``exclude`` and those whose metadata says
+    ``config: False``: same names, types and defaults; a list of
     dataclasses becomes a list of config classes made the same way.
 
     Typed ``Any``: a type checker cannot see fields made at run time, so subclass the result
@@ -40,8 +41,8 @@ def config_class(source: type, *, base: type = dg.Config, exclude: Iterable[str]
     annotations: dict[str, Any] = {}
     defaults: dict[str, Any] = {}
     for f in dataclasses.fields(source):
-        if f.name in skip:
-            continue
+        if f.name in skip or not f.metadata.get("config", True):
+            continue  # excluded, or not a setting (e.g. a provider's clock)
         nested = _nested(hints[f.name])
         annotations[f.name] = (types.GenericAlias(list, (config_class(nested),)) if nested
                                else hints[f.name])

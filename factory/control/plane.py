@@ -8,8 +8,9 @@ again, and decisions look at the newest segment only.
 A tick: ``sync_events`` (copy new lines of local events files into ``training_events``; remote
 trainers reach it through the webhook receiver), ``observe`` (segment state from events and the
 provider's status), ``dispatch`` (queued runs onto the ladder), ``rollover`` (a sandbox near its
-deadline gets a continuation from the latest verified checkpoint; the old one is stopped once the
-new one reports ``started``), ``recover`` (failed, NaN or silent segments are resumed from the
+deadline gets a continuation from the latest verified checkpoint, unless at its own pace it
+finishes the run before the deadline; the old one is stopped once the new one reports
+``started``), ``recover`` (failed, NaN or silent segments are resumed from the
 last good checkpoint with bounded retries, backoff and an optional learning-rate backoff),
 ``early_stop`` (runs the evals flagged in ``early_stops`` are stopped after a checkpoint).
 
@@ -49,9 +50,14 @@ log = logging.getLogger("factory.control")
 TERMINAL_EVENTS = ("finished", "failed", "nan", "preempted")
 RUN_ACTIVE = ("queued", "running")
 # End reasons that are our own doing or the sandbox's normal end, not faults.
-NOT_A_FAULT = ("finished", "rollover", "stopped")
+NOT_A_FAULT = ("finished", "rollover", "stopped", "superseded")
 NOT_RETRIED = {ExitCode.DATA_ERROR: "data_error", ExitCode.INVALID_JOB: "invalid_job"}
 """End reasons of segments that no retry can heal, by the trainer's exit code."""
+FINISH_SLACK = 1.5
+"""A segment near its sandbox's deadline is left to finish the run on its own (no continuation)
+when its remaining steps, at its own pace so far, take at most 1/1.5 of the time to the deadline:
+its pace may drop by a third. Misjudged, the deadline preempts it and recovery resumes it from its
+last checkpoint; a continuation it did not need would instead race it to the last step."""
 RUN_PROPERTY = "factory.training_run"
 """Snapshot-summary key naming the run a ``training_runs`` submit commit queued."""
 
@@ -402,8 +408,9 @@ class ControlPlane:
                               handle=replace(seg.handle, info=info))
             if new != seg:
                 changed.append(new)
+        changed = self._one_finisher(changed, by_seg)
         self._write_segments(changed)
-        # Runs: finished when any segment finished, failed when one cannot be retried; stop
+        # Runs: finished when a segment finished, failed when one cannot be retried; stop
         # every other live segment then.
         all_segs = {s.segment_id: s for s in segs}
         all_segs.update({s.segment_id: s for s in changed})
@@ -412,15 +419,38 @@ class ControlPlane:
                 continue
             mine = sorted((s for s in all_segs.values() if s.run_id == run.run_id),
                           key=lambda s: s.seq)
-            if any(s.end_reason == "finished" for s in mine):
+            finisher = next((s for s in mine if s.end_reason == "finished"), None)
+            if finisher is not None:
                 self._stop_live(mine, now)
-                self._write_run(replace(run, status="finished", reason="finished"))
+                self._write_run(replace(run, status="finished",
+                                        reason=f"finished in {finisher.segment_id}"))
                 continue
             newest = mine[-1] if mine else None
             if newest is not None and newest.end_reason in NOT_RETRIED.values():
                 self._stop_live(mine, now)
                 self._fail_unhealable(run, newest, by_seg.get(newest.segment_id, []))
         return changed
+
+    def _one_finisher(self, changed: list[Segment],
+                      by_seg: dict[str, list[dict[str, Any]]]) -> list[Segment]:
+        """``changed`` with at most one ``finished`` segment per run. Two segments of a run
+        can finish between two looks (a continuation that started near the end, beside the
+        sandbox it replaces); both wrote the last step's checkpoint, and the later write is
+        the one on disk. The segment whose last checkpoint is the one on disk finished the
+        run (the newest, when none is); the others end ``superseded``."""
+        finished: dict[str, list[Segment]] = {}
+        for s in changed:
+            if s.end_reason == "finished":
+                finished.setdefault(s.run_id, []).append(s)
+        losers: set[str] = set()
+        for segs in finished.values():
+            if len(segs) < 2:
+                continue
+            on_disk = [s for s in segs if _wrote_checkpoint_on_disk(by_seg.get(s.segment_id, []))]
+            winner = max(on_disk or segs, key=lambda s: s.seq)
+            losers.update(s.segment_id for s in segs if s is not winner)
+        return [replace(s, end_reason="superseded") if s.segment_id in losers else s
+                for s in changed]
 
     def _stop_live(self, segs: Iterable[Segment], now: float) -> None:
         stopped = []
@@ -565,6 +595,8 @@ class ControlPlane:
             if newest.status not in ("launched", "running") or newest.deadline is None or \
                     newest.deadline - now > self.config.rollover_margin_s:
                 continue
+            if self._finishes_in_time(newest, self.events(run_id), now):
+                continue
             # "latest": the continuation picks the newest verified checkpoint when it has
             # loaded (seconds from now), not the one there is at launch, so less is redone.
             seg = self._continue(run, seq=newest.seq + 1, resume=None, resume_latest=True,
@@ -573,6 +605,31 @@ class ControlPlane:
                 self._write_segments([replace(newest, status="rolling")])
                 launched.append(seg)
         return launched
+
+    def _finishes_in_time(self, seg: Segment, events: list[dict[str, Any]],
+                          now: float) -> bool:
+        """Whether ``seg`` reaches its run's last step before its deadline, with
+        ``FINISH_SLACK``, at its own pace: steps per second of this plane's clock between the
+        first and the last time its ``progress`` events were received (the plane stamps the
+        events it syncs with its clock; the receiver stamps webhooks with the wall clock, the
+        production clock). False while that pace is unknown."""
+        assert seg.deadline is not None
+        reached: dict[float, int] = {}  # receipt time -> highest step received by then
+        num_steps = None
+        for ev in events:
+            if ev["segment_id"] != seg.segment_id or ev["type"] not in ("started", "progress"):
+                continue
+            num_steps = json.loads(ev["payload"]).get("num_steps", num_steps)
+            t = _t(ev["received_at"])
+            if ev["type"] == "progress" and ev["step"] is not None and t is not None:
+                reached[t] = max(reached.get(t, 0), int(ev["step"]))
+        if not isinstance(num_steps, int) or len(reached) < 2:
+            return False
+        (t0, first), (t1, last) = min(reached.items()), max(reached.items())
+        if last <= first:
+            return False
+        pace = (last - first) / (t1 - t0)
+        return now + (num_steps - last) / pace * FINISH_SLACK <= seg.deadline
 
     # -- recovery ------------------------------------------------------------------------------
     def recover(self) -> list[Segment]:
@@ -711,6 +768,19 @@ def cancel_run(plane: ControlPlane, run_id: str, *, reason: str,
         if not live or time.monotonic() > deadline:
             return live
         time.sleep(0.1)
+
+
+def _wrote_checkpoint_on_disk(events: list[dict[str, Any]]) -> bool:
+    """Whether the newest checkpoint a segment reported (its ``checkpoint`` events) is the one
+    at its location now: same manifest, not replaced by another segment's write of that step."""
+    reports = [json.loads(e["payload"]) for e in events if e["type"] == "checkpoint"]
+    if not reports or not isinstance(reports[-1].get("location"), str):
+        return False
+    try:
+        info = ckpt.verify_checkpoint(reports[-1]["location"])
+    except (ckpt.CheckpointError, OSError):
+        return False
+    return info.manifest_sha256 == reports[-1].get("manifest_sha256")
 
 
 def _trainer_log_line(handle: Handle) -> str | None:

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,11 @@ class _ProcessProvider:
     """Interpreter running ``-m factory.trainer``."""
     warm_start: bool = False
     """Fork trainers from a server with torch/transformers already imported."""
+    clock: Callable[[], float] = field(default=time.time, repr=False, compare=False,
+                                       metadata={"config": False})
+    """Seconds a sandbox's life is measured in (launch time, deadline); the control plane's
+    ``clock`` must be the same. Not a setting: tests pass a clock that counts training steps,
+    so a sandbox's life is the work it did, not how long a loaded machine took to start it."""
 
     @property
     def max_runtime_s(self) -> float | None:
@@ -168,7 +174,7 @@ class _ProcessProvider:
         handle_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         with _LOCK:
             _REGISTRY.setdefault(self.name, {})[handle_id] = (wrapped, num_gpus)
-        now = time.time()
+        now = self.clock()
         runtime = self.max_runtime_s
         handle = Handle(provider=self.name, handle_id=handle_id, launched_at=now,
                         deadline=now + runtime if runtime is not None else None,
@@ -179,8 +185,8 @@ class _ProcessProvider:
         return handle
 
     def _enforce_deadline(self, proc: _Proc, deadline: float) -> None:
-        while proc.returncode() is None and time.time() < deadline:
-            time.sleep(min(0.2, max(0.0, deadline - time.time())))
+        while proc.returncode() is None and self.clock() < deadline:
+            time.sleep(min(0.2, max(0.0, deadline - self.clock())))
         self._terminate(proc)
 
     def _terminate(self, proc: _Proc) -> None:

@@ -1,7 +1,8 @@
 """The must-hold behaviours, driven through the control loop the sensors call: rollover across
-sandboxes that die after 20 s ends bitwise equal to an uninterrupted run; SIGKILL and NaN runs
-are recovered and finish; a trainer's data error fails its run after one segment, never retried;
-with the first rung full a job lands on the next one on the next tick."""
+sandboxes that die at their deadline (20 training steps) ends bitwise equal to an uninterrupted
+run; SIGKILL and NaN runs are recovered and finish; a trainer's data error fails its run after
+one segment, never retried; with the first rung full a job lands on the next one on the next
+tick."""
 
 from __future__ import annotations
 
@@ -31,6 +32,25 @@ def _adapter(out: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(out / "checkpoints" / f"step-{step:08d}" / "adapter_model.safetensors")
 
 
+class StepClock:
+    """Virtual seconds, one per training step the run's trainers have reported (``progress``
+    events in the segments' events files): a sandbox's life is the work it did, however long a
+    loaded machine took to start it, so the test waits on events, never on the wall clock."""
+
+    def __init__(self, events_dir: Path) -> None:
+        self.events_dir = events_dir
+
+    def __call__(self) -> float:
+        steps = 0
+        for path in self.events_dir.glob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                try:
+                    steps += json.loads(line).get("type") == "progress"
+                except json.JSONDecodeError:
+                    continue  # a line still being written
+        return float(steps)
+
+
 def test_rollover_across_sandboxes_is_bitwise_identical(factory_home, make_job) -> None:
     num_steps = 45
     ref = make_job("ref", num_steps=num_steps, checkpoint_every_steps=3)
@@ -41,17 +61,22 @@ def test_rollover_across_sandboxes_is_bitwise_identical(factory_home, make_job) 
     finally:
         torch.set_num_threads(before)
 
-    # The pause per step paces the run to ~25-30 s of training even on a fast machine, so it
-    # needs at least three 20 s sandboxes; it changes no number.
+    # Sandboxes live 20 steps of the run and continuations are launched 8 before the end
+    # (none for the segment whose own pace finishes the run first), so 45 steps need at least
+    # three. The short pause per step keeps a fast machine from running
+    # past a deadline between two looks at the clock; it changes no number.
     job = make_job("roll", num_steps=num_steps, checkpoint_every_steps=3,
-                   debug={"sleep_per_step_s": 0.5})
-    sandbox = SandboxProvider(limit_s=20.0, grace_s=3.0, max_gpus=2, env=ONE_THREAD)
+                   debug={"sleep_per_step_s": 0.2})
+    clock = StepClock(Path(job.output_dir) / "events")  # where each segment writes
+    sandbox = SandboxProvider(limit_s=20.0, grace_s=30.0, max_gpus=2, env=ONE_THREAD,
+                              clock=clock)
     sandbox.warm_up()
     plane = ControlPlane(Lake(), [sandbox], ControlConfig(rollover_margin_s=8.0,
-                                                          heartbeat_timeout_s=60.0,
-                                                          backoff_s=0.0, max_recoveries=10))
+                                                          heartbeat_timeout_s=1e9,
+                                                          backoff_s=0.0, max_recoveries=10),
+                         clock=clock)
     plane.submit(job, experiment="demo")
-    assert drive(plane, "roll", timeout_s=170.0) == "finished"
+    assert drive(plane, "roll", timeout_s=600.0) == "finished"
 
     segs = [s for s in plane.segments("roll") if s.first_step is not None]  # those that ran
     assert len(segs) >= 3, segs

@@ -1,5 +1,6 @@
 """Control-loop policy with a scripted provider and a fake clock: heartbeats, bounded retries
-with backoff, rollover hand-over, and idempotent ticks (fast, no trainer processes)."""
+with backoff, rollover hand-over (none for a segment that finishes in time; one finisher per
+run), and idempotent ticks (fast, no trainer processes)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
+from safetensors.torch import save
+
 from factory.control.base import Handle, ProviderStatus
 from factory.control.plane import ControlConfig, ControlPlane, event_row, store_events
 from factory.lake import Lake
+from factory.trainer import checkpoint as ckpt
 from factory.trainer.config import Job
 
 
@@ -112,6 +117,60 @@ def test_rollover_hands_over_and_stops_the_old_sandbox(factory_home, make_job) -
     _emit(lake, "r-s001", "finished", 10, p.now)
     plane.tick()
     assert plane.runs()["r"].status == "finished"
+
+
+def test_a_segment_that_finishes_before_its_deadline_is_not_rolled_over(
+        factory_home, make_job) -> None:
+    p = Scripted("sandbox", slots=4, limit_s=20)
+    plane, lake = _plane(p, rollover_margin_s=8)
+    plane.submit(make_job("fast", num_steps=10))
+    plane.submit(make_job("slow", num_steps=10))
+    plane.tick()
+    for run_id in ("fast", "slow"):
+        _emit(lake, f"{run_id}-s000", "started", 0, p.now, num_steps=10)
+    # fast: one step a second, at step 9 with 7 s left (1 step: 1.5 s with the slack);
+    # slow: one step in 4 s, at step 3 (7 steps: 28 s). Both are inside the 8 s margin.
+    for t in range(1, 14):
+        _emit(lake, "fast-s000", "progress", min(t, 9), p.now + t, num_steps=10)
+        if t % 4 == 0:
+            _emit(lake, "slow-s000", "progress", t // 4, p.now + t, num_steps=10)
+    p.now += 13
+    plane.tick()
+    assert [s.segment_id for s in plane.segments("fast")] == ["fast-s000"]
+    old, new = plane.segments("slow")
+    assert old.status == "rolling" and new.status == "launched"
+
+
+def test_of_two_segments_that_finish_together_one_finished_the_run(
+        factory_home, make_job) -> None:
+    p = Scripted("sandbox", limit_s=20)
+    plane, lake = _plane(p, rollover_margin_s=8)
+    job = make_job("r", num_steps=10)
+    plane.submit(job)
+    plane.tick()
+    _emit(lake, "r-s000", "started", 0, p.now)
+    p.now += 13
+    plane.tick()
+    assert [s.status for s in plane.segments("r")] == ["rolling", "launched"]
+    # Between two ticks the continuation starts, and both trainers write step 10's checkpoint
+    # and finish: the old sandbox's write is the later one, the one on disk.
+    _emit(lake, "r-s001", "started", 8, p.now, resumed_from="step-00000008")
+    for seg in ("r-s001", "r-s000"):
+        files = {name: b"{}" for name in ckpt.REQUIRED}
+        files[ckpt.ADAPTER] = save({"lora_A": torch.zeros(2, 2)})
+        info = ckpt.write_checkpoint(job.output_dir, 10, files, run_id="r")
+        _emit(lake, seg, "checkpoint", 10, p.now, location=info.path,
+              manifest_sha256=info.manifest_sha256)
+        _emit(lake, seg, "finished", 10, p.now)
+        p.state[seg] = ProviderStatus(state="succeeded", exit_code=0)
+        p.now += 1
+    plane.tick()
+    old, new = plane.segments("r")
+    assert (old.end_reason, new.end_reason) == ("finished", "superseded")
+    run = plane.runs()["r"]
+    assert run.status == "finished" and run.reason == "finished in r-s000"
+    plane.tick()
+    assert [s.end_reason for s in plane.segments("r")] == ["finished", "superseded"]
 
 
 def test_submit_is_idempotent_and_bad_jobs_are_refused(factory_home, make_job) -> None:
