@@ -1,4 +1,11 @@
-"""``factory ui``: the Dagster web UI with the factory's code location."""
+"""``factory ui``: the Dagster web UI with the factory's code location.
+
+It runs ``dagster dev`` (webserver and daemon), except on an instance shared between nodes
+(``FACTORY_DATABASE_URL``) whose daemon already runs (``factory daemon`` on some node): then
+the webserver alone, since a second daemon would evaluate every sensor and dequeue every run
+twice. On one machine ``dagster dev`` keeps its own daemon even beside ``factory run``'s, which
+stops when that run ends.
+"""
 
 from __future__ import annotations
 
@@ -25,17 +32,29 @@ def ui_command(host: str, port: int) -> list[str]:
             "-h", host, "-p", str(port)]
 
 
+def webserver_command(host: str, port: int) -> list[str]:
+    """The ``dagster-webserver`` command line, for an instance whose daemon runs elsewhere."""
+    return [sys.executable, "-m", "dagster_webserver", "-m", "factory.definitions",
+            "-h", host, "-p", str(port)]
+
+
 def _ui(args: argparse.Namespace) -> int:
-    from factory.app.instance import dagster_home
+    from factory.app.instance import daemon_running, dagster_home, instance
 
     settings = get_settings().ensure()
     env = dict(os.environ)
     env["DAGSTER_HOME"] = str(dagster_home())
     env["FACTORY_HOME"] = str(settings.home)
-    print(f"Dagster UI on http://{args.host}:{args.port} (state in {settings.home})", flush=True)
+    command = ui_command(args.host, args.port)
+    note = ""
+    if settings.database_url and daemon_running(instance()):
+        command = webserver_command(args.host, args.port)
+        note = "; the instance's daemon already runs, so this starts the webserver alone"
+    print(f"Dagster UI on http://{args.host}:{args.port} (state in {settings.home}{note})",
+          flush=True)
     # dagster dev inherits an ignored SIGINT when started in the background; reset it so
     # Ctrl-C and `kill -INT <pid>` stop it.
-    proc = subprocess.Popen(ui_command(args.host, args.port), env=env,
+    proc = subprocess.Popen(command, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         return proc.wait()
