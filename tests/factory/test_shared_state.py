@@ -106,10 +106,30 @@ def test_the_catalog_lives_in_postgres_and_the_data_in_the_shared_warehouse(
         "b", "id-0", "id-1", "id-2"]
 
 
+def test_nodes_starting_at_once_on_an_empty_database_race_safely(
+        shared_factory: Path, tmp_path: Path) -> None:
+    """Four processes create the catalog's own tables, the namespace and raw_traces together
+    on a fresh database; each append lands once."""
+    code = ("import sys; from factory.lake import Lake; Lake().append('raw_traces', "
+            "[{'raw_trace_id': sys.argv[1], 'source': 'upload', 'format': 'openai', "
+            "'payload': '{}'}])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, f"n{i}"], stderr=subprocess.PIPE,
+                              env=dict(os.environ, FACTORY_HOME=str(tmp_path / f"node-{i}")))
+             for i in range(4)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()[-2000:]
+    assert sorted(Lake().read("raw_traces").column("raw_trace_id").to_pylist()) == [
+        "n0", "n1", "n2", "n3"]
+
+
 def test_an_embedded_lake_is_never_switched_away_from_silently(
         factory_home: Path, database_url: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from factory.blobs import BlobStore
+
     Lake().append("raw_traces", [_trace(i) for i in range(5)])
+    digest = BlobStore().put(b"an image")
     monkeypatch.setenv("FACTORY_DATABASE_URL", database_url)
     monkeypatch.setenv("FACTORY_WAREHOUSE", str(tmp_path / "shared"))
     with pytest.raises(UnmigratedLakeError, match=r"factory migrate.*catalog\.db aside"):
@@ -119,7 +139,9 @@ def test_an_embedded_lake_is_never_switched_away_from_silently(
 
     assert main(["migrate"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["tables"] == {"raw_traces": 5}
+    assert result["tables"] == {"raw_traces": 5} and result["blobs"] == 1
+    assert BlobStore().path(digest).read_bytes() == b"an image"  # now in the shared store
+    assert BlobStore().path(digest).is_relative_to(tmp_path / "shared")
     assert not (factory_home / "catalog.db").exists()
     assert Path(result["embedded"]).is_file()  # kept aside, not deleted
     lake = Lake()
