@@ -5,6 +5,10 @@ Each materialization boots the inference server for the checkpoint as the next v
 for its health check, records it in ``deployments``, moves the gateway route to it and then
 drains and stops the version it replaced. The server runs detached, so it outlives the run;
 ``factory undeploy`` / ``factory rollback`` act on it later.
+
+With ``deploy: {shadow: ...}`` in the experiment (or ``candidate`` in the config) the new version
+is a candidate instead: served beside the live one, the route untouched; the shadow rule sends a
+share of the named route's calls to it, and ``shadow_scores`` promotes it.
 """
 
 from typing import Any
@@ -13,6 +17,8 @@ import dagster as dg
 from pydantic import Field
 
 from factory.deploy import Deployer, Deployment, DeploymentError
+from factory.experiments import ExperimentError, load_experiment
+from factory.gateway.shadow import ShadowRule, register_shadow
 from factory.partitions import EXPERIMENTS
 from factory.resources.deployer import DeployerResource
 from factory.resources.lake import LakeResource
@@ -25,6 +31,11 @@ class DeploymentConfig(dg.Config):
         default="",
         description="Empty: the experiment's row of best_checkpoints. Otherwise an adapter "
                     "directory, or RUN:STEP naming a verified row of checkpoints.")
+    candidate: bool | None = Field(
+        default=None,
+        description="Serve it as a candidate beside the live version, without moving "
+                    "factory/<experiment> (promote it later). Empty: as the experiment's deploy "
+                    "policy says (a candidate shadowing its route for deploy: {shadow: ...}).")
 
 
 @dg.asset(
@@ -41,12 +52,29 @@ class DeploymentConfig(dg.Config):
 def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
                lake: LakeResource, deployer: DeployerResource) -> dg.MaterializeResult:
     session = lake.session(context)
+    try:
+        policy = load_experiment(context.partition_key).shadow
+    except ExperimentError:
+        policy = None  # deploying a checkpoint by hand needs no experiment file
+    candidate = config.candidate if config.candidate is not None else policy is not None
     dep, sizing = _deploy(deployer.deployer(session), context.partition_key,
-                          config.checkpoint or None)
-    context.log.info(f"{dep.route_model} -> {dep.endpoint} ({dep.version}, pid {dep.pid})")
+                          config.checkpoint or None, candidate=candidate)
+    shadowing = ""
+    if candidate and policy is not None:
+        register_shadow(ShadowRule(route=policy.route, experiment=dep.name, version=dep.version,
+                                   base_url=dep.endpoint, deployment=dep.adapter,
+                                   share=policy.share),
+                        lake=session.lake, lineage=session.lineage)
+        shadowing = policy.route
+        context.log.info(f"candidate {dep.version} ({dep.endpoint}) shadows {policy.route} "
+                         f"(share {policy.share:g})")
+    else:
+        context.log.info(f"{dep.route_model} -> {dep.endpoint} ({dep.version}, pid {dep.pid})")
     return dg.MaterializeResult(metadata={
         "model": dep.route_model,
         "version": dep.version,
+        "status": dep.status,
+        "shadows": shadowing,
         "endpoint": dep.endpoint,
         "checkpoint": dg.MetadataValue.path(dep.checkpoint),
         "run_id": dep.run_id or "",
@@ -59,11 +87,11 @@ def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
     })
 
 
-def _deploy(deployer: Deployer, experiment: str,
-            checkpoint: str | None) -> tuple[Deployment, dict[str, Any]]:
-    """The new live version, and how its server was sized (with each value's source)."""
+def _deploy(deployer: Deployer, experiment: str, checkpoint: str | None, *,
+            candidate: bool = False) -> tuple[Deployment, dict[str, Any]]:
+    """The new version, and how its server was sized (with each value's source)."""
     try:
-        dep = deployer.deploy(experiment, checkpoint)
+        dep = deployer.deploy(experiment, checkpoint, candidate=candidate)
     except (DeploymentError, ValueError) as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     return dep, deployer.serving_size.metadata() if deployer.serving_size else {}

@@ -27,7 +27,7 @@ from factory.evals.equivalence import check_equivalence
 from factory.evals.progress import unscored_checkpoints
 from factory.evals.report import plot_png, read_curves, record_early_stop
 from factory.evals.reuse import borrow_scores
-from factory.evals.rubric import Rubric
+from factory.evals.rubric import Rubric, stored_rubric
 from factory.evals.runner import (
     generate_answers,
     items_from_samples,
@@ -64,11 +64,10 @@ def _planned_eval(plan: dict | None, experiment: str) -> EvalSpec:
 
 
 def _latest_rubric(session, experiment: str) -> Rubric:  # type: ignore[no-untyped-def]
-    rows = session.sql("SELECT rubric FROM rubrics WHERE experiment = ? "
-                       "ORDER BY created_at DESC LIMIT 1", [experiment]).to_pylist()
-    if not rows:
+    rubric = stored_rubric(session, experiment)
+    if rubric is None:
         raise dg.Failure(f"experiment {experiment!r} has no rubric; materialize `rubric` first")
-    return Rubric.from_dict(json.loads(rows[0]["rubric"]))
+    return rubric
 
 
 @dg.asset(

@@ -10,6 +10,9 @@ An experiment is one YAML file in ``settings.experiments_dir`` (``$FACTORY_EXPER
     sweep: {learning_rate: [1.0e-4, 2.0e-4, 4.0e-4], lora_rank: [8, 16]}
     schedule: "0 3 * * *"
     deploy: manual        # auto | manual; default: auto for a single run, manual for a sweep
+    # or shadow first: serve the best checkpoint as a candidate beside gpt-4o-mini's traffic and
+    # promote it behind factory/<name> once it agrees with the frontier model often enough
+    # deploy: {shadow: {route: gpt-4o-mini, share: 0.2, agreement: 0.95, min_pairs: 200}}
 
 Loading validates every field and raises ``ExperimentError`` naming the file, the line, the
 field and what is allowed; unknown keys are errors with a did-you-mean, because a misspelt
@@ -70,6 +73,24 @@ class DataSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShadowPolicy:
+    """``deploy: {shadow: ...}``: the best checkpoint is served as a candidate that shadows the
+    live calls of ``route``; it is promoted behind ``factory/<name>`` once ``agreement`` of at
+    least ``min_pairs`` scored pairs pass (never, with ``agreement: null``)."""
+
+    route: str
+    """The model name whose calls the candidate shadows (e.g. ``gpt-4o-mini``)."""
+    share: float = 1.0
+    """Share of the route's calls shadowed, 0 < share <= 1."""
+    agreement: float | None = None
+    """Promote automatically at this agreement (0..1); None: promote by hand only."""
+    min_pairs: int = 200
+    """Scored pairs needed before the agreement counts."""
+    pass_score: float | None = None
+    """The score a pair needs to pass; None: the rubric's threshold (1.0 for exact checks)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvalSpec:
     """How the fine-tuned model is evaluated."""
 
@@ -108,10 +129,13 @@ class Experiment:
     deploy: str
     """Promotion policy once every checkpoint of a finished run (all sweep points) is scored:
     ``auto`` deploys the best checkpoint, ``manual`` stops at ``best_checkpoint`` (deploy with
-    a click on ``deployment`` or ``factory deploy``). Default: ``auto`` for a single run,
-    ``manual`` for a sweep."""
+    a click on ``deployment`` or ``factory deploy``), ``shadow`` serves it as a candidate
+    shadowing live traffic first (``shadow`` holds the policy). Default: ``auto`` for a single
+    run, ``manual`` for a sweep."""
     raw: dict[str, Any]
     """The file's parsed content, as written."""
+    shadow: ShadowPolicy | None = None
+    """The shadow policy when ``deploy`` is ``shadow``."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,14 +576,57 @@ def parse_experiment(text: str, path: Path) -> Experiment:
         raise ctx.error(("sweep", both[0]), f"{both[0]!r} is both overridden and swept; "
                         "remove it from one of 'overrides' and 'sweep'")
     deploy = raw.get("deploy", "manual" if sweep else "auto")
-    if deploy not in DEPLOY_POLICIES:
+    shadow = None
+    if isinstance(deploy, Mapping):
+        shadow = _parse_shadow(ctx, deploy)
+        deploy = "shadow"
+    elif deploy not in DEPLOY_POLICIES:
         raise ctx.error(("deploy",), f"got {deploy!r}; allowed: auto (deploy the best "
-                        "checkpoint once every checkpoint is scored) or manual")
+                        "checkpoint once every checkpoint is scored), manual, or "
+                        "{shadow: {route: MODEL, ...}}")
     return Experiment(
         name=name, path=path, data=_parse_data(ctx, raw.get("data")), recipe=recipe,
         overrides=overrides, eval=_parse_eval(ctx, raw.get("eval")), sweep=sweep,
         schedule=schedule, retrain_on_new_samples=retrain, deploy=deploy, raw=dict(raw),
+        shadow=shadow,
     )
+
+
+SHADOW_KEYS = ["route", "share", "agreement", "min_pairs", "pass_score"]
+
+
+def _parse_shadow(ctx: _Ctx, deploy: Mapping[str, Any]) -> ShadowPolicy:
+    _check_keys(ctx, ("deploy",), deploy, ["shadow"])
+    raw = deploy.get("shadow")
+    where = ("deploy", "shadow")
+    if not isinstance(raw, Mapping):
+        raise ctx.error(where, "must be a mapping with at least 'route' (the model name whose "
+                        "calls the candidate shadows)")
+    _check_keys(ctx, where, raw, SHADOW_KEYS)
+    route = raw.get("route")
+    if not isinstance(route, str) or not route.strip():
+        raise ctx.error((*where, "route"), f"got {route!r}; allowed: the model name clients "
+                        "send, e.g. gpt-4o-mini")
+
+    def share_like(key: str, value: Any, low_open: bool) -> float | None:
+        if value is None:
+            return None
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and (
+            0 < value <= 1 if low_open else 0 <= value <= 1)
+        if not ok:
+            raise ctx.error((*where, key), f"got {value!r}; allowed: a number in "
+                            f"{'(0, 1]' if low_open else '[0, 1]'}")
+        return float(value)
+
+    min_pairs = raw.get("min_pairs", 200)
+    if not isinstance(min_pairs, int) or isinstance(min_pairs, bool) or min_pairs < 1:
+        raise ctx.error((*where, "min_pairs"), f"got {min_pairs!r}; allowed: a whole number "
+                        ">= 1")
+    return ShadowPolicy(route=route.strip(), share=share_like("share", raw.get("share", 1.0),
+                                                              True) or 1.0,
+                        agreement=share_like("agreement", raw.get("agreement"), False),
+                        min_pairs=min_pairs,
+                        pass_score=share_like("pass_score", raw.get("pass_score"), False))
 
 
 def _recipe_names() -> list[str]:

@@ -277,7 +277,8 @@ TABLES: dict[str, pa.Schema] = {
         ("route_model", pa.string()),      # the stable model name in the gateway
         ("endpoint", pa.string()),         # the server's OpenAI base URL
         ("backend", pa.string()),          # transformers | vllm
-        ("status", pa.string()),           # starting | live | draining | stopped | failed
+        ("status", pa.string()),           # starting | live | candidate | draining | stopped |
+                                           # failed
         ("pid", pa.int64()),               # the server's process (and process group) id
         ("port", pa.int32()),
         ("log_path", pa.string()),

@@ -146,14 +146,20 @@ def advance(view: ChainView, chain: str, info: dict[str, Any]) -> Step:
     if step is not None:
         return step
     # 3. deployment, per the experiment's policy
-    if info["deploy"] != "auto":
+    if info["deploy"] not in ("auto", "shadow"):
         return Step(ended="best checkpoint selected; deploy: manual (materialize deployment "
                           "to promote it)")
+    # deploy: shadow serves it as a candidate beside the shadowed route (the deployment asset
+    # reads the policy); shadow_scores promotes it once it agrees often enough.
     step = _once(view, chain, dg.RunRequest(
         run_key=f"deploy:{chain}", job_name=deploy_model_job.name, partition_key=exp,
-        tags={**tags, REASON_TAG: "deploy: auto and the best checkpoint is selected"}),
+        tags={**tags, REASON_TAG: f"deploy: {info['deploy']} and the best checkpoint is "
+                                  "selected"}),
         doing="deploying", what="deployment")
-    return step or Step(ended="deployed")
+    if step is not None:
+        return step
+    return Step(ended="deployed as a candidate, shadowing live traffic"
+                if info["deploy"] == "shadow" else "deployed")
 
 
 def _once(view: ChainView, chain: str, request: dg.RunRequest, *, doing: str,

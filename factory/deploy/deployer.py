@@ -47,7 +47,10 @@ CHECKPOINT_KEY_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127}):(\d+)$")
 VERSION_RE = re.compile(r"^v(\d+)$")
 ROUTE_PREFIX = "factory/"
 LIVE = "live"
-ACTIVE = ("starting", LIVE, "draining")
+CANDIDATE = "candidate"
+"""Serving, but not behind ``factory/<name>``: what shadow mode compares with the frontier model
+before ``promote`` moves the route to it."""
+ACTIVE = ("starting", LIVE, CANDIDATE, "draining")
 
 
 class DeploymentError(FactoryError):
@@ -279,14 +282,55 @@ class Deployer:
         return base
 
     # -- operations ------------------------------------------------------------------------------
-    def deploy(self, name: str, checkpoint: str | None = None) -> Deployment:
-        """Serve ``checkpoint`` (default: the best one) as the next version of ``name``."""
+    def deploy(self, name: str, checkpoint: str | None = None, *,
+               candidate: bool = False) -> Deployment:
+        """Serve ``checkpoint`` (default: the best one) as the next version of ``name``.
+
+        ``candidate``: serve it beside the live version without moving ``factory/<name>``
+        (status ``candidate``, replacing an earlier candidate); ``promote`` moves the route.
+        """
         name = check_name(name)
         with self._lock(name):
             ckpt = self.resolve(name, checkpoint)
             numbers = [d.number for d in self.versions(name)]
             version = f"v{max(numbers, default=0) + 1}"
-            return self._launch(name, version, ckpt, reason=f"deploy ({ckpt.source})")
+            return self._launch(name, version, ckpt, candidate=candidate,
+                                reason=f"{'candidate' if candidate else 'deploy'} "
+                                       f"({ckpt.source})")
+
+    def candidate(self, name: str) -> Deployment | None:
+        """The newest version serving as a candidate, if any."""
+        found = [d for d in self.versions(check_name(name)) if d.status == CANDIDATE]
+        return max(found, key=lambda d: d.number) if found else None
+
+    def promote(self, name: str, version: str | None = None) -> Deployment:
+        """Move ``factory/<name>`` to a candidate (default: the newest) and retire the version
+        it replaces."""
+        from factory.gateway import Route, register_route
+
+        name = check_name(name)
+        with self._lock(name):
+            candidates = [d for d in self.versions(name) if d.status == CANDIDATE]
+            chosen = next((d for d in candidates if d.version == version), None) if version \
+                else max(candidates, key=lambda d: d.number, default=None)
+            if chosen is None:
+                known = ", ".join(d.version for d in candidates) or "none"
+                raise DeploymentError(f"{name!r} has no candidate {version or ''} to promote "
+                                      f"(candidates: {known}); deploy one with "
+                                      f"factory deploy {name} --candidate".replace("  ", " "))
+            if not chosen.alive:
+                raise DeploymentError(f"candidate {name} {chosen.version} is not running "
+                                      f"(pid {chosen.pid}); deploy it again")
+            previous = [d for d in self.versions(name)
+                        if d.status in ACTIVE and d.status != CANDIDATE]
+            dep = Deployment(**chosen.row(status=LIVE, reason=f"promoted from {CANDIDATE}"))
+            self._write([dep.row()])
+            register_route(Route(model=dep.route_model, provider="openai",
+                                 base_url=dep.endpoint, deployment=dep.adapter,
+                                 version=dep.version),
+                           lake=self.lake, lineage=self.session.lineage)
+            self._retire_all(previous, reason=f"replaced by {dep.version} (promoted)")
+            return dep
 
     def undeploy(self, name: str) -> Deployment:
         """Remove the route ``factory/<name>`` and stop the live version."""
@@ -346,13 +390,16 @@ class Deployer:
     def _write(self, rows: list[dict[str, Any]]) -> None:
         self.session.append("deployments", rows)
 
-    def _launch(self, name: str, version: str, ckpt: Checkpoint, *, reason: str) -> Deployment:
+    def _launch(self, name: str, version: str, ckpt: Checkpoint, *, reason: str,
+                candidate: bool = False) -> Deployment:
         from factory.gateway import Route, register_route
 
         cfg = self.config
         # Every version still marked active (normally the one live version; more only after a
-        # deploy was interrupted) is retired once the new one serves.
-        previous = [d for d in self.versions(name) if d.status in ACTIVE]
+        # deploy was interrupted) is retired once the new one serves; a new candidate replaces
+        # only earlier candidates.
+        previous = [d for d in self.versions(name) if d.status in ACTIVE
+                    and (not candidate or d.status == CANDIDATE)]
         port = free_port(cfg.host)
         adapter = f"{name}-{version}"
         self.serving_size = self.serving_size_of(name, ckpt)
@@ -383,8 +430,11 @@ class Deployer:
             self._write([dep.row(status="failed", reason=str(exc)[:2000],
                                  stopped_at=datetime.now(UTC))])
             raise
-        dep = Deployment(**dep.row(status=LIVE))
+        dep = Deployment(**dep.row(status=CANDIDATE if candidate else LIVE))
         self._write([dep.row()])
+        if candidate:
+            self._retire_all(previous, reason=f"replaced by candidate {version}")
+            return dep
         # The route moves only now that the new version answers: no request sees a cold server.
         register_route(Route(model=dep.route_model, provider="openai", base_url=dep.endpoint,
                              deployment=adapter, version=version),

@@ -183,6 +183,13 @@ class Rubric:
                    num_examples=int(raw.get("num_examples", 0)))
 
 
+def stored_rubric(session: Any, experiment: str) -> Rubric | None:
+    """The experiment's newest row of ``rubrics`` (None before its first rubric)."""
+    rows = session.sql("SELECT rubric FROM rubrics WHERE experiment = ? "
+                       "ORDER BY created_at DESC LIMIT 1", [experiment]).to_pylist()
+    return Rubric.from_dict(json.loads(rows[0]["rubric"])) if rows else None
+
+
 # --- reading answers --------------------------------------------------------------------------
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n(.*?)\n?```$", re.S)

@@ -42,6 +42,15 @@ def test_issue_example_loads(tmp_path: Path) -> None:
     assert len(sweep_points(e)) == 6
 
 
+def test_shadow_deploy_policy(tmp_path: Path) -> None:
+    e = load_experiment(_write(tmp_path, GOOD + "deploy: {shadow: {route: gpt-4o-mini, "
+                                                "share: 0.2, agreement: 0.95}}\n"))
+    assert e.deploy == "shadow" and e.shadow is not None
+    assert (e.shadow.route, e.shadow.share, e.shadow.agreement, e.shadow.min_pairs,
+            e.shadow.pass_score) == ("gpt-4o-mini", 0.2, 0.95, 200, None)
+    assert load_experiment(_write(tmp_path, GOOD)).shadow is None
+
+
 def test_load_by_name_from_experiments_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(tmp_path))
     _write(tmp_path, GOOD)
@@ -70,6 +79,13 @@ def test_load_by_name_from_experiments_dir(tmp_path: Path, monkeypatch: pytest.M
      r":5: eval.every_steps: got 'often'"),
     (GOOD.replace("overrides: {learning_rate: 2.0e-4}", "overrides: {lora_rank: 4}"),
      r"sweep.lora_rank: 'lora_rank' is both overridden and swept"),
+    (GOOD + "deploy: {shadow: {share: 0.2}}\n",
+     r":8: deploy.shadow.route: got None; allowed: the model name clients send"),
+    (GOOD + "deploy: {shadow: {route: gpt-4o-mini, agreement: 95}}\n",
+     r"deploy.shadow.agreement: got 95; allowed: a number in \[0, 1\]"),
+    (GOOD + "deploy: {shadow: {route: gpt-4o-mini, min_pair: 20}}\n",
+     r"deploy.shadow.min_pair: unknown key 'min_pair'; did you mean 'min_pairs'\?"),
+    (GOOD + "deploy: sometimes\n", r"deploy: got 'sometimes'; allowed: auto"),
     ("name: x\nrecipe: [unclosed\n", r"not valid YAML"),
     ("- a\n- b\n", r":1: \(top level\): an experiment file must be a mapping"),
 ])

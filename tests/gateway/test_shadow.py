@@ -4,13 +4,16 @@ candidate's answer never becomes a capture."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -127,22 +130,43 @@ def test_a_dead_or_hanging_candidate_changes_nothing_for_the_client(
     assert len(_rows(lake, "samples")) == 3
 
 
+class Held:
+    """A candidate that answers (as the stand-in) only once ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.inner = StandIn()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+        await self.inner(scope, receive, send)
+
+
 def test_a_full_shadow_queue_drops_shadow_calls_never_client_calls(
-        factory_home: Path, upstream: ServerThread, candidate: ServerThread) -> None:
+        factory_home: Path, upstream: ServerThread) -> None:
     lake = Lake()
-    # One worker, a queue of one: the first call occupies the worker (the candidate hangs),
-    # the second waits in the queue, the other three find it full.
-    app = Gateway(make_config(upstream, shadow_queue_size=1, shadow_concurrency=1,
-                              shadow_timeout_s=1.0))
-    with _shadowing(app, lake, candidate.url + "/v1", deployment="slow") as srv:
-        for i in range(5):
-            answer = httpx.post(srv.url + "/v1/chat/completions", json=chat(f"q{i}"))
-            assert answer.status_code == 200
-            assert answer.json()["choices"][0]["message"]["content"] == f"echo: q{i}"
-        assert _metric(srv.url, "factory_gateway_shadow_offered_total") == 5
-        assert _metric(srv.url, "factory_gateway_shadow_dropped_total") == 3
-        wait_until(lambda: len(_rows(lake, "samples")) == 5, what="every client call captured")
+    # One worker, a queue of one: the first call occupies the worker (the candidate holds its
+    # answer), the second waits in the queue, the other three find it full.
+    held = Held()
+    app = Gateway(make_config(upstream, shadow_queue_size=1, shadow_concurrency=1))
+    with ServerThread(held) as cand, _shadowing(app, lake, cand.url + "/v1") as srv:
+        try:
+            for i in range(5):
+                answer = httpx.post(srv.url + "/v1/chat/completions", json=chat(f"q{i}"))
+                assert answer.status_code == 200
+                assert answer.json()["choices"][0]["message"]["content"] == f"echo: q{i}"
+            assert _metric(srv.url, "factory_gateway_shadow_offered_total") == 5
+            assert _metric(srv.url, "factory_gateway_shadow_dropped_total") == 3
+            wait_until(lambda: len(_rows(lake, "samples")) == 5,
+                       what="every client call captured")
+        finally:
+            held.release.set()
         wait_until(lambda: len(_rows(lake, "shadow_pairs")) == 2, what="the two queued pairs")
+    texts = sorted(json.loads(str(p["candidate_message"]))["content"][0]["text"]
+                   for p in _rows(lake, "shadow_pairs"))
+    assert texts == ["echo: q0", "echo: q1"]
 
 
 def test_rules_are_kept_in_the_lake(factory_home: Path) -> None:

@@ -1,4 +1,5 @@
-"""``factory deploy``, ``undeploy``, ``rollback``, ``deployments`` and ``chat``.
+"""``factory deploy``, ``promote``, ``shadow``, ``undeploy``, ``rollback``, ``deployments`` and
+``chat``.
 
 Deploy commands act directly (no Dagster run) and record every change in ``deployments``; the
 ``deployment`` asset does the same from the UI. Servers run detached: they outlive the command
@@ -26,8 +27,33 @@ def register(sub: Any) -> None:
     p.add_argument("--checkpoint", default=None, metavar="PATH|RUN:STEP",
                    help="adapter directory or RUN:STEP from `checkpoints` (default: the row of "
                         "best_checkpoints)")
+    p.add_argument("--candidate", action="store_true",
+                   help="serve it beside the live version without moving factory/EXPERIMENT "
+                        "(shadow it with `factory shadow`, then `factory promote`)")
     _server_options(p)
     p.set_defaults(func=_deploy)
+
+    p = sub.add_parser("promote", help="move factory/EXPERIMENT to its candidate version and "
+                                       "retire the version it replaces")
+    p.add_argument("experiment")
+    p.add_argument("--version", default=None, help="the candidate (default: the newest)")
+    p.add_argument("--drain-s", type=float, default=None,
+                   help="seconds the replaced version keeps serving after the switch (10)")
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.set_defaults(func=_promote)
+
+    p = sub.add_parser("shadow", help="send a share of a model's live calls to EXPERIMENT's "
+                                      "candidate (or live) deployment too, for comparison")
+    p.add_argument("experiment", nargs="?", default=None)
+    p.add_argument("--route", default=None, metavar="MODEL",
+                   help="the model name whose calls are shadowed (default: the route of the "
+                        "experiment's deploy: {shadow: ...} policy)")
+    p.add_argument("--share", type=float, default=None,
+                   help="share of the route's calls shadowed, 0 < share <= 1 (default: the "
+                        "policy's, else 1)")
+    p.add_argument("--stop", action="store_true", help="stop shadowing the route")
+    p.add_argument("--list", action="store_true", help="list the shadow rules")
+    p.set_defaults(func=_shadow)
 
     p = sub.add_parser("undeploy", help="remove factory/EXPERIMENT's route and stop its server")
     p.add_argument("experiment")
@@ -101,7 +127,62 @@ def _deploy(args: argparse.Namespace) -> int:
     if args.format == "text":
         print(f"deploying {args.experiment}: starting the {deployer.config.backend} server...",
               file=sys.stderr, flush=True)
-    _report(deployer.deploy(args.experiment, args.checkpoint), args.format, "deployed")
+    dep = deployer.deploy(args.experiment, args.checkpoint, candidate=args.candidate)
+    _report(dep, args.format, "deployed candidate" if args.candidate else "deployed")
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from factory.deploy import DeployConfig, Deployer
+
+    cfg = DeployConfig(**({"drain_s": args.drain_s} if args.drain_s is not None else {}))
+    _report(Deployer(config=cfg).promote(args.experiment, args.version), args.format,
+            "promoted")
+    return 0
+
+
+def _shadow(args: argparse.Namespace) -> int:
+    from factory.deploy import Deployer, check_name
+    from factory.experiments import ExperimentError, load_experiment
+    from factory.gateway.shadow import ShadowRule, end_shadow, load_shadows, register_shadow
+    from factory.lake import Lake
+    from factory.output import print_rows
+
+    lake = Lake()
+    if args.list or args.experiment is None:
+        rules = load_shadows(lake)
+        print_rows([vars(r) | {"candidate_url": r.base_url} for r in rules.values()], "table",
+                   columns=["route", "experiment", "version", "deployment", "share",
+                            "candidate_url"])
+        return 0
+    name = check_name(args.experiment)
+    try:
+        policy = load_experiment(name).shadow
+    except ExperimentError:
+        policy = None
+    route = args.route or (policy.route if policy else None)
+    if not route:
+        raise FactoryError(f"which model's calls should {name} shadow? pass --route MODEL (or "
+                           "set deploy: {shadow: {route: MODEL}} in the experiment)")
+    if args.stop:
+        end_shadow(route, lake=lake)
+        print(f"stopped shadowing {route}", file=sys.stderr)
+        return 0
+    deployer = Deployer(lake)
+    dep = deployer.candidate(name) or deployer.live(name)
+    if dep is None:
+        raise FactoryError(f"{name!r} has no candidate or live deployment to shadow with; "
+                           f"deploy one first: factory deploy {name} --candidate")
+    share = args.share if args.share is not None else (policy.share if policy else 1.0)
+    try:
+        rule = ShadowRule(route=route, experiment=name, version=dep.version,
+                          base_url=dep.endpoint, deployment=dep.adapter, share=share)
+    except ValueError as exc:
+        raise FactoryError(str(exc)) from None
+    register_shadow(rule, lake=lake)
+    print(f"{name} {dep.version} ({dep.status}) now shadows {share:.0%} of {route}'s calls; "
+          f"gateways pick it up within their routes poll", file=sys.stderr)
+    print(json.dumps(vars(rule)))
     return 0
 
 
@@ -124,7 +205,7 @@ def _deployments(args: argparse.Namespace) -> int:
 
     name = check_name(args.experiment) if args.experiment else None
     rows = [d.as_dict() for d in Deployer().versions(name)
-            if args.all or d.status in ("starting", "live", "draining")]
+            if args.all or d.status in ("starting", "live", "candidate", "draining")]
     print_rows(rows, args.format, columns=COLUMNS)
     return 0
 

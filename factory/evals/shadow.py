@@ -1,0 +1,162 @@
+"""Shadow evaluation: the judge's score of each candidate answer against the frontier's answer to
+the same live request (``shadow_pairs`` -> ``shadow_scores``), and the agreement it adds up to.
+
+A pair's reference is the frontier's answer (what the client got); its answer is the candidate's.
+The experiment's rubric scores it, so labels, JSON and tool calls are checked exactly. A pair
+**passes** when its score reaches the rubric's pass threshold: every exact criterion (label, JSON
+or tool-call match) scores 1.0 where the rubric has one, else the combined score reaches
+``FREE_TEXT_PASS`` (or the experiment's ``pass_score``). A candidate that gave no usable answer
+(refused, timed out, answered garbage or an error) scores 0 with the reason.
+**Agreement** is the share of scored pairs that pass.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from factory.evals.judges import EvalItem, ScoreRow, answer_from_message
+from factory.evals.rubric import Rubric
+from factory.evals.runner import to_openai_tools
+
+EXACT_CHECKS = frozenset({"tool_call_match", "json_match", "label_match", "tool_calls"})
+"""Criteria that decide a pass on their own: the answer matches the reference exactly or not."""
+FREE_TEXT_PASS = 0.8
+"""The combined score a free-text answer needs to pass (no exact criterion to decide)."""
+
+
+def pass_threshold(rubric: Rubric, pass_score: float | None = None) -> tuple[float, str]:
+    """The score a pair needs, and what it is measured on (``exact`` criteria or ``score``)."""
+    if pass_score is not None:
+        return pass_score, "score"
+    if any(c.check in EXACT_CHECKS for c in rubric.criteria):
+        return 1.0, "exact"
+    return FREE_TEXT_PASS, "score"
+
+
+def _passes(rubric: Rubric, row: ScoreRow, pass_score: float | None) -> bool:
+    threshold, on = pass_threshold(rubric, pass_score)
+    if row.score is None:
+        return False
+    if on == "exact":
+        exact = [row.criteria[c.name]["score"] for c in rubric.criteria
+                 if c.check in EXACT_CHECKS and c.name in row.criteria]
+        return all(s is not None and s >= threshold for s in exact)
+    return row.score >= threshold
+
+
+def _exists(session: Any, table: str) -> bool:
+    """Whether ``table`` exists, for a ``Lake`` or a ``LakeSession``."""
+    return bool(getattr(session, "lake", session).exists(table))
+
+
+def _loads(text: Any) -> Any:
+    return json.loads(text) if isinstance(text, str) else text
+
+
+def score_pairs(pairs: Sequence[dict[str, Any]], rubric: Rubric, judge: Any, *,
+                pass_score: float | None = None) -> list[dict[str, Any]]:
+    """``shadow_scores`` rows for ``pairs`` (rows of ``shadow_pairs``). Pairs whose frontier
+    answer is unusable have no reference and are not scored."""
+    now = datetime.now(UTC)
+    out: list[dict[str, Any]] = []
+    items: list[EvalItem] = []
+    answers = []
+    judged: list[dict[str, Any]] = []
+    for pair in pairs:
+        base = {"pair_id": pair["pair_id"], "experiment": pair["experiment"],
+                "version": pair["version"], "rubric_version": rubric.version,
+                "judge": judge.name, "scored_at": now}
+        frontier = _loads(pair.get("frontier_message"))
+        if not frontier:
+            continue
+        candidate = _loads(pair.get("candidate_message"))
+        if not candidate:
+            out.append({**base, "score": 0.0, "passed": False,
+                        "assessment": pair.get("candidate_error") or "candidate gave no answer"})
+            continue
+        request = _loads(pair.get("request")) or {}
+        messages = request.get("messages") if isinstance(request, dict) else None
+        items.append(EvalItem(sample_id=str(pair["pair_id"]),
+                              messages=list(messages or []),
+                              tools=to_openai_tools(request.get("tools")
+                                                    if isinstance(request, dict) else None),
+                              reference=answer_from_message(frontier)))
+        answers.append(answer_from_message(candidate))
+        judged.append(base)
+    if items:
+        for base, row in zip(judged, judge.score(rubric, items, answers), strict=True):
+            if row.status != "ok" or row.score is None:
+                out.append({**base, "score": 0.0, "passed": False,
+                            "assessment": f"judge failed: {row.error or row.assessment}"})
+                continue
+            out.append({**base, "score": float(row.score),
+                        "passed": _passes(rubric, row, pass_score),
+                        "assessment": row.assessment})
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShadowSummary:
+    """Where a candidate stands against the frontier model on live traffic."""
+
+    experiment: str
+    version: str | None
+    """The candidate version summarized (None: every version)."""
+    num_pairs: int
+    num_scored: int
+    num_passed: int
+    num_failed_calls: int
+    """Pairs whose candidate gave no usable answer (scored 0)."""
+    agreement: float | None
+    """Share of scored pairs that pass (None before any is scored)."""
+    mean_score: float | None
+
+    def meets(self, agreement: float, min_pairs: int) -> bool:
+        return self.num_scored >= min_pairs and self.agreement is not None \
+            and self.agreement >= agreement
+
+
+def summarize(session: Any, experiment: str, version: str | None = None) -> ShadowSummary:
+    """Agreement and mean score of ``experiment``'s scored pairs (of one candidate version)."""
+    if not _exists(session, "shadow_pairs"):
+        return ShadowSummary(experiment=experiment, version=version, num_pairs=0, num_scored=0,
+                             num_passed=0, num_failed_calls=0, agreement=None, mean_score=None)
+    where, params = "experiment = ?", [experiment]
+    if version is not None:
+        where, params = where + " AND version = ?", params + [version]
+    pairs = session.sql(f"SELECT count(*) AS n, count(*) FILTER (WHERE candidate_message IS "
+                        f"NULL) AS failed FROM shadow_pairs WHERE {where}", params).to_pylist()[0]
+    scored = {"n": 0, "passed": 0, "mean": None}
+    if _exists(session, "shadow_scores"):
+        scored = session.sql(
+            "SELECT count(*) AS n, count(*) FILTER (WHERE passed) AS passed, avg(score) AS mean "
+            "FROM (SELECT * FROM shadow_scores WHERE " + where + " QUALIFY row_number() OVER "
+            "(PARTITION BY pair_id ORDER BY scored_at DESC) = 1)", params).to_pylist()[0]
+    n = int(scored["n"] or 0)
+    return ShadowSummary(experiment=experiment, version=version, num_pairs=int(pairs["n"]),
+                         num_scored=n, num_passed=int(scored["passed"] or 0),
+                         num_failed_calls=int(pairs["failed"] or 0),
+                         agreement=(int(scored["passed"] or 0) / n) if n else None,
+                         mean_score=float(scored["mean"]) if scored["mean"] is not None
+                         else None)
+
+
+def unscored_pairs(session: Any, experiment: str, rubric_version: str,
+                   limit: int = 2000) -> list[dict[str, Any]]:
+    """``experiment``'s pairs without a score under ``rubric_version``, oldest first."""
+    if not _exists(session, "shadow_pairs"):
+        return []
+    params: list[Any] = [experiment]
+    seen = ""
+    if _exists(session, "shadow_scores"):
+        seen = ("AND pair_id NOT IN (SELECT pair_id FROM shadow_scores WHERE experiment = ? "
+                "AND rubric_version = ?)")
+        params += [experiment, rubric_version]
+    rows: list[dict[str, Any]] = session.sql(
+        f"SELECT * FROM shadow_pairs WHERE experiment = ? {seen} ORDER BY created_at "
+        f"LIMIT {int(limit)}", params).to_pylist()
+    return rows
