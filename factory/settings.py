@@ -145,7 +145,7 @@ class Settings:
     def ensure(self) -> Settings:
         local = [self.home, self.spool, self.uploads, self.dagster_home]
         shared = [self.blobs, self.checkpoints, self.runs, self.models_dir]
-        if self.catalog_name is None and _local_path(self.warehouse_location) is not None:
+        if _local_path(self.warehouse_location) is not None:
             shared.append(self.warehouse)
         for path in local + shared:
             path.mkdir(parents=True, exist_ok=True)
