@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from factory.deploy import DeployConfig, Deployer, Deployment, DeploymentError, route_model
 from factory.deploy.deployer import CANDIDATE
-from factory.evals.shadow import ShadowSummary, summarize
+from factory.evals.shadow import LATEST_SCORES, ShadowSummary, summarize
 from factory.gateway.shadow import ShadowRule, load_shadows
 from factory.lake import Lake
 
@@ -236,11 +236,6 @@ def costs(rows: list[dict[str, Any]], prices: Prices) -> Costs:
                      f"request at a time holding the machine, so batching only lowers it")
     return Costs(frontier=frontier, frontier_how=how, candidate=candidate,
                  candidate_how=candidate_how)
-
-
-LATEST_SCORES = ("(SELECT * FROM shadow_scores WHERE experiment = ? QUALIFY row_number() OVER "
-                 "(PARTITION BY pair_id ORDER BY scored_at DESC) = 1)")
-"""Each pair's newest score (a pair is scored again under a new rubric version)."""
 
 
 def pair_versions(lake: Lake, experiment: str) -> list[tuple[str, int]]:

@@ -120,6 +120,12 @@ class ShadowSummary:
             and self.agreement >= agreement
 
 
+LATEST_SCORES = ("(SELECT * FROM shadow_scores WHERE experiment = ? QUALIFY row_number() OVER "
+                 "(PARTITION BY pair_id ORDER BY scored_at DESC) = 1)")
+"""Each pair's newest score of one experiment (a pair is scored again under a new rubric
+version), as a subquery taking the experiment as its one parameter."""
+
+
 def summarize(session: Any, experiment: str, version: str | None = None) -> ShadowSummary:
     """Agreement and mean score of ``experiment``'s scored pairs (of one candidate version)."""
     if not _exists(session, "shadow_pairs"):
@@ -134,8 +140,7 @@ def summarize(session: Any, experiment: str, version: str | None = None) -> Shad
     if _exists(session, "shadow_scores"):
         scored = session.sql(
             "SELECT count(*) AS n, count(*) FILTER (WHERE passed) AS passed, avg(score) AS mean "
-            "FROM (SELECT * FROM shadow_scores WHERE " + where + " QUALIFY row_number() OVER "
-            "(PARTITION BY pair_id ORDER BY scored_at DESC) = 1)", params).to_pylist()[0]
+            f"FROM {LATEST_SCORES} s WHERE {where}", [experiment, *params]).to_pylist()[0]
     n = int(scored["n"] or 0)
     return ShadowSummary(experiment=experiment, version=version, num_pairs=int(pairs["n"]),
                          num_scored=n, num_passed=int(scored["passed"] or 0),
