@@ -53,6 +53,9 @@ class _Family:
     """Norm class name -> weight offset (0: ``w * x_hat``; 1: ``(1 + w) * x_hat``)."""
     gated_norms: dict[str, float] = dataclasses.field(default_factory=dict)
     """Gated norm class name (``forward(x, gate)``) -> weight offset."""
+    logit_softcapping: str | None = None
+    """Config field of a final-logit soft cap (``tanh(z / c) * c``): the fused loss has no cap,
+    so a model with the field set keeps its stock loss."""
 
 
 # Keyed by ``config.model_type``; each class's forward was read and matched to our reference,
@@ -67,6 +70,11 @@ _FAMILIES: dict[str, _Family] = {
     "qwen3_5_text": _Family(module="transformers.models.qwen3_5.modeling_qwen3_5",
                             norms={"Qwen3_5RMSNorm": 1.0},
                             gated_norms={"Qwen3_5RMSNormGated": 0.0}),
+    # Gemma 3 text (Gemma3ForCausalLM): every norm, q_norm and k_norm included, is
+    # ``(x_hat * (1 + w)).to(dtype)``; its embedding scale lives in the embedding module.
+    "gemma3_text": _Family(module="transformers.models.gemma3.modeling_gemma3",
+                           norms={"Gemma3RMSNorm": 1.0},
+                           logit_softcapping="final_logit_softcapping"),
 }
 
 SUPPORTED_FAMILIES = tuple(sorted(_FAMILIES))
@@ -313,5 +321,12 @@ def apply_kernels(
     if lora:
         _patch_lora(base, prefix, report)
     if cross_entropy:
-        _patch_cross_entropy(base, prefix, cross_entropy_chunk_size, report)
+        cap = (getattr(config, family.logit_softcapping, None)
+               if family.logit_softcapping else None)
+        if cap is not None:
+            _skip(report, f"cross_entropy: {model_type} caps its logits at {cap} "
+                          f"({family.logit_softcapping}), which the fused loss does not do; "
+                          "stock loss kept")
+        else:
+            _patch_cross_entropy(base, prefix, cross_entropy_chunk_size, report)
     return report

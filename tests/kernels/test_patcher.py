@@ -39,6 +39,13 @@ def _build(family: str) -> torch.nn.Module:
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
     if family == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=12))
+    if family == "gemma3_text":
+        config = transformers.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 2}, head_dim=12, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"])
+        model = transformers.Gemma3ForCausalLM(config)
+        _scramble_norms(model)
+        return model
     assert family == "qwen3_5_text"
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
@@ -50,11 +57,15 @@ def _build(family: str) -> torch.nn.Module:
         linear_value_head_dim=12,
     )
     model = Qwen3_5ForCausalLM(config)
+    _scramble_norms(model)
+    return model
+
+
+def _scramble_norms(model: torch.nn.Module) -> None:
     with torch.no_grad():  # zero-init offset weights would hide a wrong offset
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0, 0.2)
-    return model
 
 
 def _batch(device):
@@ -74,7 +85,7 @@ def _loss_and_grads(model, ids, labels, **kw):
     return out, grads
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_5_text", "gemma3_text"])
 def test_patched_model_matches_stock(family, device):
     stock = _build(family).to(device)
     patched = copy.deepcopy(stock)
@@ -183,6 +194,19 @@ def test_peft_dropout_trains(device):
     out, grads = _loss_and_grads(model, ids, labels)
     assert torch.isfinite(out.loss) and len(grads) == 7 * 2
     assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_gemma3_with_a_logit_cap_keeps_its_stock_loss(device):
+    stock = _build("gemma3_text").to(device)
+    stock.config.final_logit_softcapping = 5.0
+    patched = copy.deepcopy(stock)
+    with pytest.warns(KernelsWarning, match="caps its logits at 5.0"):
+        report = apply_kernels(patched, lora=False)
+    assert report.rms_norm and report.cross_entropy is None and "forward" not in vars(patched)
+    ids, labels = _batch(device)
+    want, _ = _loss_and_grads(stock, ids, labels)
+    got, _ = _loss_and_grads(patched, ids, labels)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
 
 
 def test_unsupported_family_is_left_untouched_with_a_warning(device):
