@@ -142,3 +142,31 @@ def test_an_edited_file_supersedes_the_chain_it_started(exp_dir: Path) -> None:
                      **{"dagster/partition": "sup", "factory/experiment-sha": sha})
         requests, _, _, cursor = evaluate(instance, Lake(), None)
         assert requests == [] and json.loads(cursor)["done"][start].startswith("superseded")
+
+
+def test_a_shadow_policy_deploys_a_candidate(exp_dir: Path) -> None:
+    (exp_dir / "sup.yaml").write_text(EXP.replace(
+        "deploy: auto", "deploy: {shadow: {route: gpt-4o-mini, agreement: 0.95}}"))
+    lake = Lake()
+    with dg.instance_for_test() as instance:
+        def tick(cursor: str | None) -> tuple[list[dg.RunRequest], list[str], dict, str]:
+            return evaluate(instance, lake, cursor)
+
+        start = _run(instance, "start_experiment_job", S.SUCCESS,
+                     **{"dagster/partition": "sup"})
+        chain = {CHAIN_TAG: start}
+        cursor = tick(None)[3]
+        for key, run in zip(KEYS, ("run-a", "run-b"), strict=True):
+            _run(instance, "train_run_job", S.SUCCESS,
+                 **{**chain, "dagster/partition": key, TRAINER_RUN_TAG: run})
+        lake.append("checkpoints", [_ckpt("run-a", 2), _ckpt("run-b", 2)])
+        lake.append("eval_scores", [_score("run-a", 2), _score("run-b", 2)])
+        [select] = tick(cursor)[0]
+        _run(instance, "select_checkpoint_job", S.SUCCESS, **chain)
+        [deploy] = tick(cursor)[0]
+        assert deploy.job_name == "deploy_model_job"
+        assert deploy.tags["factory/reason"].startswith("deploy: shadow")
+        _run(instance, "deploy_model_job", S.SUCCESS, **chain)
+        requests, _, report, cursor = tick(cursor)
+        assert requests == [] and list(report.values()) == [
+            "deployed as a candidate, shadowing live traffic"]
