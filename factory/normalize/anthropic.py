@@ -46,10 +46,8 @@ def normalize(payload: Any) -> list[dict[str, Any]]:
 
 def normalize_call(request: Any, response: Any, stream: list[Any] | None,
                    endpoint: str | None = None) -> list[dict[str, Any]]:
-    call = read_call(request, response, stream,
-                     conversation=lambda req, blobs: convert_request(req, blobs, "request"),
-                     tools=lambda req: convert_tools(req, "request"),
-                     reassemble=reassemble_stream)
+    call = read_call(request, response, stream, convert_request, convert_tools,
+                     reassemble_stream)
     resp, where = call.response, call.where
     if resp.get("type") == "error":
         raise NormalizeError(f"{where}.type: the upstream call returned an error")

@@ -409,15 +409,18 @@ class LoggedCall:
     """``response``, or ``stream`` when the response was streamed (error paths name it)."""
 
 
-def read_call(request: Any, response: Any, stream: list[Any] | None, *,
-              conversation: Callable[[dict[str, Any], dict[str, bytes]], list[dict[str, Any]]],
-              tools: Callable[[dict[str, Any]], list[dict[str, Any]]],
+def read_call(request: Any, response: Any, stream: list[Any] | None,
+              conversation: Callable[[dict[str, Any], dict[str, bytes], str],
+                                     list[dict[str, Any]]],
+              tools: Callable[[dict[str, Any], str], list[dict[str, Any]]],
               reassemble: Callable[[list[Any]], dict[str, Any]]) -> LoggedCall:
-    """The parts of a logged call (``LoggedCall``), read with a format's own functions."""
+    """The parts of a logged call (``LoggedCall``), read with a format's own functions: its
+    ``convert_request(body, blobs, where)``, ``convert_tools(body, where)`` and
+    ``reassemble_stream(chunks)``."""
     req = expect_dict(request, "request")
     blobs: dict[str, bytes] = {}
-    messages = conversation(req, blobs)
-    defs = tools(req)
+    messages = conversation(req, blobs, "request")
+    defs = tools(req, "request")
     where = "response"
     if stream is not None:
         response, where = reassemble(stream), "stream"

@@ -51,11 +51,8 @@ def normalize(payload: Any) -> list[dict[str, Any]]:
 def normalize_call(request: Any, response: Any, stream: list[Any] | None,
                    endpoint: str | None = None) -> list[dict[str, Any]]:
     """A logged call: the request's conversation plus each returned choice."""
-    call = read_call(
-        request, response, stream,
-        conversation=lambda req, blobs: convert_messages(req.get("messages"), blobs,
-                                                         where="request.messages"),
-        tools=lambda req: convert_tools(req, where="request"), reassemble=reassemble_stream)
+    call = read_call(request, response, stream, convert_request, convert_tools,
+                     reassemble_stream)
     resp, where, blobs = call.response, call.where, call.blobs
     if "error" in resp and "choices" not in resp:
         raise NormalizeError(f"{where}.error: the upstream call failed")
@@ -109,6 +106,12 @@ def convert_tools(body: dict[str, Any], where: str = "record") -> list[dict[str,
             tools.append(tool_def(fn.get("name"), fn.get("description"), fn.get("parameters"),
                                   at))
     return tools
+
+
+def convert_request(body: dict[str, Any], blobs: dict[str, bytes],
+                    where: str) -> list[dict[str, Any]]:
+    """The conversation of a request body: its ``messages``."""
+    return convert_messages(body.get("messages"), blobs, where=f"{where}.messages")
 
 
 def convert_messages(raw: Any, blobs: dict[str, bytes],
