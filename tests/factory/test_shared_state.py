@@ -164,6 +164,26 @@ def test_migrate_refuses_to_merge_into_a_shared_table_with_rows(
     assert (factory_home / "catalog.db").is_file()
 
 
+def test_a_named_catalog_is_pyiceberg_s_own_and_refuses_an_embedded_lake_too(
+        factory_home: Path, tmp_path: Path) -> None:
+    # pyiceberg reads its environment once, at import: each step is a process of its own.
+    env = dict(os.environ, PYICEBERG_CATALOG__PROD__URI=f"sqlite:///{tmp_path / 'prod.db'}",
+               PYICEBERG_CATALOG__PROD__WAREHOUSE=(tmp_path / "prod").as_uri())
+    code = ("from factory.lake import Lake; Lake().append('raw_traces', [{'raw_trace_id': 'a', "
+            "'source': 'upload', 'format': 'openai', 'payload': '{}'}])")
+
+    def append(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra},
+                              capture_output=True, text=True, timeout=120)
+
+    assert append(FACTORY_CATALOG="prod").returncode == 0
+    assert (tmp_path / "prod.db").is_file() and not (factory_home / "catalog.db").exists()
+    assert append().returncode == 0  # the embedded lake, now holding a table
+    refused = append(FACTORY_CATALOG="prod")
+    assert refused.returncode != 0
+    assert "UnmigratedLakeError: FACTORY_CATALOG=prod is set" in refused.stderr
+
+
 # -- Dagster's storage in PostgreSQL -----------------------------------------------------------
 
 def test_dagster_storage_is_shared_by_instances_of_different_nodes(
