@@ -168,3 +168,36 @@ def test_live_pairs_are_scored_and_the_policy_promotes_the_candidate(
     again = _materialize("triage")
     assert again.asset_materializations_for_node("shadow_scores")[0] \
         .metadata["num_scored_now"].value == 0
+
+
+def test_shadow_sensor_asks_for_scores_when_pairs_arrive(factory_home: Path) -> None:
+    from factory.resources.lake import LakeResource
+    from factory.sensors.shadow import shadow_sensor
+
+    lake = Lake()
+
+    def pairs(*ids: str, experiment: str = "triage") -> list[dict[str, Any]]:
+        return [{**_pair(i, "billing", "billing"), "experiment": experiment,
+                 "created_at": datetime.now(UTC)} for i in ids]
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("experiments", ["triage"])
+
+        def tick(cursor: str | None) -> tuple[Any, str | None]:
+            context = dg.build_sensor_context(instance=instance, cursor=cursor,
+                                              resources={"lake": LakeResource()})
+            return shadow_sensor(context), context.cursor
+
+        result, cursor = tick(None)
+        assert isinstance(result, dg.SkipReason)  # no pairs yet
+        lake.append("shadow_pairs", pairs("a", "b"))
+        [request], cursor = tick(cursor)
+        assert request.partition_key == "triage" and "2 new shadow pair(s)" in \
+            request.tags["factory/reason"]
+        assert isinstance(tick(cursor)[0], dg.SkipReason)  # nothing new since
+        # Pairs of an experiment without a partition are not requested.
+        lake.append("shadow_pairs", pairs("c", experiment="gone") + pairs("d"))
+        [again], cursor = tick(cursor)
+        assert again.partition_key == "triage" and "1 new shadow pair(s)" in \
+            again.tags["factory/reason"]
+        assert again.run_key != request.run_key
