@@ -18,7 +18,7 @@ from factory.experiments import load_experiment
 from factory.partitions import RUNS
 from factory.planner.profile import read_profile
 from factory.planner.render import experiment_card, plan_table
-from factory.planner.service import plan_for_key, plan_row, profile_version
+from factory.planner.service import mix_rows, plan_for_key, plan_row, profile_version
 from factory.recipes import load_recipe
 from factory.resources.lake import LakeResource
 
@@ -42,7 +42,8 @@ def training_plan(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.M
     session = lake.session(context)
     try:
         profile = read_profile(session, experiment.name)
-        plan = plan_for_key(experiment, profile, key)
+        plan = plan_for_key(experiment, profile, key,
+                            source_rows=mix_rows(experiment, session.lake))
     except (FactoryError, ValueError) as exc:
         # A refused plan is the user's to fix: show the message, not a traceback.
         raise dg.Failure(description=str(exc), allow_retries=False) from None

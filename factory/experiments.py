@@ -4,6 +4,9 @@ An experiment is one YAML file in ``settings.experiments_dir`` (``$FACTORY_EXPER
 
     name: support-extractor
     data: {where: "tags['project'] = 'support'", eval_fraction: 0.1, max_tokens: 2048}
+    # or train on a weighted mixture the trainer streams (relative weights):
+    # data: {mix: {traffic: 0.7, synthetic: 0.1, "experiment:triage": 0.1,
+    #              "file:general/instructions.jsonl": 0.1}}
     recipe: smollm2-135m-lora
     overrides: {learning_rate: 2.0e-4}
     eval: {every_steps: 20, judge: embedded, rubric: auto}
@@ -70,6 +73,36 @@ class DataSpec:
     engine: str = "embedded"
     """Curation engine: ``embedded`` (DuckDB/pyarrow in process) or ``spark`` (a local Spark
     session, for data that outgrows one machine); both give the same datasets."""
+    mix: tuple[MixEntry, ...] = ()
+    """Weighted sources the trainer streams, the primary one first (``traffic`` when listed;
+    ``num_epochs`` counts passes over it); empty: the experiment's training set alone."""
+
+
+MIX_KINDS: tuple[str, ...] = ("traffic", "synthetic", "experiment:<name>", "file:<path>")
+"""Sources ``data.mix`` can name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixEntry:
+    """One source of ``data.mix`` and its weight."""
+
+    source: str
+    """``traffic`` (the experiment's dataset rows from traffic), ``synthetic`` (its rows a
+    teacher wrote, ``origin = 'synthetic'``), ``experiment:<name>`` (another experiment's
+    training set), ``file:<path>`` (a JSONL file of canonical samples or OpenAI chat records,
+    the path resolved against the experiment file's folder)."""
+    weight: float
+    """Relative weight: the share of drawn samples is ``weight / sum(weights)``."""
+
+    @property
+    def kind(self) -> str:
+        """``traffic``, ``synthetic``, ``experiment`` or ``file``."""
+        return self.source.partition(":")[0]
+
+    @property
+    def target(self) -> str:
+        """The experiment name or file path after the kind ('' for traffic and synthetic)."""
+        return self.source.partition(":")[2]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -432,7 +465,49 @@ def _parse_data(ctx: _Ctx, raw: Any) -> DataSpec:
             raise ctx.error((*where, "engine"),
                             f"got {v!r}; allowed: {' or '.join(CURATION_ENGINES)}")
         kw["engine"] = v
+    if "mix" in raw:
+        kw["mix"] = _parse_mix(ctx, raw["mix"])
     return DataSpec(**kw)
+
+
+def _parse_mix(ctx: _Ctx, raw: Any) -> tuple[MixEntry, ...]:
+    where = ("data", "mix")
+    example = ("a mapping of sources to weights, such as {traffic: 0.8, "
+               "\"file:general.jsonl\": 0.2}")
+    if not isinstance(raw, Mapping) or not raw:
+        raise ctx.error(where, f"got {raw!r}; allowed: {example}")
+    entries = []
+    for key, weight in raw.items():
+        at = (*where, str(key))
+        if not isinstance(key, str):
+            raise ctx.error(where, f"source {key!r} is not text; allowed: "
+                            f"{', '.join(MIX_KINDS)}")
+        kind, colon, target = key.partition(":")
+        if kind in ("traffic", "synthetic") and not colon:
+            source = kind
+        elif kind == "experiment" and colon:
+            if not NAME_RE.match(target):
+                raise ctx.error(at, f"{target!r} is not an experiment name (lowercase letters, "
+                                "digits, '-' and '_')")
+            source = key
+        elif kind == "file" and colon and target:
+            path = Path(target).expanduser()
+            path = path if path.is_absolute() else ctx.path.parent / path
+            if not path.is_file():
+                raise ctx.error(at, f"no such file {path}")
+            source = f"file:{path.resolve()}"
+        else:
+            close = difflib.get_close_matches(kind, ["traffic", "synthetic", "experiment",
+                                                     "file"], n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ctx.error(at, f"unknown source {key!r}; {hint}allowed: "
+                            f"{', '.join(MIX_KINDS)}")
+        if not (_is_num(weight) and 0 < weight < float("inf")):
+            raise ctx.error(at, f"got {weight!r}; allowed: a positive number (a relative "
+                            "weight)")
+        entries.append(MixEntry(source=source, weight=float(weight)))
+    entries.sort(key=lambda e: e.source != "traffic")  # the primary source first
+    return tuple(entries)
 
 
 def _parse_eval(ctx: _Ctx, raw: Any) -> EvalSpec:
@@ -584,8 +659,12 @@ def parse_experiment(text: str, path: Path) -> Experiment:
         raise ctx.error(("deploy",), f"got {deploy!r}; allowed: auto (deploy the best "
                         "checkpoint once every checkpoint is scored), manual, or "
                         "{shadow: {route: MODEL, ...}}")
+    data = _parse_data(ctx, raw.get("data"))
+    if f"experiment:{name}" in {m.source for m in data.mix}:
+        raise ctx.error(("data", "mix", f"experiment:{name}"), "an experiment cannot mix in "
+                        "its own training set; name it 'traffic'")
     return Experiment(
-        name=name, path=path, data=_parse_data(ctx, raw.get("data")), recipe=recipe,
+        name=name, path=path, data=data, recipe=recipe,
         overrides=overrides, eval=_parse_eval(ctx, raw.get("eval")), sweep=sweep,
         schedule=schedule, retrain_on_new_samples=retrain, deploy=deploy, raw=dict(raw),
         shadow=shadow,

@@ -182,6 +182,30 @@ class TrackerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MixSource:
+    """One source of a data mixture: its files and its share of the samples drawn."""
+
+    name: str
+    """What reports and the plan call it (``traffic``, ``synthetic``, ``experiment:<name>``,
+    ``file:<path>``)."""
+    weight: float
+    """Relative weight: each drawn sample comes from this source with probability
+    ``weight / sum(weights)``."""
+    data_files: list[str] = field(default_factory=list)
+    """Parquet files of its samples (columns ``sample_id``, ``messages``, ``tools``)."""
+    payload_file: str | None = None
+    """Or one JSONL file of samples (``messages``, ``tools``, optional ``sample_id``)."""
+
+    def validate(self, prefix: str) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"{prefix}name: must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.weight, int | float) or isinstance(self.weight, bool) \
+                or not self.weight > 0 or self.weight == float("inf"):
+            raise ValueError(f"{prefix}weight: must be a number > 0, got {self.weight!r}")
+        _check_files(self.data_files, self.payload_file, prefix)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """One training job: the plan, where the data is, where results and events go."""
 
@@ -195,6 +219,9 @@ class Job:
     """Parquet files of the dataset snapshot (columns ``sample_id``, ``messages``, ``tools``)."""
     payload_file: str | None = None
     """Or one JSONL file of samples (``messages``, ``tools``, optional ``sample_id``)."""
+    mix: list[MixSource] = field(default_factory=list)
+    """Or a mixture of sources sampled by weight (``trainer.data.MixtureStream``); the first
+    is the primary one: ``plan.num_epochs`` counts passes over it."""
     eval_data_files: list[str] = field(default_factory=list)
     """Optional held-out Parquet files for eval loss every ``plan.eval_every_steps``."""
     resume_from: str | None = None
@@ -211,6 +238,13 @@ class Job:
     """Metrics backend."""
     debug: Debug = field(default_factory=Debug)
     """Fault injection (tests only)."""
+
+    def sources(self) -> list[MixSource]:
+        """What the job trains on: ``mix``, or its data files as one source named ``train``."""
+        if self.mix:
+            return list(self.mix)
+        return [MixSource(name="train", weight=1.0, data_files=list(self.data_files),
+                          payload_file=self.payload_file)]
 
     @property
     def is_local_output(self) -> bool:
@@ -233,17 +267,19 @@ class Job:
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise ValueError("output_dir: must be a non-empty path or URL")
         self.plan.validate()
-        if bool(self.data_files) == bool(self.payload_file):
-            raise ValueError("data_files: give exactly one of data_files and payload_file")
-        for name in ("data_files", "eval_data_files"):
-            files = getattr(self, name)
-            if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
-                raise ValueError(f"{name}: must be a list of paths, got {files!r}")
-            for f in files:
-                if "://" not in f and not Path(f).is_file():
-                    raise ValueError(f"{name}: no such file {f}")
-        if self.payload_file is not None and not Path(self.payload_file).is_file():
-            raise ValueError(f"payload_file: no such file {self.payload_file}")
+        if not isinstance(self.mix, list):
+            raise ValueError(f"mix: must be a list of sources, got {self.mix!r}")
+        if self.mix:
+            if self.data_files or self.payload_file:
+                raise ValueError("mix: give either mix or data_files/payload_file, not both")
+            names = [s.name for s in self.mix]
+            for i, source in enumerate(self.mix):
+                source.validate(f"mix.{i}.")
+                if names.index(source.name) != i:
+                    raise ValueError(f"mix.{i}.name: {source.name!r} is listed twice")
+        else:
+            _check_files(self.data_files, self.payload_file, "")
+        _check_paths(self.eval_data_files, "eval_data_files")
         if self.plan.eval_every_steps is not None and not self.eval_data_files:
             raise ValueError("eval_data_files: plan.eval_every_steps is set but no eval data")
         if self.resume_from is not None and self.resume_from != "latest" \
@@ -283,6 +319,11 @@ class Job:
             kwargs["tracker"] = _build(TrackerConfig, kwargs["tracker"] or {}, "tracker.")
         if "debug" in kwargs:
             kwargs["debug"] = _build(Debug, kwargs["debug"] or {}, "debug.")
+        if "mix" in kwargs:
+            if not isinstance(kwargs["mix"], list):
+                raise ValueError(f"mix: must be a list of sources, got {kwargs['mix']!r}")
+            kwargs["mix"] = [_build(MixSource, s, f"mix.{i}.", validate=False)
+                             for i, s in enumerate(kwargs["mix"])]
         job = cls(**kwargs)
         job.validate()
         return job
@@ -309,6 +350,23 @@ def _local(path: str) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
 
 
+def _check_paths(files: Any, name: str) -> None:
+    if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+        raise ValueError(f"{name}: must be a list of paths, got {files!r}")
+    for f in files:
+        if "://" not in f and not Path(f).is_file():
+            raise ValueError(f"{name}: no such file {f}")
+
+
+def _check_files(data_files: Any, payload_file: Any, prefix: str) -> None:
+    """Exactly one of ``data_files`` (Parquet) and ``payload_file`` (JSONL), and they exist."""
+    if bool(data_files) == bool(payload_file):
+        raise ValueError(f"{prefix}data_files: give exactly one of data_files and payload_file")
+    _check_paths(data_files, f"{prefix}data_files")
+    if payload_file is not None and not Path(payload_file).is_file():
+        raise ValueError(f"{prefix}payload_file: no such file {payload_file}")
+
+
 def _fields(cls: type, raw: dict[str, Any], prefix: str) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
@@ -317,7 +375,7 @@ def _fields(cls: type, raw: dict[str, Any], prefix: str) -> dict[str, Any]:
     return dict(raw)
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _build(cls: type, raw: Any, prefix: str, *, validate: bool = True) -> Any:
     if not isinstance(raw, dict):
         raise ValueError(f"{prefix.rstrip('.')}: must be an object")
     kwargs = _fields(cls, raw, prefix)
@@ -331,7 +389,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     except TypeError as e:  # pragma: no cover - _fields already names unknown keys
         raise ValueError(f"{prefix}: {e}") from None
     try:
-        if hasattr(obj, "validate") and cls is not TrackerConfig:
+        if validate and hasattr(obj, "validate") and cls is not TrackerConfig:
             obj.validate()
     except ValueError as e:
         raise ValueError(f"{prefix}{e}") from None

@@ -1,9 +1,13 @@
 """Samples in, micro-batches out: reading, tokenizing, packing, and a resumable order.
 
-The order of micro-batches is a pure function of (data, plan, seed): epoch ``e`` shuffles the
-examples with a generator seeded by ``seed`` and ``e``, packs them, and groups rows into
-micro-batches. So the data position of a checkpoint is one integer (the global micro-batch
-index), and a resumed run recomputes the same batches instead of saving iterator state.
+Training data streams (``MixtureStream``): one or more sources (``Job.mix``, or the job's data
+files as one source) are read a block at a time in a seeded order per epoch (``SourceReader``),
+sampled by weight, tokenized a window of samples at a time and packed within the window. No
+source is tokenized or held whole, and the order is a pure function of (data, plan, seed): the
+data position of a checkpoint is where its window began (``MixPosition``: per source an epoch
+and an index, and the window's number) plus an offset, and a resumed run draws, reads and packs
+the same batches from it. The held-out set is tokenized whole (``MicroBatchStream``): every eval
+scores all of it.
 
 Packing puts several samples in one row with position ids restarting at 0 per sample and no
 attention mask: transformers 5 then builds a block-diagonal causal mask from the position resets
@@ -30,9 +34,12 @@ than ``MAX_DROP_FRACTION`` of the samples before any compute is spent.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +47,7 @@ from typing import Any
 import torch
 
 from .chat import IGNORE_INDEX, common_prefix, encode
-from .config import MIN_SHARED_PREFIX, Job
+from .config import MIN_SHARED_PREFIX, Job, MixSource
 
 # First-fit packing looks at this many open rows: 99%+ fill on realistic length mixes while
 # staying linear in the number of samples.
@@ -129,34 +136,50 @@ def read_rows(*, data_files: Sequence[str] = (), payload_file: str | None = None
     return rows
 
 
-def tokenize(rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_seq_len: int
-             ) -> tuple[list[Example], DataStats]:
-    """Rows to examples with ``trainer.chat.encode``; a row that cannot train whole is dropped
-    and counted by its reason (``DROP_REASONS``)."""
-    examples: list[Example] = []
-    dropped = dict.fromkeys(DROP_REASONS, 0)
-    longest = 0
-    for row in rows:
+class _Tally:
+    """Counts what tokenizing keeps and drops, for ``DataStats``."""
+
+    def __init__(self) -> None:
+        self.num_samples = self.num_tokens = self.num_label_tokens = self.longest = 0
+        self.kept = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+
+    def encode(self, row: dict[str, Any], tokenizer: Any, max_seq_len: int) -> Example | None:
+        """``row`` as an example with ``trainer.chat.encode``, or None (dropped, counted)."""
+        self.num_samples += 1
         try:
             ids, labels = encode(row["messages"], row.get("tools"), tokenizer)
         except (ValueError, KeyError, TypeError):
-            dropped["unrenderable"] += 1
-            continue
-        longest = max(longest, len(ids))
+            self.dropped["unrenderable"] += 1
+            return None
+        self.longest = max(self.longest, len(ids))
         if len(ids) > max_seq_len:
-            dropped["too_long_for_plan"] += 1
-            continue
+            self.dropped["too_long_for_plan"] += 1
+            return None
         # Position 0 is never a target (nothing precedes it); a sample needs one target after it.
-        if not _num_targets(labels):
-            dropped["no_target"] += 1
-            continue
-        examples.append(Example(sample_id=str(row["sample_id"]), input_ids=ids, labels=labels))
-    stats = DataStats(num_samples=len(rows), num_examples=len(examples),
-                      num_dropped=sum(dropped.values()), num_dropped_by_reason=dropped,
-                      max_sample_tokens=longest,
-                      num_tokens=sum(len(e.input_ids) for e in examples),
-                      num_label_tokens=sum(_num_targets(e.labels) for e in examples))
-    return examples, stats
+        targets = _num_targets(labels)
+        if not targets:
+            self.dropped["no_target"] += 1
+            return None
+        self.kept += 1
+        self.num_tokens += len(ids)
+        self.num_label_tokens += targets
+        return Example(sample_id=str(row["sample_id"]), input_ids=ids, labels=labels)
+
+    def stats(self) -> DataStats:
+        return DataStats(num_samples=self.num_samples, num_examples=self.kept,
+                         num_dropped=sum(self.dropped.values()),
+                         num_dropped_by_reason=dict(self.dropped), max_sample_tokens=self.longest,
+                         num_tokens=self.num_tokens, num_label_tokens=self.num_label_tokens)
+
+
+def tokenize(rows: Iterable[dict[str, Any]], tokenizer: Any, *, max_seq_len: int
+             ) -> tuple[list[Example], DataStats]:
+    """Rows to examples with ``trainer.chat.encode``; a row that cannot train whole is dropped
+    and counted by its reason (``DROP_REASONS``)."""
+    tally = _Tally()
+    examples = [e for row in rows if (e := tally.encode(row, tokenizer, max_seq_len)) is not None]
+    return examples, tally.stats()
 
 
 def plan_tokenizer(base_model: str) -> Any:
@@ -174,19 +197,28 @@ def plan_tokenizer(base_model: str) -> Any:
     return install_chat_template(load_tokenizer(base_model))
 
 
-def check_plan_data(rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_seq_len: int
-                    ) -> DataStats:
-    """The pre-launch check: tokenize ``rows`` exactly as the trainer will, and raise a
-    ``ValueError`` naming the numbers when the plan would drop more than ``MAX_DROP_FRACTION``
-    of them. No kept sample lacks a target: ``tokenize`` drops those (``no_target``), and the
-    drops count toward the limit."""
-    _, stats = tokenize(rows, tokenizer, max_seq_len=max_seq_len)
+MAX_CHECK_ROWS = 10_000
+"""Rows of each source after the primary that the pre-launch check tokenizes (~7 s at
+~0.7 ms a sample): a general instruction set can be far larger than the traffic, all of which
+is checked."""
+
+
+def check_plan_data(rows: Iterable[dict[str, Any]], tokenizer: Any, *, max_seq_len: int,
+                    what: str = "training samples") -> DataStats:
+    """The pre-launch check: tokenize ``rows`` exactly as the trainer will (holding none), and
+    raise a ``ValueError`` naming the numbers when the plan would drop more than
+    ``MAX_DROP_FRACTION`` of them. No kept sample lacks a target: ``tokenize`` drops those
+    (``no_target``), and the drops count toward the limit."""
+    tally = _Tally()
+    for row in rows:
+        tally.encode(row, tokenizer, max_seq_len)
+    stats = tally.stats()
     n, dropped = stats.num_samples, stats.num_dropped
     if not n:
-        raise ValueError("no training samples")
+        raise ValueError(f"no {what}")
     if dropped / n > MAX_DROP_FRACTION:
         raise ValueError(
-            f"plan max_seq_len {max_seq_len} would drop {dropped} of {n} training samples "
+            f"plan max_seq_len {max_seq_len} would drop {dropped} of {n} {what} "
             f"({dropped / n:.1%}, over the {MAX_DROP_FRACTION:.0%} limit): "
             f"{stats.describe_drops()}")
     return stats
@@ -194,10 +226,19 @@ def check_plan_data(rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_seq_l
 
 def check_job_data(job: Job) -> DataStats:
     """``check_plan_data`` over the training rows ``job`` reads, with its base model's
-    tokenizer; the held-out rows must keep at least one sample. Returns the training stats."""
+    tokenizer: every row of the primary source, the first ``MAX_CHECK_ROWS`` of each other
+    source of a mix. The held-out rows must keep at least one sample. Returns the primary
+    source's stats."""
     tokenizer = plan_tokenizer(job.plan.base_model)
-    rows = read_rows(data_files=job.data_files, payload_file=job.payload_file)
-    stats = check_plan_data(rows, tokenizer, max_seq_len=job.plan.max_seq_len)
+    sources = job.sources()
+    stats = check_plan_data(SourceReader(sources[0], index=0, seed=0).rows(), tokenizer,
+                            max_seq_len=job.plan.max_seq_len,
+                            what=f"{sources[0].name} samples" if job.mix
+                            else "training samples")
+    for i, source in enumerate(sources[1:], 1):
+        rows = SourceReader(source, index=i, seed=0).rows()
+        check_plan_data(itertools.islice(rows, MAX_CHECK_ROWS), tokenizer,
+                        max_seq_len=job.plan.max_seq_len, what=f"{source.name} samples")
     if job.eval_data_files:
         held_out, ev = tokenize(read_rows(data_files=job.eval_data_files), tokenizer,
                                 max_seq_len=job.plan.max_seq_len)
@@ -207,12 +248,19 @@ def check_job_data(job: Job) -> DataStats:
     return stats
 
 
-def fingerprint(examples: Sequence[Example]) -> str:
-    """Identity of the tokenized data: a resume against different data is refused."""
+def sources_fingerprint(sources: Sequence[MixSource]) -> str:
+    """Identity of a job's training data: each source's name, weight and the bytes of its
+    files (read in 8 MiB blocks, never held). A resume against different data is refused."""
+    import fsspec
+
     h = hashlib.sha256()
-    for e in examples:
-        h.update(e.sample_id.encode())
-        h.update(len(e.input_ids).to_bytes(4, "little"))
+    for source in sources:
+        h.update(json.dumps([source.name, float(source.weight)]).encode())
+        for path in source.data_files or [source.payload_file or ""]:
+            with fsspec.open(path, "rb") as f:
+                while block := f.read(8 << 20):
+                    h.update(block)
+            h.update(b"\0")
     return h.hexdigest()
 
 
@@ -357,7 +405,8 @@ def collate_shared(examples: Sequence[Example], indices: Sequence[int], prefix: 
 
 
 class MicroBatchStream:
-    """The endless, deterministic sequence of micro-batches over epochs.
+    """The endless, deterministic sequence of micro-batches over epochs of examples tokenized
+    up front (the held-out set; training streams with ``MixtureStream``).
 
     Global micro-batch ``k`` belongs to epoch ``k // per_epoch``; an optimizer step consumes
     ``grad_accum_steps * world_size`` consecutive ones, rank ``r`` taking every ``world_size``-th.
@@ -436,3 +485,378 @@ class MicroBatchStream:
     def position(self, index: int) -> dict[str, int]:
         return {"microbatch": index, "epoch": index // self.per_epoch,
                 "index_in_epoch": index % self.per_epoch, "per_epoch": self.per_epoch}
+
+
+# ---------------------------------------------------------------------------------------------
+# The streaming mixture: the training data path.
+
+WINDOW_SAMPLES = 1024
+"""Samples drawn, tokenized and packed together (the lookahead of first-fit packing). At most
+the windows of one optimizer step are held tokenized: ~1024 x 300 tokens of a typical
+conversation, a few MiB."""
+BLOCK_LINES = 1024
+"""Lines of a JSONL source read at a time (a Parquet source is read a row group at a time)."""
+_COLUMNS = ["sample_id", "messages", "tools"]
+_MAX_EMPTY_WINDOWS = 64
+
+
+def _seed(*parts: int) -> int:
+    """A 63-bit generator seed from integers."""
+    digest = hashlib.sha256(json.dumps(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _randperm(n: int, seed: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class SourceReader:
+    """One source's rows in a seeded order per epoch, read a block at a time.
+
+    A block is a Parquet row group or ``BLOCK_LINES`` lines of a JSONL file. Epoch ``e`` visits
+    the blocks in a seeded order and each block's rows in a seeded order, so the row at cursor
+    ``(e, i)`` is a pure function of the files, the seed, the source's index, ``e`` and ``i``:
+    a position is two integers, and one block of raw rows is held at a time. A source of one
+    block is one permutation per epoch seeded ``seed * 1_000_003 + e`` (plus an offset per
+    source index), the order ``MicroBatchStream`` gives the same rows.
+    """
+
+    def __init__(self, source: MixSource, *, index: int, seed: int) -> None:
+        self.name = source.name
+        self.index = index
+        self.seed = seed
+        self.prefix = "payload_file" if source.payload_file else "data_files"
+        # (path, row group or byte offset, first line number, rows)
+        self.blocks: list[tuple[str, int, int, int]] = []
+        if source.payload_file:
+            self._index_jsonl(source.payload_file)
+        else:
+            for path in source.data_files:
+                self._index_parquet(path)
+        self.num_rows = sum(b[3] for b in self.blocks)
+        self._epoch = -1
+        self._order: list[int] = []
+        self._ends: list[int] = []
+        self._loaded: tuple[int, list[dict[str, Any]]] | None = None
+        self.peak_rows_held = 0
+        """The most raw rows held at once (one block's)."""
+
+    def _index_parquet(self, path: str) -> None:
+        import fsspec
+        import pyarrow.parquet as pq
+
+        with fsspec.open(path, "rb") as f:
+            meta = pq.ParquetFile(f)
+            missing = set(_COLUMNS) - set(meta.schema_arrow.names)
+            if missing:
+                raise ValueError(f"data_files: {path} lacks columns {sorted(missing)}")
+            for g in range(meta.num_row_groups):
+                n = meta.metadata.row_group(g).num_rows
+                if n:
+                    self.blocks.append((path, g, 0, n))
+
+    def _index_jsonl(self, path: str) -> None:
+        """Validates every line (as ``read_rows`` does) and notes where each block starts."""
+        import fsspec
+
+        offset = 0
+        count = 0
+        start: tuple[int, int] | None = None
+        with fsspec.open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                line = raw.decode("utf-8")
+                here, offset = offset, offset + len(raw)
+                if not line.strip():
+                    continue
+                _json_row(line, n)
+                if start is None:
+                    start = (here, n)
+                count += 1
+                if count == BLOCK_LINES:
+                    self.blocks.append((path, start[0], start[1], count))
+                    start, count = None, 0
+        if start is not None:
+            self.blocks.append((path, start[0], start[1], count))
+
+    def _read(self, block: int) -> list[dict[str, Any]]:
+        import fsspec
+
+        path, where, first_line, n = self.blocks[block]
+        if self.prefix == "data_files":
+            import pyarrow.parquet as pq
+
+            with fsspec.open(path, "rb") as f:
+                return pq.ParquetFile(f).read_row_group(where, columns=_COLUMNS).to_pylist()
+        rows: list[dict[str, Any]] = []
+        with fsspec.open(path, "rb") as f:
+            f.seek(where)
+            for number, raw in enumerate(f, first_line):
+                line = raw.decode("utf-8")
+                if line.strip():
+                    rows.append(_json_row(line, number))
+                    if len(rows) == n:
+                        break
+        return rows
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """Every row in file order, a block at a time."""
+        for b in range(len(self.blocks)):
+            yield from self._read(b)
+
+    def _epoch_seed(self, epoch: int) -> int:
+        return (self.seed * 1_000_003 + epoch + self.index * 7_777_777_777) % 2**63
+
+    def row(self, epoch: int, i: int) -> dict[str, Any]:
+        """Row ``i`` of epoch ``epoch``'s order."""
+        if epoch != self._epoch:
+            num_blocks = len(self.blocks)
+            self._order = _randperm(num_blocks, self._epoch_seed(epoch)) if num_blocks > 1 \
+                else [0]
+            self._ends = list(itertools.accumulate(self.blocks[b][3] for b in self._order))
+            self._epoch, self._loaded = epoch, None
+        k = bisect.bisect_right(self._ends, i)
+        block = self._order[k]
+        if self._loaded is None or self._loaded[0] != block:
+            self._loaded = None
+            rows = self._read(block)
+            seed = self._epoch_seed(epoch) if len(self.blocks) == 1 \
+                else _seed(self.seed, self.index, epoch, block)
+            self._loaded = (block, [rows[j] for j in _randperm(len(rows), seed)])
+            self.peak_rows_held = max(self.peak_rows_held, len(rows))
+        return self._loaded[1][i - (self._ends[k - 1] if k else 0)]
+
+
+def _json_row(line: str, n: int) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"payload_file: line {n} is not JSON ({e})") from None
+    if not isinstance(obj, dict) or "messages" not in obj:
+        raise ValueError(f"payload_file: line {n} has no 'messages'")
+    return {"sample_id": str(obj.get("sample_id") or f"line-{n}"),
+            "messages": obj["messages"], "tools": obj.get("tools") or []}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixPosition:
+    """Where a window of the mixture begins: all a resume needs to draw the same samples."""
+
+    window: int
+    """Windows before it (seeds its draws)."""
+    start: int
+    """Global index of its first micro-batch."""
+    cursors: tuple[tuple[int, int], ...]
+    """Per source, (epoch, index in that epoch's order) of the next row."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "window_start": self.start,
+                "cursors": [list(c) for c in self.cursors]}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MixPosition:
+        return cls(window=int(raw["window"]), start=int(raw["window_start"]),
+                   cursors=tuple((int(e), int(i)) for e, i in raw["cursors"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Window:
+    at: MixPosition
+    examples: list[Example]
+    layout: list[list[list[int]]]
+    after: MixPosition
+
+    @property
+    def end(self) -> int:
+        return self.after.start
+
+
+class MixtureStream:
+    """The endless, deterministic micro-batches of a weighted mixture of sources, streamed.
+
+    Window ``w`` draws up to ``window_samples`` sources with replacement by weight (a generator
+    seeded by ``seed`` and ``w``), takes each drawn source's next row (``SourceReader``),
+    tokenizes it, packs the window's examples first-fit in draw order and groups the rows into
+    micro-batches. The primary source (the first) finishing an epoch ends a window, so a
+    single source trains in whole epochs, each window one epoch while the source fits in one:
+    the batches ``MicroBatchStream`` gives the same rows when no sample is dropped.
+
+    So the data position of a micro-batch is its window's ``MixPosition`` plus an offset, and a
+    resume from it draws, reads and packs the same batches. Windows are made as indices are
+    asked for, in increasing order, and those wholly before ``release(index)`` are dropped: the
+    tokenized samples held are the windows of the current optimizer step (``peak_examples_held``).
+    Global micro-batch ``k``: an optimizer step consumes ``grad_accum_steps * world_size``
+    consecutive ones, rank ``r`` taking every ``world_size``-th, as with ``MicroBatchStream``.
+    """
+
+    def __init__(self, sources: Sequence[MixSource], tokenizer: Any, *, max_seq_len: int,
+                 packing: bool, micro_batch_size: int, seed: int, pad_id: int,
+                 share_prefix: bool = False, window_samples: int = WINDOW_SAMPLES) -> None:
+        if not sources:
+            raise ValueError("mix: no sources")
+        self.readers = [SourceReader(s, index=i, seed=seed) for i, s in enumerate(sources)]
+        for reader in self.readers:
+            if not reader.num_rows:
+                where = f"mix source {reader.name}" if len(sources) > 1 else reader.prefix
+                raise ValueError(f"{where}: no samples")
+        self.names = [s.name for s in sources]
+        weights = torch.tensor([float(s.weight) for s in sources], dtype=torch.float64)
+        self.shares = (weights / weights.sum()).tolist()
+        self._weights = weights
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.packing = packing
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.pad_id = pad_id
+        self.share_prefix = share_prefix
+        self.window_samples = window_samples
+        self.tally = _Tally()
+        self.drawn = [0] * len(sources)
+        """Rows drawn from each source by this process."""
+        self.peak_examples_held = 0
+        """The most tokenized samples held at once."""
+        self._windows: list[_Window] = []
+        self._next = MixPosition(window=0, start=0, cursors=((0, 0),) * len(sources))
+        first = self._generate()
+        self.first_window_stats = self.tally.stats()
+        """What tokenizing the first window kept and dropped (the whole primary epoch when it
+        fits in one window)."""
+        self.per_epoch = 0
+        """Micro-batches per epoch of the primary source: exact when its epoch ended the first
+        window, else scaled from that window by the primary's rows; 0 when the first window
+        kept no sample (the data cannot train)."""
+        self._summary: dict[str, Any] = {}
+        if first.layout:
+            self._windows = [first]
+            self.peak_examples_held = len(first.examples)
+            epoch, primary_rows = first.after.cursors[0]
+            self.per_epoch = len(first.layout) if epoch else max(1, math.ceil(
+                len(first.layout) * self.readers[0].num_rows / max(1, primary_rows)))
+            self._summary = self._prefix_summary(first)
+
+    def _generate(self) -> _Window:
+        at = self._next
+        cursors = list(at.cursors)
+        if len(self.readers) > 1:
+            g = torch.Generator().manual_seed(_seed(self.seed, -1, at.window))
+            draws = torch.multinomial(self._weights, self.window_samples, replacement=True,
+                                      generator=g).tolist()
+        else:
+            draws = [0] * self.window_samples
+        examples: list[Example] = []
+        for s in draws:
+            reader = self.readers[s]
+            epoch, i = cursors[s]
+            row = reader.row(epoch, i)
+            cursors[s] = (epoch + 1, 0) if i + 1 == reader.num_rows else (epoch, i + 1)
+            self.drawn[s] += 1
+            example = self.tally.encode(row, self.tokenizer, self.max_seq_len)
+            if example is not None:
+                examples.append(example)
+            if s == 0 and cursors[0][0] != epoch:
+                break
+        if self.packing:
+            rows = pack([len(e.input_ids) for e in examples], range(len(examples)),
+                        self.max_seq_len)
+        else:
+            rows = [[i] for i in range(len(examples))]
+        mbs = self.micro_batch_size
+        layout = [rows[i:i + mbs] for i in range(0, len(rows), mbs)]
+        self._next = MixPosition(window=at.window + 1, start=at.start + len(layout),
+                                 cursors=tuple(cursors))
+        return _Window(at=at, examples=examples, layout=layout, after=self._next)
+
+    def _window(self, index: int) -> _Window:
+        """The window holding micro-batch ``index``, made (and those before it) if need be."""
+        if self._windows and index < self._windows[0].at.start:
+            raise ValueError(f"micro-batch {index} was released (the stream is at "
+                             f"{self._windows[0].at.start})")
+        for w in self._windows:
+            if w.at.start <= index < w.end:
+                return w
+        empty = 0
+        while True:
+            w = self._generate()
+            if w.layout:
+                self._windows.append(w)
+                held = sum(len(x.examples) for x in self._windows)
+                self.peak_examples_held = max(self.peak_examples_held, held)
+                if index < w.end:
+                    return w
+                empty = 0
+            else:
+                empty += 1
+                if empty >= _MAX_EMPTY_WINDOWS:
+                    raise ValueError(f"{_MAX_EMPTY_WINDOWS} windows of the mixture in a row "
+                                     f"kept no sample: {self.tally.stats().describe_drops()}")
+
+    def release(self, index: int) -> None:
+        """Drop the windows wholly before micro-batch ``index``."""
+        self._windows = [w for w in self._windows if w.end > index]
+
+    def seek(self, position: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``data_position`` (see ``position``)."""
+        at = MixPosition.from_dict(position)
+        if len(at.cursors) != len(self.readers):
+            raise ValueError(f"resume: the position has {len(at.cursors)} sources, the job "
+                             f"{len(self.readers)}")
+        self._windows = []
+        self._next = at
+        self._window(int(position["microbatch"]))
+
+    def rows(self, index: int) -> list[list[int]]:
+        w = self._window(index)
+        return w.layout[index - w.at.start]
+
+    def _shared(self, w: _Window, index: int) -> tuple[list[int], int] | None:
+        if not self.share_prefix:
+            return None
+        indices = [i for row in w.layout[index - w.at.start] for i in row]
+        prefix = shared_prefix_length([w.examples[i] for i in indices])
+        return (indices, prefix) if len(indices) > 1 and prefix >= MIN_SHARED_PREFIX else None
+
+    def batch(self, index: int) -> Batch:
+        w = self._window(index)
+        shared = self._shared(w, index)
+        if shared is not None:
+            return collate_shared(w.examples, *shared)
+        return collate(w.examples, w.layout[index - w.at.start], packed=self.packing,
+                       pad_id=self.pad_id)
+
+    def num_label_tokens(self, index: int) -> int:
+        w = self._window(index)
+        return sum(_num_targets(w.examples[i].labels)
+                   for row in w.layout[index - w.at.start] for i in row)
+
+    def shared_prefix_summary(self) -> dict[str, Any]:
+        """What ``share_prefix`` saves over the first window (an epoch of the primary source
+        when it fits): micro-batches that share a prefix, and tokens computed against the
+        samples' own."""
+        return dict(self._summary)
+
+    def _prefix_summary(self, w: _Window) -> dict[str, Any]:
+        real = computed = num_shared = 0
+        for k in range(len(w.layout)):
+            n = sum(len(w.examples[i].input_ids) for row in w.layout[k] for i in row)
+            real += n
+            shared = self._shared(w, k)
+            if shared is not None:
+                indices, prefix = shared
+                num_shared += 1
+                n -= prefix * (len(indices) - 1)
+            computed += n
+        return {"micro_batches": num_shared, "of": len(w.layout), "tokens": real,
+                "tokens_computed": computed}
+
+    def position(self, index: int) -> dict[str, Any]:
+        """Micro-batch ``index``'s data position: its window's ``MixPosition`` and the primary
+        source's epoch, for a checkpoint (``seek``) and the progress events."""
+        w = self._window(index)
+        return {"microbatch": index, "epoch": w.at.cursors[0][0],
+                "per_epoch": self.per_epoch, **w.at.to_dict()}
+
+    def summary(self) -> dict[str, Any]:
+        """The sources, their shares and the rows drawn from each by this process."""
+        return {name: {"share": share, "rows": r.num_rows, "drawn": n}
+                for name, share, r, n in zip(self.names, self.shares, self.readers, self.drawn,
+                                             strict=True)}

@@ -197,7 +197,14 @@ class Trainer:
 
     def setup(self) -> None:
         """Data, model and optimizer; a ``ValueError`` here is a ``DataError`` (see run_job)."""
-        from .data import MicroBatchStream, fingerprint, plan_tokenizer, read_rows, tokenize
+        from .data import (
+            MicroBatchStream,
+            MixtureStream,
+            plan_tokenizer,
+            read_rows,
+            sources_fingerprint,
+            tokenize,
+        )
         from .model import CausalLMLoss, load_model
 
         plan = self.plan
@@ -206,18 +213,18 @@ class Trainer:
             torch.distributed.init_process_group(backend)
         _setup_determinism(plan)
         self.tokenizer = plan_tokenizer(plan.base_model)
-        rows = read_rows(data_files=self.job.data_files, payload_file=self.job.payload_file)
-        examples, self.data_stats = tokenize(rows, self.tokenizer, max_seq_len=plan.max_seq_len)
-        if not examples:
-            raise ValueError(f"data_files: none of the {self.data_stats.num_samples} samples "
-                             f"can train at max_seq_len {plan.max_seq_len}: "
-                             f"{self.data_stats.describe_drops()}")
         pad_id = int(self.tokenizer.pad_token_id)
-        self.stream = MicroBatchStream(examples, max_seq_len=plan.max_seq_len,
-                                       packing=plan.packing,
-                                       micro_batch_size=plan.micro_batch_size, seed=plan.seed,
-                                       pad_id=pad_id, share_prefix=plan.share_prefix)
-        self.fingerprint = fingerprint(examples)
+        sources = self.job.sources()
+        self.stream = MixtureStream(sources, self.tokenizer, max_seq_len=plan.max_seq_len,
+                                    packing=plan.packing, micro_batch_size=plan.micro_batch_size,
+                                    seed=plan.seed, pad_id=pad_id,
+                                    share_prefix=plan.share_prefix)
+        self.data_stats = self.stream.first_window_stats
+        if not self.stream.per_epoch:
+            raise ValueError(f"{'mix' if self.job.mix else 'data_files'}: none of the "
+                             f"{self.data_stats.num_samples} samples can train at max_seq_len "
+                             f"{plan.max_seq_len}: {self.data_stats.describe_drops()}")
+        self.fingerprint = sources_fingerprint(sources)
         self.per_step = plan.grad_accum_steps * self.world
         if plan.num_steps is not None:
             self.num_steps = plan.num_steps
@@ -257,6 +264,10 @@ class Trainer:
         state = _json(files["trainer_state.json"])
         if state["data_fingerprint"] != self.fingerprint:
             raise DataError(f"resume_from: {path} was trained on different data")
+        try:
+            self.stream.seek(state["data_position"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"resume_from: {path} has no usable data position ({e})") from None
         if state["world_size"] != self.world:
             raise DataError(f"resume_from: {path} was written by {state['world_size']} "
                             f"processes, this plan runs {self.world}")
@@ -391,6 +402,7 @@ class Trainer:
             group["lr"] = lr
         first = (step - 1) * self.per_step
         indices = range(first, first + self.per_step)
+        self.stream.release(first)
         # Normalize by the label tokens of the whole optimizer step (all ranks, all
         # micro-batches): packed and unpacked batches then give the same gradient.
         num_label = sum(self.stream.num_label_tokens(k) for k in indices)
@@ -442,7 +454,7 @@ class Trainer:
         reporter.emit("started", step=self.step, num_steps=self.num_steps,
                       resumed_from=self.resumed_from, world_size=self.world,
                       device=str(self.device), pid=os.getpid(),
-                      data=vars(self.data_stats),
+                      data=vars(self.data_stats), mix=self.stream.summary(),
                       shared_prefix=self.stream.shared_prefix_summary(),
                       num_trainable_parameters=sum(p.numel() for p in self.params),
                       kernels=_kernel_summary(self.model))

@@ -3,16 +3,21 @@ experiment's dataset snapshot exported to Parquet for the trainer, and the outpu
 
 The trainer reads only files (it never touches the lake), so the experiment's rows of
 ``dataset_train``/``dataset_eval`` are written once per dataset version to
-``$FACTORY_HOME/runs/data/`` (columns ``sample_id``, ``messages``, ``tools``).
+``$FACTORY_HOME/runs/data/`` (columns ``sample_id``, ``messages``, ``tools``). A plan with a
+mixture (``data.mix``) exports each source the same way, a file source normalized to canonical
+samples once per content, and the job lists them with their weights (``Job.mix``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from factory.errors import FactoryError
@@ -39,6 +44,21 @@ def latest_plan(lake: Lake, run_key: str, *, lineage: Lineage | None = None) -> 
     return rows[0]
 
 
+EXPORT_ROW_GROUP = 4096
+"""Rows per Parquet row group of an exported source: the trainer holds one row group of raw
+rows per source at a time (``trainer.data.SourceReader``), ~5 MiB of typical conversations."""
+_EXPORT_SCHEMA = pa.schema([("sample_id", pa.string()), ("messages", pa.string()),
+                            ("tools", pa.string())])
+
+
+def _write(rows: pa.Table, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(rows, tmp, row_group_size=EXPORT_ROW_GROUP)
+    tmp.rename(path)  # atomic: a concurrent reader never sees half a file
+    return path
+
+
 def export_split(lake: Lake, table: str, experiment: str, version: str, dest: Path, *,
                  lineage: Lineage | None = None) -> Path | None:
     """The experiment's rows of ``table`` as one Parquet file (None when it has none). With a
@@ -55,11 +75,130 @@ def export_split(lake: Lake, table: str, experiment: str, version: str, dest: Pa
                     "ORDER BY sample_id", [experiment])
     if rows.num_rows == 0:
         return None
-    dest.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    pq.write_table(rows, tmp)
-    tmp.rename(path)  # atomic: a concurrent reader never sees half a file
-    return path
+    return _write(rows, path)
+
+
+def _has_origin(lake: Lake) -> bool:
+    """Whether ``dataset_train`` marks each row's origin (traffic or synthetic)."""
+    return "origin" in {f.name for f in lake.table("dataset_train").schema().fields}
+
+
+def _source_query(lake: Lake, source: str, experiment: str) -> tuple[str, list[Any]]:
+    """The ``WHERE`` clause and parameters of a lake source of ``data.mix`` over
+    ``dataset_train``."""
+    kind, _, target = source.partition(":")
+    if kind == "experiment":
+        return "experiment = ?", [target]
+    if kind == "synthetic":
+        if not _has_origin(lake):
+            return "false", []
+        return "experiment = ? AND origin = 'synthetic'", [experiment]
+    if kind == "traffic":
+        if not _has_origin(lake):
+            return "experiment = ?", [experiment]
+        return "experiment = ? AND coalesce(origin, 'traffic') <> 'synthetic'", [experiment]
+    raise ValueError(f"data.mix: {source!r} is not a lake source")
+
+
+def _file_samples(path: Path) -> Iterator[dict[str, Any]]:
+    """The canonical samples of a JSONL file of records (any format ``factory ingest`` reads:
+    canonical samples, OpenAI chat records...), a line at a time; a line no normalizer takes
+    is skipped."""
+    from factory.normalize import normalize_record
+    from factory.normalize.canon import NormalizeError
+
+    with path.open("rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                convs = normalize_record(json.loads(line))
+            except (NormalizeError, json.JSONDecodeError, RecursionError):
+                continue
+            for conv in convs:
+                yield {"sample_id": conv["sample_id"], "messages": conv["messages_json"],
+                       "tools": conv["tools_json"]}
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def export_file_source(path: Path, dest: Path) -> tuple[Path, int]:
+    """A ``file:`` source as canonical samples in Parquet (row groups of
+    ``EXPORT_ROW_GROUP``), written once per file content; (the file, its rows)."""
+    out = dest / f"file-{_file_digest(path)[:24]}.parquet"
+    if not out.exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        with pq.ParquetWriter(tmp, _EXPORT_SCHEMA) as writer:
+            batch: list[dict[str, Any]] = []
+            for row in _file_samples(path):
+                batch.append(row)
+                if len(batch) == EXPORT_ROW_GROUP:
+                    writer.write_table(pa.Table.from_pylist(batch, _EXPORT_SCHEMA))
+                    batch = []
+            if batch:
+                writer.write_table(pa.Table.from_pylist(batch, _EXPORT_SCHEMA))
+        tmp.rename(out)
+    return out, pq.ParquetFile(out).metadata.num_rows
+
+
+def mix_source_rows(lake: Lake, experiment: str, sources: Sequence[str], *,
+                    settings: Settings | None = None) -> dict[str, int]:
+    """Rows of each ``data.mix`` source (a file source is exported to count its samples)."""
+    settings = settings or get_settings()
+    out: dict[str, int] = {}
+    for source in sources:
+        kind, _, target = source.partition(":")
+        if kind == "file":
+            out[source] = export_file_source(Path(target), settings.runs / "data")[1]
+        elif not lake.exists("dataset_train"):
+            out[source] = 0
+        else:
+            where, params = _source_query(lake, source, experiment)
+            out[source] = int(lake.sql(f"SELECT count(*) AS n FROM dataset_train WHERE {where}",
+                                       params).column("n")[0].as_py())
+    return out
+
+
+def export_mix(lake: Lake, experiment: str, mix: Sequence[dict[str, Any]], dest: Path, *,
+               lineage: Lineage | None = None) -> list[dict[str, Any]]:
+    """``Job.mix`` for a planned mixture: each source's samples as a Parquet file, with its
+    weight. A source without samples is a ``FactoryError``."""
+    out = []
+    snapshot = lake.snapshot_id("dataset_train") if lake.exists("dataset_train") else None
+    for entry in mix:
+        source = entry["source"]
+        kind, _, target = source.partition(":")
+        if kind == "file":
+            path, n = export_file_source(Path(target), dest)
+        elif snapshot is None:
+            path, n = None, 0
+        else:
+            if lineage is not None:
+                lineage.record_read("dataset_train", snapshot)
+            name = hashlib.sha256(f"{experiment}|{source}".encode()).hexdigest()[:12]
+            path = dest / f"mix-{name}-{snapshot}.parquet"
+            n = 1
+            if not path.exists():
+                where, params = _source_query(lake, source, experiment)
+                rows = lake.sql(f"SELECT sample_id, messages, tools FROM dataset_train "
+                                f"WHERE {where} ORDER BY sample_id", params)
+                n = rows.num_rows
+                if n:
+                    _write(rows, path)
+        if not n:
+            raise FactoryError(f"experiment {experiment!r}: data.mix source {source!r} has no "
+                               f"samples" + (" (materialize its dataset first)"
+                                             if kind in ("traffic", "experiment") else ""))
+        out.append({"name": source, "weight": float(entry["weight"]),
+                    "data_files": [str(path)]})
+    return out
 
 
 def job_from_plan(lake: Lake, run_key: str, *, settings: Settings | None = None,
@@ -71,17 +210,24 @@ def job_from_plan(lake: Lake, run_key: str, *, settings: Settings | None = None,
     experiment = plan["experiment"]
     version = plan["dataset_version"] or "unversioned"
     data_dir = settings.runs / "data"
-    train = export_split(lake, "dataset_train", experiment, version, data_dir, lineage=lineage)
-    if train is None:
-        raise FactoryError(f"experiment {experiment!r} has no training samples: materialize "
-                           f"its dataset first")
+    mix = json.loads(plan["plan"] or "{}").get("mix") or []
+    data: dict[str, Any]
+    if mix:
+        data = {"mix": export_mix(lake, experiment, mix, data_dir, lineage=lineage)}
+    else:
+        train = export_split(lake, "dataset_train", experiment, version, data_dir,
+                             lineage=lineage)
+        if train is None:
+            raise FactoryError(f"experiment {experiment!r} has no training samples: "
+                               f"materialize its dataset first")
+        data = {"data_files": [str(train)]}
     config = json.loads(plan["train_config"])
     evals = export_split(lake, "dataset_eval", experiment, version, data_dir, lineage=lineage)
     if evals is None:
         config["eval_every_steps"] = None  # held-out loss needs held-out rows
     run_id = planned_run_id(run_key, plan["created_at"])
     job = Job.from_dict({
-        "run_id": run_id, "plan": config, "data_files": [str(train)],
+        "run_id": run_id, "plan": config, **data,
         "eval_data_files": [str(evals)] if evals is not None else [],
         "output_dir": str(settings.checkpoints / run_id)})
     return job, experiment

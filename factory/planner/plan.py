@@ -108,6 +108,11 @@ class Plan:
     of its device time on GPUs), ``eval_wall_share`` and ``eval_budget_share``."""
     notes: list[str] = field(default_factory=list)
     """Warnings that do not block the plan."""
+    mix: list[dict[str, Any]] = field(default_factory=list)
+    """``data.mix`` as planned, one entry per source, the primary first: ``source``,
+    ``weight``, ``share`` (of the samples drawn), ``rows`` (None: not counted), ``samples``
+    (drawn over the run) and ``epochs`` (effective passes over the source; None: rows not
+    counted). Empty: the experiment's training set alone."""
 
     def __getitem__(self, key: str) -> Any:
         return self.decisions[key].value
@@ -143,6 +148,7 @@ class Plan:
             "memory_budget_gib": round(self.memory_budget / GIB, 3),
             "estimates": dict(self.estimates),
             "notes": list(self.notes),
+            "mix": [dict(m) for m in self.mix],
         }
 
 
@@ -193,8 +199,11 @@ def _sig(x: float, digits: int = 3) -> float:
 
 def make_plan(experiment: Experiment, profile: DatasetProfile, *,
               point: Mapping[str, Any] | None = None, recipe: Recipe | None = None,
-              settings: Settings | None = None) -> Plan:
-    """Plan one run of ``experiment`` (the sweep ``point``, if any) on the data ``profile``.
+              settings: Settings | None = None,
+              source_rows: Mapping[str, int] | None = None) -> Plan:
+    """Plan one run of ``experiment`` (the sweep ``point``, if any) on the data ``profile``;
+    ``source_rows`` counts the rows of each ``data.mix`` source (a source left out is not
+    counted: its effective epochs are unknown).
 
     Raises ``PlanError`` when the plan cannot run, saying what to change.
     """
@@ -453,7 +462,10 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
             f"{recipe.reference_rank}; x sqrt({real_batch}/{recipe.reference_batch_size}) for "
             f"the batch, x sqrt({recipe.reference_rank}/{rank}) for the rank"
             + (" (capped at 1e-3)" if lr > 1e-3 else ""))
-    steps_per_epoch = max(1, math.ceil(num_rows / real_batch))
+    # An epoch is a pass over the primary source; in a mixture it draws 1 / share of it.
+    mix_rows = _mix_rows(experiment, n, source_rows or {})
+    epoch_rows = num_rows * mix_rows / n if data.mix else num_rows
+    steps_per_epoch = max(1, math.ceil(epoch_rows / real_batch))
     total = max(1, math.ceil(steps_per_epoch * plan["num_epochs"]))
     if total > MAX_STEPS:
         dec.set("num_steps", MAX_STEPS, "steps.cap",
@@ -464,6 +476,9 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
                 f"{real_batch} rows)")
     if plan["num_steps"] is not None:
         total = plan["num_steps"]
+    if data.mix:
+        _plan_mix(plan, experiment, source_rows or {},
+                  samples=total * real_batch * n / num_rows)
     warm = math.ceil(0.03 * total) if total >= 10 else 0
     dec.set("warmup_steps", warm, "warmup.3pct",
             f"3% of ~{total} steps" if warm else f"only ~{total} steps: no warmup")
@@ -480,6 +495,49 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
                total=total, real_batch=real_batch)
     _validate_plan(plan, recipe, hw)
     return plan
+
+
+def _mix_rows(experiment: Experiment, n: int, source_rows: Mapping[str, int]) -> float:
+    """Samples drawn per pass over the mixture's primary source: its rows over its share (the
+    profile's ``n`` when its rows are not counted)."""
+    mix = experiment.data.mix
+    if not mix:
+        return float(n)
+    share = mix[0].weight / sum(m.weight for m in mix)
+    return source_rows.get(mix[0].source, n) / share
+
+
+def _plan_mix(plan: Plan, experiment: Experiment, source_rows: Mapping[str, int], *,
+              samples: float) -> None:
+    """The mixture's sources with their shares and effective epochs over ``samples`` drawn;
+    a source with no rows refuses the plan."""
+    mix = experiment.data.mix
+    total = sum(m.weight for m in mix)
+    for m in mix:
+        rows = source_rows.get(m.source)
+        if rows == 0:
+            raise PlanError(f"experiment {experiment.name} ({experiment.path}): data.mix source "
+                            f"{m.source!r} has no samples"
+                            + ("; materialize its dataset first"
+                               if m.kind in ("traffic", "experiment") else "")
+                            + ("; the dataset has no synthetic rows (data.synthesize)"
+                               if m.kind == "synthetic" else ""))
+        drawn = samples * m.weight / total
+        plan.mix.append({"source": m.source, "weight": m.weight,
+                         "share": round(m.weight / total, 4), "rows": rows,
+                         "samples": round(drawn),
+                         "epochs": round(drawn / rows, 3) if rows else None})
+    parts = [f"{e['source']} {e['share']:.0%}"
+             + (f" of {e['rows']} rows: {e['epochs']:g} epochs" if e["rows"] else "")
+             for e in plan.mix]
+    epochs = plan.decisions["num_epochs"]
+    plan.decisions["num_epochs"] = replace(epochs, reason=(
+        f"{epochs.reason}; passes over {mix[0].source}, the mix's primary source "
+        f"(effective epochs: {'; '.join(parts)})"))
+    thin = [e["source"] for e in plan.mix if e["epochs"] is not None and e["epochs"] > 10]
+    if thin:
+        plan.notes.append(f"data.mix repeats {', '.join(thin)} over 10 times: a small source "
+                          "at a high weight is memorized; lower its weight or add samples")
 
 
 EVAL_GAP = 0.1

@@ -47,10 +47,25 @@ def plan_table(plan: Plan) -> str:
                      f"{mem['overhead']:.2f}"
                      + (f", kept by the CPU allocator {mem['retained']:.2f}"
                         if mem["retained"] else "") + ").")
+    if plan.mix:
+        lines += ["", mix_table(plan)]
     if plan.estimates:
         lines.append(wall_time(plan))
     for note in plan.notes:
         lines.append(f"- note: {note}")
+    return "\n".join(lines)
+
+
+def mix_table(plan: Plan) -> str:
+    """The mixture's sources (``data.mix``): share of the samples drawn, rows, samples drawn
+    over the run and the effective epochs of each."""
+    lines = ["| source | weight | share | rows | samples drawn | effective epochs |",
+             "|---|---|---|---|---|---|"]
+    for m in plan.mix:
+        rows = "?" if m["rows"] is None else str(m["rows"])
+        epochs = "?" if m["epochs"] is None else f"{m['epochs']:.3g}"
+        lines.append(f"| {_cell(m['source'])} | {m['weight']:g} | {m['share']:.1%} | {rows} | "
+                     f"~{m['samples']} | {epochs} |")
     return "\n".join(lines)
 
 

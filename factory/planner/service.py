@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,18 +17,21 @@ from factory.planner.plan import Plan, make_plan
 from factory.planner.profile import DatasetProfile, read_profile
 
 
-def plan_runs(experiment: Experiment, profile: DatasetProfile) -> list[Plan]:
+def plan_runs(experiment: Experiment, profile: DatasetProfile, *,
+              source_rows: Mapping[str, int] | None = None) -> list[Plan]:
     """One plan per sweep point (a single plan without a sweep)."""
-    return [make_plan(experiment, profile, point=p) for p in sweep_points(experiment)]
+    return [make_plan(experiment, profile, point=p, source_rows=source_rows)
+            for p in sweep_points(experiment)]
 
 
-def plan_for_key(experiment: Experiment, profile: DatasetProfile, key: str) -> Plan:
+def plan_for_key(experiment: Experiment, profile: DatasetProfile, key: str, *,
+                 source_rows: Mapping[str, int] | None = None) -> Plan:
     """The plan of the run with stable key ``key``; ``ValueError`` if the sweep has no such run."""
     from factory.experiments import run_key
 
     for point in sweep_points(experiment):
         if run_key(experiment.name, point) == key:
-            return make_plan(experiment, profile, point=point)
+            return make_plan(experiment, profile, point=point, source_rows=source_rows)
     raise ValueError(f"experiment {experiment.name} has no run {key!r} (its sweep changed?)")
 
 
@@ -62,9 +66,19 @@ def profile_version(lake: Any, experiment: str) -> str | None:
     return rows[0]["dataset_version"] if rows else None
 
 
+def mix_rows(experiment: Experiment, lake: Any) -> dict[str, int]:
+    """Rows of each ``data.mix`` source of ``experiment`` (empty without a mix)."""
+    if not experiment.data.mix:
+        return {}
+    from factory.control.jobs import mix_source_rows
+
+    return mix_source_rows(lake, experiment.name, [m.source for m in experiment.data.mix])
+
+
 def plan_experiment(experiment: Experiment, lake: Any) -> list[Plan]:
     """Plan every run of the experiment from its newest ``dataset_profile`` row."""
-    return plan_runs(experiment, read_profile(lake, experiment.name))
+    return plan_runs(experiment, read_profile(lake, experiment.name),
+                     source_rows=mix_rows(experiment, lake))
 
 
 def sweep_comparison(lake: Any, experiment: Experiment) -> list[dict[str, Any]]:

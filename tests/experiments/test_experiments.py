@@ -117,3 +117,55 @@ def test_shipped_demo_experiment_is_valid() -> None:
     root = Path(__file__).resolve().parents[2]
     e = load_experiment(root / "experiments" / "demo-extract.yaml")
     assert e.recipe == "smollm2-135m-lora" and run_keys(e) == ["demo-extract"]
+
+
+MIXED = """\
+name: support-extractor
+recipe: smollm2-135m-lora
+data:
+  mix:
+    synthetic: 1
+    traffic: 6
+    "experiment:triage": 1
+    "file:general/instructions.jsonl": 2
+"""
+
+
+def test_data_mix_names_sources_with_weights(tmp_path: Path) -> None:
+    (tmp_path / "general").mkdir()
+    general = tmp_path / "general" / "instructions.jsonl"
+    general.write_text('{"messages": []}\n')
+    e = load_experiment(_write(tmp_path, MIXED))
+    # The primary source (traffic) first, the others as listed; file paths resolved.
+    assert [(m.source, m.weight) for m in e.data.mix] == [
+        ("traffic", 6.0), ("synthetic", 1.0), ("experiment:triage", 1.0),
+        (f"file:{general.resolve()}", 2.0)]
+    assert [(m.kind, m.target) for m in e.data.mix][2:] == [
+        ("experiment", "triage"), ("file", str(general.resolve()))]
+    assert load_experiment(_write(tmp_path, GOOD)).data.mix == ()
+
+
+@pytest.mark.parametrize(("bad", "expected"), [
+    (MIXED.replace("traffic: 6", "trafic: 6"),
+     r":6: data.mix.trafic: unknown source 'trafic'; did you mean 'traffic'\? allowed: traffic, "
+     r"synthetic, experiment:<name>, file:<path>"),
+    (MIXED.replace("traffic: 6", "traffic: 0"),
+     r":6: data.mix.traffic: got 0; allowed: a positive number"),
+    (MIXED.replace("instructions.jsonl", "missing.jsonl"),
+     r":8: data.mix.file:general/missing.jsonl: no such file .*general/missing.jsonl"),
+    (MIXED.replace("experiment:triage", "experiment:Triage!"),
+     r":7: data.mix.experiment:Triage!: 'Triage!' is not an experiment name"),
+    (MIXED.replace("experiment:triage", "experiment:support-extractor"),
+     r":7: data.mix.experiment:support-extractor: an experiment cannot mix in its own"),
+    (MIXED.replace("""  mix:
+    synthetic: 1
+    traffic: 6
+    "experiment:triage": 1
+    "file:general/instructions.jsonl": 2
+""", "  mix: [traffic]\n"), r":4: data.mix: got \['traffic'\]; allowed: a mapping of sources"),
+])
+def test_data_mix_errors_name_the_line(tmp_path: Path, bad: str, expected: str) -> None:
+    (tmp_path / "general").mkdir()
+    (tmp_path / "general" / "instructions.jsonl").write_text('{"messages": []}\n')
+    with pytest.raises(ExperimentError, match=expected):
+        load_experiment(_write(tmp_path, bad))

@@ -1,5 +1,6 @@
 """Exact resume: a run preempted (SIGTERM) and then killed (SIGKILL) at random steps, resumed
-each time from its last checkpoint, ends bitwise equal to a run never interrupted."""
+each time from its last checkpoint, ends bitwise equal to a run never interrupted: on one source,
+and mid-mixture (the mixture's position is in the checkpoint)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from factory.trainer.config import Job
 from factory.trainer.train import ExitCode, run_job
 from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
+from tests.trainer.conftest import make_samples, write_parquet
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -53,9 +55,20 @@ def final_state(out_dir: Path) -> tuple[dict[str, torch.Tensor], list[list[float
     return load_file(Path(info.path) / "adapter_model.safetensors"), state["loss_history"]
 
 
-def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-source", "mixture"])
+def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_path: Path,
+                                                              mixed: bool) -> None:
     plan = {"num_steps": 8, "checkpoint_every_steps": 3}
-    ref_path = make_job("ref", plan=plan)
+    job: dict[str, object] = {}
+    if mixed:
+        # 24 traffic rows, 3:2 against 150 general ones: every window ends where the traffic
+        # wraps (~40 draws), so 8 steps of 4 micro-batches cross several windows and epochs.
+        traffic = write_parquet(tmp_path / "traffic.parquet", make_samples(24))
+        general = write_parquet(tmp_path / "general.parquet", make_samples(150, seed=11))
+        job = {"data_files": [], "mix": [
+            {"name": "traffic", "weight": 3.0, "data_files": [str(traffic)]},
+            {"name": "file:general.jsonl", "weight": 2.0, "data_files": [str(general)]}]}
+    ref_path = make_job("ref", plan=plan, **job)
     # In-process runs use one thread (conftest), like the OMP_NUM_THREADS=1 subprocesses.
     assert run_job(Job.from_json(ref_path)) == ExitCode.FINISHED
     ref_weights, ref_losses = final_state(tmp_path / "ref" / "out")
@@ -66,7 +79,7 @@ def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_pat
     why = f"(SIGTERM after step {term_at}, SIGKILL after step {kill_at})"
     out = tmp_path / "chain" / "out"
     events = out / "events.jsonl"
-    first = make_job("chain", plan=plan, debug={"sleep_per_step_s": 0.25})
+    first = make_job("chain", plan=plan, debug={"sleep_per_step_s": 0.25}, **job)
 
     proc = start(first, tmp_path)
     wait_for_step(proc, events, term_at)
@@ -78,7 +91,7 @@ def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_pat
     assert stopped.step >= term_at, why
 
     second = make_job("chain", plan=plan, resume_from="latest",
-                      debug={"sleep_per_step_s": 0.25})
+                      debug={"sleep_per_step_s": 0.25}, **job)
     proc = start(second, tmp_path)
     wait_for_step(proc, events, max(kill_at, stopped.step + 1))
     proc.kill()
@@ -86,10 +99,17 @@ def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_pat
     started = [e for e in read_events(events) if e["type"] == "started"]
     assert started[-1]["resumed_from"] == stopped.path, why
 
-    third = make_job("chain", plan=plan, resume_from="latest")
+    third = make_job("chain", plan=plan, resume_from="latest", **job)
     assert run_job(Job.from_json(third)) == ExitCode.FINISHED, why
     weights, losses = final_state(out)
     assert losses == ref_losses, why
+    if mixed:
+        [ref_started] = [e for e in read_events(tmp_path / "ref" / "out" / "events.jsonl")
+                         if e["type"] == "started"]
+        assert ref_started["mix"]["file:general.jsonl"]["drawn"] > 0
+        positions = [e["data_position"] for e in read_events(events) if e["type"] == "progress"]
+        assert max(p["window"] for p in positions) >= 2 and \
+            max(p["epoch"] for p in positions) >= 1
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), f"{key} differs {why}"

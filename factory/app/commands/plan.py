@@ -32,11 +32,12 @@ def _plan(args: argparse.Namespace) -> int:
     from factory.experiments import load_experiment
     from factory.planner.profile import DatasetProfile, read_profile
     from factory.planner.render import experiment_card, plan_table, wall_summary
-    from factory.planner.service import plan_runs
+    from factory.planner.service import mix_rows, plan_runs
     from factory.recipes import load_recipe
 
     experiment = load_experiment(args.experiment)
     recipe = load_recipe(experiment.recipe)
+    source_rows: dict[str, int] = {}
     if args.profile:
         try:
             row = json.loads(args.profile.read_text())
@@ -46,8 +47,10 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         from factory.lake import Lake
 
-        profile = read_profile(Lake(), experiment.name)
-    plans = plan_runs(experiment, profile)
+        lake = Lake()
+        profile = read_profile(lake, experiment.name)
+        source_rows = mix_rows(experiment, lake)
+    plans = plan_runs(experiment, profile, source_rows=source_rows)
     if args.run:
         plans = [p for p in plans if p.run_key == args.run]
         if not plans:
