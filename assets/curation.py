@@ -1,4 +1,6 @@
-"""``dataset`` and ``dataset_profile``: an experiment's samples made into train/eval sets.
+"""``synthetic_samples``, ``dataset`` and ``dataset_profile``: an experiment's samples (and
+the samples a teacher wrote for its thin slices, with ``data.synthesize``) made into train/eval
+sets.
 
 Partitioned per experiment with the dynamic partitions ``experiments`` (the partition key is
 the experiment name; ``factory dataset NAME`` and the experiments sensor add keys). The three
@@ -11,13 +13,18 @@ datasets (tests/curation/test_spark.py).
 """
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import dagster as dg
+import pyarrow as pa
 
+from factory.curation import synthesis
 from factory.curation.config import CurationConfig
+from factory.curation.decide import TRAFFIC
 from factory.curation.pipeline import curate, default_workers
 from factory.curation.profile import build_profile
+from factory.curation.slices import profile_slices
 from factory.curation.store import (
     empty_assistant_turns,
     read_dataset,
@@ -72,12 +79,65 @@ _CHECKS = [
     deps=["samples"],
     group_name="curation",
     kinds={"iceberg", "python"},
+    description="With data.synthesize: a teacher (any OpenAI-compatible endpoint) writes new "
+                "samples for the slices of the traffic train split that are thin, from train "
+                "seed samples only. Each attempt gives a sample (table synthetic_samples, with "
+                "teacher, prompt and seed ids) or a drop with its reason (synthesis_drops); a "
+                "rerun skips recorded attempts. Without data.synthesize: nothing to do.",
+    code_version="1",
+)
+def synthetic_samples(context: dg.AssetExecutionContext,
+                      lake: LakeResource) -> dg.MaterializeResult:
+    experiment = load_experiment(context.partition_key)
+    spec = experiment.data.synthesize
+    if spec is None:
+        return dg.MaterializeResult(metadata={"experiment": experiment.name,
+                                              "synthesis": "not asked (no data.synthesize)"})
+    cur = curation_config(experiment)
+    session = lake.session(context)
+    samples, snapshot = select_samples(session, experiment.data.where)
+    # the traffic train split the dataset will have, before rejection sampling (no judge
+    # calls here: the dataset asset judges every sample once)
+    traffic = curate(samples, replace(cur, judge_threshold=None),
+                     RenderCounter(tokenizer_dir_for(experiment.recipe)),
+                     num_workers=default_workers())
+    teacher = synthesis.teacher_for(spec)
+    try:
+        outcome, slices = synthesis.run(
+            session, experiment.name, traffic.train, teacher,
+            known_ids=samples.column("sample_id").to_pylist(),
+            max_per_slice=spec.max_per_slice, seed=experiment.data.seed,
+            samples_snapshot_id=snapshot)
+    finally:
+        teacher.close()
+    return dg.MaterializeResult(metadata={
+        "experiment": experiment.name,
+        "teacher": spec.teacher,
+        "teacher_base_url": teacher.base_url,
+        "thin_slices": dg.MetadataValue.json([s.to_dict() for s in slices if s.thin]),
+        "num_planned": outcome.num_planned,
+        "num_resumed": outcome.num_skipped,
+        "num_written": outcome.num_written,
+        "written_by_slice": dg.MetadataValue.json(outcome.by_slice),
+        "drops_by_reason": dg.MetadataValue.json(outcome.drops),
+        "samples_snapshot_id": snapshot,
+        **session.metadata(),
+    })
+
+
+@dg.asset(
+    partitions_def=EXPERIMENTS,
+    deps=["samples", synthetic_samples],
+    group_name="curation",
+    kinds={"iceberg", "python"},
     description="The experiment's samples (data.where) split by stable hash with related "
                 "samples together, then cleaned on both sides (empty, too long, duplicates, "
-                "near-duplicates, train decontamination, detectors, judge). Tables "
-                "dataset_train, dataset_eval, dataset_drops; trace-pattern report in metadata.",
+                "near-duplicates, train decontamination, detectors, judge). Synthetic samples "
+                "(data.synthesize) take the same steps on the train side only (origin column). "
+                "Tables dataset_train, dataset_eval, dataset_drops; trace-pattern report in "
+                "metadata.",
     check_specs=_CHECKS,
-    code_version="2",
+    code_version="3",
 )
 def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: ignore[no-untyped-def]
             lake: LakeResource, judge: JudgeResource):
@@ -90,11 +150,19 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
     tokenizer_dir = tokenizer_dir_for(experiment.recipe)
     judged: dict[str, str] = {}
     if engine == "spark":
+        if experiment.data.synthesize is not None:
+            raise FactoryError("data.synthesize: the spark engine does not curate synthetic "
+                               "samples; use the embedded engine")
         result, snapshot, rejection = _curate_on_spark(session, experiment, cur, tokenizer_dir,
                                                        judge)
     else:
         samples, snapshot = select_samples(session, experiment.data.where)
         rejection = _rejection(judge, experiment, cur, samples)
+        if experiment.data.synthesize is not None:
+            samples = pa.concat_tables([
+                samples.append_column("origin", pa.array([TRAFFIC] * samples.num_rows,
+                                                         pa.string())),
+                synthesis.read_synthetic(session, experiment.name)])
         result = curate(samples, cur, RenderCounter(tokenizer_dir), judge=rejection,
                         num_workers=config.num_workers or default_workers())
         write_dataset(session, experiment.name, result)
@@ -108,6 +176,7 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
         "num_selected": result.num_selected,
         "num_train": train.num_rows,
         "num_eval": ev.num_rows,
+        "num_synthetic": result.profile["num_synthetic"],
         "drops_by_reason": dg.MetadataValue.json(result.drops_by_reason()),
         "clean_loss_by_reason": dg.MetadataValue.json(result.clean_loss_by_reason()),
         "samples_snapshot_id": snapshot,
@@ -131,9 +200,10 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
 
 def _rejection(judge: JudgeResource, experiment: Any, cur: CurationConfig,
                samples: Any) -> Any:
-    """Rejection sampling (data.judge_threshold): the judge scores each sample's own answer
-    against the reference-free part of the experiment's rubric; None without a threshold."""
-    if cur.judge_threshold is None:
+    """Rejection sampling (data.judge_threshold, and synthetic samples'): the judge scores each
+    sample's own answer against the reference-free part of the experiment's rubric, inferred
+    from the traffic ``samples``; None without a threshold."""
+    if cur.judge_threshold is None and cur.synthetic_judge_threshold is None:
         return None
     return rejection_judge(judge.judge(), samples.select(["sample_id", "messages", "tools"])
                            .to_pylist(), rubric=experiment.eval.rubric)
@@ -169,7 +239,9 @@ def _curate_on_spark(session: Any, experiment: Any, cur: CurationConfig, tokeniz
     group_name="curation",
     kinds={"iceberg", "python"},
     description="Profile of the experiment's dataset for the planner: prompt/completion token "
-                "percentiles, turns, share with images and tool calls, languages, size.",
+                "percentiles, turns, share with images and tool calls, languages, size, share "
+                "of synthetic samples, and slices (tool, answer label, length) with the thin "
+                "ones flagged.",
     code_version="2",
 )
 def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.MaterializeResult:
@@ -181,6 +253,8 @@ def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg
                             num_selected=train.num_rows + ev.num_rows + drops.num_rows)
     tokenizer_dir = tokenizer_dir_for(experiment.recipe)
     tokenizer = tokenizer_dir.name
+    slices = profile_slices(train)
+    profile["slices"] = json.dumps([s.to_dict() for s in slices])
     profile["shared_prefix_tokens"] = shared_prefix_tokens(
         RenderCounter(tokenizer_dir), [parse_json(m) for m in train.column("messages").to_pylist()],
         [parse_json(t) for t in train.column("tools").to_pylist()], seed=config.seed)
@@ -190,8 +264,10 @@ def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg
                   samples_snapshot_id=reads.get("samples"),
                   engine=_dataset_engine(context))
     return dg.MaterializeResult(metadata={
-        **{k: v for k, v in profile.items() if k not in ("languages", "drops_by_reason")},
+        **{k: v for k, v in profile.items()
+           if k not in ("languages", "drops_by_reason", "slices")},
         "languages": dg.MetadataValue.json(json.loads(profile["languages"])),
+        "thin_slices": dg.MetadataValue.json([s.key for s in slices if s.thin]),
         **session.metadata(),
     })
 

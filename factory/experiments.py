@@ -4,6 +4,8 @@ An experiment is one YAML file in ``settings.experiments_dir`` (``$FACTORY_EXPER
 
     name: support-extractor
     data: {where: "tags['project'] = 'support'", eval_fraction: 0.1, max_tokens: 2048}
+    # or also ask a teacher for samples of the thin slices (factory.curation.synthesis):
+    # data: {where: "...", synthesize: {teacher: gpt-4o, api_key_env: OPENAI_API_KEY}}
     # or train on a weighted mixture the trainer streams (relative weights):
     # data: {mix: {traffic: 0.7, synthetic: 0.1, "experiment:triage": 0.1,
     #              "file:general/instructions.jsonl": 0.1}}
@@ -49,6 +51,29 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
 
 @dataclass(frozen=True, kw_only=True)
+class SynthesizeSpec:
+    """``data.synthesize``: a teacher writes train samples for the dataset's thin slices
+    (``factory.curation.synthesis``); they pass the same cleaning, decontamination and
+    rejection sampling as the traffic, on the train side only."""
+
+    teacher: str
+    """The teacher's model name at ``base_url`` (a frontier model behind the gateway, or a
+    deployed ``factory/<name>``)."""
+    base_url: str | None = None
+    """OpenAI base URL of the teacher; None: the gateway (``$FACTORY_GATEWAY_URL``, else
+    ``http://127.0.0.1:8787``) + ``/v1``."""
+    api_key_env: str | None = None
+    """Environment variable holding the teacher's API key (the key is never in the file)."""
+    max_per_slice: int = 200
+    """Most attempts per thin slice (each fills the slice toward an even share)."""
+    timeout_s: float = 60.0
+    """Seconds per teacher call; a call past it is a ``timeout`` drop."""
+    judge_threshold: float | None = None
+    """Rejection-sampling score synthetic samples need; None: ``data.judge_threshold``, else
+    1.0 (every reference-free criterion of the rubric met)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataSpec:
     """Which samples the experiment trains on and how curation cleans them."""
 
@@ -76,6 +101,8 @@ class DataSpec:
     mix: tuple[MixEntry, ...] = ()
     """Weighted sources the trainer streams, the primary one first (``traffic`` when listed;
     ``num_epochs`` counts passes over it); empty: the experiment's training set alone."""
+    synthesize: SynthesizeSpec | None = None
+    """Synthetic samples for the thin slices from a teacher; None: traffic only."""
 
 
 MIX_KINDS: tuple[str, ...] = ("traffic", "synthetic", "experiment:<name>", "file:<path>")
@@ -467,7 +494,50 @@ def _parse_data(ctx: _Ctx, raw: Any) -> DataSpec:
         kw["engine"] = v
     if "mix" in raw:
         kw["mix"] = _parse_mix(ctx, raw["mix"])
+    if raw.get("synthesize") is not None:
+        kw["synthesize"] = _parse_synthesize(ctx, raw["synthesize"])
+        if kw.get("engine") == "spark":
+            raise ctx.error((*where, "synthesize"), "the spark engine does not curate "
+                            "synthetic samples; use engine: embedded")
     return DataSpec(**kw)
+
+
+def _parse_synthesize(ctx: _Ctx, raw: Any) -> SynthesizeSpec:
+    where = ("data", "synthesize")
+    if not isinstance(raw, Mapping):
+        raise ctx.error(where, "must be a mapping such as {teacher: gpt-4o, "
+                        "api_key_env: OPENAI_API_KEY}")
+    _check_keys(ctx, where, raw, list(SynthesizeSpec.__dataclass_fields__))
+    teacher = raw.get("teacher")
+    if not isinstance(teacher, str) or not teacher.strip():
+        raise ctx.error((*where, "teacher"), f"got {teacher!r}; allowed: the teacher's model "
+                        "name, such as gpt-4o or factory/<experiment>")
+    kw: dict[str, Any] = {"teacher": teacher}
+    for key in ("base_url", "api_key_env"):
+        v = raw.get(key)
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            raise ctx.error((*where, key), f"got {v!r}; allowed: a non-empty string")
+        kw[key] = v
+    if kw["base_url"] is not None and not kw["base_url"].startswith(("http://", "https://")):
+        raise ctx.error((*where, "base_url"), f"got {kw['base_url']!r}; allowed: an http(s) "
+                        "URL such as http://127.0.0.1:8787/v1")
+    if "max_per_slice" in raw:
+        v = raw["max_per_slice"]
+        if not (_is_int(v) and v >= 1):
+            raise ctx.error((*where, "max_per_slice"), f"got {v!r}; allowed: a positive integer")
+        kw["max_per_slice"] = v
+    if "timeout_s" in raw:
+        v = raw["timeout_s"]
+        if not (_is_num(v) and v > 0):
+            raise ctx.error((*where, "timeout_s"), f"got {v!r}; allowed: a positive number")
+        kw["timeout_s"] = float(v)
+    if raw.get("judge_threshold") is not None:
+        v = raw["judge_threshold"]
+        if not _is_num(v):
+            raise ctx.error((*where, "judge_threshold"),
+                            f"got {v!r}; allowed: a number, or null for the default")
+        kw["judge_threshold"] = float(v)
+    return SynthesizeSpec(**kw)
 
 
 def _parse_mix(ctx: _Ctx, raw: Any) -> tuple[MixEntry, ...]:

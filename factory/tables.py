@@ -82,6 +82,7 @@ TABLES: dict[str, pa.Schema] = {
         ("num_prompt_tokens", pa.int32()),
         ("num_completion_tokens", pa.int32()),
         ("language", pa.string()),
+        ("origin", pa.string()),          # traffic | synthetic (synthetic_samples has its origin)
     ]) for name in ("dataset_train", "dataset_eval")},
     # Every row curation removed, with the step and the reason.
     "dataset_drops": pa.schema([
@@ -92,6 +93,37 @@ TABLES: dict[str, pa.Schema] = {
         ("step", pa.string()),            # empty | max_tokens | exact_dup | near_dup | ...
         ("reason", pa.string()),
         ("detail", pa.string()),
+        ("origin", pa.string()),          # traffic | synthetic
+    ]),
+    # Synthesis (factory/curation/synthesis): samples a teacher wrote for an experiment's thin
+    # slices, one row per attempt that gave a sample, with its origin. Append-only; an
+    # attempt_id is written once (to this table or to synthesis_drops), so a resumed synthesis
+    # skips what exists.
+    "synthetic_samples": pa.schema([
+        ("experiment", pa.string()),
+        ("attempt_id", pa.string()),      # hash of experiment, slice and attempt index
+        *_SAMPLE_FIELDS,                  # source 'synthetic', model = the teacher model
+        ("slice", pa.string()),           # <dimension>:<value> it was written for
+        ("attempt", pa.int32()),          # index within the slice
+        ("teacher", pa.string()),         # the teacher model name
+        ("teacher_base_url", pa.string()),
+        ("prompt", pa.string()),          # JSON: the messages that asked for the request
+        ("seed_sample_ids", pa.list_(pa.string())),  # train samples shown to the teacher
+        ("samples_snapshot_id", pa.int64()),  # the samples snapshot the seeds came from
+    ]),
+    # Attempts that gave no sample, with the reason (malformed, refusal, timeout, ...).
+    "synthesis_drops": pa.schema([
+        ("experiment", pa.string()),
+        ("attempt_id", pa.string()),
+        ("slice", pa.string()),
+        ("attempt", pa.int32()),
+        ("teacher", pa.string()),
+        ("seed_sample_ids", pa.list_(pa.string())),
+        ("step", pa.string()),            # request (writing the user turn) | answer
+        ("reason", pa.string()),          # malformed | refusal | timeout | teacher_error |
+                                          # truncated | off_slice | duplicate
+        ("detail", pa.string()),
+        ("created_at", _TS),
     ]),
     # Control plane (factory/control). Runs and segments are append-only: latest row per id wins.
     "training_runs": pa.schema([
@@ -220,6 +252,10 @@ TABLES: dict[str, pa.Schema] = {
         ("languages", pa.string()),        # JSON {code: share of train samples}
         ("size_bytes", pa.int64()),
         ("drops_by_reason", pa.string()),  # JSON {reason: rows}
+        ("num_synthetic", pa.int64()),     # train samples of origin synthetic
+        ("share_synthetic", pa.float64()),  # of the train samples
+        ("slices", pa.string()),           # JSON [{dimension, value, num_traffic,
+                                           # num_synthetic, thin}] (factory.curation.slices)
     ]),
     # Evals (factory/evals): one row per rubric version of an experiment.
     "rubrics": pa.schema([

@@ -1,7 +1,7 @@
 """The loop under Dagster's daemon: an experiment's chain from its dataset to a live endpoint.
 
-A chain starts with a successful run of ``start_experiment_job`` (``dataset``,
-``dataset_profile``, ``rubric`` for one experiment): a click on the job in the UI, the
+A chain starts with a successful run of ``start_experiment_job`` (``synthetic_samples``,
+``dataset``, ``dataset_profile``, ``rubric`` for one experiment): a click on the job in the UI, the
 experiments sensor (a new or edited file, a schedule tick), the traffic sensor (new samples with
 ``retrain_on_new_samples``) or ``factory run``. Its Dagster run id is the chain's id, carried by
 every later run as the tag ``factory/chain``. ``chain_sensor`` then moves each chain forward, one
@@ -53,9 +53,10 @@ MAX_DONE = 500
 """Ended chains remembered in the cursor (older ones are no longer looked at)."""
 
 start_experiment_job = dg.define_asset_job(
-    "start_experiment_job", selection=dg.AssetSelection.assets("dataset", "dataset_profile",
-                                                               "rubric"),
-    description="Runs an experiment to a live endpoint: builds its dataset, profile and rubric; "
+    "start_experiment_job", selection=dg.AssetSelection.assets(
+        "synthetic_samples", "dataset", "dataset_profile", "rubric"),
+    description="Runs an experiment to a live endpoint: builds its synthetic samples (with "
+                "data.synthesize), dataset, profile and rubric; "
                 "then chain_sensor trains every sweep point, checkpoint_sensor evaluates each "
                 "checkpoint as it lands, and the best checkpoint is selected and deployed per "
                 "the experiment's deploy policy.")

@@ -29,7 +29,8 @@ from factory.sensors.chains import start_experiment_job
 
 CHECKPOINT_EVALS = dg.AssetKey("checkpoint_evals")
 CHECKPOINTS = dg.AssetKey("checkpoints")
-DATASET_ASSETS = [dg.AssetKey("dataset"), dg.AssetKey("dataset_profile")]
+DATASET_ASSETS = [dg.AssetKey("synthetic_samples"), dg.AssetKey("dataset"),
+                  dg.AssetKey("dataset_profile")]
 EVAL_TAG = "factory/eval"
 """Tag of checkpoint_evals runs: the instance's run queue runs one at a time (each boots an
 inference server; two at once on 2 cores only slow each other and the training run)."""
@@ -133,7 +134,8 @@ recovery_sensor = _control_sensor(
 
 refresh_dataset_job = dg.define_asset_job(
     "refresh_dataset_job", selection=dg.AssetSelection.assets(*DATASET_ASSETS),
-    description="Rebuilds an experiment's dataset and profile from the samples as they are now.")
+    description="Rebuilds an experiment's synthetic samples (with data.synthesize), dataset and "
+                "profile from the samples as they are now.")
 
 
 @dg.sensor(name="traffic_sensor", jobs=[start_experiment_job, refresh_dataset_job],

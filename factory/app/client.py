@@ -72,7 +72,7 @@ def loop_outcome(inst: Any, chain: str) -> str | None:
     return None
 
 
-JOB_ASSETS = {"start_experiment_job": "dataset, dataset_profile, rubric",
+JOB_ASSETS = {"start_experiment_job": "synthetic_samples, dataset, dataset_profile, rubric",
               "train_run_job": "training_plan, training_run",
               "select_checkpoint_job": "best_checkpoint", "deploy_model_job": "deployment"}
 """What each of the chain's jobs materializes, for progress lines."""

@@ -51,6 +51,8 @@ class CurationConfig:
     """Detectors whose flags drop the sample; the others only flag (reported, kept)."""
     judge_threshold: float | None = None
     """Rejection sampling: keep samples the judge scores at least this; None: no judge step."""
+    synthetic_judge_threshold: float | None = None
+    """Rejection sampling of synthetic samples (``data.synthesize``); None: not judged."""
     seed: int = 0
     """Seed of the split hash and of the MinHash permutations."""
     num_bands: int = 16
@@ -90,10 +92,16 @@ class CurationConfig:
         """Build from an experiment's ``DataSpec`` (``factory.experiments``); ``max_tokens`` is
         the smaller of ``data.max_tokens`` and the recipe's ``context_limit``."""
         limit = data.max_tokens if context_limit is None else min(data.max_tokens, context_limit)
+        synthesize = getattr(data, "synthesize", None)
+        synthetic_bar = None
+        if synthesize is not None:
+            synthetic_bar = next(v for v in (synthesize.judge_threshold, data.judge_threshold,
+                                             1.0) if v is not None)
         return cls(eval_fraction=data.eval_fraction, max_tokens=limit,
                    near_dup_threshold=data.near_dup_threshold,
                    decontam_ngram=data.decontam_ngram, drop=tuple(data.drop),
-                   judge_threshold=data.judge_threshold, seed=data.seed)
+                   judge_threshold=data.judge_threshold, seed=data.seed,
+                   synthetic_judge_threshold=synthetic_bar)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that decide the result (recorded with each dataset version)."""
@@ -104,5 +112,7 @@ class CurationConfig:
                 "decontam_paraphrase_threshold": self.decontam_paraphrase_threshold,
                 "drop": list(self.drop),
                 "judge_threshold": self.judge_threshold, "seed": self.seed,
+                **({"synthetic_judge_threshold": self.synthetic_judge_threshold}
+                   if self.synthetic_judge_threshold is not None else {}),
                 "num_bands": self.num_bands, "rows_per_band": self.rows_per_band,
                 "shingle_words": self.shingle_words}

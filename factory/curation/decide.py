@@ -8,6 +8,13 @@ side of each sample and which rows each step drops, in a fixed order:
 
 The eval side is finished first so that train is decontaminated against the final eval set.
 
+Synthetic samples (``factory.curation.synthesis``) take the same steps on the train side only:
+the split groups and sides are the traffic's alone (so synthesis never moves the eval set), a
+synthetic sample near-duplicating a kept traffic sample is the one dropped, and its
+decontamination also counts a near-duplicate of an eval sample (``eval_near_duplicate``) or
+the same first user turn (``eval_prompt_match``), links that put a traffic sample in the eval
+sample's group.
+
 Decontamination asks how much of an eval sample a train sample holds (``overlap_share``), not
 whether they share one phrase: templated traffic (one instruction, form-like user text) shares
 long phrases between distinct clean samples (of 600 generated support tickets, 170 train
@@ -28,9 +35,15 @@ from factory.curation.neardup import components
 
 TRAIN, EVAL = "train", "eval"
 
-OVERLAP_KINDS = ("eval_prompt_match", "eval_ngram_overlap", "eval_conversation_overlap")
+TRAFFIC, SYNTHETIC = "traffic", "synthetic"
+"""``origin`` of a dataset row: captured traffic, or written by a teacher
+(``factory.curation.synthesis``)."""
+
+OVERLAP_KINDS = ("eval_prompt_match", "eval_near_duplicate", "eval_ngram_overlap",
+                 "eval_conversation_overlap")
 """Decontamination reasons, in the order that names a drop when several hold: the same
-normalized prompt; the prompt view of ``overlap_share``; its conversation view."""
+normalized prompt; a near-duplicate (synthetic samples only: a traffic one shares the eval
+sample's group); the prompt view of ``overlap_share``; its conversation view."""
 
 BOILERPLATE_DF = 32
 """An n-gram in more distinct samples than this is template text and weighs 0 in
@@ -74,6 +87,8 @@ class RowFacts:
     """Keep order among rows of the same sample (lowest is kept)."""
     raw_trace_id: str | None
     """Where it came from."""
+    origin: str = TRAFFIC
+    """``TRAFFIC`` or ``SYNTHETIC``."""
 
 
 def ngram_weight(num_samples: int) -> float:
@@ -101,6 +116,8 @@ def threshold(kind: str, config: CurationConfig) -> float:
         return config.decontam_threshold
     if kind == "eval_conversation_overlap":
         return config.decontam_paraphrase_threshold
+    if kind == "eval_near_duplicate":
+        return config.near_dup_threshold
     assert kind == "eval_prompt_match", kind
     return 1.0
 
@@ -187,7 +204,8 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
            near_edges: Sequence[tuple[str, str, float]],
            overlaps: dict[str, list[tuple[str, str, float]]], config: CurationConfig,
            judge_scores: Callable[[list[str]], dict[str, float]] | None = None,
-           groups: dict[str, str] | None = None) -> Decisions:
+           groups: dict[str, str] | None = None,
+           synthetic: frozenset[str] = frozenset()) -> Decisions:
     """Decide sides and drops.
 
     ``overlaps``: train-candidate sample_id -> [(kind, eval sample_id, share)] for samples on
@@ -195,10 +213,16 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
     the eval sample in the prompt view (``eval_ngram_overlap``) or the conversation view
     (``eval_conversation_overlap``). A pair counts when ``is_contamination`` holds and the eval
     sample is in the final eval set.
+
+    ``synthetic``: the samples only synthetic rows hold; they are train samples, each its own
+    group unless ``groups`` says otherwise, and ``config.synthetic_judge_threshold`` judges them.
     """
     by_id = {f.sample_id: f for f in facts}
-    group = groups if groups is not None else split_groups(facts, near_edges)
-    side = {sid: split_side(g, config) for sid, g in group.items()}
+    group = groups if groups is not None else split_groups(
+        [f for f in facts if f.sample_id not in synthetic],
+        [e for e in near_edges if e[0] not in synthetic and e[1] not in synthetic])
+    group = {**{s: s for s in synthetic}, **group}
+    side = {sid: TRAIN if sid in synthetic else split_side(g, config) for sid, g in group.items()}
     rows_of: dict[str, list[RowFacts]] = defaultdict(list)
     for r in sorted(rows, key=lambda r: (r.sample_id, r.rank, r.row_key)):
         rows_of[r.sample_id].append(r)
@@ -215,7 +239,8 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
             removed_by[sid] = reason
         for r in rows_:
             drops.append({"sample_id": sid, "raw_trace_id": r.raw_trace_id, "split": side[sid],
-                          "step": step, "reason": reason, "detail": detail})
+                          "step": step, "reason": reason, "detail": detail,
+                          "origin": r.origin})
 
     def clean(which: str, final_eval: set[str] | None) -> set[str]:
         alive = sorted(s for s in by_id if side[s] == which)
@@ -248,7 +273,17 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
         # 4. near duplicates: one sample per connected cluster, the smallest id kept
         alive_set = set(alive)
         live_edges = [(a, b, j) for a, b, j in near_edges if a in alive_set and b in alive_set]
-        roots = components((a, b) for a, b, _ in live_edges)
+        # traffic clusters from traffic edges alone; then a synthetic sample goes when it
+        # near-duplicates a traffic sample, or a smaller synthetic one
+        roots = components((a, b) for a, b, _ in live_edges
+                           if a not in synthetic and b not in synthetic)
+        if synthetic:
+            roots.update(components((a, b) for a, b, _ in live_edges
+                                    if a in synthetic and b in synthetic))
+            for a, b, _ in live_edges:
+                if (a in synthetic) != (b in synthetic):
+                    syn, other = (a, b) if a in synthetic else (b, a)
+                    roots[syn] = roots.get(other, other)
         best: dict[str, float] = {}
         for a, b, j in live_edges:
             best[a] = max(best.get(a, 0.0), j)
@@ -287,16 +322,19 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
             else:
                 nxt.append(sid)
         # 7. rejection sampling
-        if config.judge_threshold is not None:
+        bar = {sid: config.synthetic_judge_threshold if sid in synthetic
+               else config.judge_threshold for sid in nxt}
+        judged = [sid for sid in nxt if bar[sid] is not None]
+        if config.judge_threshold is not None or judged:
             if judge_scores is None:
                 raise ValueError("judge_threshold is set but no judge is configured")
-            scores = judge_scores(nxt)
+            scores = judge_scores(judged) if judged else {}
             alive, nxt = nxt, []
             for sid in alive:
-                score = scores[sid]
-                if score < config.judge_threshold:
+                at = bar[sid]
+                if at is not None and scores[sid] < at:
                     drop_sample(sid, "judge", "judge_below_threshold",
-                                f"score {score:.3f} < {config.judge_threshold}")
+                                f"score {scores[sid]:.3f} < {at}")
                 else:
                     nxt.append(sid)
         return set(nxt)
@@ -320,6 +358,8 @@ def clean_loss_shares(clean_lost: Mapping[str, int], num_clean: int) -> dict[str
 def _overlap_detail(kind: str, share: float, other: str, config: CurationConfig) -> str:
     if kind == "eval_prompt_match":
         return f"same prompt as eval sample {other}"
+    if kind == "eval_near_duplicate":
+        return f"near-duplicate of eval sample {other} (jaccard {share:.3f})"
     view = (f"prompt {config.decontam_ngram}-grams" if kind == "eval_ngram_overlap"
             else f"conversation {config.shingle_words}-grams")
     return (f"holds {share:.0%} of eval sample {other} ({view}, rarity-weighted; "

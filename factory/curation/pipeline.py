@@ -1,7 +1,8 @@
 """The embedded engine: curation in process over Arrow tables (numpy, pyarrow, DuckDB-free).
 
 ``curate(samples, config, counter)`` returns the train and eval rows, the drops, the report and
-the profile. The Spark engine (``factory.curation.spark``) produces the same result for the same
+the profile. Rows with ``origin`` ``synthetic`` (``factory.curation.synthesis``) are curated
+with the traffic, on the train side only (``decide``). The Spark engine (``factory.curation.spark``) produces the same result for the same
 input: it runs the same row function and hands the same facts to ``decide``.
 """
 
@@ -25,6 +26,9 @@ from factory.curation.decide import (
     BOILERPLATE_DF,
     EVAL,
     NGRAM_WEIGHTS,
+    SYNTHETIC,
+    TRAFFIC,
+    TRAIN,
     Decisions,
     RowFacts,
     SampleFacts,
@@ -49,7 +53,7 @@ ROW_ORDER = ["sample_id", "created_at", "raw_trace_id", "source", "provider", "m
 """Columns ordering rows of one sample: the first row of a sample is the one kept."""
 
 DATASET_EXTRA = ["split", "split_group", "num_tokens", "num_prompt_tokens",
-                 "num_completion_tokens", "language"]
+                 "num_completion_tokens", "language", "origin"]
 
 
 class Judge(Protocol):
@@ -98,8 +102,12 @@ def order_rows(samples: pa.Table) -> pa.Table:
     ``source_index`` (the row's index in ``samples``; the other columns are taken from there
     when needed, so the selection is never copied whole)."""
     keys = [(c, "ascending", "at_start") for c in ROW_ORDER if c in samples.column_names]
+    if "origin" in samples.column_names:  # a traffic row before a synthetic one
+        keys.insert(1, ("origin", "descending", "at_start"))
     idx = pc.sort_indices(samples, sort_keys=keys)
-    t = samples.select(["sample_id", "raw_trace_id"]).take(idx)
+    cols = ["sample_id", "raw_trace_id"] + (["origin"] if "origin" in samples.column_names
+                                            else [])
+    t = samples.select(cols).take(idx)
     t = t.append_column("source_index", idx)
     ids = t.column("sample_id").to_numpy(zero_copy_only=False)
     rank = np.zeros(len(ids), dtype=np.int64)
@@ -259,11 +267,14 @@ def facts_from(features: pa.Table, rows: pa.Table) -> tuple[list[SampleFacts], l
                        dict(zip(f["sample_id"], f["is_json"], strict=True)),
                        dict(zip(f["sample_id"], f["json_cut"], strict=True)))
     r = rows.select(["sample_id", "raw_trace_id", "row_rank"]).to_pydict()
+    origins = (rows.column("origin").to_pylist() if "origin" in rows.column_names
+               else [TRAFFIC] * rows.num_rows)
     traces: dict[str, list[str]] = defaultdict(list)
     row_facts = []
-    for sid, tid, rank in zip(r["sample_id"], r["raw_trace_id"], r["row_rank"], strict=True):
+    for sid, tid, rank, origin in zip(r["sample_id"], r["raw_trace_id"], r["row_rank"], origins,
+                                      strict=True):
         row_facts.append(RowFacts(row_key=f"{sid}:{rank}", sample_id=sid, rank=rank,
-                                  raw_trace_id=tid))
+                                  raw_trace_id=tid, origin=origin or TRAFFIC))
         if tid:
             traces[sid].append(tid)
     facts = []
@@ -346,11 +357,15 @@ def first_rows(rows: pa.Table) -> pa.Table:
 
 def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
            judge: Judge | None = None, num_workers: int = 1) -> CurationResult[pa.Table]:
-    """Split, clean and profile ``samples`` (rows of the ``samples`` table).
+    """Split, clean and profile ``samples`` (rows of the ``samples`` table, with an ``origin``
+    column when some are synthetic; without one, every row is traffic).
 
     ``num_workers``: processes computing the per-sample features (``default_workers()`` uses
     every core); the result does not depend on it.
     """
+    if "origin" not in samples.column_names:
+        samples = samples.append_column("origin", pa.array([TRAFFIC] * samples.num_rows,
+                                                           pa.string()))
     rows = order_rows(samples)
     # the first row of each sample, gathered from ``samples`` batch by batch
     first = first_rows(rows).column("source_index").to_numpy()
@@ -359,9 +374,14 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
                                 indices=first)
     edges = verified_edges(features, config)
     facts, row_facts = facts_from(features, rows)
-    groups = split_groups(facts, edges)
+    synthetic = synthetic_only(row_facts)
+    groups = split_groups([f for f in facts if f.sample_id not in synthetic],
+                          [e for e in edges if e[0] not in synthetic and e[1] not in synthetic])
     side = {sid: split_side(g, config) for sid, g in groups.items()}
+    groups.update({s: s for s in synthetic})
+    side.update({s: TRAIN for s in synthetic})
     overlaps = eval_overlaps(features, side, config)
+    add_synthetic_links(overlaps, synthetic, facts, edges, side)
 
     judge_scores: Callable[[list[str]], dict[str, float]] | None = None
     if judge is not None:
@@ -375,8 +395,42 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
             return {s: float(v) for s, v in zip(ids, scores, strict=True)}
 
     decisions = decide(facts=facts, rows=row_facts, near_edges=edges, overlaps=overlaps,
-                       config=config, judge_scores=judge_scores, groups=groups)
-    return assemble(rows, samples, features, decisions, config, num_selected=samples.num_rows)
+                       config=config, judge_scores=judge_scores, groups=groups,
+                       synthetic=synthetic)
+    return assemble(rows, samples, features, decisions, config, num_selected=samples.num_rows,
+                    synthetic=synthetic)
+
+
+def synthetic_only(rows: Sequence[RowFacts]) -> frozenset[str]:
+    """The samples that only synthetic rows hold (a synthetic copy of a traffic sample is a
+    duplicate row of that traffic sample)."""
+    traffic = {r.sample_id for r in rows if r.origin != SYNTHETIC}
+    return frozenset(r.sample_id for r in rows if r.origin == SYNTHETIC) - traffic
+
+
+def add_synthetic_links(overlaps: dict[str, list[tuple[str, str, float]]],
+                        synthetic: frozenset[str], facts: Sequence[SampleFacts],
+                        edges: Sequence[tuple[str, str, float]], side: dict[str, str]) -> None:
+    """Decontamination of synthetic samples by the links that group traffic with an eval
+    sample: a near-duplicate edge (``eval_near_duplicate``, its Jaccard) and the same first
+    user turn (``eval_prompt_match``)."""
+    if not synthetic:
+        return
+    for a, b, jac in edges:
+        for syn, other in ((a, b), (b, a)):
+            if syn in synthetic and side.get(other) == EVAL:
+                overlaps.setdefault(syn, []).append(("eval_near_duplicate", other, jac))
+    eval_prefix: dict[str, str] = {}
+    for f in facts:
+        if side.get(f.sample_id) == EVAL and f.prefix_key:
+            eval_prefix.setdefault(f.prefix_key, f.sample_id)
+    for f in facts:
+        if f.sample_id in synthetic and f.prefix_key in eval_prefix:
+            overlaps.setdefault(f.sample_id, []).append(
+                ("eval_prompt_match", eval_prefix[f.prefix_key], 1.0))
+    for sid in synthetic:
+        if sid in overlaps:
+            overlaps[sid] = sorted(set(overlaps[sid]))
 
 
 def _judge_input(row: dict[str, Any]) -> dict[str, Any]:
@@ -391,7 +445,8 @@ def stats_table(features: pa.Table) -> pa.Table:
 
 
 def assemble(rows: pa.Table, samples: pa.Table, features: pa.Table, decisions: Decisions,
-             config: CurationConfig, *, num_selected: int) -> CurationResult[pa.Table]:
+             config: CurationConfig, *, num_selected: int,
+             synthetic: frozenset[str] = frozenset()) -> CurationResult[pa.Table]:
     """The kept rows of ``samples`` with their stats, sorted by sample_id, split in two.
 
     Indices are chosen, ordered and split with numpy first, then each split is one gather
@@ -422,7 +477,8 @@ def assemble(rows: pa.Table, samples: pa.Table, features: pa.Table, decisions: D
             t.column("num_tokens"), t.column("num_prompt_tokens")))
 
     train, ev = split("train"), split("eval")
-    report = pattern_report(features, decisions, config, num_selected=num_selected)
+    report = pattern_report(features, decisions, config, num_selected=num_selected,
+                            synthetic=synthetic)
     profile = build_profile(train, ev, decisions.drops, num_selected=num_selected)
     return CurationResult(train=train, eval=ev, drops=decisions.drops, report=report,
                           profile=profile, num_selected=num_selected,

@@ -1,4 +1,6 @@
-"""The dataset profile the planner reads: token percentiles, turns, modalities, languages, size."""
+"""The dataset profile the planner reads: token percentiles, turns, modalities, languages, size,
+and the share of synthetic samples (``dataset_profile`` adds the slices,
+``factory.curation.slices``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from factory.curation.decide import SYNTHETIC
 
 
 def _pct(values: np.ndarray, q: float) -> int:
@@ -47,6 +51,8 @@ def build_profile(train: pa.Table, ev: pa.Table, drops: list[dict[str, Any]], *,
             if t.num_rows:
                 size += sum(len(x.encode()) for x in t.column(col).to_pylist() if x)
     reasons = Counter(d["reason"] for d in drops)
+    num_synthetic = (sum(1 for o in train.column("origin").to_pylist() if o == SYNTHETIC)
+                     if "origin" in train.column_names else 0)
 
     def share(col: str) -> float:
         return round(sum(1 for v in train.column(col).to_pylist() if v) / n, 6) if n else 0.0
@@ -73,4 +79,6 @@ def build_profile(train: pa.Table, ev: pa.Table, drops: list[dict[str, Any]], *,
         "languages": json.dumps({k: round(v / n, 6) for k, v in sorted(langs.items())}),
         "size_bytes": size,
         "drops_by_reason": json.dumps(dict(sorted(reasons.items()))),
+        "num_synthetic": num_synthetic,
+        "share_synthetic": round(num_synthetic / n, 6) if n else 0.0,
     }

@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 
 from factory.curation.config import CurationConfig
-from factory.curation.decide import Decisions, clean_loss_shares
+from factory.curation.decide import SYNTHETIC, TRAIN, Decisions, clean_loss_shares
 
 _EXAMPLES = 3
 
@@ -21,9 +21,9 @@ def _pattern(detail: str) -> str:
 
 
 def pattern_report(features: pa.Table, decisions: Decisions, config: CurationConfig, *,
-                   num_selected: int) -> str:
-    """Markdown: drops by step/reason with examples, the clean samples each reason cost, then
-    detector patterns over all samples."""
+                   num_selected: int, synthetic: frozenset[str] = frozenset()) -> str:
+    """Markdown: drops by step/reason with examples, the clean samples each reason cost,
+    detector patterns over all samples, then what became of the ``synthetic`` samples."""
     drops: list[dict[str, Any]] = list(decisions.drops)
     lines = ["# Trace-pattern report", "",
              f"{num_selected} rows selected, {len(drops)} dropped, "
@@ -72,7 +72,24 @@ def pattern_report(features: pa.Table, decisions: Decisions, config: CurationCon
             f"{k} {v}" for k, v in sorted(decisions.flagged_kept.items())))
     if not any_found:
         lines.append("No refusals, format breaks, truncations or tool failures found.")
+    if synthetic:
+        lines += ["", *_synthetic_section(decisions, synthetic)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _synthetic_section(decisions: Decisions, synthetic: frozenset[str]) -> list[str]:
+    kept = {k.rsplit(":", 1)[0] for k in decisions.kept_rows}
+    num_train = sum(1 for s in kept if decisions.side.get(s) == TRAIN)
+    num_kept = len(kept & synthetic)
+    share = num_kept / num_train if num_train else 0.0
+    lines = ["## Synthetic samples", "",
+             f"{len(synthetic)} synthetic samples curated, {num_kept} kept: {share:.2%} of the "
+             f"{num_train} train samples (never in eval).", ""]
+    reasons = Counter(d["reason"] for d in decisions.drops if d.get("origin") == SYNTHETIC)
+    if reasons:
+        lines += ["| reason | synthetic rows dropped |", "|---|---|"]
+        lines += [f"| {r} | {n} |" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    return lines
 
 
 def _cell(text: str) -> str:

@@ -22,6 +22,7 @@ from factory.curation.config import CurationConfig
 from factory.curation.decide import (
     EVAL,
     NGRAM_WEIGHTS,
+    TRAFFIC,
     candidate_floor,
     decide,
     eval_cutoff,
@@ -181,6 +182,7 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
     kept = rows.where("row_rank = 0").join(kept_df, "sample_id").join(stats, "sample_id") \
         .withColumn("num_completion_tokens",
                     (F.col("num_tokens") - F.col("num_prompt_tokens")).cast("int")) \
+        .withColumn("origin", F.lit(TRAFFIC)) \
         .drop("row_rank")
     train_df = kept.where("split = 'train'").orderBy("sample_id")
     eval_df = kept.where(f"split = '{EVAL}'").orderBy("sample_id")

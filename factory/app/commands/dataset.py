@@ -34,7 +34,7 @@ def _dataset(args: argparse.Namespace) -> int:
         inst.add_dynamic_partitions("experiments", [name])
     engine = args.engine or experiment.data.engine
     run_config = {"ops": {"dataset": {"config": {"engine": engine}}}}
-    result = materialize(["dataset", "dataset_profile"], partition_key=name,
+    result = materialize(["synthetic_samples", "dataset", "dataset_profile"], partition_key=name,
                          run_config=run_config, raise_on_error=False)
     failed = [e.asset_check_evaluation_data.check_name
               for e in result.all_events

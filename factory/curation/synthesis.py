@@ -1,0 +1,455 @@
+"""Synthesis: a teacher model writes new train samples for an experiment's thin slices.
+
+(``factory.curation.synthetic`` is something else: the seeded generator of test data.)
+
+For each thin slice (``factory.curation.slices``) synthesis plans attempts up to the slice's
+even share, at most ``max_per_slice``. Attempt ``i`` of a slice shows the teacher
+``NUM_SEEDS`` train samples of the slice (never eval ones; picked by a stable hash, rotating
+with ``i``) and takes two calls:
+
+1. *request*: the teacher writes one new user request like the seeds' (``request_prompt``),
+   between ``<request>`` tags;
+2. *answer*: the teacher answers that request as an ordinary chat call, with the seeds' system
+   prompt and tools, so the answer's format is the one the traffic has.
+
+The two turns (system, request, answer) normalize like any logged OpenAI call into a canonical
+sample. An attempt gives a sample or exactly one drop with its reason: ``timeout``,
+``teacher_error`` (the endpoint answered an HTTP error), ``malformed`` (no tagged request, an
+empty or unparseable answer), ``refusal`` (``detectors.refusal``), ``truncated`` (the answer
+stopped at its token limit), ``off_slice`` (a tool or label slice's sample whose answer is not
+of the slice) or ``duplicate`` (a sample id the experiment already has). An unreachable
+endpoint stops synthesis instead (nothing recorded for the attempt), so a teacher that is down
+never uses up attempts.
+
+Attempt ids hash (experiment, slice, attempt index); each is recorded once, as a sample or a
+drop, so a resumed synthesis skips recorded attempts and writes no duplicate. Synthetic samples
+then go through curation with the traffic (``factory.curation.pipeline.curate``): train side
+only, decontaminated against the eval set, judged by rejection sampling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pyarrow as pa
+
+from factory.curation import detectors
+from factory.curation.decide import SYNTHETIC
+from factory.curation.slices import (
+    Labeler,
+    Slice,
+    fit_labeler,
+    membership,
+    profile_slices,
+    sample_slices,
+)
+from factory.curation.store import experiment_filter
+from factory.curation.text import message_text, parse_json
+from factory.errors import FactoryError
+from factory.inference.client import InferenceClient, InferenceClientError
+from factory.inference.protocol import wire_messages, wire_tools
+from factory.lake import LakeSession
+from factory.normalize.canon import NormalizeError
+from factory.normalize.openai import normalize_call
+from factory.tables import TABLES
+
+NUM_SEEDS = 3
+"""Train samples shown per attempt: enough to show the slice's range, few enough that the
+teacher writes a new request rather than a blend of many."""
+
+MAX_REQUEST_CHARS = 8000
+"""A written request longer than this is malformed (the teacher ran on)."""
+
+REQUEST_MAX_TOKENS = 1024
+"""Token limit of the request call."""
+
+BATCH = 16
+"""Attempts per write: a crash loses at most this many attempts' calls."""
+
+_REQUEST_RE = re.compile(r"<request>(.*?)</request>", re.DOTALL)
+
+REQUEST_SYSTEM = (
+    "You write new requests for a dataset that trains an assistant. You are shown example "
+    "requests that users sent to that assistant. Write one new request a real user could send: "
+    "the same kind of request in the same language and register, with different details, "
+    "never a copy or light rewording of an example. Reply with the request only, between "
+    "<request> and </request>.")
+
+
+class TeacherUnreachable(FactoryError):
+    """The teacher endpoint could not be reached at all."""
+
+
+class Drop(Exception):
+    """Why an attempt gave no sample: the ``step`` (``request`` or ``answer``), the
+    ``reason`` and a ``detail``."""
+
+    def __init__(self, *, step: str, reason: str, detail: str) -> None:
+        super().__init__(f"{step}: {reason}: {detail}")
+        self.step, self.reason, self.detail = step, reason, detail
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attempt:
+    """One planned teacher attempt for one slice."""
+
+    experiment: str
+    slice: Slice
+    attempt: int
+    """Index within the slice, from 0."""
+    seeds: tuple[dict[str, Any], ...]
+    """Train rows (``sample_id``, ``messages``, ``tools``, ``project``, ``tags``) shown."""
+
+    @property
+    def attempt_id(self) -> str:
+        return attempt_id(self.experiment, self.slice.key, self.attempt)
+
+    @property
+    def seed_ids(self) -> list[str]:
+        return [str(s["sample_id"]) for s in self.seeds]
+
+
+def attempt_id(experiment: str, slice_key: str, attempt: int) -> str:
+    """Stable id of an attempt: a resumed synthesis finds it recorded and skips it."""
+    key = json.dumps([experiment, slice_key, attempt], separators=(",", ":"))
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _rank(seed: int, slice_key: str, sample_id: str) -> str:
+    return hashlib.sha256(f"{seed}:{slice_key}:{sample_id}".encode()).hexdigest()
+
+
+def plan_attempts(experiment: str, slices: Sequence[Slice], members: dict[str, list[dict[str, Any]]],
+                  *, max_per_slice: int, seed: int = 0) -> list[Attempt]:
+    """Attempts for every thin slice: up to its even share, at most ``max_per_slice``.
+
+    ``members``: slice key -> the traffic train rows in it (the seed pool).
+    """
+    out = []
+    for s in slices:
+        pool = sorted(members.get(s.key, []), key=lambda r: _rank(seed, s.key, r["sample_id"]))
+        if not s.thin or not pool:
+            continue
+        num = min(max_per_slice, max(0, s.even - s.num_traffic))
+        k = min(NUM_SEEDS, len(pool))
+        for i in range(num):
+            seeds = tuple(pool[(i * k + j) % len(pool)] for j in range(k))
+            out.append(Attempt(experiment=experiment, slice=s, attempt=i, seeds=seeds))
+    return out
+
+
+def _user_text(messages: list[dict[str, Any]]) -> str:
+    users = [m for m in messages if m.get("role") == "user"]
+    return message_text(users[-1]).strip() if users else ""
+
+
+def _system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in messages[:1] if m.get("role") == "system"]
+
+
+def describe(s: Slice, tools: list[dict[str, Any]]) -> str:
+    """What the seeds of slice ``s`` have in common, in words for the teacher."""
+    if s.dimension == "tool":
+        desc = next((t.get("description") for t in tools if t.get("name") == s.value), "")
+        return (f"Each example is a request the assistant handles by calling its tool "
+                f"`{s.value}`" + (f" ({desc})" if desc else "") + "; so must yours.")
+    if s.dimension == "label":
+        label = s.value.split("=", 1)[-1]
+        return (f"Each example is a request whose correct answer is `{label}`; yours must be "
+                "one too.")
+    return f"Each example's whole conversation is {s.value} tokens long; yours should be too."
+
+
+def request_prompt(attempt: Attempt) -> list[dict[str, Any]]:
+    """The messages asking the teacher for a new request (sent as plain OpenAI messages)."""
+    first = parse_json(attempt.seeds[0]["messages"])
+    tools = parse_json(attempt.seeds[0]["tools"]) or []
+    system = "\n".join(message_text(m) for m in _system(first)).strip()
+    lines = []
+    if system:
+        lines += ["The assistant's instructions:", "<instructions>", system, "</instructions>", ""]
+    lines += [describe(attempt.slice, tools), ""]
+    for i, row in enumerate(attempt.seeds, 1):
+        lines += [f"Example {i}:", "<request>", _user_text(parse_json(row["messages"])),
+                  "</request>", ""]
+    lines.append("Write one new request.")
+    return [{"role": "system", "content": REQUEST_SYSTEM},
+            {"role": "user", "content": "\n".join(lines)}]
+
+
+def parse_request(text: str) -> str:
+    """The request between the tags; ``Drop`` (malformed) when there is none or it is unusable."""
+    found = _REQUEST_RE.findall(text or "")
+    if len(found) != 1:
+        raise Drop(step="request", reason="malformed",
+                   detail=f"{len(found)} <request> blocks in the reply (one expected): "
+                          f"{(text or '')[:80]!r}")
+    request = found[0].strip()
+    if not request:
+        raise Drop(step="request", reason="malformed", detail="empty <request> block")
+    if len(request) > MAX_REQUEST_CHARS:
+        raise Drop(step="request", reason="malformed",
+                   detail=f"request of {len(request)} characters > {MAX_REQUEST_CHARS}")
+    return request
+
+
+class Teacher:
+    """An OpenAI-compatible endpoint that writes requests and answers them."""
+
+    def __init__(self, *, base_url: str, model: str, api_key: str | None = None,
+                 timeout_s: float = 60.0, max_tokens: int = 512) -> None:
+        self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
+        self.client = InferenceClient(base_url, api_key=api_key, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def call(self, step: str, messages: list[dict[str, Any]], *,
+             tools: list[dict[str, Any]] | None = None, max_tokens: int) -> dict[str, Any]:
+        """One chat completion; ``Drop`` for a timeout or an HTTP error, ``TeacherUnreachable``
+        when nothing answers."""
+        try:
+            return self.client.chat(self.model, messages, tools=tools, max_tokens=max_tokens)
+        except httpx.TimeoutException as exc:
+            raise Drop(step=step, reason="timeout",
+                       detail=f"no answer within {self.client.http.timeout.read}s "
+                              f"({type(exc).__name__})") from None
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+            raise TeacherUnreachable(f"teacher {self.model} at {self.base_url}: {exc}") from exc
+        except InferenceClientError as exc:
+            raise Drop(step=step, reason="teacher_error", detail=str(exc)[:300]) from None
+        except ValueError as exc:  # a body that is not JSON
+            raise Drop(step=step, reason="malformed", detail=f"not JSON: {exc}"[:300]) from None
+
+
+def _first_choice(step: str, response: Any) -> dict[str, Any]:
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
+            or not isinstance(choices[0].get("message"), dict):
+        raise Drop(step=step, reason="malformed", detail="the response has no choices[0].message")
+    return choices[0]
+
+
+def synthesize_one(attempt: Attempt, teacher: Teacher, labeler: Labeler | None
+                   ) -> dict[str, Any]:
+    """The canonical sample (``factory.normalize.canon.finish``'s dict plus ``prompt``) of one
+    attempt; ``Drop`` when it gives none."""
+    prompt = request_prompt(attempt)
+    choice = _first_choice("request", teacher.call("request", prompt,
+                                                   max_tokens=REQUEST_MAX_TOKENS))
+    text = choice["message"].get("content")
+    if not isinstance(text, str):
+        raise Drop(step="request", reason="malformed", detail="no text in the reply")
+    flag = detectors.refusal([{"role": "assistant", "content": [{"type": "text", "text": text}]}])
+    if flag:
+        raise Drop(step="request", reason="refusal", detail=flag)
+    request = parse_request(text)
+    seed = parse_json(attempt.seeds[0]["messages"])
+    tools = parse_json(attempt.seeds[0]["tools"]) or []
+    conversation = [*_system(seed), {"role": "user", "content": [{"type": "text",
+                                                                   "text": request}]}]
+    response = teacher.call("answer", conversation, tools=tools or None,
+                            max_tokens=teacher.max_tokens)
+    choice = _first_choice("answer", response)
+    if choice.get("finish_reason") == "length":
+        raise Drop(step="answer", reason="truncated",
+                   detail=f"the answer stopped at the {teacher.max_tokens}-token limit")
+    body: dict[str, Any] = {"model": teacher.model, "messages": wire_messages(conversation)}
+    if tools:
+        body["tools"] = wire_tools(tools)
+    try:
+        sample = normalize_call(body, response, None)[0]
+    except NormalizeError as exc:
+        raise Drop(step="answer", reason="malformed", detail=str(exc)[:300]) from None
+    last = sample["messages"][-1]
+    if not last.get("tool_calls") and not message_text(last, with_reasoning=False).strip():
+        raise Drop(step="answer", reason="malformed", detail="empty answer")
+    flag = detectors.refusal(sample["messages"])
+    if flag:
+        raise Drop(step="answer", reason="refusal", detail=flag)
+    if attempt.slice.dimension in ("tool", "label"):
+        got = sample_slices(sample["messages"], None, labeler)
+        if attempt.slice.key not in got:
+            raise Drop(step="answer", reason="off_slice",
+                       detail=f"asked for {attempt.slice.key}, got {', '.join(got) or 'none'}")
+    sample["prompt"] = prompt
+    return sample
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    """What one synthesis run did."""
+
+    num_planned: int = 0
+    num_skipped: int = 0
+    """Attempts already recorded by an earlier run (resumed)."""
+    num_written: int = 0
+    drops: dict[str, int] = field(default_factory=dict)
+    """Reason -> attempts of this run dropped."""
+    by_slice: dict[str, int] = field(default_factory=dict)
+    """Slice -> samples this run wrote."""
+
+
+def sample_row(attempt: Attempt, sample: dict[str, Any], teacher: Teacher,
+               samples_snapshot_id: int | None) -> dict[str, Any]:
+    """A ``synthetic_samples`` row."""
+    seed = attempt.seeds[0]
+    tags = dict(seed.get("tags") or [])
+    return {
+        "experiment": attempt.experiment, "attempt_id": attempt.attempt_id,
+        "sample_id": sample["sample_id"], "raw_trace_id": None, "source": SYNTHETIC,
+        "provider": sample["provider"], "model": teacher.model,
+        "messages": sample["messages_json"], "tools": sample["tools_json"],
+        "num_turns": sample["num_turns"], "has_images": sample["has_images"],
+        "has_tool_calls": sample["has_tool_calls"], "created_at": datetime.now(UTC),
+        "project": seed.get("project"), "tags": list(tags.items()),
+        "slice": attempt.slice.key, "attempt": attempt.attempt, "teacher": teacher.model,
+        "teacher_base_url": teacher.base_url,
+        "prompt": json.dumps(sample["prompt"], ensure_ascii=False),
+        "seed_sample_ids": attempt.seed_ids, "samples_snapshot_id": samples_snapshot_id,
+    }
+
+
+def drop_row(attempt: Attempt, drop: Drop, teacher: Teacher) -> dict[str, Any]:
+    """A ``synthesis_drops`` row."""
+    return {"experiment": attempt.experiment, "attempt_id": attempt.attempt_id,
+            "slice": attempt.slice.key, "attempt": attempt.attempt, "teacher": teacher.model,
+            "seed_sample_ids": attempt.seed_ids, "step": drop.step, "reason": drop.reason,
+            "detail": drop.detail, "created_at": datetime.now(UTC)}
+
+
+def synthesize(attempts: Sequence[Attempt], teacher: Teacher, labeler: Labeler | None, *,
+               recorded: Iterable[str], known_ids: Iterable[str],
+               write: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None],
+               samples_snapshot_id: int | None = None, concurrency: int = 4) -> Outcome:
+    """Run the attempts not in ``recorded`` (attempt ids), ``BATCH`` at a time, each batch's
+    sample and drop rows handed to ``write`` before the next starts. ``known_ids``: sample ids
+    the experiment already has (traffic and synthetic); a sample among them is a duplicate."""
+    done = set(recorded)
+    seen = set(known_ids)
+    todo = [a for a in attempts if a.attempt_id not in done]
+    out = Outcome(num_planned=len(attempts), num_skipped=len(attempts) - len(todo))
+
+    def run(a: Attempt) -> dict[str, Any] | Drop:
+        try:
+            return synthesize_one(a, teacher, labeler)
+        except Drop as d:
+            return d
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        for lo in range(0, len(todo), BATCH):
+            batch = todo[lo:lo + BATCH]
+            rows, drops = [], []
+            for a, result in zip(batch, pool.map(run, batch), strict=True):
+                if isinstance(result, dict) and result["sample_id"] in seen:
+                    result = Drop(step="answer", reason="duplicate",
+                                  detail=f"sample {result['sample_id']} is already in the "
+                                         "experiment's samples")
+                if isinstance(result, Drop):
+                    drops.append(drop_row(a, result, teacher))
+                    out.drops[result.reason] = out.drops.get(result.reason, 0) + 1
+                    continue
+                seen.add(result["sample_id"])
+                rows.append(sample_row(a, result, teacher, samples_snapshot_id))
+                out.by_slice[a.slice.key] = out.by_slice.get(a.slice.key, 0) + 1
+            write(rows, drops)
+            out.num_written += len(rows)
+    out.drops = dict(sorted(out.drops.items()))
+    out.by_slice = dict(sorted(out.by_slice.items()))
+    return out
+
+
+# -- the lake side: what an experiment already has, one synthesis run -------------------------
+
+DEFAULT_GATEWAY = "http://127.0.0.1:8787"
+
+
+def teacher_for(spec: Any) -> Teacher:
+    """The ``Teacher`` of ``data.synthesize`` (``factory.experiments.SynthesizeSpec``): its
+    endpoint, or the gateway's; the key from the environment variable it names."""
+    base_url = spec.base_url or (
+        (os.environ.get("FACTORY_GATEWAY_URL") or DEFAULT_GATEWAY).rstrip("/") + "/v1")
+    key = None
+    if spec.api_key_env:
+        key = os.environ.get(spec.api_key_env)
+        if not key:
+            raise FactoryError(f"data.synthesize.api_key_env: environment variable "
+                               f"{spec.api_key_env} is not set")
+    return Teacher(base_url=base_url, model=spec.teacher, api_key=key, timeout_s=spec.timeout_s)
+
+
+def read_synthetic(session: LakeSession, experiment: str) -> pa.Table:
+    """The experiment's synthetic samples as ``samples`` rows with ``origin`` synthetic (empty
+    when there are none), recorded as this run's read."""
+    schema = TABLES["samples"]
+    if session.lake.exists("synthetic_samples"):
+        t = session.read("synthetic_samples", row_filter=experiment_filter(experiment))
+    else:
+        t = pa.Table.from_pylist([], schema=TABLES["synthetic_samples"])
+    t = t.sort_by("attempt_id")
+    out = pa.Table.from_arrays([t.column(f.name).cast(f.type) for f in schema], schema=schema)
+    return out.append_column("origin", pa.array([SYNTHETIC] * out.num_rows, pa.string()))
+
+
+def recorded_attempts(session: LakeSession, experiment: str) -> tuple[set[str], set[str]]:
+    """(attempt ids already recorded as a sample or a drop, sample ids of the samples)."""
+    flt = experiment_filter(experiment)
+    attempts: set[str] = set()
+    ids: set[str] = set()
+    if session.lake.exists("synthetic_samples"):
+        t = session.read("synthetic_samples", row_filter=flt,
+                         columns=("attempt_id", "sample_id"))
+        attempts.update(t.column("attempt_id").to_pylist())
+        ids.update(t.column("sample_id").to_pylist())
+    if session.lake.exists("synthesis_drops"):
+        t = session.read("synthesis_drops", row_filter=flt, columns=("attempt_id",))
+        attempts.update(t.column("attempt_id").to_pylist())
+    return attempts, ids
+
+
+def slice_members(train: pa.Table, labeler: Labeler | None) -> dict[str, list[dict[str, Any]]]:
+    """Slice key -> the traffic train rows in it (the seed pool)."""
+    cols = ["sample_id", "messages", "tools", "project", "tags"]
+    rows = train.select(cols).to_pylist()
+    origins = (train.column("origin").to_pylist() if "origin" in train.column_names
+               else [None] * train.num_rows)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row, keys, origin in zip(rows, membership(train, labeler), origins, strict=True):
+        if origin == SYNTHETIC:
+            continue
+        for k in keys:
+            out.setdefault(k, []).append(row)
+    return out
+
+
+def run(session: LakeSession, experiment: str, train: pa.Table, teacher: Teacher, *,
+        known_ids: Iterable[str], max_per_slice: int, seed: int,
+        samples_snapshot_id: int | None) -> tuple[Outcome, list[Slice]]:
+    """Synthesize for the thin slices of ``train`` (the traffic train split), appending each
+    batch to ``synthetic_samples`` and ``synthesis_drops``; attempts recorded by an earlier run
+    are skipped."""
+    slices = profile_slices(train)
+    labeler = fit_labeler(train)
+    attempts = plan_attempts(experiment, slices, slice_members(train, labeler),
+                             max_per_slice=max_per_slice, seed=seed)
+    recorded, synthetic_ids = recorded_attempts(session, experiment)
+
+    def write(rows: list[dict[str, Any]], drops: list[dict[str, Any]]) -> None:
+        if rows:
+            session.append("synthetic_samples", rows)
+        if drops:
+            session.append("synthesis_drops", drops)
+
+    outcome = synthesize(attempts, teacher, labeler, recorded=recorded,
+                         known_ids={*known_ids, *synthetic_ids}, write=write,
+                         samples_snapshot_id=samples_snapshot_id)
+    return outcome, slices

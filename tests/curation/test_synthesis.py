@@ -1,0 +1,372 @@
+"""Synthesis: thin slices, a scripted OpenAI-compatible teacher, drops with reasons, resume,
+and synthetic samples through curation (train side only, decontaminated, in the profile)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pyarrow as pa
+import pytest
+
+from factory.curation import synthesis
+from factory.curation.slices import Labeler, length_bucket, profile_slices
+from factory.curation.synthetic import chat
+from factory.experiments import ExperimentError, parse_experiment
+from factory.lake import Lake
+from factory.normalize.canon import canonical_json, sample_id
+from factory.tables import TABLES
+from factory.tasks import ticket_triage
+
+pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
+
+THIN = "shipping"
+REFUSAL = "I'm sorry, but I can't help with that request."
+
+
+def _rows(num: int, *, keep_thin: int, seed: int = 1) -> list[dict[str, Any]]:
+    """``samples`` rows of ticket triage, the THIN label cut to ``keep_thin`` tickets."""
+    out, kept = [], 0
+    for i, conv in enumerate(ticket_triage.generate_conversations(num, seed=seed)):
+        if conv["label"] == THIN:
+            kept += 1
+            if kept > keep_thin:
+                continue
+        system, user = conv["messages"][0]["content"], conv["messages"][1]["content"]
+        messages = chat(user, conv["label"], system)
+        out.append({"sample_id": sample_id(messages, []), "raw_trace_id": f"t{seed}-{i}",
+                    "source": "upload", "provider": "openai", "model": "gpt-x",
+                    "messages": canonical_json(messages), "tools": "[]", "num_turns": 1,
+                    "has_images": False, "has_tool_calls": False, "created_at": None,
+                    "project": "triage", "tags": [("project", "triage")]})
+    return out
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+class ScriptedTeacher:
+    """An OpenAI-compatible teacher. Request calls for the THIN label take the next of
+    ``modes`` (then ``good``); every other call is answered well. Modes: ``good`` (a held-out
+    ticket of the label), ``malformed`` (no <request> tags), ``refusal``, ``timeout`` (answers
+    after ``delay_s``), ``http_error`` (500), ``off_slice`` (answered with another label),
+    ``empty_answer``, ``dup`` (the same request each time), ``copy:<text>`` (that request)."""
+
+    def __init__(self, modes: list[str], *, delay_s: float = 3.0) -> None:
+        self.modes = list(modes)
+        self.delay_s = delay_s
+        self.lock = threading.Lock()
+        self.answers: dict[str, str] = {}
+        self.tickets = iter(ticket_triage.generate_heldout(400, seed=9))
+        self.num_calls = 0
+
+    def _ticket(self, label: str) -> str:
+        for t in self.tickets:
+            if t["label"] == label:
+                return str(t["messages"][1]["content"])
+        raise AssertionError("out of held-out tickets")
+
+    def reply(self, body: dict[str, Any]) -> tuple[int, str | None, float]:
+        with self.lock:
+            self.num_calls += 1
+            messages = body["messages"]
+            user = _text(messages[-1]["content"])
+            if _text(messages[0]["content"]) != synthesis.REQUEST_SYSTEM:  # the answer call
+                return 200, self.answers.get(user, THIN), 0.0
+            label = THIN if f"correct answer is `{THIN}`" in user else "billing"
+            mode = self.modes.pop(0) if label == THIN and self.modes else "good"
+            if mode == "malformed":
+                return 200, "Sure, a customer could write: my parcel is late.", 0.0
+            if mode == "refusal":
+                return 200, REFUSAL, 0.0
+            if mode == "timeout":
+                return 200, "<request>too late</request>", self.delay_s
+            if mode == "http_error":
+                return 500, None, 0.0
+            request = {"dup": "Where is my parcel? Tracking shows nothing for a week.",
+                       }.get(mode) or (mode[5:] if mode.startswith("copy:")
+                                       else self._ticket(label))
+            self.answers[request] = {"off_slice": "billing", "empty_answer": ""}.get(mode, label)
+            return 200, f"<request>{request}</request>", 0.0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        status, text, delay = self.server.teacher.reply(body)  # type: ignore[attr-defined]
+        if delay:
+            time.sleep(delay)  # a slow teacher: the client gives up first
+        payload = ({"error": {"message": "scripted failure"}} if status >= 400 else
+                   {"id": "x", "object": "chat.completion", "model": body["model"],
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": text}}]})
+        data = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+@pytest.fixture()
+def serve() -> Iterator[Any]:
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(teacher: ScriptedTeacher) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        server.daemon_threads = True
+        server.teacher = teacher  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+# -- slices ---------------------------------------------------------------------------------
+
+
+def _train(rows: list[dict[str, Any]], origin: str = "traffic") -> pa.Table:
+    t = pa.Table.from_pylist(rows, schema=TABLES["samples"])
+    t = t.append_column("num_tokens", pa.array([100] * t.num_rows, pa.int32()))
+    return t.append_column("origin", pa.array([origin] * t.num_rows))
+
+
+def test_thin_slices_by_label_tool_and_length() -> None:
+    slices = {s.key: s for s in profile_slices(_train(_rows(200, keep_thin=3)))}
+    labels = {k: s for k, s in slices.items() if k.startswith("label:")}
+    assert set(labels) == {f"label:{x}" for x in ticket_triage.LABELS}
+    assert [k for k, s in labels.items() if s.thin] == [f"label:{THIN}"]
+    assert labels[f"label:{THIN}"].num_traffic == 3
+    assert labels[f"label:{THIN}"].even == -(-163 // 5)
+    # one length bucket only: nothing to compare it with, so not thin
+    assert [s.thin for k, s in slices.items() if k.startswith("length:")] == [False]
+    assert length_bucket(10) == "<64" and length_bucket(64) == "64-127"
+    assert length_bucket(300) == "256-511"
+    # JSON answers: the field whose values are a closed label set labels them
+    answers = [json.dumps({"name": f"n{i}", "intent": ["refund", "bug"][i % 2]})
+               for i in range(20)]
+    labeler = Labeler.fit(answers)
+    assert labeler is not None and labeler.field == "intent"
+    assert labeler.label(answers[1]) == "intent=bug"
+    # tool calls: one slice per tool of the final assistant turn
+    call = [{"role": "user", "content": [{"type": "text", "text": "where is order 7"}]},
+            {"role": "assistant", "content": [],
+             "tool_calls": [{"id": "call_0", "name": "lookup", "arguments": "{}"}]}]
+    row = {**_rows(1, keep_thin=0)[0], "messages": canonical_json(call)}
+    assert "tool:lookup" in {s.key for s in profile_slices(_train([row]))}
+
+
+# -- the teacher ----------------------------------------------------------------------------
+
+
+def _attempts(num: int) -> list[synthesis.Attempt]:
+    rows = _rows(200, keep_thin=3)
+    train = _train(rows)
+    slices = [s for s in profile_slices(train) if s.key == f"label:{THIN}"]
+    labeler = Labeler.fit([ticket_triage.LABELS[i % 5] for i in range(20)])
+    members = synthesis.slice_members(train, labeler)
+    attempts = synthesis.plan_attempts("triage", slices, members, max_per_slice=num)
+    assert len(attempts) == num
+    assert all(set(a.seed_ids) <= {r["sample_id"] for r in members[f"label:{THIN}"]}
+               for a in attempts)
+    return attempts
+
+
+MODES = ["malformed", "refusal", "timeout", "http_error", "off_slice", "empty_answer", "dup",
+         "dup", "good", "good"]
+
+
+def test_teacher_failures_are_counted_drops_and_a_crash_resumes_without_duplicates(
+        serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    attempts = _attempts(len(MODES))
+    labeler = Labeler.fit(list(ticket_triage.LABELS) * 4)
+    scripted = ScriptedTeacher(MODES)
+    teacher = synthesis.Teacher(base_url=serve(scripted), model="scripted", timeout_s=1.0)
+    written: list[dict[str, Any]] = []
+    dropped: list[dict[str, Any]] = []
+    calls = {"n": 0}
+
+    def crash_after_first_batch(rows: list[dict[str, Any]],
+                                drops: list[dict[str, Any]]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("the run was killed")
+        written.extend(rows)
+        dropped.extend(drops)
+
+    monkeypatch.setattr(synthesis, "BATCH", 4)
+    with pytest.raises(RuntimeError, match="killed"):
+        synthesis.synthesize(attempts, teacher, labeler, recorded=[], known_ids=[],
+                             write=crash_after_first_batch, concurrency=1)
+    assert len(written) + len(dropped) == 4
+
+    def write(rows: list[dict[str, Any]], drops: list[dict[str, Any]]) -> None:
+        written.extend(rows)
+        dropped.extend(drops)
+
+    # the second batch was lost with the crash: its modes are asked again, in order
+    scripted.modes = MODES[4:]
+    recorded = {r["attempt_id"] for r in written + dropped}
+    out = synthesis.synthesize(attempts, teacher, labeler, recorded=recorded,
+                               known_ids={r["sample_id"] for r in written},
+                               write=write, concurrency=1)
+    assert (out.num_planned, out.num_skipped) == (10, 4)
+    ids = [r["attempt_id"] for r in written + dropped]
+    assert sorted(ids) == sorted(a.attempt_id for a in attempts)  # each attempt once
+    reasons = Counter(d["reason"] for d in dropped)
+    assert reasons == {"malformed": 2, "refusal": 1, "timeout": 1, "teacher_error": 1,
+                       "off_slice": 1, "duplicate": 1}
+    by_reason = {d["reason"]: d for d in dropped}
+    assert by_reason["timeout"]["step"] == "request"
+    assert "1.0s" in by_reason["timeout"]["detail"]
+    assert {d["step"] for d in dropped if d["reason"] == "malformed"} == {"request", "answer"}
+    assert len(written) == 3 and len({r["sample_id"] for r in written}) == 3
+    for r in written:
+        messages = json.loads(r["messages"])
+        assert messages[-1]["content"] == [{"type": "text", "text": THIN}]
+        assert r["source"] == "synthetic" and r["teacher"] == "scripted"
+        assert r["slice"] == f"label:{THIN}" and len(r["seed_sample_ids"]) == 3
+        assert json.loads(r["prompt"])[0]["content"] == synthesis.REQUEST_SYSTEM
+        assert r["sample_id"] == sample_id(messages, [])
+    # everything recorded: a third run calls the teacher no more
+    before = scripted.num_calls
+    again = synthesis.synthesize(attempts, teacher, labeler, recorded=set(ids), known_ids=[],
+                                 write=write)
+    assert (again.num_skipped, again.num_written, scripted.num_calls) == (10, 0, before)
+
+
+def test_an_unreachable_teacher_stops_and_records_nothing(serve: Any) -> None:
+    url = serve(ScriptedTeacher([]))
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    teacher = synthesis.Teacher(base_url=f"http://127.0.0.1:{port + 1}/v1", model="x",
+                                timeout_s=1.0)
+    written: list[Any] = []
+    with pytest.raises(synthesis.TeacherUnreachable):
+        synthesis.synthesize(_attempts(2), teacher, None, recorded=[], known_ids=[],
+                             write=lambda rows, drops: written.extend(rows + drops))
+    assert written == []
+
+
+# -- the experiment file --------------------------------------------------------------------
+
+
+def test_synthesize_is_validated_with_file_line_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    ok = parse_experiment("name: x\nrecipe: smollm2-135m-lora\ndata:\n  synthesize:\n"
+                          "    teacher: gpt-4o\n    max_per_slice: 5\n", path)
+    assert ok.data.synthesize is not None and ok.data.synthesize.max_per_slice == 5
+    for body, where in (
+            ("    teacher: ''\n", "5: data.synthesize.teacher"),
+            ("    teacher: t\n    max_per_slice: 0\n", "6: data.synthesize.max_per_slice"),
+            ("    teacher: t\n    base_url: ftp://x\n", "6: data.synthesize.base_url"),
+            ("    teacher: t\n    timeot_s: 3\n", "6: data.synthesize.timeot_s: unknown key "
+                                                "'timeot_s'; did you mean 'timeout_s'?")):
+        with pytest.raises(ExperimentError) as err:
+            parse_experiment("name: x\nrecipe: smollm2-135m-lora\ndata:\n  synthesize:\n"
+                             + body, path)
+        assert f"{path}:{where}" in str(err.value)
+
+
+# -- the assets: synthesis, curation with the traffic, the profile -------------------------
+
+
+def _user_and_answer(messages: str) -> tuple[str, str]:
+    msgs = json.loads(messages)
+    return msgs[1]["content"][0]["text"], msgs[-1]["content"][0]["text"]
+
+
+def _materialize(key: str) -> Any:
+    from factory.assets.curation import dataset, dataset_profile, synthetic_samples
+    from factory.resources.judge import EmbeddedJudgeResource
+    from factory.resources.lake import LakeResource
+
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("experiments", [key])
+    return dg.materialize([synthetic_samples, dataset, dataset_profile], instance=instance,
+                          partition_key=key, resources={"lake": LakeResource(),
+                                                        "judge": EmbeddedJudgeResource()})
+
+
+def test_synthetic_samples_fill_the_thin_slice_on_the_train_side_only(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch, serve: Any,
+        smollm2_dir: Path) -> None:
+    from factory.curation.config import CurationConfig
+    from factory.curation.pipeline import curate
+    from factory.curation.tokens import RenderCounter
+
+    rows = _rows(240, keep_thin=6)
+    traffic = curate(pa.Table.from_pylist(rows, schema=TABLES["samples"]),
+                     CurationConfig(max_tokens=1024), RenderCounter(smollm2_dir))
+    # an eval ticket of another label, asked again (same prompt) and pasted into a longer one
+    ev = next(user for user, answer in map(_user_and_answer,
+                                           traffic.eval.column("messages").to_pylist())
+              if answer != THIN and len(user.split()) >= 20)
+    scripted = ScriptedTeacher([f"copy:{ev}", f"copy:{ev} I wrote to you about this before, "
+                                              "please reply soon."])
+    exps = factory_home / "experiments"
+    exps.mkdir()
+    (exps / "triage.yaml").write_text(
+        "name: triage\nrecipe: smollm2-135m-lora\n"
+        "data:\n  where: \"tags['project'] = 'triage'\"\n  max_tokens: 1024\n"
+        f"  synthesize: {{teacher: scripted, base_url: '{serve(scripted)}', max_per_slice: 10,"
+        " timeout_s: 5}\n")
+    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(exps))
+    Lake().append("samples", rows)
+
+    result = _materialize("triage")
+    assert result.success
+    lake = Lake()
+    flt = "experiment = 'triage'"
+    made = lake.read("synthetic_samples", row_filter=flt)
+    assert made.num_rows == 10 and set(made.column("slice").to_pylist()) == {f"label:{THIN}"}
+    train = lake.read("dataset_train", row_filter=flt)
+    evals = lake.read("dataset_eval", row_filter=flt)
+    # seeds are train samples only, and the eval set holds no synthetic sample
+    traffic_train = {s for s, o in zip(train.column("sample_id").to_pylist(),
+                                       train.column("origin").to_pylist(), strict=True)
+                     if o == "traffic"}
+    assert {s for ids in made.column("seed_sample_ids").to_pylist() for s in ids} \
+        <= traffic_train
+    assert set(evals.column("origin").to_pylist()) == {"traffic"}
+    assert evals.column("sample_id").to_pylist() == traffic.eval.column("sample_id").to_pylist()
+    # the copies of the eval ticket are decontaminated; the other eight are kept
+    drops = [d for d in lake.read("dataset_drops", row_filter=flt).to_pylist()
+             if d["origin"] == "synthetic"]
+    assert sorted(d["reason"] for d in drops) == ["eval_ngram_overlap", "eval_prompt_match"]
+    synthetic = [o for o in train.column("origin").to_pylist() if o == "synthetic"]
+    assert len(synthetic) == 8
+    profile = lake.read("dataset_profile", row_filter=flt).to_pylist()[0]
+    assert profile["num_synthetic"] == 8
+    assert profile["share_synthetic"] == round(8 / train.num_rows, 6)
+    thin = [s for s in json.loads(profile["slices"]) if s["thin"]]
+    assert [(s["value"], s["num_synthetic"]) for s in thin] == [(THIN, 8)]
+    report = result.asset_materializations_for_node("dataset")[0].metadata["report"].value
+    assert "## Synthetic samples" in report and "eval_prompt_match" in report
+    # a second run resumes: every attempt is recorded, nothing is asked or written twice
+    calls = scripted.num_calls
+    again = _materialize("triage")
+    assert again.success and scripted.num_calls == calls
+    meta = again.asset_materializations_for_node("synthetic_samples")[0].metadata
+    assert (meta["num_resumed"].value, meta["num_written"].value) == (10, 0)
+    made = lake.read("synthetic_samples", row_filter=flt)
+    assert made.num_rows == 10 and len(set(made.column("attempt_id").to_pylist())) == 10
