@@ -66,7 +66,8 @@ class TrainingRunConfig(dg.Config):
 
 
 @dg.asset(group_name="training", kinds={"python", "pytorch"}, partitions_def=RUNS,
-          deps=["training_plan", "base_model"],
+          deps=["training_plan",
+                dg.AssetDep("base_model", partition_mapping=dg.AllPartitionMapping())],
           description="A training run as one job: its plan checked against its data, submitted "
                       "to the provider ladder, rolled over and recovered by the control plane; "
                       "metadata lists its segments, one loss curve and the samples dropped, by "

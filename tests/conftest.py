@@ -95,3 +95,20 @@ def tiny_model_dir() -> Path:
     from factory.trainer.base_models import TINY_NAME, build_tiny_llama
 
     return build_tiny_llama(_models_cache() / TINY_NAME)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3", "gemma3"])
+def tiny_family_dir(request: pytest.FixtureRequest) -> Path:
+    """A random-init 2-layer model of each recipe family's text architecture (llama, qwen3,
+    gemma3), with a real tokenizer of its chat format (``build_tiny``)."""
+    from factory.trainer.base_models import build_tiny
+
+    return build_tiny(request.param, _models_cache() / f"tiny-{request.param}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma 3 270M as a plain HF directory (built once, about 95 s; cached across runs)."""
+    from factory.trainer.base_models import GEMMA3_NAME, build_gemma3
+
+    return build_gemma3(_models_cache() / GEMMA3_NAME)

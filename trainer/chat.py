@@ -1,23 +1,36 @@
 """Canonical samples to model text, the same way for training and for inference.
 
-SmolLM2's shipped chat template only handles string content and knows nothing of tools, so we
-define one ChatML rendering of the canonical sample (docs/canonical-sample.md) and ship it twice:
+One rendering of the canonical sample (docs/canonical-sample.md) per chat format, shipped twice:
 as Python (``render``, ``encode``: training, with the label mask) and as a Jinja chat template
-(``CHAT_TEMPLATE``) saved with every checkpoint's tokenizer, so ``apply_chat_template`` in
+(``chat_template(fmt)``) saved with every checkpoint's tokenizer, so ``apply_chat_template`` in
 transformers or vLLM produces the identical string (tests/trainer/test_chat.py checks that).
 
-Format (``\\n`` is a newline)::
+The format belongs to the base model's tokenizer (``chat_format``): the one whose turn tokens
+are single tokens of its vocabulary. Two exist:
 
-    <|im_start|>system\\n{system text}[\\n\\n]{tools block}<|im_end|>\\n   (first system msg and/or tools)
-    <|im_start|>user\\n{parts}<|im_end|>\\n
-    <|im_start|>assistant\\n{parts}[\\n]<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call><|im_end|>\\n
-    <|im_start|>tool\\n<tool_response>\\n{parts}\\n</tool_response><|im_end|>\\n
+- ``CHATML`` (SmolLM2, Qwen3, Qwen2.5-VL: ``<|im_start|>`` / ``<|im_end|>``). SmolLM2's shipped
+  template only handles string content and knows nothing of tools; Qwen's render tools in the
+  same Hermes style as this one. The factory's own template is used for every ChatML model.
+- ``GEMMA`` (Gemma 3: ``<start_of_turn>`` / ``<end_of_turn>``, conversations open with
+  ``<bos>``, the assistant's role is ``model``). Gemma 3 270M is a base model whose GGUF ships
+  no chat template; Gemma 3's instruction-tuned template folds the system prompt into the first
+  user turn and has no tools, so the factory keeps Gemma's turn tokens (single special tokens of
+  its vocabulary; ``<end_of_turn>`` is what Gemma's instruction-tuned models stop on) with a
+  system turn of its own and the same tool blocks as ChatML (vLLM's ``hermes`` parser reads
+  them for both).
+
+Format (``\\n`` is a newline; ``S``/``E`` the turn tokens, ``B`` the opening text)::
+
+    B S system\\n{system text}[\\n\\n]{tools block}E\\n   (first system msg and/or tools)
+    S user\\n{parts}E\\n
+    S assistant\\n{parts}[\\n]<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>E\\n
+    S tool\\n<tool_response>\\n{parts}\\n</tool_response>E\\n
 
 Parts are joined with ``\\n``: text as is, reasoning as ``<think>\\n...\\n</think>``, images as
 ``[image]`` (text-only models). Tool calls carry no ids: tool results follow the calls in order,
 and ``parse_assistant`` renumbers ``call_0, call_1, ...`` exactly like the canonical form does.
-Loss is on assistant turns only: everything after ``<|im_start|>assistant\\n`` up to and including
-``<|im_end|>`` (so the model learns to stop), tool calls included; never system, user or tool.
+Loss is on assistant turns only: everything after ``S assistant\\n`` up to and including ``E``
+(so the model learns to stop), tool calls included; never system, user or tool.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 IGNORE_INDEX = -100
@@ -38,12 +52,66 @@ TOOLS_TAIL = ("</tools>\n\nFor each function call, return a json object with fun
               '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChatFormat:
+    """The tokens one family's rendering is made of."""
+
+    name: str
+    """``chatml`` or ``gemma``."""
+    begin: str
+    """Text opening every rendered conversation (Gemma's ``<bos>``; empty for ChatML)."""
+    turn_start: str
+    """Opens a turn, followed by the role and a newline."""
+    turn_end: str
+    """Ends a turn (trained at the end of assistant turns: the model's stop token)."""
+    assistant_role: str
+    """The assistant's role name in the text."""
+
+
+CHATML = ChatFormat(name="chatml", begin="", turn_start=IM_START, turn_end=IM_END,
+                    assistant_role="assistant")
+GEMMA = ChatFormat(name="gemma", begin="<bos>", turn_start="<start_of_turn>",
+                   turn_end="<end_of_turn>", assistant_role="model")
+FORMATS = (GEMMA, CHATML)
+"""Every format, in the order ``chat_format`` tries them."""
+
+
+def _has_token(tokenizer: Any, token: str) -> bool:
+    if _is_backend(tokenizer):
+        return tokenizer.token_to_id(token) is not None
+    tid = tokenizer.convert_tokens_to_ids(token)
+    return isinstance(tid, int) and tid != tokenizer.unk_token_id
+
+
+def chat_format(tokenizer: Any) -> ChatFormat:
+    """The format of the base model behind ``tokenizer`` (a transformers tokenizer or a
+    ``tokenizers.Tokenizer``): the first of ``FORMATS`` whose turn tokens are single tokens of its
+    vocabulary (``CHATML`` for None). ``ValueError`` when none is."""
+    if tokenizer is None:
+        return CHATML
+    for fmt in FORMATS:
+        if _has_token(tokenizer, fmt.turn_start) and _has_token(tokenizer, fmt.turn_end):
+            return fmt
+    raise ValueError("tokenizer: its vocabulary has the turn tokens of no chat format ("
+                     + "; ".join(f"{f.name}: {f.turn_start} {f.turn_end}" for f in FORMATS)
+                     + ")")
+
+
 def _lit(text: str) -> str:
     """A Jinja string literal for ``text``."""
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
 
 
-CHAT_TEMPLATE = (
+def chat_template(fmt: ChatFormat) -> str:
+    """The Jinja twin of ``render`` in format ``fmt``."""
+    begin = "{{ " + _lit(fmt.begin) + " }}" if fmt.begin else ""
+    return (_TEMPLATE.replace(_BEGIN, begin).replace("<|im_start|>", fmt.turn_start)
+            .replace("<|im_end|>", fmt.turn_end)
+            .replace("<|assistant|>", fmt.assistant_role))
+
+
+_BEGIN = "{#- begin -#}"
+_TEMPLATE = (
     "{%- macro render_content(content) -%}"
     "{%- if content is none -%}"
     "{%- elif content is string -%}{{ content }}"
@@ -72,11 +140,12 @@ CHAT_TEMPLATE = (
     "{%- if sys -%}{%- set sys = sys + '\\n\\n' + toolblock -%}"
     "{%- else -%}{%- set sys = toolblock -%}{%- endif -%}"
     "{%- endif -%}"
+    + _BEGIN +
     "{%- if first == 1 or tools -%}{{ '<|im_start|>system\\n' + sys + '<|im_end|>\\n' }}"
     "{%- endif -%}"
     "{%- for m in messages[first:] -%}"
     "{%- if m.role == 'assistant' -%}"
-    "{{ '<|im_start|>assistant\\n' }}{%- set body = render_content(m.content) -%}{{ body }}"
+    "{{ '<|im_start|><|assistant|>\\n' }}{%- set body = render_content(m.content) -%}{{ body }}"
     "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}"
     "{%- if body or not loop.first %}{{ '\\n' }}{% endif -%}{{ render_call(c) }}"
     "{%- endfor -%}{%- endif -%}"
@@ -88,9 +157,11 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + m.role + '\\n' + render_content(m.content) + '<|im_end|>\\n' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|><|assistant|>\\n' }}{%- endif -%}"
 )
-"""The Jinja twin of ``render``; ``install_chat_template`` puts it on a tokenizer."""
+
+CHAT_TEMPLATE = chat_template(CHATML)
+"""The ChatML template; ``install_chat_template`` puts the tokenizer's format's on it."""
 
 
 def _loads(value: Any, name: str) -> Any:
@@ -132,14 +203,15 @@ def _call(call: dict[str, Any]) -> str:
             + ', "arguments": ' + args + "}\n</tool_call>")
 
 
-def segments(messages: Any, tools: Any = None, *,
-             add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+def segments(messages: Any, tools: Any = None, *, add_generation_prompt: bool = False,
+             fmt: ChatFormat = CHATML) -> list[tuple[str, bool]]:
     """The rendered text as ``(text, trainable)`` pieces; joined they equal ``render``."""
     messages = _loads(messages, "messages")
     tools = _loads(tools, "tools") or []
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list")
-    out: list[tuple[str, bool]] = []
+    start, end = fmt.turn_start, fmt.turn_end
+    out: list[tuple[str, bool]] = [(fmt.begin, False)] if fmt.begin else []
     first = 0
     system = ""
     if messages[0].get("role") == "system":
@@ -151,7 +223,7 @@ def segments(messages: Any, tools: Any = None, *,
             for t in tools) + TOOLS_TAIL
         system = system + "\n\n" + block if system else block
     if first or tools:
-        out.append((f"{IM_START}system\n{system}{IM_END}\n", False))
+        out.append((f"{start}system\n{system}{end}\n", False))
     for m in messages[first:]:
         role = m.get("role")
         if role == "assistant":
@@ -159,36 +231,33 @@ def segments(messages: Any, tools: Any = None, *,
             calls = m.get("tool_calls") or []
             for i, call in enumerate(calls):
                 body += ("\n" if body or i else "") + _call(call)
-            out.append((f"{IM_START}assistant\n", False))
-            out.append((body + IM_END, True))
+            out.append((f"{start}{fmt.assistant_role}\n", False))
+            out.append((body + end, True))
             out.append(("\n", False))
         elif role == "tool":
-            out.append((f"{IM_START}tool\n<tool_response>\n{_content(m.get('content'))}"
-                        f"\n</tool_response>{IM_END}\n", False))
+            out.append((f"{start}tool\n<tool_response>\n{_content(m.get('content'))}"
+                        f"\n</tool_response>{end}\n", False))
         elif role in ("system", "user"):
-            out.append((f"{IM_START}{role}\n{_content(m.get('content'))}{IM_END}\n", False))
+            out.append((f"{start}{role}\n{_content(m.get('content'))}{end}\n", False))
         else:
             raise ValueError(f"messages: unknown role {role!r}")
     if add_generation_prompt:
-        out.append((f"{IM_START}assistant\n", False))
+        out.append((f"{start}{fmt.assistant_role}\n", False))
     return out
 
 
 def render(messages: Any, tools: Any = None, tokenizer: Any = None, *,
            add_generation_prompt: bool = False) -> str:
-    """Canonical ``messages``/``tools`` (lists or their JSON strings) to the model's text.
-
-    ``tokenizer`` is accepted for interface stability (a future model family may need its own
-    tokens); the ChatML rendering does not depend on it.
-    """
-    del tokenizer
-    return "".join(t for t, _ in segments(messages, tools,
+    """Canonical ``messages``/``tools`` (lists or their JSON strings) to the model's text, in
+    the format of ``tokenizer`` (``chat_format``; ChatML without one)."""
+    return "".join(t for t, _ in segments(messages, tools, fmt=chat_format(tokenizer),
                                           add_generation_prompt=add_generation_prompt))
 
 
-def spans(messages: Any, tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
+def spans(messages: Any, tools: Any = None, *,
+          fmt: ChatFormat = CHATML) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans of its assistant (trained) pieces."""
-    segs = segments(messages, tools)
+    segs = segments(messages, tools, fmt=fmt)
     out: list[tuple[int, int]] = []
     pos = 0
     for t, trainable in segs:
@@ -251,7 +320,7 @@ def encode(messages: Any, tools: Any, tokenizer: Any, *,
     curation loads: the same backend, so the same ids; tests/curation/test_tokens.py holds the
     two equal).
     """
-    text, trained = spans(messages, tools)
+    text, trained = spans(messages, tools, fmt=chat_format(tokenizer))
     if _is_backend(tokenizer):
         enc = tokenizer.encode(text, add_special_tokens=False)
         ids, offsets = list(enc.ids), enc.offsets
@@ -275,7 +344,8 @@ def parse_assistant(text: str) -> dict[str, Any]:
     (compact, sorted keys) when they parse as JSON. A call that is not valid JSON stays in the
     text, so nothing the model said is lost.
     """
-    text = text.split(IM_END, 1)[0]
+    for fmt in FORMATS:
+        text = text.split(fmt.turn_end, 1)[0]
     parts: list[dict[str, Any]] = []
     think = _THINK.match(text)
     if think:
@@ -309,6 +379,6 @@ def parse_assistant(text: str) -> dict[str, Any]:
 
 
 def install_chat_template(tokenizer: Any) -> Any:
-    """Put ``CHAT_TEMPLATE`` on ``tokenizer`` (saved with it as chat_template.jinja)."""
-    tokenizer.chat_template = CHAT_TEMPLATE
+    """Put the template of its format on ``tokenizer`` (saved with it as chat_template.jinja)."""
+    tokenizer.chat_template = chat_template(chat_format(tokenizer))
     return tokenizer

@@ -83,13 +83,14 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
     from factory.deploy.replay import ReplayUpstream
     from factory.gateway import ServerThread, gateway_in_thread
     from factory.tasks import generate_records
+    from factory.trainer.base_models import SMOLLM2_NAME
 
     say = progress or (lambda line: print(line, flush=True))
     settings = get_settings().ensure()
     started = time.monotonic()
     say(f"factory home: {settings.home}")
     say("[demo 1/4] base model: SmolLM2-135M-Instruct (built once, then cached)")
-    materialize(["base_model"])
+    materialize(["base_model"], partition_key=SMOLLM2_NAME)
 
     records = generate_records(num_records, seed)
     via_gateway = records[::GATEWAY_SHARE]

@@ -66,9 +66,12 @@ def run_experiment(name: str, *, progress: Progress = _print, deploy: bool = Tru
     with ``deploy=False`` or ``deploy: manual``) through the instance; the summary."""
     from factory.app.client import follow, submit
     from factory.app.instance import ensure_daemon, instance
+    from factory.base_model import require_base_model
     from factory.experiments import experiment_sha, load_experiment
 
     experiment = load_experiment(name)
+    # Before anything is submitted: a recipe whose weights are not here fails in one line.
+    require_base_model(experiment.recipe)
     inst = instance()
     if not inst.has_dynamic_partition("experiments", experiment.name):
         inst.add_dynamic_partitions("experiments", [experiment.name])

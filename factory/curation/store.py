@@ -30,13 +30,11 @@ def experiment_filter(name: str) -> str:
 
 
 def tokenizer_dir_for(recipe: str) -> Path:
-    """The tokenizer folder of a recipe's base model (built on first use)."""
-    if recipe.startswith("smollm2-135m"):
-        from factory.base_model import ensure_smollm2
+    """The tokenizer folder of a recipe's base model (built on first use);
+    ``MissingBaseModelError`` when its model is not on this machine."""
+    from factory.base_model import model_dir_for
 
-        return ensure_smollm2()[0]
-    raise FactoryError(f"recipe {recipe!r}: curation knows the tokenizer of smollm2-135m-* "
-                       "recipes only")
+    return model_dir_for(recipe)
 
 
 def select_samples(session: LakeSession, where: str) -> tuple[pa.Table, int | None]:

@@ -1,9 +1,9 @@
 """Token counts of canonical samples, by the trainer's own rendering and the base tokenizer.
 
-There is one rendering of a conversation: ``factory.trainer.chat`` (the factory's ChatML with the tools
-block in the system turn, tool calls and tool results; its Jinja twin is what the inference
-server and ``vllm serve`` use). SmolLM2's shipped chat template ignores tools and content parts,
-so counting with it undercounted agent traffic 2-3x and plans cut every sample before its
+There is one rendering of a conversation: ``factory.trainer.chat`` (the factory's rendering in the
+base model's chat format, with the tools block in the system turn, tool calls and tool results;
+its Jinja twin is what the inference server and ``vllm serve`` use). SmolLM2's shipped chat
+template ignores tools and content parts, so counting with it undercounted agent traffic 2-3x and plans cut every sample before its
 assistant turn. Curation, the profile and the planner therefore count exactly what the trainer
 feeds the model: ``factory.trainer.chat.spans`` for the text, the base model's ``tokenizer.json`` for
 the ids. tests/curation/test_tokens.py holds the counts equal to ``factory.trainer.chat.encode`` with
@@ -21,7 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from factory.trainer.chat import common_prefix, spans
+from factory.trainer.chat import chat_format, common_prefix, spans
 
 Count = tuple[int, int] | None
 """(total tokens, prompt tokens) of one sample; None when it cannot be rendered."""
@@ -65,9 +65,10 @@ class RenderCounter:
         cuts: list[int] = []
         where: list[int] = []
         out: list[Count] = [None] * len(conversations)
+        fmt = chat_format(self.tokenizer)
         for i, messages in enumerate(conversations):
             try:
-                text, trained = spans(messages, tools[i] if tools is not None else None)
+                text, trained = spans(messages, tools[i] if tools is not None else None, fmt=fmt)
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # not a renderable conversation: the caller drops it with the reason
             texts.append(text)
@@ -98,9 +99,11 @@ def shared_prefix_tokens(counter: RenderCounter, conversations: list[list[dict[s
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
     ids: list[list[int]] = []
+    fmt = chat_format(counter.tokenizer)
     for i in order[:max_samples]:
         try:
-            text, trained = spans(conversations[i], tools[i] if tools is not None else None)
+            text, trained = spans(conversations[i], tools[i] if tools is not None else None,
+                                  fmt=fmt)
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
         enc = counter.tokenizer.encode(text, add_special_tokens=False)

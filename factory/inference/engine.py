@@ -2,8 +2,9 @@
 
 Prompts are rendered with the chat template of the tokenizer that belongs to the model asked
 for: an adapter directory written by the trainer carries its tokenizer and the trainer's
-``CHAT_TEMPLATE`` (the Jinja twin of ``factory.trainer.chat.render``), and the base model is served with
-that same template unless told otherwise. This is what vLLM does too (``--chat-template``), and
+template of its chat format (the Jinja twin of ``factory.trainer.chat.render``), and the base model is
+served with the template of its tokenizer's format unless told otherwise. Generation stops at
+the tokenizer's end-of-sequence token and at the format's end-of-turn token. This is what vLLM does too (``--chat-template``), and
 it is why a checkpoint with a wrong template shows up in the train/serve equivalence check
 instead of silently serving a different prompt than the one trained on.
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from factory.trainer.chat import CHAT_TEMPLATE
+from factory.trainer.chat import chat_format, chat_template
 
 TokenCallback = Callable[[int, str], None]
 """Called with (token id, text delta) for every generated token of one request."""
@@ -90,13 +91,15 @@ class TokenLogprob:
 
 
 def _load_tokenizer(path: str | Path, template: str | None) -> Any:
+    """The tokenizer in ``path`` with ``template``: a Jinja string, ``"trainer"`` (the trainer's
+    template of its format), or None (its own template, the trainer's when it ships none)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    if template is not None:
+    if template == "trainer" or (template is None and not getattr(tok, "chat_template", None)):
+        tok.chat_template = chat_template(chat_format(tok))
+    elif template is not None:
         tok.chat_template = template
-    elif not getattr(tok, "chat_template", None):
-        tok.chat_template = CHAT_TEMPLATE
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -113,8 +116,8 @@ class Engine:
     """A base model with hot-loadable LoRA adapters.
 
     ``base_chat_template``: ``"trainer"`` (default) serves the base model with the trainer's
-    ChatML template, ``"tokenizer"`` with the template the base tokenizer ships, or a Jinja
-    string. Adapters always use the template saved in their directory when there is one.
+    template of its tokenizer's chat format, ``"tokenizer"`` with the template the base
+    tokenizer ships, or a Jinja string. Adapters always use the template saved in their directory when there is one.
     """
 
     def __init__(self, model: str | Path, *, served_model_name: str | None = None,
@@ -129,8 +132,7 @@ class Engine:
         self.model_path = str(model)
         self.served_model_name = served_model_name or self.model_path
         self.max_model_len = max_model_len
-        template = {"trainer": CHAT_TEMPLATE, "tokenizer": None}.get(base_chat_template,
-                                                                     base_chat_template)
+        template = None if base_chat_template == "tokenizer" else base_chat_template
         self.tokenizer = _load_tokenizer(model, template)
         self.dtype = torch.float32 if dtype == "float32" else torch.bfloat16
         quiet_progress_bars()
@@ -245,9 +247,12 @@ class Engine:
     def stop_token_ids(self, model: str) -> set[int]:
         tok = self.tokenizer_for(model)
         ids = {tok.eos_token_id}
-        im_end = tok.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(im_end, int) and im_end != tok.unk_token_id:
-            ids.add(im_end)
+        try:
+            end = tok.convert_tokens_to_ids(chat_format(tok).turn_end)
+        except ValueError:  # a tokenizer of no known chat format: its eos alone
+            end = None
+        if isinstance(end, int) and end != tok.unk_token_id:
+            ids.add(end)
         return {i for i in ids if i is not None}
 
     # --- prompt log-probs --------------------------------------------------------------------

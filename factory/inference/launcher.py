@@ -5,9 +5,11 @@ One code path for evals and deploys: ``InferenceServer(...).start()`` picks a fr
 200; a server that exits or stays unhealthy past ``startup_timeout_s`` raises
 ``InferenceServerError`` with the tail of its log, and is stopped.
 
-Both servers render prompts with the trainer's chat template: the CPU server by default, vLLM
-through ``--chat-template``, a file holding ``factory.trainer.chat.CHAT_TEMPLATE`` (vLLM would otherwise
-use the base tokenizer's shipped template, which for SmolLM2 knows no tools). The file is named
+Both servers render prompts with the trainer's chat template of the base model's chat format
+(``factory.trainer.chat.chat_format`` of its tokenizer): the CPU server by default, vLLM through
+``--chat-template``, a file holding ``factory.trainer.chat.chat_template(fmt)`` (vLLM would otherwise use
+the base tokenizer's shipped template, which for SmolLM2 knows no tools and for Gemma 3 270M
+does not exist). The file is named
 by its content's hash under the factory home and never removed, so the command is the same every
 time it is built and a deployment spawned detached from it keeps a template to restart with.
 """
@@ -63,13 +65,27 @@ def cpu_serve_command(model: str, adapters: Mapping[str, str] | None = None, *,
     return cmd
 
 
-def chat_template_file() -> Path:
-    """``<home>/inference/chat-template-<sha256 prefix>.jinja`` holding ``CHAT_TEMPLATE``,
-    written (atomically) if it is not there yet."""
+def model_chat_template(model: str) -> str:
+    """The trainer's template for base model ``model``: of its tokenizer's chat format when
+    ``model`` is a folder with a ``tokenizer.json``, ChatML otherwise (a hub id: the Qwen
+    recipes' format)."""
+    from factory.trainer.chat import CHAT_TEMPLATE, chat_format, chat_template
+
+    path = Path(model) / "tokenizer.json"
+    if not path.is_file():
+        return CHAT_TEMPLATE
+    from tokenizers import Tokenizer
+
+    return chat_template(chat_format(Tokenizer.from_file(str(path))))
+
+
+def chat_template_file(template: str | None = None) -> Path:
+    """``<home>/inference/chat-template-<sha256 prefix>.jinja`` holding ``template`` (ChatML's
+    ``CHAT_TEMPLATE`` by default), written (atomically) if it is not there yet."""
     from factory.settings import get_settings
     from factory.trainer.chat import CHAT_TEMPLATE
 
-    data = CHAT_TEMPLATE.encode("utf-8")
+    data = (template or CHAT_TEMPLATE).encode("utf-8")
     folder = get_settings().home / "inference"
     path = folder / f"chat-template-{hashlib.sha256(data).hexdigest()[:16]}.jinja"
     if not path.is_file():
@@ -137,8 +153,9 @@ class InferenceServer:
                                  threads=self.threads)
 
     def chat_template_file(self) -> Path:
-        """The file holding the trainer's chat template (written if missing)."""
-        return chat_template_file()
+        """The file holding the trainer's chat template of the model's format (written if
+        missing)."""
+        return chat_template_file(model_chat_template(self.model))
 
     def start(self) -> InferenceServer:
         if self.proc is not None:

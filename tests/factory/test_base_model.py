@@ -1,4 +1,6 @@
-"""The embedded base model is a plain HF directory that loads and answers a chat message."""
+"""The embedded base models are plain HF directories that load (SmolLM2 answers a chat message),
+one ``base_model`` partition and row each; a recipe whose weights are not here fails in one line
+before any compute."""
 
 from __future__ import annotations
 
@@ -34,9 +36,72 @@ def test_base_model_asset_records_row(factory_home: Path, smollm2_dir: Path) -> 
     from factory.lake import Lake
     from factory.resources.lake import LakeResource
 
-    result = dg.materialize([base_model], resources={"lake": LakeResource()})
+    result = dg.materialize([base_model], resources={"lake": LakeResource()},
+                            partition_key="smollm2-135m-instruct")
     assert result.success
     [row] = Lake().read("base_models").to_pylist()
     assert row["name"] == "smollm2-135m-instruct"
     assert row["num_parameters"] > 100_000_000
     assert len(row["sha256"]) == 64
+
+
+@pytest.mark.slow
+def test_gemma3_directory_is_a_plain_gemma3_with_the_factorys_template(gemma3_dir: Path) -> None:
+    import json
+
+    from factory.trainer.chat import GEMMA, chat_format, chat_template
+
+    config = json.loads((gemma3_dir / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert "quantization_config" not in config
+    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    assert len(tok) == 262144 and chat_format(tok) is GEMMA
+    assert tok.chat_template == chat_template(GEMMA)
+    end_of_turn = tok.convert_tokens_to_ids(GEMMA.turn_end)
+    generation = json.loads((gemma3_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tok.eos_token_id, end_of_turn]
+    model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == 268_098_176
+    # A base model: natural text is far more likely to it than the same words shuffled.
+    def nll(text: str) -> float:
+        ids = tok("<bos>" + text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            return float(model(input_ids=ids, labels=ids).loss)
+
+    words = "The capital of France is Paris, and the capital of Italy is Rome."
+    assert nll(words) < 0.6 * nll(" ".join(reversed(words.split())))
+
+
+def test_recipes_know_where_their_base_model_is(factory_home: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from factory.app.cli import main
+    from factory.base_model import MissingBaseModelError, require_base_model
+
+    assert main(["base-model", "--list"]) == 0
+    rows = {r["recipe"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["smollm2-135m-lora"]["available"] and rows["gemma3-270m-lora"]["available"]
+    assert rows["gemma3-270m-lora"]["family"] == "gemma3"
+    for name in ("qwen3-8b-lora", "llama-3.1-8b-lora", "qwen2.5-vl-7b-lora"):
+        assert not rows[name]["available"]
+        with pytest.raises(MissingBaseModelError) as err:
+            require_base_model(name)
+        assert str(err.value) == rows[name]["missing"]
+        assert "is not on this machine" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_factory_run_of_a_recipe_without_weights_fails_before_compute(
+        factory_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from factory.app.cli import main
+
+    path = tmp_path / "qwen-orders.yaml"
+    path.write_text("name: qwen-orders\ndata: {where: \"tags['project'] = 'x'\"}\n"
+                    "recipe: qwen3-8b-lora\n")
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "recipe qwen3-8b-lora: base model Qwen/Qwen3-8B" in err
+    from factory.app.instance import instance
+
+    assert not instance().get_runs()  # nothing was submitted
