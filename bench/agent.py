@@ -207,6 +207,8 @@ def main() -> int:
     parser.add_argument("--no-train", action="store_true",
                         help="skip factory run: score the base model only")
     parser.add_argument("--keep", action="store_true", help="leave the deployment running")
+    parser.add_argument("--experiments", type=Path, default=ROOT / "experiments",
+                        help="folder holding agent-orders.yaml (default: the repository's)")
     args = parser.parse_args()
     # A SIGTERM (timeout, kill) unwinds like Ctrl-C, so the servers started here are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -215,7 +217,7 @@ def main() -> int:
     home.mkdir(parents=True, exist_ok=True)
     os.environ["FACTORY_HOME"] = str(home)
     os.environ.pop("DAGSTER_HOME", None)  # derived from FACTORY_HOME
-    os.environ["FACTORY_EXPERIMENTS_DIR"] = str(ROOT / "experiments")
+    os.environ["FACTORY_EXPERIMENTS_DIR"] = str(args.experiments.absolute())
     env = dict(os.environ)
 
     from factory.tasks import agent_orders as task

@@ -30,17 +30,10 @@ import psutil
 from factory.gateway.loadgen import run_load
 from factory.gateway.server import bind
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gateway import _pct, _start  # noqa: E402  (bench/gateway.py, beside this script)
+
 ROUTE = "gpt-4o-mini"
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
 
 
 def _standin(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
