@@ -254,6 +254,9 @@ class Flusher:
         self.num_failures = 0
         """Flush attempts that raised (each logged with its traceback, its batch retried)."""
         self.num_corrupt_segments = 0
+        self._locked_ns = 0
+        """When this process took the flush lock: a segment created before it may have been
+        committed by an earlier holder that stopped before deleting it (a replay)."""
         self.num_pairs = 0
         """Shadow frames committed to ``shadow_pairs`` by this process (a replayed one counts
         again; the table keeps it once)."""
@@ -297,6 +300,7 @@ class Flusher:
                             "one flushes once it is gone", self.dir / "flush.lock")
             return False
         self._lock_fd = fd
+        self._locked_ns = time.time_ns()
         if self._lock_wait_logged:
             log.info("flusher: took over %s", self.dir / "flush.lock")
         return True
@@ -376,7 +380,8 @@ class Flusher:
         if pairs:
             if self._lake is None:
                 self._lake = self.lake_factory()
-            commit_pairs(self._lake, pairs)
+            replay = any(int(seg.name.split("-")[0]) < self._locked_ns for seg in used + corrupt)
+            commit_pairs(self._lake, pairs, check_existing=replay)
             self.num_pairs += len(pairs)
         for seg in used:
             seg.unlink()

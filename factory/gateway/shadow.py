@@ -340,12 +340,15 @@ def _dumps(message: dict[str, Any] | None) -> str | None:
     return None if message is None else orjson.dumps(message).decode()
 
 
-def commit_pairs(lake: Lake, entries: list[SpoolEntry]) -> int:
-    """Append the pairs of ``entries`` not yet in ``shadow_pairs``; returns how many."""
+def commit_pairs(lake: Lake, entries: list[SpoolEntry], *, check_existing: bool = True) -> int:
+    """Append the pairs of ``entries`` not yet in ``shadow_pairs``; returns how many.
+
+    ``check_existing`` False skips looking for them in the table: the flusher knows a batch
+    cannot be a replay when every segment of it was created after it took the flush lock."""
     from factory.lake import Lineage
 
     rows = pair_rows(entries)
-    if lake.exists("shadow_pairs") and rows:
+    if check_existing and lake.exists("shadow_pairs") and rows:
         low = min(r["created_at"] for r in rows).isoformat()
         high = max(r["created_at"] for r in rows).isoformat()
         seen = set(lake.read("shadow_pairs", columns=["pair_id"],

@@ -182,3 +182,35 @@ def test_rules_are_kept_in_the_lake(factory_home: Path) -> None:
     with pytest.raises(ValueError, match="share must be in"):
         ShadowRule(route=ROUTE, experiment="e", version="v1", base_url="http://x/v1",
                    deployment="d", share=0.0)
+
+
+def test_a_replayed_batch_stores_each_pair_once(factory_home: Path, upstream: ServerThread,
+                                                candidate: ServerThread) -> None:
+    """A flusher that stops after committing a batch but before deleting its segments (a
+    crash) leaves them for the next one, which must not store their pairs again."""
+    from factory.gateway.flusher import Flusher
+    from factory.gateway.shadow import commit_pairs
+    from factory.gateway.spool import read_segment, sealed_segments
+    from factory.settings import get_settings
+
+    lake = Lake()
+    app = Gateway(make_config(upstream, flush=False))  # spools only: nothing is committed
+    with _shadowing(app, lake, candidate.url + "/v1") as srv:
+        for i in range(3):
+            assert httpx.post(srv.url + "/v1/chat/completions",
+                              json=chat(f"q{i}")).status_code == 200
+        wait_until(lambda: app.shadower.num_sent == 3, what="3 candidate answers")
+    spool = get_settings().spool
+    frames = [e for seg in sealed_segments(spool) for e in read_segment(seg)[0]
+              if e.header["k"] == "shadow"]
+    assert len(frames) == 3
+    commit_pairs(lake, frames[:2], check_existing=False)  # the crashed flusher's commit
+    flusher = Flusher(spool, lake_factory=Lake)
+    flusher.start()
+    try:
+        wait_until(lambda: not sealed_segments(spool), what="the spool drained")
+    finally:
+        flusher.stop()
+    ids = [r["pair_id"] for r in _rows(lake, "shadow_pairs")]
+    assert sorted(ids) == sorted(f.header["id"] for f in frames)  # each once
+    assert len(_rows(lake, "samples")) == 3
