@@ -77,6 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000, help="requests per batch")
     parser.add_argument("--batches", type=int, default=3, help="interleaved batches per mode")
+    parser.add_argument("--share", type=float, default=1.0,
+                        help="share of the calls the rule shadows (0 < share <= 1)")
     args = parser.parse_args()
     from factory.gateway.shadow import ShadowRule, register_shadow
 
@@ -85,7 +87,7 @@ def main() -> None:
     frontier, up_url = _standin(dict(os.environ))
     candidate, cand_url = _standin(dict(os.environ))
     register_shadow(ShadowRule(route=ROUTE, experiment="bench", version="v1",
-                               base_url=cand_url + "/v1", deployment="bench-v1", share=1.0),
+                               base_url=cand_url + "/v1", deployment="bench-v1", share=args.share),
                     lake=_lake(home_on))
     gw_off, off_url = _gateway(home_off, up_url)
     gw_on, on_url = _gateway(home_on, up_url)
@@ -107,22 +109,35 @@ def main() -> None:
     reqs = [("/v1/chat/completions", body)] * args.requests
     lat: dict[str, list[float]] = {"direct": [], "shadow_off": [], "shadow_on": []}
     cpu = {"shadow_off": 0.0, "shadow_on": 0.0}
+    loop = {"shadow_off": 0.0, "shadow_on": 0.0}
+
+    def loop_cpu(proc: psutil.Process) -> float:
+        """CPU seconds of the gateway's main thread, which runs the event loop."""
+        return next((float(t.user_time + t.system_time) for t in proc.threads()
+                     if t.id == proc.pid), 0.0)
+
     for _ in range(args.batches):
         for mode, url in (("direct", up_url), ("shadow_off", off_url), ("shadow_on", on_url)):
             proc = procs.get(mode)
             c0 = proc.cpu_times() if proc else None
+            l0 = loop_cpu(proc) if proc else 0.0
             results = asyncio.run(run_load(url, reqs, concurrency=1))
             assert all(r.status == 200 for r in results), {r.status for r in results}
             lat[mode] += [r.seconds for r in results]
             if proc is not None and c0 is not None:
                 c1 = proc.cpu_times()
                 cpu[mode] += (c1.user + c1.system) - (c0.user + c0.system)
+                loop[mode] += loop_cpu(proc) - l0
     n = args.requests * args.batches
-    report: dict[str, object] = {"requests_per_batch": args.requests, "batches": args.batches}
+    report: dict[str, object] = {"requests_per_batch": args.requests, "batches": args.batches,
+                                 "share": args.share, "loadavg": os.getloadavg()}
     for mode in ("shadow_off", "shadow_on"):
         row = {f"added_p{int(q * 100)}_ms": round((_pct(lat[mode], q) - _pct(lat["direct"], q))
                                                   * 1e3, 3) for q in (0.5, 0.95, 0.99)}
         row["gateway_cpu_ms_per_request"] = round(cpu[mode] / n * 1e3, 3)
+        # The event loop's share (the request path and the shadow calls); the rest is the
+        # flusher thread's commits of captures and pairs.
+        row["event_loop_cpu_ms_per_request"] = round(loop[mode] / n * 1e3, 3)
         report[mode] = row
         print(mode, json.dumps(row), flush=True)
     off, on = report["shadow_off"], report["shadow_on"]
@@ -133,6 +148,7 @@ def main() -> None:
     # Every shadowed call becomes a pair; the candidate's answers never become captures.
     shadowed = _metric(on_url, "factory_gateway_shadow_offered_total") - offered_before
     dropped = _metric(on_url, "factory_gateway_shadow_dropped_total")
+    report["shadow_skipped"] = _metric(on_url, "factory_gateway_shadow_skipped_total")
     for gw, url in ((gw_off, off_url), (gw_on, on_url)):
         while httpx.get(url + "/healthz").json()["spool_depth"] > 0:
             time.sleep(0.5)
