@@ -148,19 +148,25 @@ class Decisions:
     flagged_kept: Counter[str] = field(default_factory=Counter)
     """Detector -> samples it flagged that the policy keeps."""
     num_clean: int = 0
-    """Distinct samples with nothing wrong in them: not empty, renderable, no detector flag."""
+    """Distinct traffic samples with nothing wrong in them: not empty, renderable, no detector
+    flag (what synthetic samples lose, the report shows apart)."""
     clean_lost: Counter[str] = field(default_factory=Counter)
     """Drop reason -> clean samples it removed from both datasets (an exact duplicate's extra
     rows remove no sample: its first row stays)."""
 
 
 def format_flags(format_keys: dict[str, str], is_json: dict[str, bool],
-                 json_cut: dict[str, bool]) -> dict[str, str]:
-    """sample_id -> format detail, for non-JSON outputs in mostly-JSON format groups."""
-    size: Counter[str] = Counter(format_keys.values())
-    num_json: Counter[str] = Counter(k for s, k in format_keys.items() if is_json[s])
+                 json_cut: dict[str, bool], *, uncounted: frozenset[str] = frozenset()
+                 ) -> dict[str, str]:
+    """sample_id -> format detail, for non-JSON outputs in mostly-JSON format groups; the
+    ``uncounted`` samples (synthetic ones) are judged by their group but do not make it."""
+    size: Counter[str] = Counter(k for s, k in format_keys.items() if s not in uncounted)
+    num_json: Counter[str] = Counter(k for s, k in format_keys.items()
+                                     if is_json[s] and s not in uncounted)
     out = {}
     for sid, key in format_keys.items():
+        if not size[key]:
+            continue
         detail = detectors.format_flag(is_json[sid], json_cut[sid], num_json[key] / size[key],
                                        size[key])
         if detail:
@@ -343,7 +349,8 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
     final_train = clean(TRAIN, final_eval)
     kept_rows = {rows_of[s][0].row_key for s in final_eval | final_train}
     drops.sort(key=lambda d: (d["sample_id"] or "", d["step"] or "", d["raw_trace_id"] or ""))
-    clean_ids = [f.sample_id for f in facts if not f.empty_reason and not f.flags]
+    clean_ids = [f.sample_id for f in facts
+                 if not f.empty_reason and not f.flags and f.sample_id not in synthetic]
     clean_lost = Counter(removed_by[s] for s in clean_ids if s in removed_by)
     return Decisions(side=side, group=group, kept_rows=kept_rows, drops=drops,
                      flagged_kept=flagged_kept, num_clean=len(clean_ids), clean_lost=clean_lost)

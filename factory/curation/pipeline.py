@@ -263,9 +263,6 @@ def facts_from(features: pa.Table, rows: pa.Table) -> tuple[list[SampleFacts], l
     # Only the scalar columns: the hash lists as Python ints would cost ~5 KB a sample.
     f = features.select([c for c in features.column_names
                          if c not in ("prompt_ngrams", "shingles", "band_keys")]).to_pydict()
-    fmt = format_flags(dict(zip(f["sample_id"], f["format_key"], strict=True)),
-                       dict(zip(f["sample_id"], f["is_json"], strict=True)),
-                       dict(zip(f["sample_id"], f["json_cut"], strict=True)))
     r = rows.select(["sample_id", "raw_trace_id", "row_rank"]).to_pydict()
     origins = (rows.column("origin").to_pylist() if "origin" in rows.column_names
                else [TRAFFIC] * rows.num_rows)
@@ -277,6 +274,10 @@ def facts_from(features: pa.Table, rows: pa.Table) -> tuple[list[SampleFacts], l
                                   raw_trace_id=tid, origin=origin or TRAFFIC))
         if tid:
             traces[sid].append(tid)
+    fmt = format_flags(dict(zip(f["sample_id"], f["format_key"], strict=True)),
+                       dict(zip(f["sample_id"], f["is_json"], strict=True)),
+                       dict(zip(f["sample_id"], f["json_cut"], strict=True)),
+                       uncounted=synthetic_only(row_facts))
     facts = []
     for i, sid in enumerate(f["sample_id"]):
         flags = {d: f[d][i] for d in ("refusal", "truncated", "tool_schema", "agent_loop")
@@ -381,6 +382,13 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
     groups.update({s: s for s in synthetic})
     side.update({s: TRAIN for s in synthetic})
     overlaps = eval_overlaps(features, side, config)
+    if synthetic:
+        # n-gram rarity counts the traffic alone for traffic samples, so synthetic samples
+        # never change a traffic sample's decontamination
+        ids = features.column("sample_id").to_pylist()
+        keep = pa.array([i for i, s in enumerate(ids) if s not in synthetic], pa.int64())
+        overlaps = {**eval_overlaps(features.take(keep), side, config),
+                    **{s: v for s, v in overlaps.items() if s in synthetic}}
     add_synthetic_links(overlaps, synthetic, facts, edges, side)
 
     judge_scores: Callable[[list[str]], dict[str, float]] | None = None

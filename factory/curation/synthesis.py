@@ -219,11 +219,13 @@ class Teacher:
         when nothing answers."""
         try:
             return self.client.chat(self.model, messages, tools=tools, max_tokens=max_tokens)
+        except httpx.ConnectTimeout as exc:
+            raise TeacherUnreachable(f"teacher {self.model} at {self.base_url}: {exc}") from exc
         except httpx.TimeoutException as exc:
             raise Drop(step=step, reason="timeout",
                        detail=f"no answer within {self.client.http.timeout.read}s "
                               f"({type(exc).__name__})") from None
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+        except httpx.TransportError as exc:  # refused, reset, DNS: nothing to record
             raise TeacherUnreachable(f"teacher {self.model} at {self.base_url}: {exc}") from exc
         except InferenceClientError as exc:
             raise Drop(step=step, reason="teacher_error", detail=str(exc)[:300]) from None
@@ -239,10 +241,8 @@ def _first_choice(step: str, response: Any) -> dict[str, Any]:
     return choices[0]
 
 
-def synthesize_one(attempt: Attempt, teacher: Teacher, labeler: Labeler | None
-                   ) -> dict[str, Any]:
-    """The canonical sample (``factory.normalize.canon.finish``'s dict plus ``prompt``) of one
-    attempt; ``Drop`` when it gives none."""
+def write_request(attempt: Attempt, teacher: Teacher) -> tuple[list[dict[str, Any]], str]:
+    """Step 1: (the prompt sent, the new request the teacher wrote); ``Drop`` when none."""
     prompt = request_prompt(attempt)
     choice = _first_choice("request", teacher.call("request", prompt,
                                                    max_tokens=REQUEST_MAX_TOKENS))
@@ -252,7 +252,14 @@ def synthesize_one(attempt: Attempt, teacher: Teacher, labeler: Labeler | None
     flag = detectors.refusal([{"role": "assistant", "content": [{"type": "text", "text": text}]}])
     if flag:
         raise Drop(step="request", reason="refusal", detail=flag)
-    request = parse_request(text)
+    return prompt, parse_request(text)
+
+
+def answer_request(attempt: Attempt, request: str, teacher: Teacher, labeler: Labeler | None
+                   ) -> dict[str, Any]:
+    """Step 2: the canonical sample (``factory.normalize.canon.finish``'s dict) of the teacher's
+    answer to ``request`` under the seeds' system prompt and tools; ``Drop`` when it gives
+    none."""
     seed = parse_json(attempt.seeds[0]["messages"])
     tools = parse_json(attempt.seeds[0]["tools"]) or []
     conversation = [*_system(seed), {"role": "user", "content": [{"type": "text",
@@ -281,6 +288,15 @@ def synthesize_one(attempt: Attempt, teacher: Teacher, labeler: Labeler | None
         if attempt.slice.key not in got:
             raise Drop(step="answer", reason="off_slice",
                        detail=f"asked for {attempt.slice.key}, got {', '.join(got) or 'none'}")
+    return sample
+
+
+def synthesize_one(attempt: Attempt, teacher: Teacher, labeler: Labeler | None
+                   ) -> dict[str, Any]:
+    """The canonical sample of one attempt, with the ``prompt`` that asked for its request;
+    ``Drop`` when it gives none."""
+    prompt, request = write_request(attempt, teacher)
+    sample = answer_request(attempt, request, teacher, labeler)
     sample["prompt"] = prompt
     return sample
 

@@ -8,6 +8,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,39 @@ def test_an_unreachable_teacher_stops_and_records_nothing(serve: Any) -> None:
     assert written == []
 
 
+@pytest.mark.slow
+def test_the_factory_cpu_server_as_teacher(tiny_model_dir: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real serving protocol: the random-init tiny model writes no <request> block (a
+    malformed drop per attempt), and its answer to a request runs to the token limit (a
+    truncated drop)."""
+    from factory.inference.launcher import InferenceServer
+
+    monkeypatch.setattr(synthesis, "REQUEST_MAX_TOKENS", 24)
+    attempts = _attempts(2)
+    with InferenceServer(tiny_model_dir, served_model_name="base",
+                         log_path=tmp_path / "server.log", startup_timeout_s=240,
+                         threads=1) as server:
+        teacher = synthesis.Teacher(base_url=server.base_url, model="base", timeout_s=120,
+                                    max_tokens=16)
+        written: list[dict[str, Any]] = []
+        dropped: list[dict[str, Any]] = []
+        out = synthesis.synthesize(attempts, teacher, None, recorded=[], known_ids=[],
+                                   write=lambda rows, drops: (written.extend(rows),
+                                                              dropped.extend(drops)))
+        assert (out.num_written, out.drops) == (0, {"malformed": 2})
+        assert {d["step"] for d in dropped} == {"request"}
+        assert all("<request> blocks" in d["detail"] for d in dropped)
+        length = synthesis.Attempt(experiment="triage", attempt=0, seeds=attempts[0].seeds,
+                                   slice=replace(attempts[0].slice, dimension="length",
+                                                 value="64-127"))
+        # greedy decoding of the seeded tiny model runs to the token limit
+        with pytest.raises(synthesis.Drop) as drop:
+            synthesis.answer_request(length, "Where is my parcel?", teacher, None)
+        assert (drop.value.step, drop.value.reason) == ("answer", "truncated")
+        teacher.close()
+
+
 # -- the experiment file --------------------------------------------------------------------
 
 
@@ -285,6 +319,65 @@ def test_synthesize_is_validated_with_file_line_and_field(tmp_path: Path) -> Non
             parse_experiment("name: x\nrecipe: smollm2-135m-lora\ndata:\n  synthesize:\n"
                              + body, path)
         assert f"{path}:{where}" in str(err.value)
+
+
+# -- curation of synthetic rows ------------------------------------------------------------
+
+
+def _synthetic_row(user: str, answer: str, system: str) -> dict[str, Any]:
+    messages = chat(user, answer, system)
+    return {"sample_id": sample_id(messages, []), "raw_trace_id": None, "source": "synthetic",
+            "provider": "openai", "model": "teacher", "messages": canonical_json(messages),
+            "tools": "[]", "num_turns": 1, "has_images": False, "has_tool_calls": False,
+            "created_at": None, "project": "triage", "tags": [("project", "triage")],
+            "origin": "synthetic"}
+
+
+def test_synthetic_rows_never_enter_eval_nor_carry_an_eval_sample_into_train(
+        smollm2_dir: Path) -> None:
+    from factory.curation.config import CurationConfig
+    from factory.curation.pipeline import curate
+    from factory.curation.tokens import RenderCounter
+
+    config, counter = CurationConfig(max_tokens=1024), RenderCounter(smollm2_dir)
+    traffic = pa.Table.from_pylist(_rows(200, keep_thin=40), schema=TABLES["samples"])
+    alone = curate(traffic, config, counter)
+    system = ticket_triage.SYSTEM_PROMPT
+    ev = [_user_and_answer(m) for m in alone.eval.column("messages").to_pylist()]
+    tr = [_user_and_answer(m) for m in alone.train.column("messages").to_pylist()]
+    # the last word changed: one 3-word shingle of 30+ differs (Jaccard >= 0.88)
+    long_ev = [(u, a) for u, a in ev if len(u.split()) >= 30]
+    long_tr = [(u, a) for u, a in tr if len(u.split()) >= 30]
+    reworded = long_ev[0][0].rsplit(" ", 1)[0] + " thanks"
+    planted = {
+        "copy of an eval sample": _synthetic_row(*ev[0], system),
+        "eval prompt, other answer": _synthetic_row(ev[2][0], "feature_request"
+                                                    if ev[2][1] != "feature_request"
+                                                    else "bug", system),
+        "eval sample reworded": _synthetic_row(reworded, long_ev[0][1], system),
+        "near-duplicate of a train sample": _synthetic_row(
+            long_tr[0][0].rsplit(" ", 1)[0] + " thanks", long_tr[0][1], system),
+        "new": _synthetic_row("My parcel never came and the tracking number gives an error.",
+                              THIN, system),
+    }
+    rows = traffic.append_column("origin", pa.array(["traffic"] * traffic.num_rows))
+    both = curate(pa.concat_tables([rows, pa.Table.from_pylist(list(planted.values()),
+                                                               schema=rows.schema)]),
+                  config, counter)
+    # the eval set is the traffic's, row for row; the train set gains the new sample alone
+    assert both.eval.equals(alone.eval)
+    assert set(both.train.column("sample_id").to_pylist()) == \
+        set(alone.train.column("sample_id").to_pylist()) | {planted["new"]["sample_id"]}
+    reasons = {d["sample_id"]: (d["reason"], d["split"]) for d in both.drops
+               if d["origin"] == "synthetic"}
+    assert reasons == {
+        planted["copy of an eval sample"]["sample_id"]: ("duplicate", "eval"),
+        planted["eval prompt, other answer"]["sample_id"]: ("eval_prompt_match", "train"),
+        planted["eval sample reworded"]["sample_id"]: ("eval_near_duplicate", "train"),
+        planted["near-duplicate of a train sample"]["sample_id"]: ("near_duplicate", "train"),
+    }
+    assert both.profile["num_synthetic"] == 1
+    assert "1 kept" in both.report and "## Synthetic samples" in both.report
 
 
 # -- the assets: synthesis, curation with the traffic, the profile -------------------------

@@ -52,10 +52,12 @@ def _dataset(args: argparse.Namespace) -> int:
     by_reason: dict[str, int] = {}
     for reason in drops.to_pylist():
         by_reason[reason] = by_reason.get(reason, 0) + 1
+    train = lake.read("dataset_train", row_filter=flt, columns=["sample_id", "origin"])
     print(json.dumps({
         "experiment": name,
         "engine": engine,
-        "train": lake.read("dataset_train", row_filter=flt, columns=["sample_id"]).num_rows,
+        "train": train.num_rows,
+        "synthetic": train.column("origin").to_pylist().count("synthetic"),
         "eval": lake.read("dataset_eval", row_filter=flt, columns=["sample_id"]).num_rows,
         "drops": dict(sorted(by_reason.items())),
     }))
