@@ -12,9 +12,10 @@ exits 75; SIGKILL after the grace period), ``max_runtime_s`` and ``cost_per_gpu_
   on a loaded 2-core machine a cold ``import transformers`` alone took 20 s, more than a whole
   test sandbox lives.
 - ``KubernetesProvider``: a ``batch/v1`` Job per segment (GPU limits, node selector,
-  tolerations, secrets as env from Kubernetes secrets, the job file from a ConfigMap owned by the
-  Job, ``--job`` as the argument), created through the kubernetes client against the configured
-  API server; ``status`` follows the Job and its pod.
+  tolerations, a priority class and preemption policy, secrets as env from Kubernetes secrets,
+  the shared-artifacts volume, the job file from a ConfigMap owned by the Job, ``--job`` as the
+  argument), created through the kubernetes client against the configured API server;
+  ``status`` follows the Job and its pod.
 
 Process handles live in a module-level registry, so providers rebuilt every sensor tick still
 see the processes an earlier tick launched (in the same code-server process).
@@ -287,6 +288,8 @@ class SandboxProvider(_ProcessProvider):
 # --- Kubernetes ---------------------------------------------------------------------------------
 
 JOB_MOUNT = "/etc/factory"
+PREEMPTION_POLICIES = ("PreemptLowerPriority", "Never")
+"""The values of a pod's (and a PriorityClass's) ``preemptionPolicy``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,6 +326,18 @@ class KubernetesProvider:
     """Node pool selector (e.g. ``{"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}``)."""
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     """Tolerations of the GPU pool's taints (Kubernetes field names)."""
+    priority_class: str | None = None
+    """PriorityClass of the trainer pods (``deploy/k8s`` defines ``factory-trainer``): where
+    the pool is shared, it decides who waits and who is evicted."""
+    preemption_policy: str | None = None
+    """``PreemptLowerPriority`` (a pending trainer may evict lower-priority pods) or ``Never``
+    (it waits). It must equal the policy of ``priority_class``: the API server's priority
+    admission refuses a pod whose policy differs from its class's. None takes the class's."""
+    shared_claim: str | None = None
+    """PersistentVolumeClaim holding the factory's shared artifacts (``FACTORY_SHARED_DIR``:
+    built base models, job data, checkpoints), mounted in the trainer pod at the path this
+    process sees them at, because the job file names them by path. None: no volume (a job
+    whose paths are all object-store URLs)."""
     secrets: list[SecretEnv] = field(default_factory=list)
     """Env vars from secrets (webhook secret, object-store credentials, hub token)."""
     cpu: str = "8"
@@ -336,11 +351,25 @@ class KubernetesProvider:
     grace_s: int = 60
     """terminationGracePeriodSeconds: SIGTERM to SIGKILL."""
     token_env: str | None = None
-    """Environment variable holding a bearer token for the API server (None: no auth)."""
+    """Environment variable holding a bearer token for the API server."""
+    token_file: str | None = None
+    """File holding a bearer token, read at every call: in a pod, the service account's
+    ``/var/run/secrets/kubernetes.io/serviceaccount/token``, which the kubelet rotates. With
+    neither ``token_env`` nor this, calls carry no credentials."""
     verify_ssl: bool = True
     """Verify the API server's certificate."""
     ca_cert: str | None = None
     """CA bundle path for the API server."""
+
+    def __post_init__(self) -> None:
+        if self.preemption_policy not in (None, *PREEMPTION_POLICIES):
+            raise ValueError(f"preemption_policy: must be one of {', '.join(PREEMPTION_POLICIES)}"
+                             f", got {self.preemption_policy!r}")
+        if self.token_env and self.token_file:
+            raise ValueError("token_file: set token_env or token_file, not both")
+        if self.preemption_policy and not self.priority_class:
+            raise ValueError("preemption_policy: set priority_class too (the policy must match "
+                             "that class's own)")
 
     @property
     def max_runtime_s(self) -> float | None:
@@ -362,20 +391,26 @@ class KubernetesProvider:
             for s in self.secrets]
         env.append(k.V1EnvVar(name="FACTORY_SEGMENT_ID", value=segment_id))
         gpus = {self.gpu_resource: str(num_gpus)} if num_gpus else {}
+        mounts = [k.V1VolumeMount(name="job", mount_path=JOB_MOUNT, read_only=True)]
+        volumes = [k.V1Volume(name="job", config_map=k.V1ConfigMapVolumeSource(name=name))]
+        if self.shared_claim:
+            mounts.append(k.V1VolumeMount(name="shared", mount_path=str(get_settings().shared)))
+            volumes.append(k.V1Volume(name="shared", persistent_volume_claim=(
+                k.V1PersistentVolumeClaimVolumeSource(claim_name=self.shared_claim))))
         container = k.V1Container(
             name="trainer", image=self.image, command=["python", "-m", "trainer"],
             args=["--job", f"{JOB_MOUNT}/job.json"], env=env,
             resources=k.V1ResourceRequirements(
                 requests={"cpu": self.cpu, "memory": self.memory, **gpus},
                 limits={"memory": self.memory, **gpus}),
-            volume_mounts=[k.V1VolumeMount(name="job", mount_path=JOB_MOUNT, read_only=True)])
+            volume_mounts=mounts)
         pod = k.V1PodSpec(
             restart_policy="Never", containers=[container],
             node_selector=self.node_selector or None,
             tolerations=[k.V1Toleration(**t) for t in self.tolerations] or None,
+            priority_class_name=self.priority_class, preemption_policy=self.preemption_policy,
             service_account_name=self.service_account,
-            termination_grace_period_seconds=self.grace_s,
-            volumes=[k.V1Volume(name="job", config_map=k.V1ConfigMapVolumeSource(name=name))])
+            termination_grace_period_seconds=self.grace_s, volumes=volumes)
         return k.V1Job(
             api_version="batch/v1", kind="Job",
             metadata=k.V1ObjectMeta(name=name, namespace=self.namespace, labels=labels),
@@ -394,9 +429,11 @@ class KubernetesProvider:
         cfg.verify_ssl = self.verify_ssl
         if self.ca_cert:
             cfg.ssl_ca_cert = self.ca_cert
-        if self.token_env:
-            cfg.api_key = {"authorization": os.environ[self.token_env]}
-            cfg.api_key_prefix = {"authorization": "Bearer"}
+        token = (os.environ[self.token_env] if self.token_env
+                 else Path(self.token_file).read_text().strip() if self.token_file else None)
+        if token:
+            # The whole header value: this client version ignores ``api_key_prefix``.
+            cfg.api_key = {"authorization": f"Bearer {token}"}
         return k.ApiClient(cfg)
 
     def _owned(self) -> list[Any]:
@@ -423,7 +460,7 @@ class KubernetesProvider:
         owner = k.V1OwnerReference(api_version="batch/v1", kind="Job", name=created.metadata.name,
                                    uid=created.metadata.uid, controller=True)
         k.CoreV1Api(api).create_namespaced_config_map(self.namespace, k.V1ConfigMap(
-            metadata=k.V1ObjectMeta(name=created.metadata.name, namespace=self.namespace,
+            api_version="v1", kind="ConfigMap", metadata=k.V1ObjectMeta(name=created.metadata.name, namespace=self.namespace,
                                     owner_references=[owner]),
             data={"job.json": json.dumps(job.to_dict(), indent=1, sort_keys=True)}))
         now = time.time()

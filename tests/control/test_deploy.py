@@ -87,7 +87,7 @@ def test_helm_values_render_to_the_expected_job_spec(make_job, monkeypatch) -> N
     monkeypatch.setenv("FACTORY_PROVIDERS", env["FACTORY_PROVIDERS"])
     resource = build_resources()["provider"]
     ladder = resource.ladder()
-    assert [p.name for p in ladder] == ["kubernetes", "sandbox"]
+    assert [p.name for p in ladder] == ["kubernetes"]
     kube = ladder[0]
     assert isinstance(kube, KubernetesProvider)
     assert kube.namespace == launcher["jobNamespace"]
@@ -103,8 +103,10 @@ def test_helm_values_render_to_the_expected_job_spec(make_job, monkeypatch) -> N
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
                                    "effect": "NoSchedule"}]
     assert pod["serviceAccountName"] == "factory-trainer"
+    assert pod["priorityClassName"] == "factory-trainer"
+    assert pod["preemptionPolicy"] == "PreemptLowerPriority"
     secret_refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "valueFrom" in e}
-    assert secret_refs <= {s["name"] for s in launcher["envSecrets"]}
+    assert secret_refs <= {s["name"] for s in dep["envSecrets"]}
     # The webhook secret the trainers sign with comes from the same Kubernetes secret.
     assert resource.webhook_secret_env == "FACTORY_WEBHOOK_SECRET"
     assert {"FACTORY_WEBHOOK_SECRET"} <= {e["name"] for e in c["env"]}
