@@ -125,9 +125,6 @@ def _decoded(obj: dict[str, Any]) -> dict[str, Any]:
 
 # --- the Helm values ------------------------------------------------------------------------------
 
-K8S_OBJECT = str
-"""A leaf named by a model class of the kubernetes client: checked against the API schema."""
-
 ENV: Any = [("V1EnvVar",)]
 IMAGE = {"repository": str, "tag": str, "pullPolicy": str}
 DOCUMENTED: dict[str, Any] = {
