@@ -292,6 +292,17 @@ PREEMPTION_POLICIES = ("PreemptLowerPriority", "Never")
 """The values of a pod's (and a PriorityClass's) ``preemptionPolicy``."""
 
 
+def _toleration(fields: dict[str, Any]) -> Any:
+    """A ``V1Toleration`` from its Kubernetes field names (``tolerationSeconds``...)."""
+    from kubernetes import client as k
+
+    names = {json_key: name for name, json_key in k.V1Toleration.attribute_map.items()}
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        raise ValueError(f"tolerations: unknown field(s) {', '.join(unknown)}")
+    return k.V1Toleration(**{names[key]: value for key, value in fields.items()})
+
+
 @dataclass(frozen=True, kw_only=True)
 class SecretEnv:
     """An environment variable of the trainer taken from a Kubernetes secret."""
@@ -407,7 +418,7 @@ class KubernetesProvider:
         pod = k.V1PodSpec(
             restart_policy="Never", containers=[container],
             node_selector=self.node_selector or None,
-            tolerations=[k.V1Toleration(**t) for t in self.tolerations] or None,
+            tolerations=[_toleration(t) for t in self.tolerations] or None,
             priority_class_name=self.priority_class, preemption_policy=self.preemption_policy,
             service_account_name=self.service_account,
             termination_grace_period_seconds=self.grace_s, volumes=volumes)

@@ -53,6 +53,18 @@ def test_job_spec(make_job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert {"name": "shared", "mountPath": str(tmp_path / "shared")} in c["volumeMounts"]
 
 
+def test_tolerations_take_kubernetes_field_names(make_job) -> None:
+    p = _provider()
+    p.tolerations = [{"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+                      "effect": "NoExecute", "tolerationSeconds": 300}]
+    spec = k.ApiClient().sanitize_for_serialization(p.build_job(make_job("r1"), segment_id="s"))
+    assert_valid(spec)
+    assert spec["spec"]["template"]["spec"]["tolerations"][0]["tolerationSeconds"] == 300
+    p.tolerations = [{"key": "x", "tolerationSecond": 300}]
+    with pytest.raises(ValueError, match="unknown field.*tolerationSecond"):
+        p.build_job(make_job("r1"), segment_id="s")
+
+
 def test_preemption_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="preemption_policy: must be one of"):
         KubernetesProvider(api_server="http://x", image="i", priority_class="p",
