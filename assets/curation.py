@@ -98,8 +98,8 @@ def synthetic_samples(context: dg.AssetExecutionContext,
     samples, snapshot = select_samples(session, experiment.data.where)
     # the traffic train split the dataset will have, before rejection sampling (no judge
     # calls here: the dataset asset judges every sample once)
-    traffic = curate(samples, replace(cur, judge_threshold=None),
-                     RenderCounter(tokenizer_dir_for(experiment.recipe)),
+    counter = RenderCounter(tokenizer_dir_for(experiment.recipe))
+    traffic = curate(samples, replace(cur, judge_threshold=None), counter,
                      num_workers=default_workers())
     teacher = synthesis.teacher_for(spec)
     try:
@@ -107,7 +107,7 @@ def synthetic_samples(context: dg.AssetExecutionContext,
             session, experiment.name, traffic.train, teacher,
             known_ids=samples.column("sample_id").to_pylist(),
             max_per_slice=spec.max_per_slice, seed=experiment.data.seed,
-            samples_snapshot_id=snapshot)
+            samples_snapshot_id=snapshot, counter=counter)
     finally:
         teacher.close()
     return dg.MaterializeResult(metadata={

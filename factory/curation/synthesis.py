@@ -16,8 +16,8 @@ The two turns (system, request, answer) normalize like any logged OpenAI call in
 sample. An attempt gives a sample or exactly one drop with its reason: ``timeout``,
 ``teacher_error`` (the endpoint answered an HTTP error), ``malformed`` (no tagged request, an
 empty or unparseable answer), ``refusal`` (``detectors.refusal``), ``truncated`` (the answer
-stopped at its token limit), ``off_slice`` (a tool or label slice's sample whose answer is not
-of the slice) or ``duplicate`` (a sample id the experiment already has). An unreachable
+stopped at its token limit), ``off_slice`` (a sample outside the slice it was asked for: another
+tool or label, or, with a token counter, another length bucket) or ``duplicate`` (a sample id the experiment already has). An unreachable
 endpoint stops synthesis instead (nothing recorded for the attempt), so a teacher that is down
 never uses up attempts.
 
@@ -48,12 +48,14 @@ from factory.curation.slices import (
     Labeler,
     Slice,
     fit_labeler,
+    length_bucket,
     membership,
     profile_slices,
     sample_slices,
 )
 from factory.curation.store import experiment_filter
 from factory.curation.text import message_text, parse_json
+from factory.curation.tokens import TokenCounter
 from factory.errors import FactoryError
 from factory.inference.client import InferenceClient, InferenceClientError
 from factory.inference.protocol import wire_messages, wire_tools
@@ -255,11 +257,11 @@ def write_request(attempt: Attempt, teacher: Teacher) -> tuple[list[dict[str, An
     return prompt, parse_request(text)
 
 
-def answer_request(attempt: Attempt, request: str, teacher: Teacher, labeler: Labeler | None
-                   ) -> dict[str, Any]:
+def answer_request(attempt: Attempt, request: str, teacher: Teacher, labeler: Labeler | None,
+                   counter: TokenCounter | None = None) -> dict[str, Any]:
     """Step 2: the canonical sample (``factory.normalize.canon.finish``'s dict) of the teacher's
     answer to ``request`` under the seeds' system prompt and tools; ``Drop`` when it gives
-    none."""
+    none. ``counter`` places a length slice's sample in its bucket (unchecked without one)."""
     seed = parse_json(attempt.seeds[0]["messages"])
     tools = parse_json(attempt.seeds[0]["tools"]) or []
     conversation = [*_system(seed), {"role": "user", "content": [{"type": "text",
@@ -288,15 +290,21 @@ def answer_request(attempt: Attempt, request: str, teacher: Teacher, labeler: La
         if attempt.slice.key not in got:
             raise Drop(step="answer", reason="off_slice",
                        detail=f"asked for {attempt.slice.key}, got {', '.join(got) or 'none'}")
+    if attempt.slice.dimension == "length" and counter is not None:
+        count = counter.count([sample["messages"]], [sample["tools"]])[0]
+        bucket = length_bucket(count[0]) if count is not None else "none (not renderable)"
+        if bucket != attempt.slice.value:
+            raise Drop(step="answer", reason="off_slice",
+                       detail=f"asked for {attempt.slice.key}, got length:{bucket}")
     return sample
 
 
-def synthesize_one(attempt: Attempt, teacher: Teacher, labeler: Labeler | None
-                   ) -> dict[str, Any]:
+def synthesize_one(attempt: Attempt, teacher: Teacher, labeler: Labeler | None,
+                   counter: TokenCounter | None = None) -> dict[str, Any]:
     """The canonical sample of one attempt, with the ``prompt`` that asked for its request;
     ``Drop`` when it gives none."""
     prompt, request = write_request(attempt, teacher)
-    sample = answer_request(attempt, request, teacher, labeler)
+    sample = answer_request(attempt, request, teacher, labeler, counter)
     sample["prompt"] = prompt
     return sample
 
@@ -346,7 +354,8 @@ def drop_row(attempt: Attempt, drop: Drop, teacher: Teacher) -> dict[str, Any]:
 def synthesize(attempts: Sequence[Attempt], teacher: Teacher, labeler: Labeler | None, *,
                recorded: Iterable[str], known_ids: Iterable[str],
                write: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None],
-               samples_snapshot_id: int | None = None, concurrency: int = 4) -> Outcome:
+               samples_snapshot_id: int | None = None, concurrency: int = 4,
+               counter: TokenCounter | None = None) -> Outcome:
     """Run the attempts not in ``recorded`` (attempt ids), ``BATCH`` at a time, each batch's
     sample and drop rows handed to ``write`` before the next starts. ``known_ids``: sample ids
     the experiment already has (traffic and synthetic); a sample among them is a duplicate."""
@@ -357,7 +366,7 @@ def synthesize(attempts: Sequence[Attempt], teacher: Teacher, labeler: Labeler |
 
     def run(a: Attempt) -> dict[str, Any] | Drop:
         try:
-            return synthesize_one(a, teacher, labeler)
+            return synthesize_one(a, teacher, labeler, counter)
         except Drop as d:
             return d
 
@@ -449,7 +458,8 @@ def slice_members(train: pa.Table, labeler: Labeler | None) -> dict[str, list[di
 
 def run(session: LakeSession, experiment: str, train: pa.Table, teacher: Teacher, *,
         known_ids: Iterable[str], max_per_slice: int, seed: int,
-        samples_snapshot_id: int | None) -> tuple[Outcome, list[Slice]]:
+        samples_snapshot_id: int | None, counter: TokenCounter | None = None
+        ) -> tuple[Outcome, list[Slice]]:
     """Synthesize for the thin slices of ``train`` (the traffic train split), appending each
     batch to ``synthetic_samples`` and ``synthesis_drops``; attempts recorded by an earlier run
     are skipped."""
@@ -467,5 +477,5 @@ def run(session: LakeSession, experiment: str, train: pa.Table, teacher: Teacher
 
     outcome = synthesize(attempts, teacher, labeler, recorded=recorded,
                          known_ids={*known_ids, *synthetic_ids}, write=write,
-                         samples_snapshot_id=samples_snapshot_id)
+                         samples_snapshot_id=samples_snapshot_id, counter=counter)
     return outcome, slices

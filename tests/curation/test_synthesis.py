@@ -268,6 +268,29 @@ def test_an_unreachable_teacher_stops_and_records_nothing(serve: Any) -> None:
     assert written == []
 
 
+def test_a_sample_outside_its_length_bucket_is_off_slice(serve: Any, smollm2_dir: Path) -> None:
+    from factory.curation.tokens import RenderCounter
+
+    counter = RenderCounter(smollm2_dir)
+    seeds = _attempts(1)[0]
+    request = "Where is my parcel? The tracking page shows nothing."
+    expected = chat(request, THIN, ticket_triage.SYSTEM_PROMPT)
+    bucket = length_bucket(counter.count([expected], [[]])[0][0])
+    teacher = synthesis.Teacher(base_url=serve(ScriptedTeacher([])), model="scripted")
+
+    def attempt(value: str) -> synthesis.Attempt:
+        return synthesis.Attempt(experiment="triage", attempt=0, seeds=seeds.seeds,
+                                 slice=replace(seeds.slice, dimension="length", value=value))
+
+    sample = synthesis.answer_request(attempt(bucket), request, teacher, None, counter)
+    assert sample["messages"] == expected
+    with pytest.raises(synthesis.Drop) as drop:
+        synthesis.answer_request(attempt("1024-2047"), request, teacher, None, counter)
+    assert (drop.value.reason, drop.value.detail) == (
+        "off_slice", f"asked for length:1024-2047, got length:{bucket}")
+    teacher.close()
+
+
 @pytest.mark.slow
 def test_the_factory_cpu_server_as_teacher(tiny_model_dir: Path, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
