@@ -259,6 +259,8 @@ def test_values_and_manifests_refer_to_each_other(
     gateway = _find(manifests, "Deployment", "factory-gateway")["spec"]["template"]["spec"]
     [container] = gateway["containers"]
     assert container["command"][:2] == ["factory", "serve"]
+    image = deployment["image"]
+    assert container["image"] == f"{image['repository']}:{image['tag']}"
     assert str(service["spec"]["ports"][0]["port"]) in container["command"]
 
     # The priority class exists with the policy the trainer pods ask for.
