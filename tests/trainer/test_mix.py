@@ -123,3 +123,29 @@ def test_jsonl_sources_read_a_block_at_a_time_in_a_seeded_order(tmp_path: Path) 
     assert "line-12" in epoch0 and "line-11" not in epoch0  # the blank line keeps its number
     assert epoch0 != [reader.row(1, i)["sample_id"] for i in range(25)]
     assert reader.peak_rows_held == 4
+
+
+def test_the_pre_launch_check_covers_every_source_of_a_mix(tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    from factory.trainer.config import Job
+    from factory.trainer.data import check_job_data
+
+    traffic = write_parquet(tmp_path / "t.parquet", make_samples(30, seed=1))
+    long = [{"sample_id": f"long-{i}", "tools": [], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "moon river " * 300}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]} for i in range(2)]
+    general = write_parquet(tmp_path / "g.parquet", make_samples(40, seed=2) + long)
+    plan = {"base_model": str(tiny_model_dir), "max_seq_len": 320, "learning_rate": 1e-3,
+            "num_steps": 1}
+
+    def job(weight_files: list[tuple[str, Path]]) -> Job:
+        return Job.from_dict({"run_id": "check", "output_dir": str(tmp_path / "out"),
+                              "plan": plan, "mix": [
+                                  {"name": n, "weight": 1.0, "data_files": [str(f)]}
+                                  for n, f in weight_files]})
+
+    stats = check_job_data(job([("traffic", traffic)]))
+    assert stats.num_samples == 30 and stats.num_dropped == 0
+    with pytest.raises(ValueError, match=r"would drop 2 of 42 file:general\.jsonl samples "
+                                         r"\(4\.8%, over the 1% limit\): 2 too_long_for_plan"):
+        check_job_data(job([("traffic", traffic), ("file:general.jsonl", general)]))
