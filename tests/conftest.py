@@ -107,6 +107,14 @@ def tiny_family_dir(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir() -> Path:
+    """The random-init 2-layer Gemma 3 of ``tiny_family_dir`` alone."""
+    from factory.trainer.base_models import build_tiny
+
+    return build_tiny("gemma3", _models_cache() / "tiny-gemma3")
+
+
+@pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
     """Gemma 3 270M as a plain HF directory (built once, about 95 s; cached across runs)."""
     from factory.trainer.base_models import GEMMA3_NAME, build_gemma3

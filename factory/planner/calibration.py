@@ -93,7 +93,8 @@ class MeasureConfig:
     """One configuration to plan, run and compare."""
 
     model: str
-    """``tiny-llama`` (the test model) or ``smollm2-135m`` (the embedded SmolLM2-135M)."""
+    """``tiny-llama`` (the test model), ``smollm2-135m`` (the embedded SmolLM2-135M) or
+    ``gemma3-270m`` (the embedded Gemma 3 270M)."""
     seq_len: int
     """``data.max_tokens`` of the experiment; samples are generated up to it, so the planner's
     ``max_seq_len`` is this value and packed rows are full."""
@@ -174,13 +175,23 @@ def models_dir() -> Path:
 
 def model_dir(name: str) -> Path:
     """The model's directory, built on first use."""
-    from factory.trainer.base_models import SMOLLM2_NAME, TINY_NAME, build_smollm2, build_tiny_llama
+    from factory.trainer.base_models import (
+        GEMMA3_NAME,
+        SMOLLM2_NAME,
+        TINY_NAME,
+        build_gemma3,
+        build_smollm2,
+        build_tiny_llama,
+    )
 
     if name == "tiny-llama":
         return build_tiny_llama(models_dir() / TINY_NAME)
     if name == "smollm2-135m":
         return build_smollm2(models_dir() / SMOLLM2_NAME)
-    raise FactoryError(f"unknown calibration model {name!r}: tiny-llama or smollm2-135m")
+    if name == "gemma3-270m":
+        return build_gemma3(models_dir() / GEMMA3_NAME)
+    raise FactoryError(f"unknown calibration model {name!r}: tiny-llama, smollm2-135m or "
+                       "gemma3-270m")
 
 
 def architecture_from_dir(path: Path) -> Architecture:
@@ -207,8 +218,9 @@ def architecture_from_dir(path: Path) -> Architecture:
 
 
 def recipe_for(name: str, path: Path) -> Recipe:
-    """The shipped SmolLM2 recipe, pointed at ``path`` (for the tiny model: its architecture)."""
-    recipe = load_recipe("smollm2-135m-lora")
+    """The shipped recipe of the model, pointed at ``path`` (for the tiny model: SmolLM2's with
+    its architecture)."""
+    recipe = load_recipe("gemma3-270m-lora" if name == "gemma3-270m" else "smollm2-135m-lora")
     recipe = replace(recipe, base_model_id=str(path), local_dir=None, builder=None)
     if name == "tiny-llama":
         recipe = replace(recipe, name="tiny-llama-lora", architecture=architecture_from_dir(path))

@@ -156,11 +156,13 @@ def layer_activation_bytes(arch: Architecture, *, precision: str, lora_rank: int
     kind = "fp32" if precision == "fp32" else "bf16"
     h, inter = arch.hidden_size, arch.intermediate_size
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    saved: float = 2 * h * 4               # the two RMSNorm inputs, fp32
+    # The RMSNorm inputs, fp32: two per layer, four in Gemma 3 (a pre- and a post-norm around
+    # both attention and MLP).
+    saved: float = (4 if arch.family == "gemma3" else 2) * h * 4
     saved += (2 * q + 2 * kv) * cb          # q, k, v and the attention output
     saved += arch.num_heads * 4             # the attention's log-sum-exp
     saved += 3 * inter * cb                 # SwiGLU: gate, up, silu(gate)
-    if arch.family.startswith("qwen3"):
+    if arch.family.startswith("qwen3") or arch.family == "gemma3":
         saved += (q + kv) * 4               # per-head q/k RMSNorm inputs, fp32
     per_input = LORA_INPUT_BYTES[(kind, lora_dropout > 0)]
     for name in target_modules:

@@ -30,7 +30,7 @@ class Architecture:
     """Facts about the base model that the planner and memory model use."""
 
     family: str
-    """Model family (``llama``, ``qwen3``, ``qwen2_5_vl``)."""
+    """Model family (``llama``, ``qwen3``, ``gemma3``, ``qwen2_5_vl``)."""
     num_parameters: int
     """All parameters, vision tower included."""
     num_layers: int
@@ -82,7 +82,8 @@ class Recipe:
     local_dir: str | None
     """Folder under ``settings.models_dir`` holding the model, when it is built locally."""
     builder: str | None
-    """How the local folder is built (``smollm2``), None when it comes from a hub."""
+    """How the local folder is built (``smollm2``, ``gemma3``: ``factory.base_model.BUILDERS``),
+    None when it comes from a hub."""
     architecture: Architecture
     """Facts for the memory model and validation."""
     judge_model: str

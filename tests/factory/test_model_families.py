@@ -30,20 +30,22 @@ def _family(model_dir: Path) -> str:
     return str(json.loads((model_dir / "factory-model.json").read_text())["name"])[5:]
 
 
-def _train(base: Path, tmp_path: Path, samples: list[dict[str, Any]]) -> Path:
+def _train(base: Path, tmp_path: Path, samples: list[dict[str, Any]], *,
+           num_steps: int = 3) -> Path:
     data = write_parquet(tmp_path / "data.parquet", samples)
     body = {"run_id": "family", "data_files": [str(data)],
             "output_dir": str(tmp_path / "out"), "tracker": {"backend": "jsonl"},
             "plan": {"base_model": str(base), "max_seq_len": 512, "packing": True,
                      "micro_batch_size": 2, "grad_accum_steps": 1, "learning_rate": 2e-2,
-                     "warmup_steps": 1, "num_steps": 3, "lora_rank": 4, "lora_alpha": 8,
-                     "lora_dropout": 0.0, "checkpoint_every_steps": 3, "seed": 7,
+                     "warmup_steps": 1, "num_steps": num_steps, "lora_rank": 4,
+                     "lora_alpha": 8, "lora_dropout": 0.0,
+                     "checkpoint_every_steps": num_steps, "seed": 7,
                      "deterministic": True}}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(body))
     assert run_job(Job.from_json(path)) == ExitCode.FINISHED
     info = latest_checkpoint(str(tmp_path / "out"))
-    assert info is not None and info.step == 3
+    assert info is not None and info.step == num_steps
     return Path(info.path)
 
 
@@ -66,10 +68,23 @@ def test_family_curates_trains_passes_the_gate_and_serves(tiny_family_dir: Path,
                                                           factory_home: Path) -> None:
     import torch
 
-    base = tiny_family_dir
-    family = _family(base)
-    fmt = GEMMA if family == "gemma3" else CHATML
-    samples = make_samples(12, seed=3)
+    torch.set_num_threads(1)  # the tiny models run fastest on one thread; the cores are shared
+    family = _family(tiny_family_dir)
+    _through_the_gate(tiny_family_dir, tmp_path, GEMMA if family == "gemma3" else CHATML,
+                      num_samples=12, num_steps=3)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_checkpoint_passes_the_gate(gemma3_dir: Path, tmp_path: Path,
+                                                factory_home: Path) -> None:
+    """The real base: a checkpoint trained on Gemma 3 270M gives, in plain transformers + PEFT
+    (the gate's trainer view), the server's log-probs; a wrong template or tokenizer fails."""
+    _through_the_gate(gemma3_dir, tmp_path, GEMMA, num_samples=4, num_steps=1)
+
+
+def _through_the_gate(base: Path, tmp_path: Path, fmt: Any, *, num_samples: int,
+                      num_steps: int) -> None:
+    samples = make_samples(num_samples, seed=3)
 
     # Curation counts exactly the trainer's tokens, in the family's format.
     tok = plan_tokenizer(str(base))
@@ -82,8 +97,7 @@ def test_family_curates_trains_passes_the_gate_and_serves(tiny_family_dir: Path,
     if fmt.begin:
         assert ids[0] == tok.bos_token_id
 
-    torch.set_num_threads(1)
-    ckpt = _train(base, tmp_path, samples)
+    ckpt = _train(base, tmp_path, samples, num_steps=num_steps)
     saved = (ckpt / "chat_template.jinja").read_text()
     assert saved == chat_template(fmt)
 

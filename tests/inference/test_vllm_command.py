@@ -55,6 +55,15 @@ def test_the_launcher_serves_vllm_with_the_trainers_chat_template(factory_home: 
     assert server.command() == cmd and path.is_file()
 
 
+def test_a_gemma_base_is_served_with_the_gemma_template(factory_home: Path,
+                                                        tiny_gemma3_dir: Path) -> None:
+    from factory.trainer.chat import GEMMA, chat_template
+
+    cmd = InferenceServer(tiny_gemma3_dir, backend="vllm", port=8123).command()
+    path = Path(cmd[cmd.index("--chat-template") + 1])
+    assert path.read_text(encoding="utf-8") == chat_template(GEMMA)
+
+
 @pytest.mark.parametrize(("field", "value"), [("gpu_memory_utilization", 1.5),
                                               ("max_num_seqs", 0), ("max_lora_rank", 12)])
 def test_bad_sizing_is_refused(field: str, value: object) -> None:

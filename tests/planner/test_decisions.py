@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from factory.planner import HARDWARE, PlanError, make_plan
+from factory.recipes import list_recipe_names
 from factory.trainer.config import TrainConfig
 from tests.planner.conftest import experiment, profile
 
@@ -220,9 +221,7 @@ def test_validation_says_what_to_change() -> None:
         make_plan(experiment(), profile(num_samples=0))
 
 
-@pytest.mark.parametrize("recipe", ["smollm2-135m-lora", "qwen3-0.6b-lora", "qwen3-1.7b-lora",
-                                    "qwen3-4b-lora", "qwen3-8b-lora", "llama-3.1-8b-lora",
-                                    "qwen2.5-vl-7b-lora"])
+@pytest.mark.parametrize("recipe", list_recipe_names())
 def test_every_recipe_plans_into_a_valid_trainer_config(recipe: str) -> None:
     p = make_plan(experiment(recipe), profile())
     TrainConfig(**p.train_config()).validate()
