@@ -107,6 +107,7 @@ def main() -> None:
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Summarize the following text. " + "lorem ipsum " * 40}]})
     reqs = [("/v1/chat/completions", body)] * args.requests
+    start_cpu = {mode: proc.cpu_times() for mode, proc in procs.items()}
     lat: dict[str, list[float]] = {"direct": [], "shadow_off": [], "shadow_on": []}
     cpu = {"shadow_off": 0.0, "shadow_on": 0.0}
     loop = {"shadow_off": 0.0, "shadow_on": 0.0}
@@ -149,9 +150,19 @@ def main() -> None:
     shadowed = _metric(on_url, "factory_gateway_shadow_offered_total") - offered_before
     dropped = _metric(on_url, "factory_gateway_shadow_dropped_total")
     report["shadow_skipped"] = _metric(on_url, "factory_gateway_shadow_skipped_total")
-    for gw, url in ((gw_off, off_url), (gw_on, on_url)):
-        while httpx.get(url + "/healthz").json()["spool_depth"] > 0:
+    for mode, gw, url in (("shadow_off", gw_off, off_url), ("shadow_on", gw_on, on_url)):
+        while True:
+            health = httpx.get(url + "/healthz").json()
+            if health["spool_depth"] == 0 and health["shadow_pairs_pending"] == 0:
+                break
             time.sleep(0.5)
+        # All the process's CPU from the first bench call until its last capture and pair is
+        # committed (the other gateway's batches are in the span too: both idle alike then).
+        c0, c1 = start_cpu[mode], procs[mode].cpu_times()
+        row = report[mode]
+        assert isinstance(row, dict)
+        row["cpu_ms_per_request_to_commit"] = round(
+            ((c1.user + c1.system) - (c0.user + c0.system)) / n * 1e3, 3)
         gw.terminate()
         gw.wait(60)
     frontier.terminate()

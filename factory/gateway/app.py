@@ -62,6 +62,7 @@ TRAINER_EVENTS_PATH = "/v1/trainer/events"  # factory.control.receiver.PATH
 # or /metrics. Races between writers resolve in well under a second.
 LAKE_PATIENCE_S = 5.0
 _GEMINI_PREFIX = "/v1beta/models/"
+SHADOW_GROUP_COMMIT_MS = 1000.0
 
 
 def _upstream_url(base: str, path: str, query: bytes) -> str:
@@ -117,10 +118,25 @@ class Gateway:
                                ingest=ingest, interval_s=config.flush_interval_s,
                                max_records=config.flush_max_records,
                                retry_max_s=config.flush_retry_max_s) if config.flush else None
+        # Shadow pairs have a spool and a flusher of their own: a commit to shadow_pairs costs
+        # about as much for ten pairs as for a thousand, so they are committed every
+        # shadow_flush_s rather than with every batch of captures.
+        shadow_dir = self.settings.spool / "shadow"
+        # A pair lost to a power cut is one eval sample, not traffic: their fsyncs are grouped
+        # over a second rather than config.group_commit_ms.
+        self.shadow_spool = SpoolWriter(shadow_dir, group_commit_ms=SHADOW_GROUP_COMMIT_MS,
+                                        segment_max_age_s=config.shadow_flush_s,
+                                        segment_max_bytes=config.segment_max_bytes)
+        self.shadow_flusher = Flusher(shadow_dir, lake_factory=self._lake_factory,
+                                      interval_s=config.shadow_flush_s,
+                                      max_records=config.flush_max_records,
+                                      retry_max_s=config.flush_retry_max_s) \
+            if config.flush else None
         self._bases = {p: config.base_url(p) for p in PROVIDERS}
         self.client: UpstreamPool | None = None
         self._started = False
         self._initial_pending = 0
+        self._initial_pairs = 0
         self._trainer_route: Any = None
         self._register_gauges()
 
@@ -133,6 +149,11 @@ class Gateway:
                                     if p.suffix == ".seg")
         if self.flusher is not None:
             self.flusher.start()
+        self.shadow_spool.start()
+        self._initial_pairs = sum(_count_frames(p) for p in pending_files(self.shadow_spool.dir)
+                                  if p.suffix == ".seg")
+        if self.shadow_flusher is not None:
+            self.shadow_flusher.start()
         self.routes.start(self._lake_factory, self.config.routes_poll_s,
                           also=(self.shadows.refresh,))
         self.client = UpstreamPool(timeout_s=self.config.upstream_timeout_s,
@@ -150,8 +171,11 @@ class Gateway:
             self.client.close()
         self.routes.stop()
         self.spool.stop()  # seals the active segment so the final flush sees it
+        self.shadow_spool.stop()
         if self.flusher is not None:
             await asyncio.to_thread(self.flusher.stop)
+        if self.shadow_flusher is not None:
+            await asyncio.to_thread(self.shadow_flusher.stop)
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -182,6 +206,9 @@ class Gateway:
                 "1 while the flusher thread runs; 0 when it stopped on an error (or is off).",
                 lambda: float(self.flusher is not None and self.flusher.running))
         shadow = self.shadower
+        m.gauge("factory_gateway_shadow_pairs_pending",
+                "Shadow pairs spooled and not yet committed to shadow_pairs.",
+                self.shadow_depth)
         m.gauge("factory_gateway_shadow_queue_depth",
                 "Shadow calls waiting for a candidate (the queue is bounded).",
                 lambda: float(shadow.depth))
@@ -207,6 +234,11 @@ class Gateway:
 
             self._trainer_route = trainer_events_route(self._lake_factory(), env_secrets)
         return self._trainer_route
+
+    def shadow_depth(self) -> float:
+        """Shadow pairs spooled and not yet committed."""
+        committed = self.shadow_flusher.num_pairs if self.shadow_flusher else 0
+        return float(max(0, self._initial_pairs + self.shadow_spool.num_written - committed))
 
     def spool_depth(self) -> float:
         committed = self.flusher.num_committed + self.flusher.num_pairs if self.flusher else 0
@@ -475,7 +507,7 @@ class Gateway:
 
     def _spool_shadow(self, header: dict[str, Any], request: bytes, response: bytes) -> None:
         try:
-            self.spool.append(encode(header, request, response))
+            self.shadow_spool.append(encode(header, request, response))
         except OSError as exc:
             self.shadower.num_dropped += 1
             log.error("shadow pair %s dropped: the spool refused it: %s", header.get("id"), exc)
@@ -569,6 +601,7 @@ class Gateway:
     async def _healthz(self, send: Send) -> None:
         flusher = self.flusher
         body = {"status": "ok", "spool_depth": int(self.spool_depth()),
+                "shadow_pairs_pending": int(self.shadow_depth()),
                 "lake": ("unknown" if flusher is None or flusher.last_success_at is None
                          and flusher.last_error is None
                          else "error" if flusher.last_error else "ok")}

@@ -129,7 +129,7 @@ class ShadowTable:
         return self._rules.get(route)
 
     def refresh(self, lake: Lake) -> bool:
-        snap = lake.snapshot_id("shadows") if lake.exists("shadows") else None
+        snap = lake.snapshot_id("shadows")  # None while the table does not exist
         if snap == self._snapshot:
             return False
         self._rules = {**load_shadows(lake), **self._static}

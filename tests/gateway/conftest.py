@@ -23,7 +23,8 @@ def make_config(upstream: ServerThread, **overrides: Any) -> GatewayConfig:
     values: dict[str, Any] = {
         "port": 0, "openai_base_url": upstream.url + "/v1", "anthropic_base_url": upstream.url,
         "gemini_base_url": upstream.url, "upstream_timeout_s": 0.5, "flush_interval_s": 0.05,
-        "segment_max_age_s": 0.05, "routes_poll_s": 0.1, "flush_retry_max_s": 0.2}
+        "segment_max_age_s": 0.05, "routes_poll_s": 0.1, "flush_retry_max_s": 0.2,
+        "shadow_flush_s": 0.05}
     values.update(overrides)
     return GatewayConfig(**values)
 
