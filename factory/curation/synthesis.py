@@ -16,10 +16,10 @@ The two turns (system, request, answer) normalize like any logged OpenAI call in
 sample. An attempt gives a sample or exactly one drop with its reason: ``timeout``,
 ``teacher_error`` (the endpoint answered an HTTP error), ``malformed`` (no tagged request, an
 empty or unparseable answer), ``refusal`` (``detectors.refusal``), ``truncated`` (the answer
-stopped at its token limit), ``off_slice`` (a sample outside the slice it was asked for: another
-tool or label, or, with a token counter, another length bucket) or ``duplicate`` (a sample id the experiment already has). An unreachable
-endpoint stops synthesis instead (nothing recorded for the attempt), so a teacher that is down
-never uses up attempts.
+stopped at its token limit), ``off_slice`` (a sample outside the slice it was asked for:
+another tool or label, or, with a token counter, another length bucket) or ``duplicate`` (a
+sample id the experiment already has). An unreachable endpoint stops synthesis instead
+(nothing recorded for the attempt), so a teacher that is down never uses up attempts.
 
 Attempt ids hash (experiment, slice, attempt index); each is recorded once, as a sample or a
 drop, so a resumed synthesis skips recorded attempts and writes no duplicate. Synthetic samples
