@@ -4,11 +4,12 @@
 
 For each thin slice (``factory.curation.slices``) synthesis plans attempts up to the slice's
 even share, at most ``max_per_slice``. Attempt ``i`` of a slice shows the teacher
-``NUM_SEEDS`` train samples of the slice (never eval ones; picked by a stable hash, rotating
-with ``i``) and takes two calls:
+``NUM_SEEDS`` train samples of the slice (never eval ones): the ``i``-th of the slice in a
+stable hash order, then others picked by a hash of the attempt, so every sample leads some
+attempt and no two attempts need see the same seeds. It takes two calls:
 
 1. *request*: the teacher writes one new user request like the seeds' (``request_prompt``),
-   between ``<request>`` tags;
+   between ``<request>`` tags, sampled (``REQUEST_TEMPERATURE``, seeded by the attempt id);
 2. *answer*: the teacher answers that request as an ordinary chat call, with the seeds' system
    prompt and tools, so the answer's format is the one the traffic has.
 
@@ -30,6 +31,7 @@ only, decontaminated against the eval set, judged by rejection sampling.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import re
@@ -73,6 +75,12 @@ MAX_REQUEST_CHARS = 8000
 
 REQUEST_MAX_TOKENS = 1024
 """Token limit of the request call."""
+
+REQUEST_TEMPERATURE = 1.0
+"""Requests are sampled: greedy decoding writes the same request for the same seeds, and a
+slice with fewer than ``NUM_SEEDS`` + 1 samples has one set of seeds. The seed sent with the
+call (from the attempt id) makes a rerun ask for the same draw on servers that honour it
+(vLLM, the factory's CPU server). Answers stay greedy: the teacher's best answer."""
 
 BATCH = 16
 """Attempts per write: a crash loses at most this many attempts' calls."""
@@ -142,10 +150,12 @@ def plan_attempts(experiment: str, slices: Sequence[Slice], members: dict[str, l
         if not s.thin or not pool:
             continue
         num = min(max_per_slice, max(0, s.even - s.num_traffic))
-        k = min(NUM_SEEDS, len(pool))
         for i in range(num):
-            seeds = tuple(pool[(i * k + j) % len(pool)] for j in range(k))
-            out.append(Attempt(experiment=experiment, slice=s, attempt=i, seeds=seeds))
+            first = pool[i % len(pool)]
+            rest = heapq.nsmallest(NUM_SEEDS - 1, (r for r in pool if r is not first),
+                                   key=lambda r: _rank(seed, f"{s.key}#{i}", r["sample_id"]))
+            out.append(Attempt(experiment=experiment, slice=s, attempt=i,
+                               seeds=(first, *rest)))
     return out
 
 
@@ -216,11 +226,13 @@ class Teacher:
         self.client.close()
 
     def call(self, step: str, messages: list[dict[str, Any]], *,
-             tools: list[dict[str, Any]] | None = None, max_tokens: int) -> dict[str, Any]:
-        """One chat completion; ``Drop`` for a timeout or an HTTP error, ``TeacherUnreachable``
-        when nothing answers."""
+             tools: list[dict[str, Any]] | None = None, max_tokens: int,
+             **sampling: Any) -> dict[str, Any]:
+        """One chat completion (greedy unless ``sampling`` says otherwise); ``Drop`` for a
+        timeout or an HTTP error, ``TeacherUnreachable`` when nothing answers."""
         try:
-            return self.client.chat(self.model, messages, tools=tools, max_tokens=max_tokens)
+            return self.client.chat(self.model, messages, tools=tools, max_tokens=max_tokens,
+                                    **sampling)
         except httpx.ConnectTimeout as exc:
             raise TeacherUnreachable(f"teacher {self.model} at {self.base_url}: {exc}") from exc
         except httpx.TimeoutException as exc:
@@ -246,8 +258,9 @@ def _first_choice(step: str, response: Any) -> dict[str, Any]:
 def write_request(attempt: Attempt, teacher: Teacher) -> tuple[list[dict[str, Any]], str]:
     """Step 1: (the prompt sent, the new request the teacher wrote); ``Drop`` when none."""
     prompt = request_prompt(attempt)
-    choice = _first_choice("request", teacher.call("request", prompt,
-                                                   max_tokens=REQUEST_MAX_TOKENS))
+    reply = teacher.call("request", prompt, max_tokens=REQUEST_MAX_TOKENS,
+                         temperature=REQUEST_TEMPERATURE, seed=int(attempt.attempt_id[:8], 16))
+    choice = _first_choice("request", reply)
     text = choice["message"].get("content")
     if not isinstance(text, str):
         raise Drop(step="request", reason="malformed", detail="no text in the reply")

@@ -70,6 +70,7 @@ class ScriptedTeacher:
         self.answers: dict[str, str] = {}
         self.tickets = iter(ticket_triage.generate_heldout(400, seed=9))
         self.num_calls = 0
+        self.bodies: list[dict[str, Any]] = []
 
     def _ticket(self, label: str) -> str:
         for t in self.tickets:
@@ -80,6 +81,7 @@ class ScriptedTeacher:
     def reply(self, body: dict[str, Any]) -> tuple[int, str | None, float]:
         with self.lock:
             self.num_calls += 1
+            self.bodies.append(body)
             messages = body["messages"]
             user = _text(messages[-1]["content"])
             if _text(messages[0]["content"]) != synthesis.REQUEST_SYSTEM:  # the answer call
@@ -177,6 +179,19 @@ def test_thin_slices_by_label_tool_and_length() -> None:
     assert "tool:lookup" in {s.key for s in profile_slices(_train([row]))}
 
 
+def test_every_seed_leads_an_attempt_and_companions_vary() -> None:
+    train = _train(_rows(200, keep_thin=6))
+    labeler = Labeler.fit(list(ticket_triage.LABELS) * 4)
+    members = synthesis.slice_members(train, labeler)
+    thin = [s for s in profile_slices(train) if s.key == f"label:{THIN}"]
+    attempts = synthesis.plan_attempts("triage", thin, members, max_per_slice=12)
+    assert len(attempts) == 12 and all(len(a.seeds) == synthesis.NUM_SEEDS for a in attempts)
+    assert {a.seed_ids[0] for a in attempts} == {r["sample_id"] for r in members[f"label:{THIN}"]}
+    assert len({frozenset(a.seed_ids) for a in attempts}) > 6
+    assert all(len(set(a.seed_ids)) == synthesis.NUM_SEEDS for a in attempts)
+    assert synthesis.plan_attempts("triage", thin, members, max_per_slice=12) == attempts
+
+
 # -- the teacher ----------------------------------------------------------------------------
 
 
@@ -238,6 +253,13 @@ def test_teacher_failures_are_counted_drops_and_a_crash_resumes_without_duplicat
     assert reasons == {"malformed": 2, "refusal": 1, "timeout": 1, "teacher_error": 1,
                        "off_slice": 1, "duplicate": 1}
     by_reason = {d["reason"]: d for d in dropped}
+    # requests are sampled, seeded by the attempt (a retried attempt asks for the same draw);
+    # answers are greedy
+    asked = [b for b in scripted.bodies
+             if _text(b["messages"][0]["content"]) == synthesis.REQUEST_SYSTEM]
+    assert {b["temperature"] for b in asked} == {synthesis.REQUEST_TEMPERATURE}
+    assert len({b["seed"] for b in asked}) == 10
+    assert {b["temperature"] for b in scripted.bodies if b not in asked} == {0}
     assert by_reason["timeout"]["step"] == "request"
     assert "1.0s" in by_reason["timeout"]["detail"]
     assert {d["step"] for d in dropped if d["reason"] == "malformed"} == {"request", "answer"}
