@@ -427,13 +427,17 @@ def teacher_for(spec: Any) -> Teacher:
 
 def read_synthetic(session: LakeSession, experiment: str) -> pa.Table:
     """The experiment's synthetic samples as ``samples`` rows with ``origin`` synthetic (empty
-    when there are none), recorded as this run's read."""
+    when there are none), recorded as this run's read; one row per attempt (two runs of one
+    experiment at once may both have written an attempt)."""
     schema = TABLES["samples"]
     if session.lake.exists("synthetic_samples"):
         t = session.read("synthetic_samples", row_filter=experiment_filter(experiment))
     else:
         t = pa.Table.from_pylist([], schema=TABLES["synthetic_samples"])
-    t = t.sort_by("attempt_id")
+    t = t.sort_by([("attempt_id", "ascending"), ("created_at", "ascending")])
+    ids = t.column("attempt_id").to_pylist()
+    t = t.take(pa.array([i for i, a in enumerate(ids) if i == 0 or a != ids[i - 1]],
+                        pa.int64()))
     out = pa.Table.from_arrays([t.column(f.name).cast(f.type) for f in schema], schema=schema)
     return out.append_column("origin", pa.array([SYNTHETIC] * out.num_rows, pa.string()))
 

@@ -508,3 +508,22 @@ def test_synthetic_samples_fill_the_thin_slice_on_the_train_side_only(
     assert (meta["num_resumed"].value, meta["num_written"].value) == (10, 0)
     made = lake.read("synthetic_samples", row_filter=flt)
     assert made.num_rows == 10 and len(set(made.column("attempt_id").to_pylist())) == 10
+
+
+def test_an_attempt_written_twice_is_read_once(factory_home: Path) -> None:
+    attempt = _attempts(1)[0]
+    teacher = synthesis.Teacher(base_url="http://127.0.0.1:9/v1", model="t")
+    messages = chat("Where is my parcel?", THIN, ticket_triage.SYSTEM_PROMPT)
+    sample = {"sample_id": sample_id(messages, []), "provider": "openai",
+              "messages_json": canonical_json(messages), "tools_json": "[]", "num_turns": 1,
+              "has_images": False, "has_tool_calls": False, "prompt": []}
+    lake = Lake()
+    row = synthesis.sample_row(attempt, sample, teacher, None)
+    lake.append("synthetic_samples", [row])
+    lake.append("synthetic_samples", [row])  # a second run of the experiment at once
+    session = lake.session(run_id="r", asset_key="dataset")
+    read = synthesis.read_synthetic(session, "triage")
+    assert read.column("sample_id").to_pylist() == [sample["sample_id"]]
+    assert read.column("origin").to_pylist() == ["synthetic"]
+    assert session.lineage.reads["synthetic_samples"] == lake.snapshot_id("synthetic_samples")
+    teacher.close()
