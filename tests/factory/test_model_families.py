@@ -1,6 +1,7 @@
 """Every recipe family's text architecture runs: a tiny random-init llama, qwen3 and gemma3 (each
-with a real tokenizer of its chat format) through curation's token counts, training, the
-train/serve equivalence gate and serving; a wrong template or tokenizer fails the gate with a
+with a real tokenizer of its chat format) through curation's token counts, the planner (its
+family's recipe on the model's own architecture), training, the train/serve equivalence gate and
+serving; a wrong template or tokenizer fails the gate with a
 reason per sample."""
 
 from __future__ import annotations
@@ -30,22 +31,52 @@ def _family(model_dir: Path) -> str:
     return str(json.loads((model_dir / "factory-model.json").read_text())["name"])[5:]
 
 
-def _train(base: Path, tmp_path: Path, samples: list[dict[str, Any]], *,
-           num_steps: int = 3) -> Path:
+RECIPES = {"llama": "smollm2-135m-lora", "qwen3": "qwen3-0.6b-lora", "gemma3": "gemma3-270m-lora"}
+"""A shipped recipe of each family, whose choices the planner starts from."""
+
+
+def _plan(base: Path, family: str, samples: list[dict[str, Any]], tok: Any, *,
+          num_steps: int) -> dict[str, Any]:
+    """The planner's trainer config for these samples on ``base``: the family's recipe with the
+    architecture read from the folder; the overrides size a short CPU run."""
+    from dataclasses import replace
+
+    import yaml
+
+    from factory.experiments import parse_experiment
+    from factory.planner.calibration import architecture_from_dir, profile_of
+    from factory.planner.plan import make_plan
+    from factory.recipes import load_recipe
+
+    recipe = load_recipe(RECIPES[family])
+    arch = replace(architecture_from_dir(base), family=recipe.architecture.family)
+    recipe = replace(recipe, base_model_id=str(base), local_dir=None, builder=None,
+                     architecture=arch, gpu="CPU")
+    raw = {"name": "family-check", "recipe": recipe.name,
+           "data": {"where": "true", "max_tokens": 512},
+           "overrides": {"micro_batch_size": 2, "grad_accum_steps": 1, "num_steps": num_steps,
+                         "learning_rate": 2e-2, "warmup_steps": 1, "lora_rank": 4,
+                         "lora_alpha": 8, "lora_dropout": 0.0,
+                         "checkpoint_every_steps": num_steps, "seed": 7}}
+    experiment = parse_experiment(yaml.safe_dump(raw), Path("family-check.yaml"))
+    plan = make_plan(experiment, profile_of(samples, tok), recipe=recipe)
+    assert plan.memory is not None and plan.memory.total > 0
+    cfg = plan.train_config()
+    assert cfg["base_model"] == str(base) and cfg["num_steps"] == num_steps
+    cfg["eval_every_steps"] = None  # no held-out rows here
+    return cfg
+
+
+def _train(base: Path, tmp_path: Path, samples: list[dict[str, Any]],
+           plan: dict[str, Any]) -> Path:
     data = write_parquet(tmp_path / "data.parquet", samples)
-    body = {"run_id": "family", "data_files": [str(data)],
-            "output_dir": str(tmp_path / "out"), "tracker": {"backend": "jsonl"},
-            "plan": {"base_model": str(base), "max_seq_len": 512, "packing": True,
-                     "micro_batch_size": 2, "grad_accum_steps": 1, "learning_rate": 2e-2,
-                     "warmup_steps": 1, "num_steps": num_steps, "lora_rank": 4,
-                     "lora_alpha": 8, "lora_dropout": 0.0,
-                     "checkpoint_every_steps": num_steps, "seed": 7,
-                     "deterministic": True}}
+    body = {"run_id": "family", "data_files": [str(data)], "plan": plan,
+            "output_dir": str(tmp_path / "out"), "tracker": {"backend": "jsonl"}}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(body))
     assert run_job(Job.from_json(path)) == ExitCode.FINISHED
     info = latest_checkpoint(str(tmp_path / "out"))
-    assert info is not None and info.step == num_steps
+    assert info is not None and info.step == plan["num_steps"]
     return Path(info.path)
 
 
@@ -70,8 +101,7 @@ def test_family_curates_trains_passes_the_gate_and_serves(tiny_family_dir: Path,
 
     torch.set_num_threads(1)  # the tiny models run fastest on one thread; the cores are shared
     family = _family(tiny_family_dir)
-    _through_the_gate(tiny_family_dir, tmp_path, GEMMA if family == "gemma3" else CHATML,
-                      num_samples=12, num_steps=3)
+    _through_the_gate(tiny_family_dir, family, tmp_path, num_samples=12, num_steps=3)
 
 
 @pytest.mark.slow
@@ -79,11 +109,12 @@ def test_gemma3_270m_checkpoint_passes_the_gate(gemma3_dir: Path, tmp_path: Path
                                                 factory_home: Path) -> None:
     """The real base: a checkpoint trained on Gemma 3 270M gives, in plain transformers + PEFT
     (the gate's trainer view), the server's log-probs; a wrong template or tokenizer fails."""
-    _through_the_gate(gemma3_dir, tmp_path, GEMMA, num_samples=4, num_steps=1)
+    _through_the_gate(gemma3_dir, "gemma3", tmp_path, num_samples=4, num_steps=1)
 
 
-def _through_the_gate(base: Path, tmp_path: Path, fmt: Any, *, num_samples: int,
+def _through_the_gate(base: Path, family: str, tmp_path: Path, *, num_samples: int,
                       num_steps: int) -> None:
+    fmt = GEMMA if family == "gemma3" else CHATML
     samples = make_samples(num_samples, seed=3)
 
     # Curation counts exactly the trainer's tokens, in the family's format.
@@ -97,7 +128,7 @@ def _through_the_gate(base: Path, tmp_path: Path, fmt: Any, *, num_samples: int,
     if fmt.begin:
         assert ids[0] == tok.bos_token_id
 
-    ckpt = _train(base, tmp_path, samples, num_steps=num_steps)
+    ckpt = _train(base, tmp_path, samples, _plan(base, family, samples, tok, num_steps=num_steps))
     saved = (ckpt / "chat_template.jinja").read_text()
     assert saved == chat_template(fmt)
 
