@@ -96,10 +96,10 @@ def test_tool_calls_add_mlp_targets() -> None:
 
 def test_images_freeze_vision_tower_and_text_models_refuse_images() -> None:
     text = make_plan(experiment("qwen2.5-vl-7b-lora"), profile())
-    assert text["frozen_modules"] == ["visual"]
+    assert text["frozen_modules"] == ["model.visual"]
     assert text.decisions["frozen_modules"].rule == "frozen.vision_language_only"
     images = make_plan(experiment("qwen2.5-vl-7b-lora"), profile(share_with_images=0.3))
-    assert images["frozen_modules"] == ["visual"]
+    assert images["frozen_modules"] == ["model.visual"]
     assert images.decisions["frozen_modules"].rule == "frozen.vision_encoder"
     assert make_plan(experiment(), profile())["frozen_modules"] == []
     with pytest.raises(PlanError, match="reads no images; use recipe qwen2.5-vl-7b-lora"):
