@@ -97,10 +97,10 @@ def tiny_model_dir() -> Path:
     return build_tiny_llama(_models_cache() / TINY_NAME)
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen3", "gemma3"])
+@pytest.fixture(scope="session", params=["llama", "qwen3", "gemma3", "qwen2_5_vl"])
 def tiny_family_dir(request: pytest.FixtureRequest) -> Path:
-    """A random-init 2-layer model of each recipe family's text architecture (llama, qwen3,
-    gemma3), with a real tokenizer of its chat format (``build_tiny``)."""
+    """A random-init 2-layer model of each recipe family (llama, qwen3, gemma3, and qwen2_5_vl
+    with a one-block vision tower), with a real tokenizer of its chat format (``build_tiny``)."""
     from factory.trainer.base_models import build_tiny
 
     return build_tiny(request.param, _models_cache() / f"tiny-{request.param}")

@@ -26,7 +26,7 @@ from typing import Any
 SMOLLM2_NAME = "smollm2-135m-instruct"
 GEMMA3_NAME = "gemma-3-270m"
 TINY_NAME = "tiny-llama"
-TINY_FAMILIES = ("llama", "qwen3", "gemma3")
+TINY_FAMILIES = ("llama", "qwen3", "gemma3", "qwen2_5_vl")
 """Families ``build_tiny`` makes (``tiny-<family>``)."""
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = "factory-model.json"
@@ -185,7 +185,10 @@ def build_tiny(family: str, dest: Path, *, seed: int = 0, force: bool = False) -
     tokenizer of that family's chat format: SmolLM2's (ChatML, as Qwen's) for ``llama`` and
     ``qwen3``, Gemma 3's for ``gemma3`` (262,144 tokens: 16.8M of its 17M parameters are the
     embedding). Gemma's layers are one sliding (window 16) and one full attention layer, so
-    rows longer than the window exercise both masks.
+    rows longer than the window exercise both masks. ``qwen2_5_vl`` has a one-block vision tower
+    (73k parameters, ``model.visual``), SmolLM2's tokenizer with Qwen's four vision tokens added,
+    and Qwen's image processor in its PIL backend (torchvision does not import beside the CPU
+    torch here).
     """
     if family not in TINY_FAMILIES:
         raise ValueError(f"family: must be one of {', '.join(TINY_FAMILIES)}, got {family!r}")
@@ -216,6 +219,8 @@ def build_tiny(family: str, dest: Path, *, seed: int = 0, force: bool = False) -
         model: Any
         if family == "qwen3":
             model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+        elif family == "qwen2_5_vl":
+            model = _tiny_qwen2_5_vl(tok, common, tmp)
         else:
             config = transformers.Gemma3TextConfig(
                 **common, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
@@ -234,6 +239,34 @@ def build_tiny(family: str, dest: Path, *, seed: int = 0, force: bool = False) -
                 "num_parameters": int(sum(p.numel() for p in model.parameters()))}
 
     return _atomic_save(Path(dest), save)
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen2.5-VL's vision tokens, added to the tiny model's tokenizer."""
+
+
+def _tiny_qwen2_5_vl(tok: Any, common: dict[str, Any], tmp: Path) -> Any:
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    start, end, image, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    text = {k: v for k, v in common.items() if k not in ("tie_word_embeddings", "head_dim")}
+    text.update(vocab_size=len(tok),
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, tie_word_embeddings=True,
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "out_hidden_size": common["hidden_size"], "fullatt_block_indexes": [0],
+                       "window_size": 56, "patch_size": 14, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2},
+        image_token_id=image, video_token_id=video, vision_start_token_id=start,
+        vision_end_token_id=end)
+    # Small images: at most 16 patches of 28 x 28 pixels, 4 tokens after the 2 x 2 merge.
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16).save_pretrained(tmp)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config)
 
 
 def model_info(dest: Path) -> dict[str, object]:

@@ -56,15 +56,27 @@ def load_tokenizer(base_model: str) -> Any:
     return tok
 
 
+def auto_model_class(base_model: str) -> Any:
+    """The transformers auto class that loads ``base_model`` with its LM head: causal LMs, and
+    image-text-to-text models (Qwen2.5-VL: vision tower + causal LM) that have no causal-LM
+    class."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = AutoConfig.from_pretrained(base_model).model_type
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
+
+
 def load_model(plan: TrainConfig, device: torch.device) -> Any:
     """The base model with LoRA adapters (PEFT), on ``device``; only adapters train."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
     quiet_progress_bars()
-    base = AutoModelForCausalLM.from_pretrained(plan.base_model, dtype=dtype,
-                                                attn_implementation="sdpa")
+    base = auto_model_class(plan.base_model).from_pretrained(plan.base_model, dtype=dtype,
+                                                             attn_implementation="sdpa")
     plain = _plain_attention(base.config, plan.max_seq_len)
     if plan.share_prefix and not plain:
         raise ValueError(f"plan.share_prefix: needs plain causal attention, and "

@@ -64,17 +64,21 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
 
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from factory.trainer.chat import encode
-    from factory.trainer.model import CausalLMLoss, load_tokenizer, quiet_progress_bars
+    from factory.trainer.model import (
+        CausalLMLoss,
+        auto_model_class,
+        load_tokenizer,
+        quiet_progress_bars,
+    )
 
     if base_model is None:
         cfg = json.loads((Path(checkpoint_dir) / "adapter_config.json").read_text())
         base_model = cfg["base_model_name_or_path"]
     tok = load_tokenizer(checkpoint_dir)
     quiet_progress_bars()
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    base = auto_model_class(base_model).from_pretrained(base_model, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)

@@ -123,9 +123,7 @@ class Engine:
     def __init__(self, model: str | Path, *, served_model_name: str | None = None,
                  dtype: str = "float32", max_model_len: int = 4096,
                  base_chat_template: str = "trainer") -> None:
-        from transformers import AutoModelForCausalLM
-
-        from factory.trainer.model import quiet_progress_bars
+        from factory.trainer.model import auto_model_class, quiet_progress_bars
 
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: must be float32 or bfloat16, got {dtype!r}")
@@ -136,7 +134,8 @@ class Engine:
         self.tokenizer = _load_tokenizer(model, template)
         self.dtype = torch.float32 if dtype == "float32" else torch.bfloat16
         quiet_progress_bars()
-        self.base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        self.base = auto_model_class(self.model_path).from_pretrained(self.model_path,
+                                                                      dtype=self.dtype)
         self.base.eval()
         self.model: Any = self.base
         self.adapters: dict[str, str] = {}

@@ -208,13 +208,33 @@ def architecture_from_dir(path: Path) -> Architecture:
                     n *= d
                 num += n
     modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # A vision-language model keeps its language model's sizes under text_config and its
+    # vision tower (model.visual in transformers 5) under vision_config.
+    text = cfg.get("text_config") or cfg
+    vision = "model.visual" if "vision_config" in cfg else None
     return Architecture(
-        family=cfg["model_type"], num_parameters=num, num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        vocab_size=cfg["vocab_size"], max_context=cfg["max_position_embeddings"],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings")), linear_modules=modules)
+        family=cfg["model_type"], num_parameters=num, num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"], intermediate_size=text["intermediate_size"],
+        num_heads=text["num_attention_heads"], num_kv_heads=text["num_key_value_heads"],
+        head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+        vocab_size=text["vocab_size"], max_context=text["max_position_embeddings"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings")), linear_modules=modules,
+        vision_module=vision, vision_parameters=_vision_parameters(path) if vision else 0)
+
+
+def _vision_parameters(path: Path) -> int:
+    from safetensors import safe_open
+
+    num = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if ".visual." in f".{key}":
+                    n = 1
+                    for d in fh.get_slice(key).get_shape():
+                        n *= d
+                    num += n
+    return num
 
 
 def recipe_for(name: str, path: Path) -> Recipe:

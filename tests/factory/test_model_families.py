@@ -1,8 +1,8 @@
-"""Every recipe family's text architecture runs: a tiny random-init llama, qwen3 and gemma3 (each
-with a real tokenizer of its chat format) through curation's token counts, the planner (its
-family's recipe on the model's own architecture), training, the train/serve equivalence gate and
-serving; a wrong template or tokenizer fails the gate with a
-reason per sample."""
+"""Every recipe family's architecture runs: a tiny random-init llama, qwen3, gemma3 and qwen2_5_vl
+(a one-block vision tower; text-only data here), each with a real tokenizer of its chat format,
+through curation's token counts, the planner (its family's recipe on the model's own
+architecture), training, the train/serve equivalence gate and serving; a wrong template or
+tokenizer fails the gate with a reason per sample."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def _family(model_dir: Path) -> str:
     return str(json.loads((model_dir / "factory-model.json").read_text())["name"])[5:]
 
 
-RECIPES = {"llama": "smollm2-135m-lora", "qwen3": "qwen3-0.6b-lora", "gemma3": "gemma3-270m-lora"}
+RECIPES = {"llama": "smollm2-135m-lora", "qwen3": "qwen3-0.6b-lora", "gemma3": "gemma3-270m-lora",
+           "qwen2_5_vl": "qwen2.5-vl-7b-lora"}
 """A shipped recipe of each family, whose choices the planner starts from."""
 
 
@@ -128,7 +129,16 @@ def _through_the_gate(base: Path, family: str, tmp_path: Path, *, num_samples: i
     if fmt.begin:
         assert ids[0] == tok.bos_token_id
 
-    ckpt = _train(base, tmp_path, samples, _plan(base, family, samples, tok, num_steps=num_steps))
+    plan = _plan(base, family, samples, tok, num_steps=num_steps)
+    ckpt = _train(base, tmp_path, samples, plan)
+    if family == "qwen2_5_vl":
+        # Text-only data: the planner freezes the vision tower, and no adapter reaches it.
+        from safetensors import safe_open
+
+        assert plan["frozen_modules"] == ["model.visual"]
+        with safe_open(str(ckpt / "adapter_model.safetensors"), "pt") as fh:
+            keys = list(fh.keys())  # noqa: SIM118 - safe_open has no __iter__
+        assert keys and not [k for k in keys if ".visual." in k]
     saved = (ckpt / "chat_template.jinja").read_text()
     assert saved == chat_template(fmt)
 
