@@ -96,12 +96,13 @@ def synthetic_samples(context: dg.AssetExecutionContext,
     cur = curation_config(experiment)
     session = lake.session(context)
     samples, snapshot = select_samples(session, experiment.data.where)
+    samples = synthesis.without_teacher_calls(samples)
     # the traffic train split the dataset will have, before rejection sampling (no judge
     # calls here: the dataset asset judges every sample once)
     counter = RenderCounter(tokenizer_dir_for(experiment.recipe))
     traffic = curate(samples, replace(cur, judge_threshold=None), counter,
                      num_workers=default_workers())
-    teacher = synthesis.teacher_for(spec)
+    teacher = synthesis.teacher_for(spec, experiment.name)
     try:
         outcome, slices = synthesis.run(
             session, experiment.name, traffic.train, teacher,
@@ -157,6 +158,7 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
                                                        judge)
     else:
         samples, snapshot = select_samples(session, experiment.data.where)
+        samples = synthesis.without_teacher_calls(samples)
         rejection = _rejection(judge, experiment, cur, samples)
         if experiment.data.synthesize is not None:
             samples = pa.concat_tables([
@@ -220,7 +222,8 @@ def _curate_on_spark(session: Any, experiment: Any, cur: CurationConfig, tokeniz
     files, snapshot = sample_files(session)
     spark = local_session()
     try:
-        samples = spark.read.parquet(*files).where(experiment.data.where)
+        samples = spark.read.parquet(*files).where(experiment.data.where).where(
+            f"NOT coalesce(map_contains_key(tags, '{synthesis.TEACHER_TAG}'), false)")
         rejection = None
         if cur.judge_threshold is not None:
             rejection = _rejection(judge, experiment, cur, samples.select(

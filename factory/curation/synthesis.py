@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from factory.curation import detectors
 from factory.curation.decide import SYNTHETIC
@@ -93,6 +94,20 @@ REQUEST_SYSTEM = (
     "the same kind of request in the same language and register, with different details, "
     "never a copy or light rewording of an example. Reply with the request only, between "
     "<request> and </request>.")
+
+
+TEACHER_TAG = "factory-synthesis"
+"""Tag (``X-Factory-Tags``) of every teacher call: where the teacher is behind the gateway,
+its captures carry ``factory-synthesis=<experiment>``, and curation leaves them out
+(``without_teacher_calls``): a request-writing call is no user's traffic."""
+
+
+def without_teacher_calls(samples: pa.Table) -> pa.Table:
+    """``samples`` rows other than the gateway's captures of teacher calls (``TEACHER_TAG``)."""
+    if not samples.num_rows:
+        return samples
+    found = pc.map_lookup(samples.column("tags"), pa.scalar(TEACHER_TAG), "first")
+    return samples.filter(pc.is_null(found))
 
 
 class TeacherUnreachable(FactoryError):
@@ -218,9 +233,10 @@ class Teacher:
     """An OpenAI-compatible endpoint that writes requests and answers them."""
 
     def __init__(self, *, base_url: str, model: str, api_key: str | None = None,
-                 timeout_s: float = 60.0, max_tokens: int = 512) -> None:
+                 timeout_s: float = 60.0, max_tokens: int = 512, experiment: str = "") -> None:
         self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
         self.client = InferenceClient(base_url, api_key=api_key, timeout_s=timeout_s)
+        self.client.http.headers["X-Factory-Tags"] = f"{TEACHER_TAG}={experiment}"
 
     def close(self) -> None:
         self.client.close()
@@ -411,9 +427,10 @@ def synthesize(attempts: Sequence[Attempt], teacher: Teacher, labeler: Labeler |
 DEFAULT_GATEWAY = "http://127.0.0.1:8787"
 
 
-def teacher_for(spec: Any) -> Teacher:
-    """The ``Teacher`` of ``data.synthesize`` (``factory.experiments.SynthesizeSpec``): its
-    endpoint, or the gateway's; the key from the environment variable it names."""
+def teacher_for(spec: Any, experiment: str) -> Teacher:
+    """The ``Teacher`` of ``data.synthesize`` (``factory.experiments.SynthesizeSpec``) for
+    ``experiment``: its endpoint, or the gateway's; the key from the environment variable it
+    names."""
     base_url = spec.base_url or (
         (os.environ.get("FACTORY_GATEWAY_URL") or DEFAULT_GATEWAY).rstrip("/") + "/v1")
     key = None
@@ -422,7 +439,8 @@ def teacher_for(spec: Any) -> Teacher:
         if not key:
             raise FactoryError(f"data.synthesize.api_key_env: environment variable "
                                f"{spec.api_key_env} is not set")
-    return Teacher(base_url=base_url, model=spec.teacher, api_key=key, timeout_s=spec.timeout_s)
+    return Teacher(base_url=base_url, model=spec.teacher, api_key=key, timeout_s=spec.timeout_s,
+                   experiment=experiment)
 
 
 def read_synthetic(session: LakeSession, experiment: str) -> pa.Table:

@@ -527,3 +527,38 @@ def test_an_attempt_written_twice_is_read_once(factory_home: Path) -> None:
     assert read.column("origin").to_pylist() == ["synthetic"]
     assert session.lineage.reads["synthetic_samples"] == lake.snapshot_id("synthetic_samples")
     teacher.close()
+
+
+def test_a_teacher_behind_the_gateway_gets_the_key_and_its_calls_stay_out_of_curation(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from factory.experiments import SynthesizeSpec
+    from factory.gateway import Gateway, GatewayConfig, ServerThread
+    from factory.gateway.standin import StandIn
+
+    captured: list[Any] = []
+    standin = StandIn()
+    with ServerThread(standin) as upstream, ServerThread(Gateway(
+            GatewayConfig(port=0, openai_base_url=upstream.url + "/v1",
+                          flush_interval_s=0.05, segment_max_age_s=0.05),
+            lake_factory=lambda: None,
+            ingest=lambda lake, records: captured.extend(records))) as gateway:
+        monkeypatch.setenv("FACTORY_GATEWAY_URL", gateway.url)
+        monkeypatch.setenv("TEAM_KEY", "sk-team")
+        teacher = synthesis.teacher_for(
+            SynthesizeSpec(teacher="gpt-4o-mini", api_key_env="TEAM_KEY"), "triage")
+        assert teacher.base_url == gateway.url + "/v1"
+        dropped: list[dict[str, Any]] = []
+        synthesis.synthesize(_attempts(1), teacher, None, recorded=[], known_ids=[],
+                             write=lambda rows, drops: dropped.extend(drops))
+        teacher.close()
+    # the stand-in echoes the prompt, whose examples are three <request> blocks
+    assert [(d["reason"], d["detail"][:20]) for d in dropped] == [
+        ("malformed", "3 <request> blocks i")]
+    assert standin.seen_auth["authorization"] == "Bearer sk-team"
+    # the gateway captured the call (flushed when it stopped), tagged as a teacher call
+    assert [r.tags for r in captured] == [{synthesis.TEACHER_TAG: "triage"}]
+    tagged = {**_rows(1, keep_thin=0)[0], "sample_id": "teacher-call",
+              "tags": [(synthesis.TEACHER_TAG, "triage")]}
+    table = pa.Table.from_pylist([_rows(2, keep_thin=0)[1], tagged], schema=TABLES["samples"])
+    assert synthesis.without_teacher_calls(table).column("sample_id").to_pylist() == \
+        [table.column("sample_id")[0].as_py()]
