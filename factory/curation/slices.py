@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
+from factory.curation.decide import SYNTHETIC, TRAFFIC
 from factory.curation.text import last_assistant_index, message_text, parse_json
 from factory.evals.rubric import closed_labels, normalize_label, parse_json_answer
 
@@ -152,37 +153,43 @@ class Slice:
                 "thin": self.thin, "even": self.even}
 
 
+def origins(train: pa.Table) -> list[str]:
+    """Each row's origin (``traffic`` where the table has no ``origin`` column)."""
+    if "origin" not in train.column_names:
+        return [TRAFFIC] * train.num_rows
+    return [o or TRAFFIC for o in train.column("origin").to_pylist()]
+
+
 def fit_labeler(train: pa.Table) -> Labeler | None:
     """The labeler of the train set's traffic answers."""
-    texts = [final_turn(parse_json(m))[0] for m, o in _rows(train, "messages")]
-    return Labeler.fit(texts)
+    return _fit([parse_json(m) for m in train.column("messages").to_pylist()], origins(train))
 
 
-def _rows(train: pa.Table, column: str, *, origin: str = "traffic") -> Iterable[tuple[Any, str]]:
-    origins = (train.column("origin").to_pylist() if "origin" in train.column_names
-               else ["traffic"] * train.num_rows)
-    for value, o in zip(train.column(column).to_pylist(), origins, strict=True):
-        if (o or "traffic") == origin:
-            yield value, o
+def _fit(messages: Sequence[list[dict[str, Any]]], origin: Sequence[str]) -> Labeler | None:
+    return Labeler.fit([final_turn(m)[0] for m, o in zip(messages, origin, strict=True)
+                        if o == TRAFFIC])
+
+
+def _tokens(train: pa.Table) -> list[int | None]:
+    return (train.column("num_tokens").to_pylist() if "num_tokens" in train.column_names
+            else [None] * train.num_rows)
 
 
 def membership(train: pa.Table, labeler: Labeler | None) -> list[list[str]]:
     """Each train row's slices, in row order."""
-    tokens = (train.column("num_tokens").to_pylist() if "num_tokens" in train.column_names
-              else [None] * train.num_rows)
     return [sample_slices(parse_json(m), n, labeler)
-            for m, n in zip(train.column("messages").to_pylist(), tokens, strict=True)]
+            for m, n in zip(train.column("messages").to_pylist(), _tokens(train), strict=True)]
 
 
 def profile_slices(train: pa.Table) -> list[Slice]:
     """The train set's slices with their counts and thin flags, sorted by dimension, value."""
-    labeler = fit_labeler(train)
-    origins = (train.column("origin").to_pylist() if "origin" in train.column_names
-               else ["traffic"] * train.num_rows)
+    messages = [parse_json(m) for m in train.column("messages").to_pylist()]
+    origin = origins(train)
+    labeler = _fit(messages, origin)
     traffic: Counter[str] = Counter()
     synthetic: Counter[str] = Counter()
-    for keys, origin in zip(membership(train, labeler), origins, strict=True):
-        (synthetic if origin == "synthetic" else traffic).update(keys)
+    for m, n, o in zip(messages, _tokens(train), origin, strict=True):
+        (synthetic if o == SYNTHETIC else traffic).update(sample_slices(m, n, labeler))
     out = []
     for dim in DIMENSIONS:
         keys = sorted(k for k in set(traffic) | set(synthetic) if k.startswith(dim + ":"))

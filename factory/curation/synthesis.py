@@ -53,6 +53,7 @@ from factory.curation.slices import (
     fit_labeler,
     length_bucket,
     membership,
+    origins,
     profile_slices,
     sample_slices,
 )
@@ -480,10 +481,9 @@ def slice_members(train: pa.Table, labeler: Labeler | None) -> dict[str, list[di
     """Slice key -> the traffic train rows in it (the seed pool)."""
     cols = ["sample_id", "messages", "tools", "project", "tags"]
     rows = train.select(cols).to_pylist()
-    origins = (train.column("origin").to_pylist() if "origin" in train.column_names
-               else [None] * train.num_rows)
     out: dict[str, list[dict[str, Any]]] = {}
-    for row, keys, origin in zip(rows, membership(train, labeler), origins, strict=True):
+    for row, keys, origin in zip(rows, membership(train, labeler), origins(train),
+                                 strict=True):
         if origin == SYNTHETIC:
             continue
         for k in keys:
