@@ -160,7 +160,12 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
         samples, snapshot = select_samples(session, experiment.data.where)
         samples = synthesis.without_teacher_calls(samples)
         rejection = _rejection(judge, experiment, cur, samples)
-        if experiment.data.synthesize is not None:
+        spec = experiment.data.synthesize
+        if spec is not None and rejection is not None and spec.judge_threshold is None \
+                and experiment.data.judge_threshold is None:
+            cur = replace(cur, synthetic_judge_threshold=synthesis.default_judge_threshold(
+                rejection.rubric))
+        if spec is not None:
             samples = pa.concat_tables([
                 samples.append_column("origin", pa.array([TRAFFIC] * samples.num_rows,
                                                          pa.string())),

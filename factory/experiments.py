@@ -70,7 +70,8 @@ class SynthesizeSpec:
     """Seconds per teacher call; a call past it is a ``timeout`` drop."""
     judge_threshold: float | None = None
     """Rejection-sampling score synthetic samples need; None: ``data.judge_threshold``, else
-    1.0 (every reference-free criterion of the rubric met)."""
+    1.0 when code checks every criterion of the rubric, 0.8 with an LLM judge's criteria
+    (``factory.curation.synthesis.default_judge_threshold``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,9 @@ class CurationConfig:
     judge_threshold: float | None = None
     """Rejection sampling: keep samples the judge scores at least this; None: no judge step."""
     synthetic_judge_threshold: float | None = None
-    """Rejection sampling of synthetic samples (``data.synthesize``); None: not judged."""
+    """Rejection sampling of synthetic samples (``data.synthesize``); None: not judged. From an
+    experiment: its threshold, else 1.0 (the dataset asset lowers it to
+    ``synthesis.default_judge_threshold`` for a rubric with LLM criteria)."""
     seed: int = 0
     """Seed of the split hash and of the MinHash permutations."""
     num_bands: int = 16

@@ -61,6 +61,8 @@ from factory.curation.store import experiment_filter
 from factory.curation.text import message_text, parse_json
 from factory.curation.tokens import TokenCounter
 from factory.errors import FactoryError
+from factory.evals.rubric import Rubric
+from factory.evals.shadow import FREE_TEXT_PASS
 from factory.inference.client import InferenceClient, InferenceClientError
 from factory.inference.protocol import wire_messages, wire_tools
 from factory.lake import LakeSession
@@ -109,6 +111,14 @@ def without_teacher_calls(samples: pa.Table) -> pa.Table:
         return samples
     found = pc.map_lookup(samples.column("tags"), pa.scalar(TEACHER_TAG), "first")
     return samples.filter(pc.is_null(found))
+
+
+def default_judge_threshold(rubric: Rubric) -> float:
+    """The rejection-sampling score synthetic samples need when the experiment names none:
+    1.0 when code checks every criterion (the answer meets each), else ``FREE_TEXT_PASS``, the
+    pass mark of free-text answers (an LLM judge's 1-10 marks of a good answer are rarely all
+    10)."""
+    return 1.0 if all(c.check != "llm" for c in rubric.criteria) else FREE_TEXT_PASS
 
 
 class TeacherUnreachable(FactoryError):

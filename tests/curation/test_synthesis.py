@@ -562,3 +562,14 @@ def test_a_teacher_behind_the_gateway_gets_the_key_and_its_calls_stay_out_of_cur
     table = pa.Table.from_pylist([_rows(2, keep_thin=0)[1], tagged], schema=TABLES["samples"])
     assert synthesis.without_teacher_calls(table).column("sample_id").to_pylist() == \
         [table.column("sample_id")[0].as_py()]
+
+
+def test_the_default_judge_threshold_of_synthetic_samples() -> None:
+    from factory.evals.rubric import Criterion, Rubric
+    from factory.evals.shadow import FREE_TEXT_PASS
+
+    label = Criterion(name="label_match", description="the label", check="label_match",
+                      weight=1.0, params={"labels": list(ticket_triage.LABELS)})
+    llm = Criterion(name="helpful", description="helps", check="llm", weight=1.0, params={})
+    assert synthesis.default_judge_threshold(Rubric(criteria=(label,))) == 1.0
+    assert synthesis.default_judge_threshold(Rubric(criteria=(label, llm))) == FREE_TEXT_PASS
