@@ -53,9 +53,10 @@ Receivers call ``verify(headers, body, secrets_by_key_id, *, now=None, max_age_s
 replay_cache=ReplayCache())`` which returns the event or raises ``WebhookError``.
 
 Rendering (``trainer.chat``): ``render(messages, tools, tokenizer=None, *,
-add_generation_prompt=False) -> str`` turns canonical samples into model text (the one
-rendering: curation counts tokens with ``spans``, the server renders requests with it);
-``encode`` adds the assistant-only label mask; ``parse_assistant(text)`` turns generated text back into a
-canonical assistant message; ``CHAT_TEMPLATE`` is the identical Jinja template shipped with
-every checkpoint, so serving with ``apply_chat_template`` matches training.
+add_generation_prompt=False) -> str`` turns canonical samples into model text in the chat format
+of the base tokenizer (``chat_format``: ChatML or Gemma's turns) (the one rendering: curation
+counts tokens with ``spans``, the server renders requests with it); ``encode`` adds the
+assistant-only label mask; ``parse_assistant(text)`` turns generated text back into a canonical
+assistant message; ``chat_template(fmt)`` is the identical Jinja template shipped with every
+checkpoint, so serving with ``apply_chat_template`` matches training.
 """

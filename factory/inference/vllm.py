@@ -9,8 +9,8 @@ same API (docs/serving-protocol.md: the OpenAI-compatible chat and text completi
 Tool calls are served as the CPU server serves them: ``--enable-auto-tool-choice`` with vLLM's
 ``hermes`` parser, which reads exactly the trainer's call format (``<tool_call>``, a JSON object
 with ``name`` and ``arguments``, ``</tool_call>``; ``factory.trainer.chat``), and ``--chat-template``
-names a file holding the trainer's ``CHAT_TEMPLATE`` (``InferenceServer`` writes it), so
-requests render as in training for the base model and every adapter alike.
+names a file holding the trainer's template of the base model's chat format (``InferenceServer``
+writes it), so requests render as in training for the base model and every adapter alike.
 """
 
 from __future__ import annotations
