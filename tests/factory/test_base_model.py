@@ -45,7 +45,7 @@ def test_base_model_asset_records_row(factory_home: Path, smollm2_dir: Path) -> 
     assert len(row["sha256"]) == 64
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_gemma3_directory_is_a_plain_gemma3_with_the_factorys_template(gemma3_dir: Path) -> None:
     import json
 

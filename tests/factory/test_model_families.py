@@ -105,7 +105,7 @@ def test_family_curates_trains_passes_the_gate_and_serves(tiny_family_dir: Path,
     _through_the_gate(tiny_family_dir, family, tmp_path, num_samples=12, num_steps=3)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_gemma3_270m_checkpoint_passes_the_gate(gemma3_dir: Path, tmp_path: Path,
                                                 factory_home: Path) -> None:
     """The real base: a checkpoint trained on Gemma 3 270M gives, in plain transformers + PEFT

@@ -40,7 +40,7 @@ def test_estimate_within_25_percent_of_a_real_trainer_run(tiny_model_dir: Path,
     assert abs(est.total - est.logits - m.measured) / m.measured > 0.25
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_estimate_within_25_percent_on_gemma3_270m(gemma3_dir: Path, factory_home: Path,
                                                    tmp_path: Path) -> None:
     # Gemma 3 270M: 262,144 vocabulary rows, so the loss is where memory goes; measured here
