@@ -1,0 +1,199 @@
+"""Benchmark: mixing a general set into a task's training keeps the student's score on the
+general set from collapsing while the task score holds.
+
+The task: ``factory.tasks.ticket_triage`` (a ticket in, one of five team labels out). The general
+set: ``factory.tasks.support_extract`` conversations (a support message in, its fields as compact
+JSON out), which the project generates, written as a JSONL file of OpenAI chat records and
+exported as a ``file:`` source of ``data.mix`` is (``factory.control.jobs.export_file_source``:
+every line through ``factory.normalize.normalize_record``). Two runs of the same trainer and
+plan (SmolLM2-135M-Instruct, LoRA r=16 on every linear layer, bf16 autocast, packed rows of 256
+tokens, ``--steps`` steps of 8 rows at ``--lr``): unmixed (the triage samples alone) and mixed
+(``traffic: 3, file:general.jsonl: 1``, or ``--traffic-weight``). Scored, greedy, on held-out samples of both sets for
+the base model and each run's final adapter: triage exact-label accuracy on held-out phrasings
+(``generate_heldout``), the label of highest likelihood among the five, and the support-extract
+references' log-likelihood per token on conversations of another seed (teacher-forced: on
+these shared CPUs greedy generation of the JSON answers costs more than the training).
+
+    FACTORY_MODELS_DIR=.cache/test-models .venv/bin/python bench/mixing.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _canonical(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
+    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+            for m in messages]
+
+
+def _write_parquet(path: Path, samples: list[dict[str, Any]]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({
+        "sample_id": [s["sample_id"] for s in samples],
+        "messages": [json.dumps(s["messages"]) for s in samples],
+        "tools": ["[]" for _ in samples]}), path)
+    return path
+
+
+def _plan(base_model: str, steps: int, lr: float, seed: int) -> dict[str, Any]:
+    return {"base_model": base_model, "max_seq_len": 256, "packing": True,
+            "micro_batch_size": 4, "grad_accum_steps": 2, "learning_rate": lr,
+            "lr_schedule": "cosine", "warmup_steps": 2, "num_steps": steps, "lora_rank": 16,
+            "lora_alpha": 32.0, "lora_dropout": 0.0,
+            "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                    "up_proj", "down_proj"],
+            "precision": "bf16-autocast", "checkpoint_every_steps": 10_000, "seed": seed}
+
+
+def train(name: str, work: Path, data: dict[str, Any], plan: dict[str, Any],
+          threads: int | None) -> Path:
+    """Run the trainer in a subprocess; the final checkpoint's directory."""
+    from factory.trainer.checkpoint import latest_checkpoint
+
+    job = {"run_id": name, "output_dir": str(work / name), "plan": plan, **data}
+    (work / f"{name}.json").write_text(json.dumps(job))
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    with open(work / f"{name}.log", "w") as log:
+        subprocess.run([sys.executable, "-m", "factory.trainer", "--job",
+                        str(work / f"{name}.json")], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=log)
+    info = latest_checkpoint(str(work / name))
+    assert info is not None, f"{name}: no checkpoint"
+    return Path(info.path)
+
+
+def score(base_model: str, adapter: Path | None, triage: list[dict[str, Any]],
+          general: list[dict[str, Any]]) -> dict[str, float]:
+    """The base model (with ``adapter``) scored teacher-forced on both held-out sets: triage
+    accuracy as the label the model gives the highest log-likelihood among the five, and the
+    general set's mean log-likelihood per reference token (nats; higher is better)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from factory.tasks.ticket_triage import LABELS
+    from factory.trainer.chat import IGNORE_INDEX, encode, install_chat_template
+    from factory.trainer.model import load_tokenizer
+
+    tok = install_chat_template(load_tokenizer(base_model))
+    model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+
+    def loglik(messages: list[dict[str, str]]) -> tuple[float, int]:
+        ids, labels = encode(_canonical(messages), None, tok)
+        x = torch.tensor([ids])
+        y = torch.tensor([labels])[:, 1:]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=x).logits[:, :-1].float()
+        mask = y != IGNORE_INDEX
+        logp = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+        return float(logp[mask].sum()), int(mask.sum())
+
+    right = 0
+    for t in triage:
+        scores = [loglik([*t["messages"], {"role": "assistant", "content": label}])[0]
+                  for label in LABELS]
+        right += LABELS[max(range(len(LABELS)), key=scores.__getitem__)] == t["label"]
+    total = count = 0.0
+    for c in general:
+        lp, n = loglik(c["messages"])
+        total, count = total + lp, count + n
+    return {"triage_accuracy": round(right / len(triage), 3),
+            "general_loglik_per_token": round(total / count, 4)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task-samples", type=int, default=400)
+    p.add_argument("--general-samples", type=int, default=400)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--heldout", type=int, default=40, help="held-out samples of each set")
+    p.add_argument("--traffic-weight", type=float, default=3.0,
+                   help="the task's weight in the mix, against the general set's 1 (default 3)")
+    p.add_argument("--sides", default="base,unmixed,mixed",
+                   help="what to score, comma-separated (default base,unmixed,mixed)")
+    p.add_argument("--threads", type=int, help="OMP threads (default: one per core)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from factory.base_model import smollm2_dir
+    from factory.control.jobs import export_file_source
+    from factory.tasks import support_extract, ticket_triage
+
+    base = str(smollm2_dir())
+    if not (Path(base) / "config.json").is_file():
+        p.error(f"no SmolLM2 at {base}: run `factory base-model` (or set FACTORY_MODELS_DIR)")
+    print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in
+                                                                 os.getloadavg()],
+                      **{k: v for k, v in vars(args).items()}}), flush=True)
+    triage_heldout = ticket_triage.generate_heldout(args.heldout, seed=args.seed + 1)
+    general_heldout = support_extract.generate_conversations(args.heldout, seed=args.seed + 1)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-mixing-") as tmp:
+        work = Path(tmp)
+        task = _write_parquet(work / "triage.parquet", [
+            {"sample_id": f"t{i:05d}", "messages": _canonical(c["messages"])}
+            for i, c in enumerate(ticket_triage.generate_conversations(args.task_samples,
+                                                                       args.seed))])
+        general_jsonl = work / "general.jsonl"
+        general_jsonl.write_text("".join(
+            json.dumps({"messages": c["messages"]}) + "\n"
+            for c in support_extract.generate_conversations(args.general_samples, args.seed)))
+        general, n_general = export_file_source(general_jsonl, work / "exported")
+        sides = {
+            "unmixed": {"data_files": [str(task)]},
+            "mixed": {"mix": [
+                {"name": "traffic", "weight": args.traffic_weight, "data_files": [str(task)]},
+                {"name": "file:general.jsonl", "weight": 1.0, "data_files": [str(general)]}]},
+        }
+        wanted = args.sides.split(",")
+        if "base" in wanted:
+            t = time.perf_counter()
+            results["base"] = score(base, None, triage_heldout, general_heldout)
+            print(json.dumps({"side": "base", **results["base"],
+                              "score_s": round(time.perf_counter() - t, 1)}), flush=True)
+        for name, data in sides.items():
+            if name not in wanted:
+                continue
+            t = time.perf_counter()
+            ckpt = train(name, work, data, _plan(base, args.steps, args.lr, args.seed), args.threads)
+            train_s = time.perf_counter() - t
+            events = [json.loads(x) for x in (work / name / "events.jsonl").read_text()
+                      .splitlines() if x.strip()]
+            started = next(e for e in events if e["type"] == "started")
+            loss = [e["loss"] for e in events if e["type"] == "progress" and "loss" in e]
+            t = time.perf_counter()
+            results[name] = score(base, ckpt, triage_heldout, general_heldout)
+            print(json.dumps({"side": name, **results[name], "final_loss": round(loss[-1], 4),
+                              "drawn": {k: v["drawn"] for k, v in started["mix"].items()},
+                              "general_rows": n_general, "train_s": round(train_s, 1),
+                              "score_s": round(time.perf_counter() - t, 1)}), flush=True)
+    print(json.dumps({"loadavg_after": [round(x, 2) for x in os.getloadavg()], **results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
