@@ -21,7 +21,7 @@ from typing import Any
 import dagster as dg
 
 from factory.control.jobs import job_from_plan
-from factory.control.plane import RUN_ACTIVE, cancel_run, data_stats, loss_curve, reported
+from factory.control.plane import RUN_ACTIVE, cancel_run, loss_curve, reported
 from factory.deploy.process import signals_ignored
 from factory.errors import FactoryError
 from factory.partitions import CHECKPOINTS, RUNS
@@ -154,11 +154,13 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     }
     if curve:
         metadata["final_loss"] = curve[-1][1]
-    # The trainer's own report of what it trained on; the pre-launch check's when it reported
-    # none (the same tokenize over the same rows).
-    metadata.update(_data_metadata(data_stats(events) or vars(checked)))
-    # The trainer's shared_prefix summary: micro-batches of an epoch that computed a shared
-    # prefix once, and the tokens computed against the samples' own.
+    # What tokenizing keeps and drops of every row of the (primary) training source: the
+    # pre-launch check's counts, by the trainer's own rules. The trainer streams and reports
+    # only the first window it tokenized (``started``: ``data``, at most 1024 samples).
+    metadata.update(_data_metadata(vars(checked)))
+    # The trainer's shared_prefix summary: micro-batches of its first window (an epoch when the
+    # data fits one) that computed a shared prefix once, and the tokens computed against the
+    # samples' own.
     shared = reported(events, "shared_prefix")
     if shared:
         metadata["shared_prefix"] = dg.MetadataValue.json(shared)
