@@ -149,3 +149,25 @@ def test_the_pre_launch_check_covers_every_source_of_a_mix(tiny_model_dir: Path,
     with pytest.raises(ValueError, match=r"would drop 2 of 42 file:general\.jsonl samples "
                                          r"\(4\.8%, over the 1% limit\): 2 too_long_for_plan"):
         check_job_data(job([("traffic", traffic), ("file:general.jsonl", general)]))
+
+
+def test_a_resume_against_other_sources_or_weights_is_refused(make_job, tmp_path: Path) -> None:
+    from factory.trainer.config import Job
+    from factory.trainer.train import ExitCode, run_job
+    from factory.trainer.webhooks import read_events
+
+    traffic = write_parquet(tmp_path / "traffic.parquet", make_samples(24))
+    general = write_parquet(tmp_path / "general.parquet", make_samples(40, seed=3))
+
+    def mix(weight: float) -> list[dict[str, Any]]:
+        return [{"name": "traffic", "weight": 1.0, "data_files": [str(traffic)]},
+                {"name": "general", "weight": weight, "data_files": [str(general)]}]
+
+    plan = {"num_steps": 2, "checkpoint_every_steps": 1}
+    first = Job.from_json(make_job("mixed", plan=plan, data_files=[], mix=mix(1.0)))
+    assert run_job(first) == ExitCode.FINISHED
+    again = Job.from_json(make_job("mixed", plan={**plan, "num_steps": 3}, data_files=[],
+                                   mix=mix(2.0), resume_from="latest"))
+    assert run_job(again) == ExitCode.DATA_ERROR
+    failed = [e for e in read_events(again.events_path) if e["type"] == "failed"]
+    assert "was trained on different data" in failed[-1]["error"]
