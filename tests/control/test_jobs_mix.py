@@ -65,3 +65,14 @@ def test_a_planned_mix_exports_every_source_with_its_weight(factory_home: Path, 
         "plan": json.dumps({"mix": [{"source": "traffic", "weight": 1.0}]})}])
     with pytest.raises(FactoryError, match="data.mix source 'traffic' has no samples"):
         job_from_plan(lake, "lonely")
+
+
+def test_traffic_and_synthetic_are_the_rows_of_each_origin(factory_home: Path) -> None:
+    lake = Lake()
+    lake.append("dataset_train", [
+        {"experiment": "demo", "sample_id": f"demo-{i}", "messages": _chat(str(i)),
+         "tools": "[]", "split": "train", "origin": origin}
+        for i, origin in enumerate(["traffic", None, "synthetic", "traffic", "synthetic",
+                                    "synthetic"])])
+    assert mix_source_rows(lake, "demo", ["traffic", "synthetic"]) == {"traffic": 3,
+                                                                       "synthetic": 3}
