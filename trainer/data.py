@@ -112,17 +112,7 @@ def read_rows(*, data_files: Sequence[str] = (), payload_file: str | None = None
     rows: list[dict[str, Any]] = []
     if payload_file:
         with fsspec.open(payload_file, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"payload_file: line {n} is not JSON ({e})") from None
-                if not isinstance(obj, dict) or "messages" not in obj:
-                    raise ValueError(f"payload_file: line {n} has no 'messages'")
-                rows.append({"sample_id": str(obj.get("sample_id") or f"line-{n}"),
-                             "messages": obj["messages"], "tools": obj.get("tools") or []})
+            rows = [_json_row(line, n) for n, line in enumerate(f, 1) if line.strip()]
         return rows
     import pyarrow.parquet as pq
 
