@@ -128,5 +128,6 @@ def signals_ignored() -> Iterator[None]:
         yield
     finally:
         for sig, handler in old.items():
-            if handler is not None:
-                signal.signal(sig, handler)
+            # None: a handler installed outside Python, which cannot be put back from here;
+            # the default is closer to it than staying ignored (children would inherit that).
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
