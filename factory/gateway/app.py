@@ -145,13 +145,11 @@ class Gateway:
         if self._started:
             return
         self.spool.start()
-        self._initial_pending = sum(_count_frames(p) for p in pending_files(self.settings.spool)
-                                    if p.suffix == ".seg")
+        self._initial_pending = _sealed_frames(self.spool.dir)
         if self.flusher is not None:
             self.flusher.start()
         self.shadow_spool.start()
-        self._initial_pairs = sum(_count_frames(p) for p in pending_files(self.shadow_spool.dir)
-                                  if p.suffix == ".seg")
+        self._initial_pairs = _sealed_frames(self.shadow_spool.dir)
         if self.shadow_flusher is not None:
             self.shadow_flusher.start()
         self.routes.start(self._lake_factory, self.config.routes_poll_s,
@@ -237,12 +235,10 @@ class Gateway:
 
     def shadow_depth(self) -> float:
         """Shadow pairs spooled and not yet committed."""
-        committed = self.shadow_flusher.num_pairs if self.shadow_flusher else 0
-        return float(max(0, self._initial_pairs + self.shadow_spool.num_written - committed))
+        return _pending(self._initial_pairs, self.shadow_spool, self.shadow_flusher)
 
     def spool_depth(self) -> float:
-        committed = self.flusher.num_committed + self.flusher.num_pairs if self.flusher else 0
-        return float(max(0, self._initial_pending + self.spool.num_written - committed))
+        return _pending(self._initial_pending, self.spool, self.flusher)
 
     # -- ASGI ------------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -627,6 +623,18 @@ def _metadata(headers: dict[bytes, bytes]) -> tuple[str | None, dict[str, str]]:
         if raw_project else None
     tags = parse_tags(raw_tags.decode("utf-8", errors="replace")) if raw_tags else {}
     return project, tags
+
+
+def _sealed_frames(directory: Any) -> int:
+    """Records in a spool folder's sealed segments (left by an earlier process)."""
+    return sum(_count_frames(p) for p in pending_files(directory) if p.suffix == ".seg")
+
+
+def _pending(initial: int, spool: SpoolWriter, flusher: Flusher | None) -> float:
+    """Records of one spool not yet committed: those found at start plus those written since,
+    less what its flusher committed (captures and shadow pairs)."""
+    done = flusher.num_committed + flusher.num_pairs if flusher else 0
+    return float(max(0, initial + spool.num_written - done))
 
 
 def _count_frames(path: Any) -> int:
