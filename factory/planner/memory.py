@@ -176,7 +176,7 @@ def estimate_memory(arch: Architecture, *, micro_batch_size: int, seq_len: int, 
                     gradient_checkpointing: bool, lora_dropout: float = 0.05,
                     num_shards: int = 1, context_parallel: int = 1,
                     fused_attention: bool = True, padding_mask: bool = False,
-                    host_heap: bool = False) -> MemoryEstimate:
+                    host_heap: bool = False, shared_prefix: int = 0) -> MemoryEstimate:
     """Estimate the peak memory of one training step of our trainer on one device.
 
     ``num_shards``: FSDP ranks the weights are divided over; ``context_parallel``: ranks one
@@ -184,7 +184,9 @@ def estimate_memory(arch: Architecture, *, micro_batch_size: int, seq_len: int, 
     memory-efficient kernel (no ``seq x seq`` scores kept); ``padding_mask``: unpacked rows
     on CPU, where every layer's attention call saves its own ``batch x seq x seq`` mask at the
     compute precision (packed rows attend per sample, without a mask); ``host_heap``: the
-    device is the CPU, whose freed memory partly stays with the process (``retained``). Every
+    device is the CPU, whose freed memory partly stays with the process (``retained``);
+    ``shared_prefix``: tokens every row of a micro-batch begins with, computed once per
+    micro-batch (``share_prefix`` plans: one prefix and the rows' rests). Every
     token is assumed to be
     trained (labeled), the worst case for the loss's buffers.
     """
@@ -201,7 +203,11 @@ def estimate_memory(arch: Architecture, *, micro_batch_size: int, seq_len: int, 
                                       if num_shards > 1 else 0)
     num_lora = lora_parameters(arch, lora_rank, target_modules)
 
-    tokens = micro_batch_size * -(-seq_len // context_parallel)
+    shared = max(0, min(shared_prefix, seq_len - 1))
+    if shared:
+        tokens = -(-(shared + micro_batch_size * (seq_len - shared)) // context_parallel)
+    else:
+        tokens = micro_batch_size * -(-seq_len // context_parallel)
     h = arch.hidden_size
     per_layer = tokens * layer_activation_bytes(arch, precision=precision, lora_rank=lora_rank,
                                                 target_modules=target_modules,

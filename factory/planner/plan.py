@@ -365,7 +365,8 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
                                num_shards=shards, context_parallel=cp,
                                fused_attention=hw.fused_attention,
                                padding_mask=hw.name == "CPU" and not packing,
-                               host_heap=hw.name == "CPU")
+                               host_heap=hw.name == "CPU",
+                               shared_prefix=shared if plan["share_prefix"] else 0)
 
     def largest_mb(gc: bool, shards: int, limit: int) -> int:
         best = 0
