@@ -1,0 +1,386 @@
+"""Benchmark: synthetic samples from a teacher lift a thin intent's held-out accuracy.
+
+Staged (no frontier model is reachable here). The task is ``factory.tasks.ticket_triage`` (a
+ticket in, one of five team labels out).
+
+- **The teacher** stands in for the frontier model: SmolLM2-135M-Instruct with a LoRA adapter
+  trained on the full traffic (every label) plus request-writing calls of the kind synthesis
+  makes (``synthesis.request_prompt`` over three tickets of a label, answered with
+  ``<request>`` + a new ticket of that label ``</request>``; the frontier, used as a teacher,
+  would write such requests). It is served by the factory's CPU server
+  (``python -m factory.inference``), an OpenAI-compatible endpoint on 127.0.0.1.
+- **The student's traffic** is the same generated traffic with the thin label cut to
+  ``--keep`` tickets. It is curated by the real pipeline (``factory.curation.pipeline.curate``:
+  split, cleaning, decontamination), so the profile's slices show the label thin.
+- **Synthesis** is the library's own (``factory.curation.synthesis``): slices of the curated
+  train split, attempts planned for the thin slice (seeds from the train split only), both
+  calls to the teacher, drops by reason. The synthetic rows then go through ``curate`` with
+  the traffic again (train side only, deduplicated, decontaminated against the eval split).
+  Rejection sampling by a judge is not applied here: the LLM judge needs a frontier model.
+- **Two student runs**, the same trainer and plan (SmolLM2-135M-Instruct, LoRA r=16 on every
+  linear layer, bf16 autocast, packed rows of 256 tokens, ``--student-steps`` of 8 rows): on
+  the curated traffic alone, and on the curated traffic plus synthetic samples.
+- **Scored** teacher-forced on ``--heldout`` tickets per label phrased with held-out templates
+  (``generate_heldout``): the label of highest likelihood among the five, per label.
+
+    FACTORY_MODELS_DIR=.cache/test-models .venv/bin/python bench/synthesis.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _canonical(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
+    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+            for m in messages]
+
+
+def _plan(base_model: str, *, steps: int, lr: float, seq_len: int, seed: int) -> dict[str, Any]:
+    return {"base_model": base_model, "max_seq_len": seq_len, "packing": True,
+            "micro_batch_size": 4, "grad_accum_steps": 2, "learning_rate": lr,
+            "lr_schedule": "cosine", "warmup_steps": 2, "num_steps": steps, "lora_rank": 16,
+            "lora_alpha": 32.0, "lora_dropout": 0.0, "lora_target_modules": TARGETS,
+            "precision": "bf16-autocast", "checkpoint_every_steps": 10_000, "seed": seed}
+
+
+def _traffic_rows(convs: list[dict[str, Any]], keep: dict[str, int]) -> list[dict[str, Any]]:
+    """``samples`` rows of triage conversations; label ``l`` cut to ``keep[l]`` when given."""
+    from factory.normalize.canon import canonical_json, sample_id
+
+    out, seen = [], Counter[str]()
+    for i, conv in enumerate(convs):
+        seen[conv["label"]] += 1
+        if seen[conv["label"]] > keep.get(conv["label"], len(convs)):
+            continue
+        messages = _canonical(conv["messages"])
+        out.append({"sample_id": sample_id(messages, []), "raw_trace_id": f"r{i}",
+                    "source": "upload", "provider": "openai", "model": "gpt-4o-mini",
+                    "messages": canonical_json(messages), "tools": "[]", "num_turns": 1,
+                    "has_images": False, "has_tool_calls": False, "created_at": None,
+                    "project": "ticket-triage", "tags": [("project", "ticket-triage")]})
+    return out
+
+
+def _write_parquet(path: Path, ids: list[str], messages: list[str]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"sample_id": ids, "messages": messages,
+                             "tools": ["[]"] * len(ids)}), path)
+    return path
+
+
+def _request_writing(convs: list[dict[str, Any]], fresh: list[dict[str, Any]], per_label: int,
+                     seed: int) -> list[tuple[str, str]]:
+    """(sample id, canonical messages JSON) of request-writing calls: per label, the prompt
+    synthesis sends (three tickets of the label) answered with a new ticket of the label."""
+    from factory.curation import synthesis
+    from factory.curation.slices import Slice
+    from factory.normalize.canon import canonical_json, sample_id
+    from factory.tasks.ticket_triage import LABELS
+
+    rng = random.Random(seed)
+    out = []
+    for label in LABELS:
+        pool = [c for c in convs if c["label"] == label]
+        new = [c for c in fresh if c["label"] == label][:per_label]
+        s = Slice(dimension="label", value=label, num_traffic=len(pool), num_synthetic=0,
+                  thin=True, even=len(pool))
+        for i, target in enumerate(new):
+            seeds = tuple({"sample_id": f"{label}-{j}",
+                           "messages": canonical_json(_canonical(c["messages"])), "tools": "[]"}
+                          for j, c in enumerate(rng.sample(pool, synthesis.NUM_SEEDS)))
+            attempt = synthesis.Attempt(experiment="teacher", slice=s, attempt=i, seeds=seeds)
+            messages = _canonical([*synthesis.request_prompt(attempt),
+                                   {"role": "assistant", "content":
+                                    f"<request>{target['messages'][1]['content']}</request>"}])
+            out.append((sample_id(messages, []), canonical_json(messages)))
+    return out
+
+
+def train(name: str, work: Path, files: list[Path], plan: dict[str, Any],
+          threads: int | None) -> tuple[Path, dict[str, Any]]:
+    """Run the trainer in a subprocess: (the final checkpoint's directory, run facts)."""
+    from factory.trainer.checkpoint import latest_checkpoint
+
+    job = {"run_id": name, "output_dir": str(work / name), "plan": plan,
+           "data_files": [str(f) for f in files]}
+    (work / f"{name}.json").write_text(json.dumps(job))
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    t = time.perf_counter()
+    with open(work / f"{name}.log", "w") as log:
+        subprocess.run([sys.executable, "-m", "factory.trainer", "--job",
+                        str(work / f"{name}.json")], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=log)
+    info = latest_checkpoint(str(work / name))
+    assert info is not None, f"{name}: no checkpoint"
+    events = [json.loads(x) for x in (work / name / "events.jsonl").read_text().splitlines()
+              if x.strip()]
+    loss = [e["loss"] for e in events if e["type"] == "progress" and "loss" in e]
+    return Path(info.path), {"train_s": round(time.perf_counter() - t, 1),
+                             "final_loss": round(loss[-1], 4), "steps": plan["num_steps"]}
+
+
+def score(base_model: str, adapter: Path | None, heldout: list[dict[str, Any]]
+          ) -> dict[str, Any]:
+    """Teacher-forced accuracy per label: the label the model gives the highest
+    log-likelihood among the five."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from factory.tasks.ticket_triage import LABELS
+    from factory.trainer.chat import IGNORE_INDEX, encode, install_chat_template
+    from factory.trainer.model import load_tokenizer
+
+    tok = install_chat_template(load_tokenizer(base_model))
+    model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    right: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    for t in heldout:
+        rows = [encode(_canonical([*t["messages"], {"role": "assistant", "content": label}]),
+                       None, tok) for label in LABELS]
+        width = max(len(ids) for ids, _ in rows)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        x = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
+        y = torch.tensor([lab + [IGNORE_INDEX] * (width - len(lab)) for _, lab in rows])[:, 1:]
+        att = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=x, attention_mask=att).logits[:, :-1].float()
+        mask = y != IGNORE_INDEX
+        logp = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+        scores = (logp * mask).sum(-1).tolist()
+        best = LABELS[max(range(len(LABELS)), key=scores.__getitem__)]
+        total[t["label"]] += 1
+        right[t["label"]] += best == t["label"]
+    return {"accuracy": round(sum(right.values()) / max(1, sum(total.values())), 3),
+            "by_label": {k: round(right[k] / total[k], 3) for k in LABELS}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve(base_model: str, adapter: Path, work: Path, threads: int | None
+          ) -> tuple[subprocess.Popen[bytes], str]:
+    """The teacher behind the factory's CPU server: (process, base URL)."""
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "factory.inference", base_model, "--port", str(port),
+           "--lora-modules", f"teacher={adapter}", "--max-num-seqs", "4"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    log = open(work / "teacher-server.log", "wb")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"teacher server exited {proc.returncode}: see "
+                               f"{work / 'teacher-server.log'}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url + "/v1"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("teacher server not healthy within 300 s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if the server is still busy generating after 10 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--records", type=int, default=500, help="traffic records (all labels)")
+    p.add_argument("--thin", default="shipping", help="the label the student's traffic lacks")
+    p.add_argument("--keep", type=int, default=3, help="tickets of --thin the student keeps")
+    p.add_argument("--request-calls", type=int, default=24,
+                   help="request-writing calls per label in the teacher's traffic")
+    p.add_argument("--teacher-steps", type=int, default=48)
+    p.add_argument("--student-steps", type=int, default=32)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--max-per-slice", type=int, default=100)
+    p.add_argument("--heldout", type=int, default=40, help="held-out tickets per label")
+    p.add_argument("--threads", type=int, help="OMP threads (default: one per core)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", help="keep the work folder here (default: a temp folder)")
+    args = p.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    import pyarrow as pa
+
+    from factory.base_model import smollm2_dir
+    from factory.curation import synthesis
+    from factory.curation.config import CurationConfig
+    from factory.curation.decide import SYNTHETIC
+    from factory.curation.pipeline import curate
+    from factory.curation.slices import final_turn, fit_labeler, profile_slices
+    from factory.curation.text import message_text
+    from factory.curation.tokens import RenderCounter
+    from factory.tables import TABLES
+    from factory.tasks import ticket_triage
+    from factory.tasks.ticket_triage import LABELS
+
+    base = str(smollm2_dir())
+    if not (Path(base) / "config.json").is_file():
+        p.error(f"no SmolLM2 at {base}: run `factory base-model` (or set FACTORY_MODELS_DIR)")
+    if args.thin not in LABELS:
+        p.error(f"--thin: one of {', '.join(LABELS)}")
+    print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in
+                                                                 os.getloadavg()],
+                      **vars(args)}), flush=True)
+    t_start = time.perf_counter()
+    convs = ticket_triage.generate_conversations(args.records, args.seed)
+    fresh = ticket_triage.generate_conversations(args.records, args.seed + 7)
+    heldout = ticket_triage.generate_heldout(args.heldout * len(LABELS), seed=args.seed + 1)
+    config, counter = CurationConfig(max_tokens=1024), RenderCounter(base)
+    schema = TABLES["samples"]
+    results: dict[str, Any] = {}
+    tmp = tempfile.TemporaryDirectory(prefix="bench-synthesis-")
+    work = Path(args.work) if args.work else Path(tmp.name)
+    work.mkdir(parents=True, exist_ok=True)
+    teacher_proc = None
+    try:
+        # -- the teacher: full traffic plus request-writing calls ---------------------------
+        full = curate(pa.Table.from_pylist(_traffic_rows(convs, {}), schema=schema), config,
+                      counter)
+        writing = _request_writing(convs, fresh, args.request_calls, args.seed)
+        teacher_files = [
+            _write_parquet(work / "teacher-traffic.parquet",
+                           full.train.column("sample_id").to_pylist(),
+                           full.train.column("messages").to_pylist()),
+            _write_parquet(work / "teacher-writing.parquet", [s for s, _ in writing],
+                           [m for _, m in writing])]
+        teacher_ckpt, facts = train("teacher", work, teacher_files,
+                                    _plan(base, steps=args.teacher_steps, lr=args.lr,
+                                          seq_len=512, seed=args.seed), args.threads)
+        results["teacher"] = {**facts, "train_samples": full.train.num_rows + len(writing),
+                              **score(base, teacher_ckpt, heldout)}
+        print(json.dumps({"side": "teacher", **results["teacher"]}), flush=True)
+
+        # -- the student's traffic: the thin label cut ----------------------------------------
+        traffic = pa.Table.from_pylist(_traffic_rows(convs, {args.thin: args.keep}),
+                                       schema=schema)
+        alone = curate(traffic, config, counter)
+        slices = profile_slices(alone.train)
+        thin = [s.key for s in slices if s.thin]
+        print(json.dumps({"student_traffic": traffic.num_rows,
+                          "train": alone.train.num_rows, "eval": alone.eval.num_rows,
+                          "thin_slices": thin}), flush=True)
+
+        # -- synthesis through the teacher ----------------------------------------------------
+        teacher_proc, url = serve(base, teacher_ckpt, work, args.threads)
+        teacher = synthesis.Teacher(base_url=url, model="teacher", timeout_s=180,
+                                    max_tokens=16, experiment="bench")
+        labeler = fit_labeler(alone.train)
+        attempts = synthesis.plan_attempts("bench", slices,
+                                           synthesis.slice_members(alone.train, labeler),
+                                           max_per_slice=args.max_per_slice, seed=args.seed)
+        written: list[dict[str, Any]] = []
+        drop_rows: list[dict[str, Any]] = []
+
+        def write(rows: list[dict[str, Any]], drops: list[dict[str, Any]]) -> None:
+            written.extend(rows)
+            drop_rows.extend(drops)
+            print(json.dumps({"synthesis_batch": len(rows), "drops": dict(Counter(
+                d["reason"] for d in drops))}), flush=True)
+
+        t = time.perf_counter()
+        outcome = synthesis.synthesize(attempts, teacher, labeler, recorded=(),
+                                       known_ids=traffic.column("sample_id").to_pylist(),
+                                       write=write, concurrency=4)
+        synth_s = time.perf_counter() - t
+        teacher.close()
+        _stop(teacher_proc)
+        teacher_proc = None
+        (work / "synthetic.jsonl").write_text("".join(json.dumps(r, default=str) + "\n"
+                                                      for r in written + drop_rows))
+        synthetic = pa.Table.from_pylist([{f.name: r.get(f.name) for f in schema}
+                                          for r in written], schema=schema)
+        both = curate(pa.concat_tables([
+            traffic.append_column("origin", pa.array(["traffic"] * traffic.num_rows)),
+            synthetic.append_column("origin", pa.array([SYNTHETIC] * synthetic.num_rows))]),
+            config, counter)
+        origin = both.train.column("origin").to_pylist()
+        kept_synth = [m for m, o in zip(both.train.column("messages").to_pylist(), origin,
+                                        strict=True) if o == SYNTHETIC]
+        synth_labels = Counter(labeler.label(final_turn(json.loads(m))[0]) if labeler else None
+                               for m in kept_synth)
+        results["synthesis"] = {
+            "attempts": outcome.num_planned, "written": outcome.num_written,
+            "drops": outcome.drops, "seconds": round(synth_s, 1),
+            "kept_after_curation": len(kept_synth),
+            "curation_drops_of_synthetic": dict(Counter(
+                d["reason"] for d in both.drops
+                if d["sample_id"] in set(synthetic.column("sample_id").to_pylist()))),
+            "kept_labels": {str(k): v for k, v in synth_labels.items()},
+            "same_eval_split": sorted(both.eval.column("sample_id").to_pylist())
+            == sorted(alone.eval.column("sample_id").to_pylist()),
+            "examples": [message_text(json.loads(r["messages"])[1])[:160] for r in written[:3]]}
+        print(json.dumps({"side": "synthesis", **results["synthesis"]}), flush=True)
+
+        # -- two students, one plan -------------------------------------------------------------
+        plan = _plan(base, steps=args.student_steps, lr=args.lr, seq_len=256, seed=args.seed)
+        for name, table in (("without", alone.train), ("with", both.train)):
+            f = _write_parquet(work / f"student-{name}.parquet",
+                               table.column("sample_id").to_pylist(),
+                               table.column("messages").to_pylist())
+            ckpt, facts = train(f"student-{name}", work, [f], plan, args.threads)
+            results[f"student_{name}"] = {**facts, "train_samples": table.num_rows,
+                                          **score(base, ckpt, heldout)}
+            print(json.dumps({"side": f"student_{name}", **results[f"student_{name}"]}),
+                  flush=True)
+        results["base"] = score(base, None, heldout)
+        print(json.dumps({"side": "base", **results["base"]}), flush=True)
+    finally:
+        if teacher_proc is not None:
+            _stop(teacher_proc)
+        if not args.work:
+            tmp.cleanup()
+    print(json.dumps({"loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                      "wall_s": round(time.perf_counter() - t_start, 1),
+                      "thin": args.thin, "heldout_per_label": args.heldout,
+                      **{k: v for k, v in results.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
