@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,10 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _canonical(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
-    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
-            for m in messages]
+from _train import canonical, lora_plan, start, train  # noqa: E402 - bench/ is the script's folder
 
 
 def _write_parquet(path: Path, samples: list[dict[str, Any]]) -> Path:
@@ -47,35 +43,6 @@ def _write_parquet(path: Path, samples: list[dict[str, Any]]) -> Path:
         "messages": [json.dumps(s["messages"]) for s in samples],
         "tools": ["[]" for _ in samples]}), path)
     return path
-
-
-def _plan(base_model: str, steps: int, lr: float, seed: int) -> dict[str, Any]:
-    return {"base_model": base_model, "max_seq_len": 256, "packing": True,
-            "micro_batch_size": 4, "grad_accum_steps": 2, "learning_rate": lr,
-            "lr_schedule": "cosine", "warmup_steps": 2, "num_steps": steps, "lora_rank": 16,
-            "lora_alpha": 32.0, "lora_dropout": 0.0,
-            "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                    "up_proj", "down_proj"],
-            "precision": "bf16-autocast", "checkpoint_every_steps": 10_000, "seed": seed}
-
-
-def train(name: str, work: Path, data: dict[str, Any], plan: dict[str, Any],
-          threads: int | None) -> Path:
-    """Run the trainer in a subprocess; the final checkpoint's directory."""
-    from factory.trainer.checkpoint import latest_checkpoint
-
-    job = {"run_id": name, "output_dir": str(work / name), "plan": plan, **data}
-    (work / f"{name}.json").write_text(json.dumps(job))
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    with open(work / f"{name}.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "factory.trainer", "--job",
-                        str(work / f"{name}.json")], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=log)
-    info = latest_checkpoint(str(work / name))
-    assert info is not None, f"{name}: no checkpoint"
-    return Path(info.path)
 
 
 def score(base_model: str, adapter: Path | None, triage: list[dict[str, Any]],
@@ -99,7 +66,7 @@ def score(base_model: str, adapter: Path | None, triage: list[dict[str, Any]],
     model.eval()
 
     def loglik(messages: list[dict[str, str]]) -> tuple[float, int]:
-        ids, labels = encode(_canonical(messages), None, tok)
+        ids, labels = encode(canonical(messages), None, tok)
         x = torch.tensor([ids])
         y = torch.tensor([labels])[:, 1:]
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -134,28 +101,17 @@ def main() -> int:
                    help="what to score, comma-separated (default base,unmixed,mixed)")
     p.add_argument("--threads", type=int, help="OMP threads (default: one per core)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    from factory.base_model import smollm2_dir
+    args, base = start(p)
     from factory.control.jobs import export_file_source
     from factory.tasks import support_extract, ticket_triage
 
-    base = str(smollm2_dir())
-    if not (Path(base) / "config.json").is_file():
-        p.error(f"no SmolLM2 at {base}: run `factory base-model` (or set FACTORY_MODELS_DIR)")
-    print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in
-                                                                 os.getloadavg()],
-                      **{k: v for k, v in vars(args).items()}}), flush=True)
     triage_heldout = ticket_triage.generate_heldout(args.heldout, seed=args.seed + 1)
     general_heldout = support_extract.generate_conversations(args.heldout, seed=args.seed + 1)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-mixing-") as tmp:
         work = Path(tmp)
         task = _write_parquet(work / "triage.parquet", [
-            {"sample_id": f"t{i:05d}", "messages": _canonical(c["messages"])}
+            {"sample_id": f"t{i:05d}", "messages": canonical(c["messages"])}
             for i, c in enumerate(ticket_triage.generate_conversations(args.task_samples,
                                                                        args.seed))])
         general_jsonl = work / "general.jsonl"
@@ -163,7 +119,7 @@ def main() -> int:
             json.dumps({"messages": c["messages"]}) + "\n"
             for c in support_extract.generate_conversations(args.general_samples, args.seed)))
         general, n_general = export_file_source(general_jsonl, work / "exported")
-        sides = {
+        sides: dict[str, dict[str, Any]] = {
             "unmixed": {"data_files": [str(task)]},
             "mixed": {"mix": [
                 {"name": "traffic", "weight": args.traffic_weight, "data_files": [str(task)]},
@@ -179,10 +135,10 @@ def main() -> int:
             if name not in wanted:
                 continue
             t = time.perf_counter()
-            ckpt = train(name, work, data, _plan(base, args.steps, args.lr, args.seed), args.threads)
+            ckpt, events = train(name, work, data, lora_plan(base, steps=args.steps, lr=args.lr,
+                                                           seq_len=256, seed=args.seed),
+                                 args.threads)
             train_s = time.perf_counter() - t
-            events = [json.loads(x) for x in (work / name / "events.jsonl").read_text()
-                      .splitlines() if x.strip()]
             started = next(e for e in events if e["type"] == "started")
             loss = [e["loss"] for e in events if e["type"] == "progress" and "loss" in e]
             t = time.perf_counter()

@@ -45,20 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _canonical(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
-    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
-            for m in messages]
-
-
-def _plan(base_model: str, *, steps: int, lr: float, seq_len: int, seed: int) -> dict[str, Any]:
-    return {"base_model": base_model, "max_seq_len": seq_len, "packing": True,
-            "micro_batch_size": 4, "grad_accum_steps": 2, "learning_rate": lr,
-            "lr_schedule": "cosine", "warmup_steps": 2, "num_steps": steps, "lora_rank": 16,
-            "lora_alpha": 32.0, "lora_dropout": 0.0, "lora_target_modules": TARGETS,
-            "precision": "bf16-autocast", "checkpoint_every_steps": 10_000, "seed": seed}
+from _train import canonical, lora_plan, start, train  # noqa: E402 - bench/ is the script's folder
 
 
 def _traffic_rows(convs: list[dict[str, Any]], keep: dict[str, int]) -> list[dict[str, Any]]:
@@ -70,7 +57,7 @@ def _traffic_rows(convs: list[dict[str, Any]], keep: dict[str, int]) -> list[dic
         seen[conv["label"]] += 1
         if seen[conv["label"]] > keep.get(conv["label"], len(convs)):
             continue
-        messages = _canonical(conv["messages"])
+        messages = canonical(conv["messages"])
         out.append({"sample_id": sample_id(messages, []), "raw_trace_id": f"r{i}",
                     "source": "upload", "provider": "openai", "model": "gpt-4o-mini",
                     "messages": canonical_json(messages), "tools": "[]", "num_turns": 1,
@@ -106,39 +93,24 @@ def _request_writing(convs: list[dict[str, Any]], fresh: list[dict[str, Any]], p
                   thin=True, even=len(pool))
         for i, target in enumerate(new):
             seeds = tuple({"sample_id": f"{label}-{j}",
-                           "messages": canonical_json(_canonical(c["messages"])), "tools": "[]"}
+                           "messages": canonical_json(canonical(c["messages"])), "tools": "[]"}
                           for j, c in enumerate(rng.sample(pool, synthesis.NUM_SEEDS)))
             attempt = synthesis.Attempt(experiment="teacher", slice=s, attempt=i, seeds=seeds)
-            messages = _canonical([*synthesis.request_prompt(attempt),
+            messages = canonical([*synthesis.request_prompt(attempt),
                                    {"role": "assistant", "content":
                                     f"<request>{target['messages'][1]['content']}</request>"}])
             out.append((sample_id(messages, []), canonical_json(messages)))
     return out
 
 
-def train(name: str, work: Path, files: list[Path], plan: dict[str, Any],
-          threads: int | None) -> tuple[Path, dict[str, Any]]:
-    """Run the trainer in a subprocess: (the final checkpoint's directory, run facts)."""
-    from factory.trainer.checkpoint import latest_checkpoint
-
-    job = {"run_id": name, "output_dir": str(work / name), "plan": plan,
-           "data_files": [str(f) for f in files]}
-    (work / f"{name}.json").write_text(json.dumps(job))
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
+def _train(name: str, work: Path, files: list[Path], plan: dict[str, Any],
+           threads: int | None) -> tuple[Path, dict[str, Any]]:
+    """One trainer run on ``files``: (the final checkpoint's directory, run facts)."""
     t = time.perf_counter()
-    with open(work / f"{name}.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "factory.trainer", "--job",
-                        str(work / f"{name}.json")], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=log)
-    info = latest_checkpoint(str(work / name))
-    assert info is not None, f"{name}: no checkpoint"
-    events = [json.loads(x) for x in (work / name / "events.jsonl").read_text().splitlines()
-              if x.strip()]
+    ckpt, events = train(name, work, {"data_files": [str(f) for f in files]}, plan, threads)
     loss = [e["loss"] for e in events if e["type"] == "progress" and "loss" in e]
-    return Path(info.path), {"train_s": round(time.perf_counter() - t, 1),
-                             "final_loss": round(loss[-1], 4), "steps": plan["num_steps"]}
+    return ckpt, {"train_s": round(time.perf_counter() - t, 1),
+                  "final_loss": round(loss[-1], 4), "steps": plan["num_steps"]}
 
 
 def score(base_model: str, adapter: Path | None, heldout: list[dict[str, Any]]
@@ -162,7 +134,7 @@ def score(base_model: str, adapter: Path | None, heldout: list[dict[str, Any]]
     right: Counter[str] = Counter()
     total: Counter[str] = Counter()
     for t in heldout:
-        rows = [encode(_canonical([*t["messages"], {"role": "assistant", "content": label}]),
+        rows = [encode(canonical([*t["messages"], {"role": "assistant", "content": label}]),
                        None, tok) for label in LABELS]
         width = max(len(ids) for ids, _ in rows)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -232,22 +204,18 @@ def main() -> int:
     p.add_argument("--keep", type=int, default=3, help="tickets of --thin the student keeps")
     p.add_argument("--request-calls", type=int, default=24,
                    help="request-writing calls per label in the teacher's traffic")
-    p.add_argument("--teacher-steps", type=int, default=48)
-    p.add_argument("--student-steps", type=int, default=32)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--teacher-steps", type=int, default=40)
+    p.add_argument("--student-steps", type=int, default=24)
+    p.add_argument("--teacher-lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=5e-4, help="the students' learning rate")
     p.add_argument("--max-per-slice", type=int, default=100)
     p.add_argument("--heldout", type=int, default=40, help="held-out tickets per label")
     p.add_argument("--threads", type=int, help="OMP threads (default: one per core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", help="keep the work folder here (default: a temp folder)")
-    args = p.parse_args()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    args, base = start(p)
     import pyarrow as pa
 
-    from factory.base_model import smollm2_dir
     from factory.curation import synthesis
     from factory.curation.config import CurationConfig
     from factory.curation.decide import SYNTHETIC
@@ -259,14 +227,8 @@ def main() -> int:
     from factory.tasks import ticket_triage
     from factory.tasks.ticket_triage import LABELS
 
-    base = str(smollm2_dir())
-    if not (Path(base) / "config.json").is_file():
-        p.error(f"no SmolLM2 at {base}: run `factory base-model` (or set FACTORY_MODELS_DIR)")
     if args.thin not in LABELS:
         p.error(f"--thin: one of {', '.join(LABELS)}")
-    print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in
-                                                                 os.getloadavg()],
-                      **vars(args)}), flush=True)
     t_start = time.perf_counter()
     convs = ticket_triage.generate_conversations(args.records, args.seed)
     fresh = ticket_triage.generate_conversations(args.records, args.seed + 7)
@@ -289,9 +251,9 @@ def main() -> int:
                            full.train.column("messages").to_pylist()),
             _write_parquet(work / "teacher-writing.parquet", [s for s, _ in writing],
                            [m for _, m in writing])]
-        teacher_ckpt, facts = train("teacher", work, teacher_files,
-                                    _plan(base, steps=args.teacher_steps, lr=args.lr,
-                                          seq_len=512, seed=args.seed), args.threads)
+        teacher_ckpt, facts = _train("teacher", work, teacher_files,
+                                    lora_plan(base, steps=args.teacher_steps, lr=args.teacher_lr,
+                                              seq_len=512, seed=args.seed), args.threads)
         results["teacher"] = {**facts, "train_samples": full.train.num_rows + len(writing),
                               **score(base, teacher_ckpt, heldout)}
         print(json.dumps({"side": "teacher", **results["teacher"]}), flush=True)
@@ -358,12 +320,12 @@ def main() -> int:
         print(json.dumps({"side": "synthesis", **results["synthesis"]}), flush=True)
 
         # -- two students, one plan -------------------------------------------------------------
-        plan = _plan(base, steps=args.student_steps, lr=args.lr, seq_len=256, seed=args.seed)
+        plan = lora_plan(base, steps=args.student_steps, lr=args.lr, seq_len=256, seed=args.seed)
         for name, table in (("without", alone.train), ("with", both.train)):
             f = _write_parquet(work / f"student-{name}.parquet",
                                table.column("sample_id").to_pylist(),
                                table.column("messages").to_pylist())
-            ckpt, facts = train(f"student-{name}", work, [f], plan, args.threads)
+            ckpt, facts = _train(f"student-{name}", work, [f], plan, args.threads)
             results[f"student_{name}"] = {**facts, "train_samples": table.num_rows,
                                           **score(base, ckpt, heldout)}
             print(json.dumps({"side": f"student_{name}", **results[f"student_{name}"]}),
