@@ -245,12 +245,13 @@ def main() -> int:
         full = curate(pa.Table.from_pylist(_traffic_rows(convs, {}), schema=schema), config,
                       counter)
         writing = _request_writing(convs, fresh, args.request_calls, args.seed)
-        teacher_files = [
-            _write_parquet(work / "teacher-traffic.parquet",
-                           full.train.column("sample_id").to_pylist(),
-                           full.train.column("messages").to_pylist()),
-            _write_parquet(work / "teacher-writing.parquet", [s for s, _ in writing],
-                           [m for _, m in writing])]
+        # One file, rows in a seeded order: the trainer visits a source's files (row groups)
+        # one after another, so two files would train the labels first and the writing last.
+        rows = [*zip(full.train.column("sample_id").to_pylist(),
+                     full.train.column("messages").to_pylist(), strict=True), *writing]
+        random.Random(args.seed).shuffle(rows)
+        teacher_files = [_write_parquet(work / "teacher.parquet", [r[0] for r in rows],
+                                        [r[1] for r in rows])]
         teacher_ckpt, facts = _train("teacher", work, teacher_files,
                                     lora_plan(base, steps=args.teacher_steps, lr=args.teacher_lr,
                                               seq_len=512, seed=args.seed), args.threads)
