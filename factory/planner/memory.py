@@ -204,10 +204,8 @@ def estimate_memory(arch: Architecture, *, micro_batch_size: int, seq_len: int, 
     num_lora = lora_parameters(arch, lora_rank, target_modules)
 
     shared = max(0, min(shared_prefix, seq_len - 1))
-    if shared:
-        tokens = -(-(shared + micro_batch_size * (seq_len - shared)) // context_parallel)
-    else:
-        tokens = micro_batch_size * -(-seq_len // context_parallel)
+    tokens = (-(-shared // context_parallel)
+              + micro_batch_size * -(-(seq_len - shared) // context_parallel))
     h = arch.hidden_size
     per_layer = tokens * layer_activation_bytes(arch, precision=precision, lora_rank=lora_rank,
                                                 target_modules=target_modules,
