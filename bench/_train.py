@@ -71,3 +71,22 @@ def start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, str]:
                       "loadavg_before": [round(x, 2) for x in os.getloadavg()], **vars(args)}),
           flush=True)
     return args, base
+
+
+def load_for_scoring(base_model: str, adapter: Path | None) -> tuple[Any, Any]:
+    """(tokenizer with the trainer's chat template, the model in eval mode with ``adapter``
+    applied when given) for teacher-forced scoring."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from factory.trainer.chat import install_chat_template
+    from factory.trainer.model import load_tokenizer
+
+    tok = install_chat_template(load_tokenizer(base_model))
+    model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    return tok, model

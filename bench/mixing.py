@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _train import canonical, lora_plan, start, train  # noqa: E402 - bench/ is the script's folder
+from _train import canonical, load_for_scoring, lora_plan, start, train  # noqa: E402 - bench/ is the script's folder
 
 
 def _write_parquet(path: Path, samples: list[dict[str, Any]]) -> Path:
@@ -51,19 +51,11 @@ def score(base_model: str, adapter: Path | None, triage: list[dict[str, Any]],
     accuracy as the label the model gives the highest log-likelihood among the five, and the
     general set's mean log-likelihood per reference token (nats; higher is better)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from factory.tasks.ticket_triage import LABELS
-    from factory.trainer.chat import IGNORE_INDEX, encode, install_chat_template
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import IGNORE_INDEX, encode
 
-    tok = install_chat_template(load_tokenizer(base_model))
-    model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    model.eval()
+    tok, model = load_for_scoring(base_model, adapter)
 
     def loglik(messages: list[dict[str, str]]) -> tuple[float, int]:
         ids, labels = encode(canonical(messages), None, tok)

@@ -32,9 +32,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _train import canonical, lora_plan, start, train  # noqa: E402 - bench/ is the script's folder
+from _train import canonical, load_for_scoring, lora_plan, start, train  # noqa: E402 - bench/ is the script's folder
 
 
 def _traffic_rows(convs: list[dict[str, Any]], keep: dict[str, int]) -> list[dict[str, Any]]:
@@ -118,26 +115,18 @@ def score(base_model: str, adapter: Path | None, heldout: list[dict[str, Any]]
     """Teacher-forced accuracy per label: the label the model gives the highest
     log-likelihood among the five."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from factory.tasks.ticket_triage import LABELS
-    from factory.trainer.chat import IGNORE_INDEX, encode, install_chat_template
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import IGNORE_INDEX, encode
 
-    tok = install_chat_template(load_tokenizer(base_model))
-    model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    model.eval()
+    tok, model = load_for_scoring(base_model, adapter)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     right: Counter[str] = Counter()
     total: Counter[str] = Counter()
     for t in heldout:
         rows = [encode(canonical([*t["messages"], {"role": "assistant", "content": label}]),
                        None, tok) for label in LABELS]
         width = max(len(ids) for ids, _ in rows)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         x = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
         y = torch.tensor([lab + [IGNORE_INDEX] * (width - len(lab)) for _, lab in rows])[:, 1:]
         att = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
@@ -151,50 +140,6 @@ def score(base_model: str, adapter: Path | None, heldout: list[dict[str, Any]]
         right[t["label"]] += best == t["label"]
     return {"accuracy": round(sum(right.values()) / max(1, sum(total.values())), 3),
             "by_label": {k: round(right[k] / total[k], 3) for k in LABELS}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def serve(base_model: str, adapter: Path, work: Path, threads: int | None
-          ) -> tuple[subprocess.Popen[bytes], str]:
-    """The teacher behind the factory's CPU server: (process, base URL)."""
-    import httpx
-
-    port = _free_port()
-    cmd = [sys.executable, "-m", "factory.inference", base_model, "--port", str(port),
-           "--lora-modules", f"teacher={adapter}", "--max-num-seqs", "4"]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    log = open(work / "teacher-server.log", "wb")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"teacher server exited {proc.returncode}: see "
-                               f"{work / 'teacher-server.log'}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url + "/v1"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("teacher server not healthy within 300 s")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL if the server is still busy generating after 10 s."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def main() -> int:
@@ -223,6 +168,7 @@ def main() -> int:
     from factory.curation.slices import final_turn, fit_labeler, profile_slices
     from factory.curation.text import message_text
     from factory.curation.tokens import RenderCounter
+    from factory.inference.launcher import InferenceServer
     from factory.tables import TABLES
     from factory.tasks import ticket_triage
     from factory.tasks.ticket_triage import LABELS
@@ -239,7 +185,6 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="bench-synthesis-")
     work = Path(args.work) if args.work else Path(tmp.name)
     work.mkdir(parents=True, exist_ok=True)
-    teacher_proc = None
     try:
         # -- the teacher: full traffic plus request-writing calls ---------------------------
         full = curate(pa.Table.from_pylist(_traffic_rows(convs, {}), schema=schema), config,
@@ -270,30 +215,30 @@ def main() -> int:
                           "thin_slices": thin}), flush=True)
 
         # -- synthesis through the teacher ----------------------------------------------------
-        teacher_proc, url = serve(base, teacher_ckpt, work, args.threads)
-        teacher = synthesis.Teacher(base_url=url, model="teacher", timeout_s=180,
-                                    max_tokens=16, experiment="bench")
-        labeler = fit_labeler(alone.train)
-        attempts = synthesis.plan_attempts("bench", slices,
-                                           synthesis.slice_members(alone.train, labeler),
-                                           max_per_slice=args.max_per_slice, seed=args.seed)
-        written: list[dict[str, Any]] = []
-        drop_rows: list[dict[str, Any]] = []
+        with InferenceServer(base, adapters={"teacher": str(teacher_ckpt)},
+                             threads=args.threads, max_batch_size=4,
+                             log_path=work / "teacher-server.log") as server:
+            teacher = synthesis.Teacher(base_url=server.base_url, model="teacher", timeout_s=180,
+                                        max_tokens=16, experiment="bench")
+            labeler = fit_labeler(alone.train)
+            attempts = synthesis.plan_attempts("bench", slices,
+                                               synthesis.slice_members(alone.train, labeler),
+                                               max_per_slice=args.max_per_slice, seed=args.seed)
+            written: list[dict[str, Any]] = []
+            drop_rows: list[dict[str, Any]] = []
 
-        def write(rows: list[dict[str, Any]], drops: list[dict[str, Any]]) -> None:
-            written.extend(rows)
-            drop_rows.extend(drops)
-            print(json.dumps({"synthesis_batch": len(rows), "drops": dict(Counter(
-                d["reason"] for d in drops))}), flush=True)
+            def write(rows: list[dict[str, Any]], drops: list[dict[str, Any]]) -> None:
+                written.extend(rows)
+                drop_rows.extend(drops)
+                print(json.dumps({"synthesis_batch": len(rows), "drops": dict(Counter(
+                    d["reason"] for d in drops))}), flush=True)
 
-        t = time.perf_counter()
-        outcome = synthesis.synthesize(attempts, teacher, labeler, recorded=(),
-                                       known_ids=traffic.column("sample_id").to_pylist(),
-                                       write=write, concurrency=4)
-        synth_s = time.perf_counter() - t
-        teacher.close()
-        _stop(teacher_proc)
-        teacher_proc = None
+            t = time.perf_counter()
+            outcome = synthesis.synthesize(attempts, teacher, labeler, recorded=(),
+                                           known_ids=traffic.column("sample_id").to_pylist(),
+                                           write=write, concurrency=4)
+            synth_s = time.perf_counter() - t
+            teacher.close()
         (work / "synthetic.jsonl").write_text("".join(json.dumps(r, default=str) + "\n"
                                                       for r in written + drop_rows))
         synthetic = pa.Table.from_pylist([{f.name: r.get(f.name) for f in schema}
@@ -334,8 +279,6 @@ def main() -> int:
         results["base"] = score(base, None, heldout)
         print(json.dumps({"side": "base", **results["base"]}), flush=True)
     finally:
-        if teacher_proc is not None:
-            _stop(teacher_proc)
         if not args.work:
             tmp.cleanup()
     print(json.dumps({"loadavg_after": [round(x, 2) for x in os.getloadavg()],
