@@ -20,9 +20,12 @@ def upstream() -> Iterator[ServerThread]:
 
 
 def make_config(upstream: ServerThread, **overrides: Any) -> GatewayConfig:
+    """A gateway config for tests. The upstream timeout is generous (the stand-in and the gateway
+    share one process, and a lake commit can hold it for a second on a busy machine); the test of
+    the 504 sets a short one."""
     values: dict[str, Any] = {
         "port": 0, "openai_base_url": upstream.url + "/v1", "anthropic_base_url": upstream.url,
-        "gemini_base_url": upstream.url, "upstream_timeout_s": 0.5, "flush_interval_s": 0.05,
+        "gemini_base_url": upstream.url, "upstream_timeout_s": 15.0, "flush_interval_s": 0.05,
         "segment_max_age_s": 0.05, "routes_poll_s": 0.1, "flush_retry_max_s": 0.2,
         "shadow_flush_s": 0.05}
     values.update(overrides)

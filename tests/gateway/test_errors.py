@@ -37,18 +37,21 @@ def test_malformed_json_is_400_in_each_format_and_not_forwarded(
     assert httpx.get(gateway.url + "/v1/messages").status_code == 405
 
 
-def test_upstream_errors_pass_through_and_are_recorded(gateway: ServerThread,
+def test_upstream_errors_pass_through_and_are_recorded(factory_home: Path, upstream: ServerThread,
                                                        collected: Collected) -> None:
-    oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
-    with pytest.raises(openai.RateLimitError):
-        oai.chat.completions.create(model="error-429", messages=CHAT["messages"])
-    ant = anthropic.Anthropic(base_url=gateway.url, api_key="k", max_retries=0)
-    with pytest.raises(anthropic.RateLimitError):
-        ant.messages.create(model="error-429", max_tokens=5, messages=CHAT["messages"])
-    with pytest.raises(openai.APIStatusError) as info:  # the stand-in waits 2 s, limit 0.5 s
-        oai.chat.completions.create(model="slow", messages=CHAT["messages"])
-    assert info.value.status_code == 504
-    wait_until(lambda: len(collected) == 3, what="three captures")
+    app = Gateway(make_config(upstream, upstream_timeout_s=0.5), lake_factory=lambda: None,
+                  ingest=collected)
+    with ServerThread(app) as gateway:
+        oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            oai.chat.completions.create(model="error-429", messages=CHAT["messages"])
+        ant = anthropic.Anthropic(base_url=gateway.url, api_key="k", max_retries=0)
+        with pytest.raises(anthropic.RateLimitError):
+            ant.messages.create(model="error-429", max_tokens=5, messages=CHAT["messages"])
+        with pytest.raises(openai.APIStatusError) as info:  # the stand-in waits 2 s, limit 0.5 s
+            oai.chat.completions.create(model="slow", messages=CHAT["messages"])
+        assert info.value.status_code == 504
+        wait_until(lambda: len(collected) == 3, what="three captures")
     statuses = sorted(r.payload["status"] for r in collected)
     assert statuses == [429, 429, 504]
     assert {r.payload["provider"] for r in collected} == {"openai", "anthropic"}
