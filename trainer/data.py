@@ -665,8 +665,9 @@ class MixtureStream:
 
     Window ``w`` draws up to ``window_samples`` sources with replacement by weight (a generator
     seeded by ``seed`` and ``w``), takes each drawn source's next row (``SourceReader``),
-    tokenizes it, packs the window's examples first-fit in draw order and groups the rows into
-    micro-batches. The primary source (the first) finishing an epoch ends a window, so a
+    tokenizes it, packs the window's examples first-fit in draw order (in a seeded order of the
+    window when a source has several blocks, which a reader visits one after another) and
+    groups the rows into micro-batches. The primary source (the first) finishing an epoch ends a window, so a
     single source trains in whole epochs, each window one epoch while the source fits in one:
     the batches ``MicroBatchStream`` gives the same rows when no sample is dropped.
 
@@ -745,6 +746,12 @@ class MixtureStream:
                 examples.append(example)
             if s == 0 and cursors[0][0] != epoch:
                 break
+        if any(len(r.blocks) > 1 for r in self.readers):
+            # A source of several files or row groups yields them one block after another:
+            # the window's samples are mixed so a run does not train one file, then the next.
+            # (One block is already one permutation an epoch.)
+            g = torch.Generator().manual_seed(_seed(self.seed, -2, at.window))
+            examples = [examples[j] for j in torch.randperm(len(examples), generator=g).tolist()]
         if self.packing:
             rows = pack([len(e.input_ids) for e in examples], range(len(examples)),
                         self.max_seq_len)
@@ -797,6 +804,11 @@ class MixtureStream:
     def rows(self, index: int) -> list[list[int]]:
         w = self._window(index)
         return w.layout[index - w.at.start]
+
+    def sample_ids(self, index: int) -> list[str]:
+        """The sample ids micro-batch ``index`` trains on, row by row."""
+        w = self._window(index)
+        return [w.examples[i].sample_id for row in w.layout[index - w.at.start] for i in row]
 
     def _shared(self, w: _Window, index: int) -> tuple[list[int], int] | None:
         if not self.share_prefix:

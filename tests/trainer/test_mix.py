@@ -59,6 +59,26 @@ def test_one_source_gives_the_batches_of_the_whole_dataset_stream(tok, tmp_path:
         assert stream.num_label_tokens(k) == whole.num_label_tokens(k)
 
 
+def test_a_source_of_several_files_trains_them_mixed_not_one_after_the_other(
+        tok, tmp_path: Path) -> None:
+    # One source, two files (traffic and, say, synthetic samples written apart): the reader
+    # visits one file's rows, then the other's; each step should hold both.
+    a = write_parquet(tmp_path / "a.parquet", make_samples(40, seed=1))
+    b = write_parquet(tmp_path / "b.parquet", make_samples(40, seed=2))
+    source = [MixSource(name="train", weight=1.0, data_files=[str(a), str(b)])]
+    stream = _stream(source, tok, packing=False, micro_batch_size=4)
+    epoch = [stream.sample_ids(k) for k in range(stream.per_epoch)]
+    assert sorted(i for ids in epoch for i in ids) == sorted(
+        [f"s1-{i:04d}" for i in range(40)] + [f"s2-{i:04d}" for i in range(40)])
+    first_half = [i for ids in epoch[:len(epoch) // 2] for i in ids]
+    share_a = sum(i.startswith("s1-") for i in first_half) / len(first_half)
+    assert 0.25 < share_a < 0.75, share_a
+    # The order is the seed's: the same stream again, and another epoch differs.
+    again = _stream(source, tok, packing=False, micro_batch_size=4)
+    assert [again.sample_ids(k) for k in range(stream.per_epoch)] == epoch
+    assert [stream.sample_ids(stream.per_epoch + k) for k in range(stream.per_epoch)] != epoch
+
+
 def test_sources_are_drawn_by_weight_and_reproducibly(tok, tmp_path: Path) -> None:
     a = write_parquet(tmp_path / "a.parquet", make_samples(30, seed=1))
     b = _parquet(tmp_path / "b.parquet", make_samples(300, seed=9), row_group_size=50)
