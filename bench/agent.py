@@ -299,8 +299,13 @@ def main() -> int:
     try:
         base_url, models, server = models_to_score(lake, EXPERIMENT, deployed=ok_run,
                                                    home=home, threads=args.server_threads)
-        scores = {label: _score(base_url, model, heldout, task.TOOLS, args.concurrency)
-                  for label, model in models.items()}
+        scores = {}
+        # The deployed model first: its figure is the goal's, and each line shows once scored.
+        for label in sorted(models, key=lambda k: k != "deployed"):
+            scores[label] = _score(base_url, models[label], heldout, task.TOOLS,
+                                   args.concurrency)
+            print(_row(f"{label} ({models[label]})", scores[label]), file=sys.stderr, flush=True)
+        scores = {label: scores[label] for label in models}
     finally:
         if server is not None:
             server.stop()
