@@ -23,9 +23,10 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 install: $(STAMP)
 
 # Debian packages the tests start for real: Chromium and its WebDriver (the comparison page's
-# browser test) and PostgreSQL 15 (throwaway clusters for the shared-state tests). Installed
-# only when missing; apt-get runs through sudo when this is not root.
-SYSDEPS := chromium chromium-driver postgresql-15
+# browser test) and PostgreSQL 15 (throwaway clusters for the shared-state tests); jemalloc,
+# which `python -m factory.trainer` preloads (a CPU run's heap fragments under glibc's malloc).
+# Installed only when missing; apt-get runs through sudo when this is not root.
+SYSDEPS := chromium chromium-driver postgresql-15 libjemalloc2
 sysdeps:
 	@missing=""; for p in $(SYSDEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

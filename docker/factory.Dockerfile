@@ -10,6 +10,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     FACTORY_HOME=/var/lib/factory
 
 WORKDIR /app
+# jemalloc: `python -m factory.trainer` (the local provider's trainers) preloads it.
+RUN apt-get update && apt-get install -y --no-install-recommends libjemalloc2 \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY factory/ factory/

@@ -171,6 +171,16 @@ def _autocast(plan: TrainConfig, device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def malloc_name() -> str:
+    """``jemalloc`` when this process runs it (see ``__main__.preload_jemalloc``), else
+    ``system``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return "jemalloc" if any("libjemalloc" in line for line in maps) else "system"
+    except OSError:
+        return "system"
+
+
 def _memory(device: torch.device) -> dict[str, int]:
     out = {"peak_rss_bytes": peak_rss_bytes()}
     if device.type == "cuda":
@@ -453,7 +463,7 @@ class Trainer:
         inject_at = job.debug.nan_at_step if not self.resumed_from else None
         reporter.emit("started", step=self.step, num_steps=self.num_steps,
                       resumed_from=self.resumed_from, world_size=self.world,
-                      device=str(self.device), pid=os.getpid(),
+                      device=str(self.device), pid=os.getpid(), malloc=malloc_name(),
                       data=vars(self.data_stats), mix=self.stream.summary(),
                       shared_prefix=self.stream.shared_prefix_summary(),
                       num_trainable_parameters=sum(p.numel() for p in self.params),

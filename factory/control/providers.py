@@ -113,7 +113,9 @@ class _ProcessProvider:
     python: str = sys.executable
     """Interpreter running ``-m factory.trainer``."""
     warm_start: bool = False
-    """Fork trainers from a server with torch/transformers already imported."""
+    """Fork trainers from a server with torch/transformers already imported. A forked trainer
+    keeps the server's allocator: ``python -m factory.trainer`` preloads jemalloc, a fork
+    cannot (``factory.trainer.__main__.preload_jemalloc``)."""
     clock: Callable[[], float] = field(default=time.time, repr=False, compare=False,
                                        metadata={"config": False})
     """Seconds a sandbox's life is measured in (launch time, deadline); the control plane's
