@@ -667,9 +667,9 @@ class MixtureStream:
     seeded by ``seed`` and ``w``), takes each drawn source's next row (``SourceReader``),
     tokenizes it, packs the window's examples first-fit in draw order (in a seeded order of the
     window when a source has several blocks, which a reader visits one after another) and
-    groups the rows into micro-batches. The primary source (the first) finishing an epoch ends a window, so a
-    single source trains in whole epochs, each window one epoch while the source fits in one:
-    the batches ``MicroBatchStream`` gives the same rows when no sample is dropped.
+    groups the rows into micro-batches. The primary source (the first) finishing an epoch ends
+    a window, so a single source trains in whole epochs, each window one epoch while the source
+    fits in one: the batches ``MicroBatchStream`` gives the same rows when no sample is dropped.
 
     So the data position of a micro-batch is its window's ``MixPosition`` plus an offset, and a
     resume from it draws, reads and packs the same batches. Windows are made as indices are
