@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from factory.errors import FactoryError
+from factory.experiments import BALANCE_BY, UNDETERMINED, group_of, group_source
 from factory.experiments import run_id as run_id_for_key
 from factory.lake import Lake, Lineage
 from factory.settings import Settings, get_settings
@@ -86,6 +87,14 @@ def _has_origin(lake: Lake) -> bool:
 def _source_query(lake: Lake, source: str, experiment: str) -> tuple[str, list[Any]]:
     """The ``WHERE`` clause and parameters of a lake source of ``data.mix`` over
     ``dataset_train``."""
+    group = group_of(source)
+    if group is not None:
+        # A group of the traffic (data.balance); ``by`` is one of BALANCE_BY, a column name.
+        by, value = group
+        if by not in BALANCE_BY:
+            raise ValueError(f"data.balance: {by!r} is not a column to group by")
+        where, params = _source_query(lake, "traffic", experiment)
+        return f"({where}) AND coalesce({by}, ?) = ?", [*params, UNDETERMINED, value]
     kind, _, target = source.partition(":")
     if kind == "experiment":
         return "experiment = ?", [target]
@@ -164,6 +173,19 @@ def mix_source_rows(lake: Lake, experiment: str, sources: Sequence[str], *,
             out[source] = int(lake.sql(f"SELECT count(*) AS n FROM dataset_train WHERE {where}",
                                        params).column("n")[0].as_py())
     return out
+
+
+def traffic_group_rows(lake: Lake, experiment: str, by: str) -> dict[str, int]:
+    """Rows of each group of the experiment's traffic by the column ``by`` (``data.balance``),
+    keyed by the group's source name (``group_source``); empty before the dataset exists."""
+    if by not in BALANCE_BY:
+        raise ValueError(f"data.balance: {by!r} is not a column to group by")
+    if not lake.exists("dataset_train"):
+        return {}
+    where, params = _source_query(lake, "traffic", experiment)
+    rows = lake.sql(f"SELECT coalesce({by}, ?) AS value, count(*) AS n FROM dataset_train "
+                    f"WHERE {where} GROUP BY 1", [UNDETERMINED, *params]).to_pylist()
+    return {group_source(by, r["value"]): int(r["n"]) for r in rows}
 
 
 def export_mix(lake: Lake, experiment: str, mix: Sequence[dict[str, Any]], dest: Path, *,

@@ -117,10 +117,18 @@ def words(text: str) -> list[str]:
 # -- language -------------------------------------------------------------------------------------
 # A small stopword vote, enough for the profile's language mix; scripts decide non-Latin text.
 _STOP_TEXT: dict[str, str] = {
-    "en": "the and is are you to of in it that for with this what how can i my",
-    "fr": "le la les et est vous de des un une que pour dans je mon pas ce qui",
-    "es": "el la los las y es usted de un una que para en yo mi por como no se",
-    "de": "der die das und ist sie zu ein eine nicht ich mein mit für wie was",
+    "en": "the and is are you to of in it that for with this what how can i my a an on at be "
+          "was have has do does not your me we yet any please thanks thank hello hi will would "
+          "could should from when where why there here still so no good morning evening",
+    "fr": "le la les et est vous de des un une que pour dans je mon pas ce qui ma mes sur avec "
+          "au aux du il elle nous votre vos merci bonjour ai suis où mais plus "
+          "encore puis pouvez ça très bonsoir salut appelle",
+    "es": "el la los las y es usted de un una que para en yo mi por como no se con del al lo "
+          "su sus hola gracias favor está estoy puedo pero muy ya todavía mis qué cuándo dónde "
+          "me buenos buenas días muchas llamo",
+    "de": "der die das und ist sie zu ein eine nicht ich mein mit für wie was den dem des auf "
+          "bitte danke hallo noch kann mir meine ihre sich auch habe bin schon wann wo warum "
+          "vielen dank können guten tag morgen abend",
     "it": "il lo la gli e è di un una che per con non io mio come sono ho",
     "pt": "o a os as e é de um uma que para com não eu meu como em do da",
     "nl": "de het een en is van ik niet dat voor met mijn hoe wat je zijn",
@@ -140,9 +148,10 @@ def language(text: str) -> str:
         if len(pattern.findall(sample)) >= 3:
             return code
     toks = words(sample)
-    best, best_hits = "und", 0
-    for code, stop in _STOPWORDS.items():
-        hits = sum(1 for t in toks if t in stop)
-        if hits > best_hits:
-            best, best_hits = code, hits
-    return best if best_hits >= 2 else "und"
+    votes = {code: sum(1 for t in toks if t in stop) for code, stop in _STOPWORDS.items()}
+    if "¿" in sample or "¡" in sample:
+        votes["es"] += 2
+    ranked = sorted(votes.values(), reverse=True)
+    best = max(votes, key=lambda code: votes[code])
+    # Two words decide; one decides a short text when no other language has it too.
+    return best if ranked[0] >= 2 or (ranked[0] == 1 and ranked[1] == 0) else "und"

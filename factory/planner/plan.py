@@ -19,7 +19,7 @@ from typing import Any
 
 from factory.errors import FactoryError
 from factory.evals.selection import CLEAR_MARGIN, PLATEAU_PATIENCE
-from factory.experiments import Experiment
+from factory.experiments import UNDETERMINED, Experiment, MixEntry, group_of, group_source
 from factory.planner.hardware import Hardware, get_hardware
 from factory.planner.memory import GIB, MemoryEstimate, estimate_memory
 from factory.planner.profile import DatasetProfile
@@ -464,8 +464,9 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
             f"the batch, x sqrt({recipe.reference_rank}/{rank}) for the rank"
             + (" (capped at 1e-3)" if lr > 1e-3 else ""))
     # An epoch is a pass over the primary source; in a mixture it draws 1 / share of it.
-    mix_rows = _mix_rows(experiment, n, source_rows or {})
-    epoch_rows = num_rows * mix_rows / n if data.mix else num_rows
+    mix = balanced_mix(experiment, source_rows or {}, notes=plan.notes)
+    mix_rows = _mix_rows(mix, n, source_rows or {})
+    epoch_rows = num_rows * mix_rows / n if mix else num_rows
     steps_per_epoch = max(1, math.ceil(epoch_rows / real_batch))
     total = max(1, math.ceil(steps_per_epoch * plan["num_epochs"]))
     if total > MAX_STEPS:
@@ -477,8 +478,8 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
                 f"{real_batch} rows)")
     if plan["num_steps"] is not None:
         total = plan["num_steps"]
-    if data.mix:
-        _plan_mix(plan, experiment, source_rows or {},
+    if mix:
+        _plan_mix(plan, experiment, mix, source_rows or {},
                   samples=total * real_batch * n / num_rows)
     warm = math.ceil(0.03 * total) if total >= 10 else 0
     dec.set("warmup_steps", warm, "warmup.3pct",
@@ -498,21 +499,56 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     return plan
 
 
-def _mix_rows(experiment: Experiment, n: int, source_rows: Mapping[str, int]) -> float:
+def balanced_mix(experiment: Experiment, source_rows: Mapping[str, int], *,
+                 notes: list[str] | None = None) -> tuple[MixEntry, ...]:
+    """The sources the trainer draws from: ``data.mix``, with ``data.balance`` splitting its
+    ``traffic`` (all of the training set when there is no mix) into one source per group.
+
+    Group ``g`` of ``n_g`` rows (``source_rows[group_source(by, g)]``) gets the traffic's
+    weight times ``n_g ** alpha / sum(n ** alpha)``, but for the ``und`` group (no language
+    found), which keeps its share of the rows; the largest group first (the primary source: an
+    epoch is a pass over it, as the trainer counts). Without the groups' counts (no
+    dataset yet, or a plan from a saved profile) the traffic is drawn as it is, with a note.
+    """
+    data = experiment.data
+    mix = data.mix
+    if data.balance is None:
+        return mix
+    mix = mix or (MixEntry(source="traffic", weight=1.0),)
+    by, alpha = data.balance.by, data.balance.alpha
+    groups = {source: rows for source, rows in source_rows.items()
+              if rows and (group_of(source) or ("", ""))[0] == by}
+    if not groups:
+        if notes is not None:
+            notes.append(f"data.balance: no counts of the traffic's {by} groups (materialize "
+                         f"the dataset); the traffic is drawn as it is")
+        return data.mix
+    traffic = next(m for m in mix if m.source == "traffic")
+    # Samples of no known group (``und``) keep their share: an unsure guess is no slice to lift.
+    unsure = group_source(by, UNDETERMINED)
+    rows_all = sum(groups.values())
+    share = {unsure: groups[unsure] / rows_all} if unsure in groups else {}
+    mass = {source: rows ** alpha for source, rows in groups.items() if source != unsure}
+    rest = 1.0 - sum(share.values())
+    share.update({source: rest * m / sum(mass.values()) for source, m in mass.items()})
+    split = [MixEntry(source=source, weight=round(traffic.weight * share[source], 6))
+             for source in sorted(groups, key=lambda s: (-groups[s], s))]
+    return (*split, *(m for m in mix if m.source != "traffic"))
+
+
+def _mix_rows(mix: tuple[MixEntry, ...], n: int, source_rows: Mapping[str, int]) -> float:
     """Samples drawn per pass over the mixture's primary source: its rows over its share (the
     profile's ``n`` when its rows are not counted)."""
-    mix = experiment.data.mix
     if not mix:
         return float(n)
     share = mix[0].weight / sum(m.weight for m in mix)
     return source_rows.get(mix[0].source, n) / share
 
 
-def _plan_mix(plan: Plan, experiment: Experiment, source_rows: Mapping[str, int], *,
-              samples: float) -> None:
+def _plan_mix(plan: Plan, experiment: Experiment, mix: tuple[MixEntry, ...],
+              source_rows: Mapping[str, int], *, samples: float) -> None:
     """The mixture's sources with their shares and effective epochs over ``samples`` drawn;
     a source with no rows refuses the plan."""
-    mix = experiment.data.mix
     total = sum(m.weight for m in mix)
     for m in mix:
         rows = source_rows.get(m.source)

@@ -67,12 +67,17 @@ def profile_version(lake: Any, experiment: str) -> str | None:
 
 
 def mix_rows(experiment: Experiment, lake: Any) -> dict[str, int]:
-    """Rows of each ``data.mix`` source of ``experiment`` (empty without a mix)."""
-    if not experiment.data.mix:
+    """Rows of each ``data.mix`` source of ``experiment``, and of each group of its traffic
+    under ``data.balance`` (empty with neither)."""
+    data = experiment.data
+    if not data.mix and data.balance is None:
         return {}
-    from factory.control.jobs import mix_source_rows
+    from factory.control.jobs import mix_source_rows, traffic_group_rows
 
-    return mix_source_rows(lake, experiment.name, [m.source for m in experiment.data.mix])
+    rows = mix_source_rows(lake, experiment.name, [m.source for m in data.mix])
+    if data.balance is not None:
+        rows.update(traffic_group_rows(lake, experiment.name, data.balance.by))
+    return rows
 
 
 def plan_experiment(experiment: Experiment, lake: Any) -> list[Plan]:

@@ -11,7 +11,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from factory.control.jobs import EXPORT_ROW_GROUP, job_from_plan, mix_source_rows
+from factory.control.jobs import (
+    EXPORT_ROW_GROUP,
+    job_from_plan,
+    mix_source_rows,
+    traffic_group_rows,
+)
 from factory.errors import FactoryError
 from factory.lake import Lake
 
@@ -76,3 +81,31 @@ def test_traffic_and_synthetic_are_the_rows_of_each_origin(factory_home: Path) -
                                     "synthetic"])])
     assert mix_source_rows(lake, "demo", ["traffic", "synthetic"]) == {"traffic": 3,
                                                                        "synthetic": 3}
+
+
+def test_balance_groups_count_and_export_the_traffic_by_language(factory_home: Path) -> None:
+    lake = Lake()
+    langs = ["en"] * 5 + ["fr"] * 2 + [None]
+    lake.append("dataset_train", [{"experiment": "demo", "sample_id": f"demo-{i}",
+                                   "messages": _chat(f"hello {i}"), "tools": "[]",
+                                   "split": "train", "language": lang}
+                                  for i, lang in enumerate(langs)]
+                + [{"experiment": "other", "sample_id": "other-0", "messages": _chat("x"),
+                    "tools": "[]", "split": "train", "language": "fr"}])
+    assert traffic_group_rows(lake, "demo", "language") == {
+        "traffic[language=en]": 5, "traffic[language=fr]": 2, "traffic[language=und]": 1}
+    with pytest.raises(ValueError, match="not a column to group by"):
+        traffic_group_rows(lake, "demo", "messages")
+    mix = [{"source": "traffic[language=en]", "weight": 0.6},
+           {"source": "traffic[language=fr]", "weight": 0.3},
+           {"source": "traffic[language=und]", "weight": 0.1}]
+    lake.append("training_plans", [{
+        "run_key": "demo", "experiment": "demo", "dataset_version": "abcdef0123456789",
+        "created_at": datetime(2026, 1, 2, tzinfo=UTC),
+        "train_config": json.dumps({"base_model": "m", "max_seq_len": 64,
+                                    "learning_rate": 1e-3, "num_steps": 2}),
+        "plan": json.dumps({"mix": mix})}])
+    job, _ = job_from_plan(lake, "demo")
+    ids = [pq.read_table(s.data_files[0]).column("sample_id").to_pylist() for s in job.mix]
+    assert ids == [[f"demo-{i}" for i in range(5)], ["demo-5", "demo-6"], ["demo-7"]]
+    assert [s.name for s in job.mix] == [m["source"] for m in mix]

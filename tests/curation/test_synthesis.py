@@ -573,3 +573,42 @@ def test_the_default_judge_threshold_of_synthetic_samples() -> None:
     llm = Criterion(name="helpful", description="helps", check="llm", weight=1.0, params={})
     assert synthesis.default_judge_threshold(Rubric(criteria=(label,))) == 1.0
     assert synthesis.default_judge_threshold(Rubric(criteria=(label, llm))) == FREE_TEXT_PASS
+
+
+class _TicketJudge:
+    """A local judge: a ticket that names a parcel passes (1.0); any other fails (0.0).
+    Records which samples it was asked about."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def score(self, sample: dict[str, Any]) -> float:
+        self.asked.append(sample["sample_id"])
+        user = sample["messages"][1]["content"][0]["text"]
+        return 1.0 if "parcel" in user else 0.0
+
+
+def test_the_judge_rejects_synthetic_samples_below_their_bar_and_leaves_traffic_alone(
+        smollm2_dir: Path) -> None:
+    from factory.curation.config import CurationConfig
+    from factory.curation.pipeline import curate
+    from factory.curation.tokens import RenderCounter
+
+    traffic = pa.Table.from_pylist(_rows(120, keep_thin=4), schema=TABLES["samples"])
+    system = ticket_triage.SYSTEM_PROMPT
+    good = _synthetic_row("My parcel never came and the tracking number gives an error.",
+                          THIN, system)
+    poor = _synthetic_row("Good morning, My order is a full cancellation due to the order.",
+                          THIN, system)
+    rows = traffic.append_column("origin", pa.array(["traffic"] * traffic.num_rows))
+    table = pa.concat_tables([rows, pa.Table.from_pylist([good, poor], schema=rows.schema)])
+    judge = _TicketJudge()
+    config = CurationConfig(max_tokens=1024, synthetic_judge_threshold=1.0)
+    result = curate(table, config, RenderCounter(smollm2_dir), judge=judge)
+    # Only the synthetic samples are judged (no data.judge_threshold for the traffic).
+    assert sorted(judge.asked) == sorted([good["sample_id"], poor["sample_id"]])
+    drops = [(d["sample_id"], d["reason"]) for d in result.drops if d["origin"] == "synthetic"]
+    assert drops == [(poor["sample_id"], "judge_below_threshold")]
+    train = set(result.train.column("sample_id").to_pylist())
+    assert good["sample_id"] in train and poor["sample_id"] not in train
+    assert result.profile["num_synthetic"] == 1

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from factory.experiments import (
+    BalanceSpec,
     ExperimentError,
     cron_problem,
     list_experiments,
@@ -169,3 +170,27 @@ def test_data_mix_errors_name_the_line(tmp_path: Path, bad: str, expected: str) 
     (tmp_path / "general" / "instructions.jsonl").write_text('{"messages": []}\n')
     with pytest.raises(ExperimentError, match=expected):
         load_experiment(_write(tmp_path, bad))
+
+
+def test_data_balance_groups_the_traffic(tmp_path: Path) -> None:
+    head = "name: multi\nrecipe: smollm2-135m-lora\ndata:\n"
+    short = load_experiment(_write(tmp_path, head + "  balance: language\n"))
+    assert short.data.balance == BalanceSpec(by="language", alpha=0.5)
+    full = load_experiment(_write(tmp_path, head + "  balance: {by: language, alpha: 0.3}\n"))
+    assert full.data.balance == BalanceSpec(by="language", alpha=0.3)
+    assert load_experiment(_write(tmp_path, GOOD)).data.balance is None
+
+
+@pytest.mark.parametrize(("bad", "expected"), [
+    ("  balance: {by: tool}\n", r":4: data.balance.by: got 'tool'; allowed: language"),
+    ("  balance: {by: language, alpha: 2}\n", r":4: data.balance.alpha: got 2; allowed: a "
+                                              r"number in \[0, 1\]"),
+    ("  balance: {by: language, temprature: 2}\n", r"data.balance.temprature"),
+    ("  balance: [language]\n", r":4: data.balance: got \['language'\]; allowed: a column"),
+    ("  balance: language\n  mix: {synthetic: 1, \"experiment:other\": 1}\n",
+     r"data.balance: balance splits the traffic into groups, and data.mix does not name"),
+])
+def test_data_balance_errors_name_the_line(tmp_path: Path, bad: str, expected: str) -> None:
+    head = "name: multi\nrecipe: smollm2-135m-lora\ndata:\n"
+    with pytest.raises(ExperimentError, match=expected):
+        load_experiment(_write(tmp_path, head + bad))

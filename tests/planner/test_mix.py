@@ -45,3 +45,44 @@ def test_uncounted_sources_show_unknown_epochs_and_empty_ones_refuse_the_plan() 
     with pytest.raises(PlanError, match="data.mix source 'synthetic' has no samples; the "
                                         "dataset has no synthetic rows"):
         make_plan(experiment(data=MIX), profile(), source_rows={**ROWS, "synthetic": 0})
+
+
+def test_balance_draws_the_traffic_s_languages_closer_to_even() -> None:
+    rows = {"traffic[language=en]": 640, "traffic[language=fr]": 120,
+            "traffic[language=de]": 120, "traffic[language=es]": 120, "traffic": 1000}
+    half = make_plan(experiment(data={"balance": "language"}), profile(), source_rows=rows)
+    by = {m["source"]: m for m in half.mix}
+    assert half.mix[0]["source"] == "traffic[language=en]"  # the largest group is the primary
+    assert "traffic" not in by
+    # count ** 0.5: 640 -> 25.3, 120 -> 10.95 (x3): en 43.5%, each of the others 18.8%.
+    assert by["traffic[language=en]"]["share"] == pytest.approx(0.435, abs=0.001)
+    assert by["traffic[language=fr]"]["share"] == pytest.approx(0.188, abs=0.001)
+    assert by["traffic[language=fr]"]["epochs"] > 2 * by["traffic[language=en]"]["epochs"]
+    even = make_plan(experiment(data={"balance": {"by": "language", "alpha": 0.0}}), profile(),
+                     source_rows=rows)
+    assert {m["share"] for m in even.mix} == {0.25}
+    same = make_plan(experiment(data={"balance": {"by": "language", "alpha": 1.0}}), profile(),
+                     source_rows=rows)
+    assert [m["share"] for m in same.mix] == [0.64, 0.12, 0.12, 0.12]
+    # Beside another source, the groups share the traffic's weight.
+    mixed = make_plan(experiment(data={"balance": "language",
+                                       "mix": {"traffic": 3, "synthetic": 1}}), profile(),
+                      source_rows={**rows, "synthetic": 50})
+    shares = {m["source"]: m["share"] for m in mixed.mix}
+    assert shares["synthetic"] == 0.25
+    assert sum(v for k, v in shares.items() if k != "synthetic") == pytest.approx(0.75, abs=1e-3)
+    # Without the groups' counts (a saved profile, no dataset yet) the traffic is as it is.
+    unknown = make_plan(experiment(data={"balance": "language"}), profile())
+    assert unknown.mix == []
+    assert any("data.balance: no counts" in n for n in unknown.notes)
+
+
+def test_balance_leaves_samples_of_no_known_language_at_their_share() -> None:
+    rows = {"traffic[language=en]": 600, "traffic[language=fr]": 150,
+            "traffic[language=und]": 50}
+    plan = make_plan(experiment(data={"balance": {"by": "language", "alpha": 0.0}}), profile(),
+                     source_rows=rows)
+    shares = {m["source"]: m["share"] for m in plan.mix}
+    # 50 of 800 rows stay 6.25% of the draws; the languages split the rest evenly.
+    assert shares == {"traffic[language=en]": 0.4688, "traffic[language=fr]": 0.4688,
+                      "traffic[language=und]": 0.0625}
