@@ -125,6 +125,13 @@ def experiment_card(experiment: Experiment, recipe: Recipe, plans: Sequence[Plan
         + (f"; judge threshold {data.judge_threshold:g}" if data.judge_threshold is not None
            else ""),
     ]
+    if data.mix:
+        out.append("- Mixture (relative weights): "
+                   + ", ".join(f"`{m.source}` {m.weight:g}" for m in data.mix))
+    if data.balance is not None:
+        out.append(f"- Traffic balanced by {data.balance.by}: each drawn by count ** "
+                   f"{data.balance.alpha:g} (samples of no known {data.balance.by} at their "
+                   f"own share)")
     if experiment.overrides:
         out += ["", "## Overrides", "",
                 *[f"- `{k}`: {_cell(v)}" for k, v in experiment.overrides.items()]]
