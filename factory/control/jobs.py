@@ -88,13 +88,11 @@ def _source_query(lake: Lake, source: str, experiment: str) -> tuple[str, list[A
     """The ``WHERE`` clause and parameters of a lake source of ``data.mix`` over
     ``dataset_train``."""
     group = group_of(source)
-    if group is not None:
-        # A group of the traffic (data.balance); ``by`` is one of BALANCE_BY, a column name.
+    if group is not None:  # a group of the traffic (data.balance)
         by, value = group
-        if by not in BALANCE_BY:
-            raise ValueError(f"data.balance: {by!r} is not a column to group by")
         where, params = _source_query(lake, "traffic", experiment)
-        return f"({where}) AND coalesce({by}, ?) = ?", [*params, UNDETERMINED, value]
+        return f"({where}) AND coalesce({_group_column(by)}, ?) = ?", [*params, UNDETERMINED,
+                                                                       value]
     kind, _, target = source.partition(":")
     if kind == "experiment":
         return "experiment = ?", [target]
@@ -175,15 +173,21 @@ def mix_source_rows(lake: Lake, experiment: str, sources: Sequence[str], *,
     return out
 
 
+def _group_column(by: str) -> str:
+    """``by`` as a column name for SQL: one of ``BALANCE_BY``, else a ``ValueError``."""
+    if by not in BALANCE_BY:
+        raise ValueError(f"data.balance: {by!r} is not a column to group by")
+    return by
+
+
 def traffic_group_rows(lake: Lake, experiment: str, by: str) -> dict[str, int]:
     """Rows of each group of the experiment's traffic by the column ``by`` (``data.balance``),
     keyed by the group's source name (``group_source``); empty before the dataset exists."""
-    if by not in BALANCE_BY:
-        raise ValueError(f"data.balance: {by!r} is not a column to group by")
+    column = _group_column(by)
     if not lake.exists("dataset_train"):
         return {}
     where, params = _source_query(lake, "traffic", experiment)
-    rows = lake.sql(f"SELECT coalesce({by}, ?) AS value, count(*) AS n FROM dataset_train "
+    rows = lake.sql(f"SELECT coalesce({column}, ?) AS value, count(*) AS n FROM dataset_train "
                     f"WHERE {where} GROUP BY 1", [UNDETERMINED, *params]).to_pylist()
     return {group_source(by, r["value"]): int(r["n"]) for r in rows}
 

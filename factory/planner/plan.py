@@ -529,8 +529,8 @@ def balanced_mix(experiment: Experiment, source_rows: Mapping[str, int], *,
     rows_all = sum(groups.values())
     share = {unsure: groups[unsure] / rows_all} if unsure in groups else {}
     mass = {source: rows ** alpha for source, rows in groups.items() if source != unsure}
-    rest = 1.0 - sum(share.values())
-    share.update({source: rest * m / sum(mass.values()) for source, m in mass.items()})
+    rest, total = 1.0 - sum(share.values()), sum(mass.values())
+    share.update({source: rest * m / total for source, m in mass.items()})
     split = [MixEntry(source=source, weight=round(traffic.weight * share[source], 6))
              for source in sorted(groups, key=lambda s: (-groups[s], s))]
     return (*split, *(m for m in mix if m.source != "traffic"))
