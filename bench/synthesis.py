@@ -17,9 +17,14 @@ ticket in, one of five team labels out).
   calls to the teacher, drops by reason. The synthetic rows then go through ``curate`` with
   the traffic again (train side only, deduplicated, decontaminated against the eval split).
   Rejection sampling by a judge is not applied here: the LLM judge needs a frontier model.
-- **Two student runs**, the same trainer and plan (SmolLM2-135M-Instruct, LoRA r=16 on every
+  The answer calls ask for logprobs, so each synthetic sample has the probability the teacher
+  gave its answer (``data.synthesize.min_confidence`` drops those under the bar).
+- **Student runs**, the same trainer and plan (SmolLM2-135M-Instruct, LoRA r=16 on every
   linear layer, bf16 autocast, packed rows of 256 tokens, ``--student-steps`` of 8 rows): on
-  the curated traffic alone, and on the curated traffic plus synthetic samples.
+  the curated traffic alone, on the curated traffic plus every synthetic sample, and, per
+  ``--min-confidence`` bar, plus the synthetic samples the teacher gave at least that
+  probability (the samples ``min_confidence`` keeps: synthesis drops the others as
+  ``low_confidence``).
 - **Scored** teacher-forced on ``--heldout`` tickets per label phrased with held-out templates
   (``generate_heldout``): the label of highest likelihood among the five, per label.
 
@@ -142,6 +147,15 @@ def score(base_model: str, adapter: Path | None, heldout: list[dict[str, Any]]
             "by_label": {k: round(right[k] / total[k], 3) for k in LABELS}}
 
 
+def _quantiles(values: list[float]) -> dict[str, float]:
+    """min, quartiles and max of ``values`` (4 places)."""
+    if not values:
+        return {}
+    v = sorted(values)
+    at = {"min": 0.0, "q1": 0.25, "median": 0.5, "q3": 0.75, "max": 1.0}
+    return {k: round(v[round(q * (len(v) - 1))], 4) for k, q in at.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=int, default=500, help="traffic records (all labels)")
@@ -154,6 +168,9 @@ def main() -> int:
     p.add_argument("--teacher-lr", type=float, default=1e-3)
     p.add_argument("--lr", type=float, default=5e-4, help="the students' learning rate")
     p.add_argument("--max-per-slice", type=int, default=100)
+    p.add_argument("--min-confidence", type=float, nargs="*", default=[0.9],
+                   help="confidence bars: one student each, trained on the synthetic samples "
+                        "the teacher gave at least this probability")
     p.add_argument("--heldout", type=int, default=40, help="held-out tickets per label")
     p.add_argument("--threads", type=int, help="OMP threads (default: one per core)")
     p.add_argument("--seed", type=int, default=0)
@@ -218,8 +235,10 @@ def main() -> int:
         with InferenceServer(base, adapters={"teacher": str(teacher_ckpt)},
                              threads=args.threads, max_batch_size=4,
                              log_path=work / "teacher-server.log") as server:
+            # a bar no answer misses: logprobs asked, every sample kept with its probability
             teacher = synthesis.Teacher(base_url=server.base_url, model="teacher", timeout_s=180,
-                                        max_tokens=16, experiment="bench")
+                                        max_tokens=16, experiment="bench",
+                                        min_confidence=1e-300)
             labeler = fit_labeler(alone.train)
             attempts = synthesis.plan_attempts("bench", slices,
                                                synthesis.slice_members(alone.train, labeler),
@@ -247,6 +266,7 @@ def main() -> int:
             traffic.append_column("origin", pa.array(["traffic"] * traffic.num_rows)),
             synthetic.append_column("origin", pa.array([SYNTHETIC] * synthetic.num_rows))]),
             config, counter)
+        confidence = {r["sample_id"]: r["confidence"] for r in written}
         origin = both.train.column("origin").to_pylist()
         kept_synth = [m for m, o in zip(both.train.column("messages").to_pylist(), origin,
                                         strict=True) if o == SYNTHETIC]
@@ -260,6 +280,9 @@ def main() -> int:
                 d["reason"] for d in both.drops
                 if d["sample_id"] in set(synthetic.column("sample_id").to_pylist()))),
             "kept_labels": {str(k): v for k, v in synth_labels.items()},
+            "confidence_quantiles": _quantiles([confidence[s] for s, o in zip(
+                both.train.column("sample_id").to_pylist(), origin, strict=True)
+                if o == SYNTHETIC]),
             "same_eval_split": sorted(both.eval.column("sample_id").to_pylist())
             == sorted(alone.eval.column("sample_id").to_pylist()),
             "examples": [message_text(json.loads(r["messages"])[1])[:160] for r in written[:3]]}
@@ -267,12 +290,20 @@ def main() -> int:
 
         # -- two students, one plan -------------------------------------------------------------
         plan = lora_plan(base, steps=args.student_steps, lr=args.lr, seq_len=256, seed=args.seed)
-        for name, table in (("without", alone.train), ("with", both.train)):
+        sides = [("without", alone.train), ("with", both.train)]
+        for bar in args.min_confidence:
+            ids = both.train.column("sample_id").to_pylist()
+            keep = [o != SYNTHETIC or confidence[s] >= bar
+                    for s, o in zip(ids, origin, strict=True)]
+            sides.append((f"with_confidence_{bar:g}", both.train.filter(pa.array(keep))))
+        for name, table in sides:
             f = _write_parquet(work / f"student-{name}.parquet",
                                table.column("sample_id").to_pylist(),
                                table.column("messages").to_pylist())
             ckpt, facts = _train(f"student-{name}", work, [f], plan, args.threads)
+            num_synthetic = sum(o == SYNTHETIC for o in table.column("origin").to_pylist())
             results[f"student_{name}"] = {**facts, "train_samples": table.num_rows,
+                                          "synthetic_samples": num_synthetic,
                                           **score(base, ckpt, heldout)}
             print(json.dumps({"side": f"student_{name}", **results[f"student_{name}"]}),
                   flush=True)

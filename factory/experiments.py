@@ -74,6 +74,11 @@ class SynthesizeSpec:
     """Rejection-sampling score synthetic samples need; None: ``data.judge_threshold``, else
     1.0 when code checks every criterion of the rubric, 0.8 with an LLM judge's criteria
     (``factory.curation.synthesis.default_judge_threshold``)."""
+    min_confidence: float | None = None
+    """Least probability the teacher gives its own answer (the product of its tokens'
+    probabilities, from the endpoint's ``logprobs``) for the sample to be kept; a less sure
+    answer is a ``low_confidence`` drop. Meant for short answers (a label, a tool call), where
+    an unsure teacher has written a request that reads like another slice; None: not asked."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -610,6 +615,12 @@ def _parse_synthesize(ctx: _Ctx, raw: Any) -> SynthesizeSpec:
             raise ctx.error((*where, "judge_threshold"),
                             f"got {v!r}; allowed: a number, or null for the default")
         kw["judge_threshold"] = float(v)
+    if raw.get("min_confidence") is not None:
+        v = raw["min_confidence"]
+        if not (_is_num(v) and 0 < v <= 1):
+            raise ctx.error((*where, "min_confidence"),
+                            f"got {v!r}; allowed: a probability in (0, 1], or null")
+        kw["min_confidence"] = float(v)
     return SynthesizeSpec(**kw)
 
 

@@ -110,6 +110,8 @@ TABLES: dict[str, pa.Schema] = {
         ("prompt", pa.string()),          # JSON: the messages that asked for the request
         ("seed_sample_ids", pa.list_(pa.string())),  # train samples shown to the teacher
         ("samples_snapshot_id", pa.int64()),  # the samples snapshot the seeds came from
+        ("confidence", pa.float64()),     # probability the teacher gave its answer (null:
+                                          # min_confidence unset, or no logprobs returned)
     ]),
     # Attempts that gave no sample, with the reason (malformed, refusal, timeout, ...).
     "synthesis_drops": pa.schema([
@@ -121,7 +123,8 @@ TABLES: dict[str, pa.Schema] = {
         ("seed_sample_ids", pa.list_(pa.string())),
         ("step", pa.string()),            # request (writing the user turn) | answer
         ("reason", pa.string()),          # malformed | refusal | timeout | teacher_error |
-                                          # truncated | off_slice | duplicate
+                                          # truncated | off_slice | low_confidence |
+                                          # no_logprobs | duplicate
         ("detail", pa.string()),
         ("created_at", _TS),
     ]),

@@ -18,8 +18,10 @@ sample. An attempt gives a sample or exactly one drop with its reason: ``timeout
 ``teacher_error`` (the endpoint answered an HTTP error), ``malformed`` (no tagged request, an
 empty or unparseable answer), ``refusal`` (``detectors.refusal``), ``truncated`` (the answer
 stopped at its token limit), ``off_slice`` (a sample outside the slice it was asked for:
-another tool or label, or, with a token counter, another length bucket) or ``duplicate`` (a
-sample id the experiment already has). An unreachable endpoint stops synthesis instead
+another tool or label, or, with a token counter, another length bucket), ``low_confidence``
+(with ``min_confidence``: the teacher gives its own answer less probability than that;
+``no_logprobs`` when the endpoint returns none to tell) or ``duplicate`` (a sample id the
+experiment already has). An unreachable endpoint stops synthesis instead
 (nothing recorded for the attempt), so a teacher that is down never uses up attempts.
 
 Attempt ids hash (experiment, slice, attempt index); each is recorded once, as a sample or a
@@ -33,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -244,8 +247,11 @@ class Teacher:
     """An OpenAI-compatible endpoint that writes requests and answers them."""
 
     def __init__(self, *, base_url: str, model: str, api_key: str | None = None,
-                 timeout_s: float = 60.0, max_tokens: int = 512, experiment: str = "") -> None:
+                 timeout_s: float = 60.0, max_tokens: int = 512, experiment: str = "",
+                 min_confidence: float | None = None) -> None:
         self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
+        self.min_confidence = min_confidence
+        """Least probability of its own answer the teacher must give (None: not asked)."""
         self.client = InferenceClient(base_url, api_key=api_key, timeout_s=timeout_s)
         self.client.http.headers["X-Factory-Tags"] = f"{TEACHER_TAG}={experiment}"
 
@@ -272,6 +278,18 @@ class Teacher:
             raise Drop(step=step, reason="teacher_error", detail=str(exc)[:300]) from None
         except ValueError as exc:  # a body that is not JSON
             raise Drop(step=step, reason="malformed", detail=f"not JSON: {exc}"[:300]) from None
+
+
+def answer_confidence(choice: dict[str, Any]) -> float | None:
+    """The probability the teacher gave its answer: the product of its generated tokens'
+    probabilities (OpenAI's chat ``logprobs.content``), None when the choice has none."""
+    lp = choice.get("logprobs")
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if not isinstance(content, list) or not content:
+        return None
+    values = [e.get("logprob") if isinstance(e, dict) else None for e in content]
+    numbers = [float(v) for v in values if isinstance(v, int | float)]
+    return math.exp(sum(numbers)) if len(numbers) == len(content) else None
 
 
 def _first_choice(step: str, response: Any) -> dict[str, Any]:
@@ -306,8 +324,9 @@ def answer_request(attempt: Attempt, request: str, teacher: Teacher, labeler: La
     tools = parse_json(attempt.seeds[0]["tools"]) or []
     conversation = [*_system(seed), {"role": "user", "content": [{"type": "text",
                                                                    "text": request}]}]
+    asks = {"logprobs": True} if teacher.min_confidence is not None else {}
     response = teacher.call("answer", conversation, tools=tools or None,
-                            max_tokens=teacher.max_tokens)
+                            max_tokens=teacher.max_tokens, **asks)
     choice = _first_choice("answer", response)
     if choice.get("finish_reason") == "length":
         raise Drop(step="answer", reason="truncated",
@@ -336,6 +355,16 @@ def answer_request(attempt: Attempt, request: str, teacher: Teacher, labeler: La
         if bucket != attempt.slice.value:
             raise Drop(step="answer", reason="off_slice",
                        detail=f"asked for {attempt.slice.key}, got length:{bucket}")
+    sample["confidence"] = answer_confidence(choice)
+    if teacher.min_confidence is not None:
+        if sample["confidence"] is None:
+            raise Drop(step="answer", reason="no_logprobs",
+                       detail="min_confidence is set but the teacher's response has no "
+                              "logprobs for its answer")
+        if sample["confidence"] < teacher.min_confidence:
+            raise Drop(step="answer", reason="low_confidence",
+                       detail=f"the teacher gives its answer probability "
+                              f"{sample['confidence']:.3f} < {teacher.min_confidence}")
     return sample
 
 
@@ -380,6 +409,7 @@ def sample_row(attempt: Attempt, sample: dict[str, Any], teacher: Teacher,
         "teacher_base_url": teacher.base_url,
         "prompt": json.dumps(sample["prompt"], ensure_ascii=False),
         "seed_sample_ids": attempt.seed_ids, "samples_snapshot_id": samples_snapshot_id,
+        "confidence": sample.get("confidence"),
     }
 
 
@@ -451,7 +481,7 @@ def teacher_for(spec: Any, experiment: str) -> Teacher:
             raise FactoryError(f"data.synthesize.api_key_env: environment variable "
                                f"{spec.api_key_env} is not set")
     return Teacher(base_url=base_url, model=spec.teacher, api_key=key, timeout_s=spec.timeout_s,
-                   experiment=experiment)
+                   experiment=experiment, min_confidence=spec.min_confidence)
 
 
 def read_synthetic(session: LakeSession, experiment: str) -> pa.Table:

@@ -4,6 +4,7 @@ and synthetic samples through curation (train side only, decontaminated, in the 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from factory.tasks import ticket_triage
 pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
 
 THIN = "shipping"
+SURE, UNSURE = 0.97, 0.4
 REFUSAL = "I'm sorry, but I can't help with that request."
 
 
@@ -61,7 +63,10 @@ class ScriptedTeacher:
     ``modes`` (then ``good``); every other call is answered well. Modes: ``good`` (a held-out
     ticket of the label), ``malformed`` (no <request> tags), ``refusal``, ``timeout`` (answers
     after ``delay_s``), ``http_error`` (500), ``off_slice`` (answered with another label),
-    ``empty_answer``, ``dup`` (the same request each time), ``copy:<text>`` (that request)."""
+    ``empty_answer``, ``dup`` (the same request each time), ``copy:<text>`` (that request),
+    ``unsure`` (a good request whose answer the teacher gives probability ``UNSURE``). Asked
+    for ``logprobs``, it gives each answer's probability as one token's, unless ``logprobs``
+    is off (an endpoint that returns none)."""
 
     def __init__(self, modes: list[str], *, delay_s: float = 3.0) -> None:
         self.modes = list(modes)
@@ -71,6 +76,8 @@ class ScriptedTeacher:
         self.tickets = iter(ticket_triage.generate_heldout(400, seed=9))
         self.num_calls = 0
         self.bodies: list[dict[str, Any]] = []
+        self.logprobs = True
+        self.probability: dict[str, float] = {}
 
     def _ticket(self, label: str) -> str:
         for t in self.tickets:
@@ -78,7 +85,16 @@ class ScriptedTeacher:
                 return str(t["messages"][1]["content"])
         raise AssertionError("out of held-out tickets")
 
-    def reply(self, body: dict[str, Any]) -> tuple[int, str | None, float]:
+    def reply(self, body: dict[str, Any]) -> tuple[int, str | None, float, float | None]:
+        """(HTTP status, text, delay, the answer's probability when asked and given)."""
+        status, text, delay = self._reply(body)
+        messages = body["messages"]
+        asked = body.get("logprobs") and self.logprobs \
+            and _text(messages[0]["content"]) != synthesis.REQUEST_SYSTEM
+        p = self.probability.get(_text(messages[-1]["content"]), SURE) if asked else None
+        return status, text, delay, p
+
+    def _reply(self, body: dict[str, Any]) -> tuple[int, str | None, float]:
         with self.lock:
             self.num_calls += 1
             self.bodies.append(body)
@@ -100,6 +116,8 @@ class ScriptedTeacher:
                        }.get(mode) or (mode[5:] if mode.startswith("copy:")
                                        else self._ticket(label))
             self.answers[request] = {"off_slice": "billing", "empty_answer": ""}.get(mode, label)
+            if mode == "unsure":
+                self.probability[request] = UNSURE
             return 200, f"<request>{request}</request>", 0.0
 
 
@@ -109,13 +127,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        status, text, delay = self.server.teacher.reply(body)  # type: ignore[attr-defined]
+        status, text, delay, p = self.server.teacher.reply(body)  # type: ignore[attr-defined]
         if delay:
             time.sleep(delay)  # a slow teacher: the client gives up first
         payload = ({"error": {"message": "scripted failure"}} if status >= 400 else
                    {"id": "x", "object": "chat.completion", "model": body["model"],
                     "choices": [{"index": 0, "finish_reason": "stop",
                                  "message": {"role": "assistant", "content": text}}]})
+        if p is not None and status < 400:
+            payload["choices"][0]["logprobs"] = {"content": [
+                {"token": text, "logprob": math.log(p), "bytes": list((text or "").encode()),
+                 "top_logprobs": []}]}
         data = json.dumps(payload).encode()
         try:
             self.send_response(status)
@@ -278,6 +300,50 @@ def test_teacher_failures_are_counted_drops_and_a_crash_resumes_without_duplicat
     assert (again.num_skipped, again.num_written, scripted.num_calls) == (10, 0, before)
 
 
+def test_an_answer_the_teacher_is_unsure_of_is_a_low_confidence_drop(serve: Any) -> None:
+    """With ``min_confidence`` the answer call asks for logprobs, an answer given less
+    probability is dropped with it, and a kept sample records its probability; an endpoint
+    that returns no logprobs gives counted drops, not samples of unknown confidence."""
+    attempts = _attempts(3)
+    labeler = Labeler.fit(list(ticket_triage.LABELS) * 4)
+
+    def run(scripted: ScriptedTeacher, min_confidence: float | None
+            ) -> tuple[synthesis.Outcome, list[dict[str, Any]], list[dict[str, Any]]]:
+        teacher = synthesis.Teacher(base_url=serve(scripted), model="scripted",
+                                    min_confidence=min_confidence)
+        rows: list[dict[str, Any]] = []
+        drops: list[dict[str, Any]] = []
+        out = synthesis.synthesize(attempts, teacher, labeler, recorded=[], known_ids=[],
+                                   write=lambda r, d: (rows.extend(r), drops.extend(d)),
+                                   concurrency=1)
+        teacher.close()
+        return out, rows, drops
+
+    scripted = ScriptedTeacher(["good", "unsure", "good"])
+    out, rows, drops = run(scripted, 0.9)
+    assert (out.num_written, out.drops) == (2, {"low_confidence": 1})
+    assert [r["confidence"] for r in rows] == pytest.approx([SURE, SURE])
+    assert drops[0]["step"] == "answer"
+    assert drops[0]["detail"] == f"the teacher gives its answer probability {UNSURE:.3f} < 0.9"
+    answers = [b for b in scripted.bodies
+               if _text(b["messages"][0]["content"]) != synthesis.REQUEST_SYSTEM]
+    assert len(answers) == 3 and all(b["logprobs"] is True for b in answers)
+
+    # not asked: no logprobs requested, the unsure answer kept, confidence unknown
+    scripted = ScriptedTeacher(["good", "unsure", "good"])
+    out, rows, _ = run(scripted, None)
+    assert (out.num_written, out.drops) == (3, {})
+    assert [r["confidence"] for r in rows] == [None, None, None]
+    assert not any("logprobs" in b for b in scripted.bodies)
+
+    # asked of an endpoint that returns none
+    scripted = ScriptedTeacher([])
+    scripted.logprobs = False
+    out, rows, drops = run(scripted, 0.5)
+    assert (out.num_written, out.drops) == (0, {"no_logprobs": 3})
+    assert "no logprobs" in drops[0]["detail"]
+
+
 def test_an_unreachable_teacher_stops_and_records_nothing(serve: Any) -> None:
     url = serve(ScriptedTeacher([]))
     port = int(url.rsplit(":", 1)[1].split("/")[0])
@@ -343,6 +409,13 @@ def test_the_factory_cpu_server_as_teacher(tiny_model_dir: Path, tmp_path: Path,
         with pytest.raises(synthesis.Drop) as drop:
             synthesis.answer_request(length, "Where is my parcel?", teacher, None)
         assert (drop.value.step, drop.value.reason) == ("answer", "truncated")
+        # the server's chat logprobs give the answer's probability (``min_confidence``)
+        reply = teacher.call("answer", [{"role": "user", "content": "Where is my parcel?"}],
+                             max_tokens=4, logprobs=True)
+        content = reply["choices"][0]["logprobs"]["content"]
+        p = synthesis.answer_confidence(reply["choices"][0])
+        assert p is not None and 0 < p <= 1
+        assert p == pytest.approx(math.exp(sum(e["logprob"] for e in content)))
         teacher.close()
 
 
@@ -354,10 +427,15 @@ def test_synthesize_is_validated_with_file_line_and_field(tmp_path: Path) -> Non
     ok = parse_experiment("name: x\nrecipe: smollm2-135m-lora\ndata:\n  synthesize:\n"
                           "    teacher: gpt-4o\n    max_per_slice: 5\n", path)
     assert ok.data.synthesize is not None and ok.data.synthesize.max_per_slice == 5
+    assert ok.data.synthesize.min_confidence is None
+    sure = parse_experiment("name: x\nrecipe: smollm2-135m-lora\ndata:\n  synthesize:\n"
+                            "    teacher: gpt-4o\n    min_confidence: 0.9\n", path)
+    assert sure.data.synthesize is not None and sure.data.synthesize.min_confidence == 0.9
     for body, where in (
             ("    teacher: ''\n", "5: data.synthesize.teacher"),
             ("    teacher: t\n    max_per_slice: 0\n", "6: data.synthesize.max_per_slice"),
             ("    teacher: t\n    base_url: ftp://x\n", "6: data.synthesize.base_url"),
+            ("    teacher: t\n    min_confidence: 1.5\n", "6: data.synthesize.min_confidence"),
             ("    teacher: t\n    timeot_s: 3\n", "6: data.synthesize.timeot_s: unknown key "
                                                 "'timeot_s'; did you mean 'timeout_s'?")):
         with pytest.raises(ExperimentError) as err:
