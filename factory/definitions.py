@@ -11,11 +11,14 @@ Resources are picked per deployment, named by ``$FACTORY_DEPLOYMENT``:
   factory's CPU server for evals and deployments.
 - ``gpu``: ``vllm serve`` for evals and deployments; the rest as ``embedded``.
 
-In both, two systems outside the factory are configured by a JSON object in the environment
+In both, three systems outside the factory are configured by a JSON object in the environment
 (how the Helm values set them): ``$FACTORY_PROVIDERS``, the provider ladder and control policy
-(``ProviderResource``; unset: the local rung only), and ``$FACTORY_JUDGE``, an LLM judge
+(``ProviderResource``; unset: the local rung only), ``$FACTORY_JUDGE``, an LLM judge
 (``LLMJudgeResource``: ``{"base_url": ..., "model": ..., "api_key_env": ...}``; unset: the
-embedded judge). The launchpad then configures the chosen classes per run.
+embedded judge), and ``$FACTORY_DEPLOYER``, a cluster deployed servers run on
+(``KubernetesCPUDeployerResource`` / ``KubernetesVLLMDeployerResource`` by the deployment's
+server: ``{"api_server": ..., "image": ..., "shared_claim": ...}``; unset: processes on this
+machine). The launchpad then configures the chosen classes per run.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ from typing import Any
 import dagster as dg
 
 from factory import assets, sensors
-from factory.resources.deployer import CPUDeployerResource, VLLMDeployerResource
+from factory.resources.deployer import (
+    CPUDeployerResource,
+    DeployerResource,
+    KubernetesCPUDeployerResource,
+    KubernetesDeployerResource,
+    KubernetesVLLMDeployerResource,
+    VLLMDeployerResource,
+)
 from factory.resources.inference import CPUInferenceResource, VLLMInferenceResource
 from factory.resources.judge import EmbeddedJudgeResource, JudgeResource, LLMJudgeResource
 from factory.resources.lake import LakeResource
@@ -69,20 +79,30 @@ def _judge() -> JudgeResource:
     return LLMJudgeResource(**config) if config is not None else EmbeddedJudgeResource()
 
 
+def _deployer(local: type[DeployerResource],
+              on_kubernetes: type[KubernetesDeployerResource]) -> DeployerResource:
+    """The deployment's server as processes here, or on the cluster ``$FACTORY_DEPLOYER``
+    configures."""
+    config = _env_config("FACTORY_DEPLOYER")
+    return on_kubernetes(**config) if config is not None else local()
+
+
 def embedded() -> dict[str, Any]:
-    """One machine, no services: the CPU server for evals and deployments."""
+    """One machine, no services: the CPU server for evals and deployments (deployed servers on
+    a cluster when ``$FACTORY_DEPLOYER`` names one)."""
     return {
         "lake": LakeResource(),
         "judge": _judge(),
         "inference": CPUInferenceResource(),
         "provider": ProviderResource(**(_env_config("FACTORY_PROVIDERS") or {})),
-        "deployer": CPUDeployerResource(),
+        "deployer": _deployer(CPUDeployerResource, KubernetesCPUDeployerResource),
     }
 
 
 def gpu() -> dict[str, Any]:
     """GPU machines: ``vllm serve`` for evals and deployments, the rest as ``embedded``."""
-    return {**embedded(), "inference": VLLMInferenceResource(), "deployer": VLLMDeployerResource()}
+    return {**embedded(), "inference": VLLMInferenceResource(),
+            "deployer": _deployer(VLLMDeployerResource, KubernetesVLLMDeployerResource)}
 
 
 DEPLOYMENTS: dict[str, Callable[[], dict[str, Any]]] = {"embedded": embedded, "gpu": gpu}

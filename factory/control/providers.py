@@ -294,7 +294,7 @@ PREEMPTION_POLICIES = ("PreemptLowerPriority", "Never")
 """The values of a pod's (and a PriorityClass's) ``preemptionPolicy``."""
 
 
-def _toleration(fields: dict[str, Any]) -> Any:
+def toleration(fields: dict[str, Any]) -> Any:
     """A ``V1Toleration`` from its Kubernetes field names (``tolerationSeconds``...)."""
     from kubernetes import client as k
 
@@ -315,6 +315,45 @@ class SecretEnv:
     """Kubernetes secret name."""
     key: str
     """Key inside the secret."""
+
+
+def secret_env(secrets: list[SecretEnv]) -> list[Any]:
+    """``V1EnvVar``s reading each of ``secrets`` from its Kubernetes secret."""
+    from kubernetes import client as k
+
+    return [k.V1EnvVar(name=s.env, value_from=k.V1EnvVarSource(
+        secret_key_ref=k.V1SecretKeySelector(name=s.secret, key=s.key))) for s in secrets]
+
+
+def shared_volume(claim: str) -> tuple[Any, Any]:
+    """The ``V1Volume`` of the shared-artifacts claim and its ``V1VolumeMount`` at the path
+    this process sees ``FACTORY_SHARED_DIR`` at: job files and deployments name base models,
+    data and checkpoints by that path."""
+    from kubernetes import client as k
+
+    volume = k.V1Volume(name="shared", persistent_volume_claim=(
+        k.V1PersistentVolumeClaimVolumeSource(claim_name=claim)))
+    return volume, k.V1VolumeMount(name="shared", mount_path=str(get_settings().shared))
+
+
+def api_client(api_server: str, *, verify_ssl: bool = True, ca_cert: str | None = None,
+               token_env: str | None = None, token_file: str | None = None) -> Any:
+    """A kubernetes ``ApiClient`` for ``api_server``, its bearer token read from ``token_env``
+    or ``token_file`` now (a service-account token file is rotated by the kubelet, so build one
+    per use)."""
+    from kubernetes import client as k
+
+    cfg = k.Configuration()
+    cfg.host = api_server
+    cfg.verify_ssl = verify_ssl
+    if ca_cert:
+        cfg.ssl_ca_cert = ca_cert
+    token = (os.environ[token_env] if token_env
+             else Path(token_file).read_text().strip() if token_file else None)
+    if token:
+        # The whole header value: this client version ignores ``api_key_prefix``.
+        cfg.api_key = {"authorization": f"Bearer {token}"}
+    return k.ApiClient(cfg)
 
 
 @dataclass(kw_only=True)
@@ -399,17 +438,15 @@ class KubernetesProvider:
         name = self.job_name(segment_id)
         labels = {"app.kubernetes.io/name": "factory-trainer", "factory/run-id": job.run_id[:63],
                   "factory/segment-id": segment_id[:63]}
-        env = [k.V1EnvVar(name=s.env, value_from=k.V1EnvVarSource(
-            secret_key_ref=k.V1SecretKeySelector(name=s.secret, key=s.key)))
-            for s in self.secrets]
+        env = secret_env(self.secrets)
         env.append(k.V1EnvVar(name="FACTORY_SEGMENT_ID", value=segment_id))
         gpus = {self.gpu_resource: str(num_gpus)} if num_gpus else {}
         mounts = [k.V1VolumeMount(name="job", mount_path=JOB_MOUNT, read_only=True)]
         volumes = [k.V1Volume(name="job", config_map=k.V1ConfigMapVolumeSource(name=name))]
         if self.shared_claim:
-            mounts.append(k.V1VolumeMount(name="shared", mount_path=str(get_settings().shared)))
-            volumes.append(k.V1Volume(name="shared", persistent_volume_claim=(
-                k.V1PersistentVolumeClaimVolumeSource(claim_name=self.shared_claim))))
+            volume, mount = shared_volume(self.shared_claim)
+            mounts.append(mount)
+            volumes.append(volume)
         container = k.V1Container(
             name="trainer", image=self.image, command=["python", "-m", "trainer"],
             args=["--job", f"{JOB_MOUNT}/job.json"], env=env,
@@ -420,7 +457,7 @@ class KubernetesProvider:
         pod = k.V1PodSpec(
             restart_policy="Never", containers=[container],
             node_selector=self.node_selector or None,
-            tolerations=[_toleration(t) for t in self.tolerations] or None,
+            tolerations=[toleration(t) for t in self.tolerations] or None,
             priority_class_name=self.priority_class, preemption_policy=self.preemption_policy,
             service_account_name=self.service_account,
             termination_grace_period_seconds=self.grace_s, volumes=volumes)
@@ -435,19 +472,8 @@ class KubernetesProvider:
                                              spec=pod)))
 
     def _api(self) -> Any:
-        from kubernetes import client as k
-
-        cfg = k.Configuration()
-        cfg.host = self.api_server
-        cfg.verify_ssl = self.verify_ssl
-        if self.ca_cert:
-            cfg.ssl_ca_cert = self.ca_cert
-        token = (os.environ[self.token_env] if self.token_env
-                 else Path(self.token_file).read_text().strip() if self.token_file else None)
-        if token:
-            # The whole header value: this client version ignores ``api_key_prefix``.
-            cfg.api_key = {"authorization": f"Bearer {token}"}
-        return k.ApiClient(cfg)
+        return api_client(self.api_server, verify_ssl=self.verify_ssl, ca_cert=self.ca_cert,
+                          token_env=self.token_env, token_file=self.token_file)
 
     def _owned(self) -> list[Any]:
         from kubernetes import client as k

@@ -1,15 +1,17 @@
-"""Deploying a checkpoint: boot its server, wait for health, record it, route the stable name.
+"""Deploying a checkpoint: boot its server, wait until it serves, record it, route the stable name.
 
 ``Deployer.deploy(name)`` serves the experiment's best checkpoint (or a chosen one) as the next
 version ``vN``: the inference server (the factory's CPU server, or vLLM on a GPU; the argv comes
-from the same ``InferenceServer`` the evals use) is started detached so it outlives the caller,
-and only once its ``/health`` answers and it lists the adapter is the version recorded ``live``
-in ``deployments`` and the gateway route ``factory/<name>`` pointed at it. The version it
-replaces is then drained (left serving until every gateway has re-read its routes and its
-in-flight requests finished) and stopped. ``undeploy`` removes the route and stops the live
-version; ``rollback`` serves the previous version's checkpoint again under its old tag.
+from the same ``InferenceServer`` the evals use) is started by a ``ServerHost``
+(``factory.deploy.hosts``: a detached process on this machine, or a Kubernetes Deployment and
+Service) so it outlives the caller, and only once the host reports it ready is the version
+recorded ``live`` in ``deployments`` and the gateway route ``factory/<name>`` pointed at it. The
+version it replaces is then drained (left serving until every gateway has re-read its routes
+and its in-flight requests finished) and stopped. ``undeploy`` removes the route and stops the
+live version; ``rollback`` serves the previous version's checkpoint again under its old tag.
 
-Operations on one name are serialized by a file lock, so two deploys cannot interleave.
+Operations on one name are serialized by a file lock (in the host's lock folder), so two deploys
+cannot interleave.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
 import re
 import time
 import uuid
@@ -27,19 +28,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from factory.deploy.process import (
-    ProcessError,
-    is_alive,
-    runs_command,
-    spawn_detached,
-    stop_group,
+from factory.deploy.hosts import (
+    KUBERNETES,
+    PROCESS,
+    HostError,
+    ProcessHost,
+    ServerHost,
+    ServerSpec,
+    placement_of,
 )
+from factory.deploy.process import is_alive, runs_command
 from factory.errors import FactoryError
-from factory.inference import InferenceServer, ServeSizing, free_port
+from factory.inference import ServeSizing
 from factory.inference.sizing import DEFAULTS, ServingSize, plan_of_run, serving_size_for
-from factory.inference.vllm import VLLM_ENV
 from factory.lake import Lake, LakeSession
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -69,11 +70,12 @@ class DeployConfig:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     """ServingSize fields (``factory.inference.sizing.FIELDS``) forced over the plan's."""
     host: str = "127.0.0.1"
-    """Interface the servers listen on (the gateway reaches them there)."""
+    """Interface local server processes listen on (the gateway reaches them there)."""
     threads: int | None = None
     """torch intra-op threads of the CPU server; None lets torch decide."""
     startup_timeout_s: float = 600.0
-    """Longest wait for a new server to answer its health check."""
+    """Longest wait for a new server to be ready (its health check; on Kubernetes, an available
+    replica)."""
     drain_s: float = 10.0
     """How long a replaced version keeps serving after the route moved: running gateways
     re-read routes every 2 s (``routes_poll_s``), so 10 s covers a few missed polls."""
@@ -140,7 +142,8 @@ class Deployment:
 
     @property
     def alive(self) -> bool:
-        """The recorded server process still runs (and is still our server)."""
+        """The recorded server process still runs (and is still our server); False for a
+        version served on Kubernetes, which has no process here."""
         return bool(self.pid) and is_alive(self.pid) and runs_command(
             int(self.pid or 0), ["--port", str(self.port)])
 
@@ -189,14 +192,15 @@ def _adapter_base(path: Path) -> str:
 
 
 class Deployer:
-    """Deploys, retires and rolls back versions of named deployments on this machine.
+    """Deploys, retires and rolls back versions of named deployments.
 
+    ``host`` runs the servers (default: detached processes on this machine, ``ProcessHost``).
     ``session`` stamps writes with a Dagster run and asset (lineage); without one the writes are
     stamped as the CLI's.
     """
 
     def __init__(self, lake: Lake | None = None, config: DeployConfig | None = None, *,
-                 session: LakeSession | None = None) -> None:
+                 session: LakeSession | None = None, host: ServerHost | None = None) -> None:
         self.config = config or DeployConfig()
         self.config.validate()
         if session is None:
@@ -205,6 +209,7 @@ class Deployer:
         self.session = session
         self.lake = session.lake
         self.root = self.lake.settings.home / "deployments"
+        self.host = host or ProcessHost(listen=self.config.host, log_root=self.root)
         self.serving_size: ServingSize | None = None
         """How the last server this deployer started was sized, and why."""
 
@@ -323,6 +328,7 @@ class Deployer:
                                       f"(pid {chosen.pid}); deploy it again")
             previous = [d for d in self.versions(name)
                         if d.status in ACTIVE and d.status != CANDIDATE]
+            self._hosts_of(previous)
             dep = Deployment(**chosen.row(status=LIVE, reason=f"promoted from {CANDIDATE}"))
             self._write([dep.row()])
             register_route(Route(model=dep.route_model, provider="openai",
@@ -341,9 +347,10 @@ class Deployer:
             live = self.live(name)
             if live is None:
                 raise DeploymentError(f"{name!r} has no live deployment")
+            active = [d for d in self.versions(name) if d.status in ACTIVE]
+            self._hosts_of(active)  # before the route goes: every version can be stopped
             if live.route_model in load_routes(self.lake):
                 unregister_route(live.route_model, lake=self.lake, lineage=self.session.lineage)
-            active = [d for d in self.versions(name) if d.status in ACTIVE]
             stopped = self._retire_all(active, reason="undeployed")
             return next(d for d in stopped if d.version == live.version)
 
@@ -379,8 +386,9 @@ class Deployer:
     # -- internals -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _lock(self, name: str) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / f"{name}.lock", "w") as fh:
+        folder = self.host.lock_dir(self.lake.settings.home)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{name}.lock", "w") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
@@ -400,36 +408,32 @@ class Deployer:
         # only earlier candidates.
         previous = [d for d in self.versions(name) if d.status in ACTIVE
                     and (not candidate or d.status == CANDIDATE)]
-        port = free_port(cfg.host)
+        self._hosts_of(previous)  # before a server starts: each one can be retired after
         adapter = f"{name}-{version}"
         self.serving_size = self.serving_size_of(name, ckpt)
-        server = InferenceServer(ckpt.base_model, adapters={adapter: ckpt.path},
-                                 served_model_name=f"{name}-base", backend=cfg.backend,
-                                 sizing=self.serving_size.sizing, host=cfg.host, port=port,
-                                 threads=cfg.threads)
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-        log = self.root / name / f"{version}-{stamp}-{port}.log"
-        env = {**os.environ, **(VLLM_ENV if cfg.backend == "vllm" else {})}
         now = datetime.now(UTC)
+        spec = ServerSpec(name=name, version=version, adapter=adapter, checkpoint=ckpt.path,
+                          base_model=ckpt.base_model, backend=cfg.backend,
+                          sizing=self.serving_size.sizing, threads=cfg.threads,
+                          stop_timeout_s=cfg.stop_timeout_s, started_at=now)
         try:
-            pid = spawn_detached(server.command(), log_path=log, env=env)
-        except ProcessError as exc:
-            hint = " (is vLLM installed on this machine?)" if cfg.backend == "vllm" else ""
-            raise DeploymentError(f"{exc}{hint}") from None
+            placed = self.host.start(spec)
+        except HostError as exc:
+            raise DeploymentError(str(exc)) from None
         dep = Deployment(name=name, version=version, checkpoint=ckpt.path,
                          base_model=ckpt.base_model, adapter=adapter,
-                         route_model=route_model(name), endpoint=f"http://{cfg.host}:{port}/v1",
-                         backend=cfg.backend, status="starting", pid=pid, port=port,
-                         log_path=str(log), run_id=ckpt.run_id, step=ckpt.step, reason=reason,
-                         started_at=now)
+                         route_model=route_model(name), endpoint=placed.endpoint,
+                         backend=cfg.backend, status="starting", pid=placed.pid,
+                         port=placed.port, log_path=placed.log_path, run_id=ckpt.run_id,
+                         step=ckpt.step, reason=reason, started_at=now)
         self._write([dep.row()])
         try:
-            self._wait_healthy(dep)
-        except DeploymentError as exc:
-            stop_group(pid, timeout_s=10)
+            self.host.wait_ready(dep, cfg.startup_timeout_s)
+        except HostError as exc:
+            self.host.stop(dep, timeout_s=10)
             self._write([dep.row(status="failed", reason=str(exc)[:2000],
                                  stopped_at=datetime.now(UTC))])
-            raise
+            raise DeploymentError(str(exc)) from None
         dep = Deployment(**dep.row(status=CANDIDATE if candidate else LIVE))
         self._write([dep.row()])
         if candidate:
@@ -460,26 +464,21 @@ class Deployer:
             "max_model_len": "serving: clients' prompts are not bounded by the eval set's "
                              "longest sample, so the default context is kept"})
 
-    def _wait_healthy(self, dep: Deployment) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        base = dep.endpoint[:-len("/v1")]
-        while True:
-            if not is_alive(dep.pid):
-                raise DeploymentError(f"the {dep.backend} server for {dep.name} {dep.version} "
-                                      f"exited before it was healthy; log tail:\n"
-                                      f"{_tail(dep.log_path)}")
-            try:
-                if httpx.get(base + "/health", timeout=2.0).status_code == 200:
-                    models = httpx.get(base + "/v1/models", timeout=5.0).json()
-                    if any(m.get("id") == dep.adapter for m in models.get("data", [])):
-                        return
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise DeploymentError(f"the {dep.backend} server for {dep.name} {dep.version} "
-                                      f"was not healthy after {self.config.startup_timeout_s:.0f}"
-                                      f" s; log tail:\n{_tail(dep.log_path)}")
-            time.sleep(0.25)
+    def _host_of(self, dep: Deployment) -> ServerHost:
+        """The host that stops ``dep``: this deployer's when the version runs where it runs
+        servers; a local process needs no configuration to stop, anything else does."""
+        placement = placement_of(dep)
+        if placement == self.host.kind:
+            return self.host
+        if placement == PROCESS:
+            return ProcessHost(listen=self.config.host, log_root=self.root)
+        where = {KUBERNETES: "on Kubernetes"}.get(placement, placement)
+        raise DeploymentError(f"{dep.name} {dep.version} runs {where} ({dep.log_path}): retire "
+                              f"it with a deployer configured for it (its {placement} "
+                              "settings), not this one")
+
+    def _hosts_of(self, deps: list[Deployment]) -> list[ServerHost]:
+        return [self._host_of(d) for d in deps]
 
     def _retire(self, dep: Deployment, *, reason: str) -> Deployment:
         """Drain (the route already moved away) and stop one version."""
@@ -488,21 +487,14 @@ class Deployer:
     def _retire_all(self, deps: list[Deployment], *, reason: str) -> list[Deployment]:
         if not deps:
             return []
+        hosts = self._hosts_of(deps)
         self._write([d.row(status="draining", reason=reason) for d in deps])
-        running = [d for d in deps if d.alive]
+        running = [(d, h) for d, h in zip(deps, hosts, strict=True) if h.running(d)]
         if running:
             time.sleep(self.config.drain_s)  # one drain for all: gateways re-read routes once
-        for d in running:
-            stop_group(int(d.pid or 0), timeout_s=self.config.stop_timeout_s)
+        for d, h in running:
+            h.stop(d, timeout_s=self.config.stop_timeout_s)
         stopped = [Deployment(**d.row(status="stopped", reason=reason,
                                       stopped_at=datetime.now(UTC))) for d in deps]
         self._write([d.row() for d in stopped])
         return stopped
-
-
-def _tail(path: str, num_bytes: int = 3000) -> str:
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return "(no log)"
-    return data[-num_bytes:].decode("utf-8", "replace")

@@ -2,7 +2,8 @@
 objects) rendered and validated against the Kubernetes API schema, ``deploy/helm/values.yaml``
 checked against the documented values of Dagster's chart, the two wired to each other, and the
 Jobs that run on it (a run worker from dagster-k8s's ``K8sRunLauncher``, a trainer from
-``KubernetesProvider``) valid against the schema.
+``KubernetesProvider``) and the deployed models' objects (``KubernetesHost``, configured as
+``deploy/README.md`` shows) valid against the schema.
 
 Neither Helm nor Dagster's chart can be fetched here: the factory's manifests are plain
 Kustomize, rendered by ``render`` below and, where ``kubectl`` exists, by ``kubectl kustomize``
@@ -96,7 +97,8 @@ def test_manifests_are_valid_objects(manifests: list[dict[str, Any]]) -> None:
         ("PersistentVolumeClaim", "factory-shared"),
         ("PersistentVolumeClaim", "factory-gateway-home"),
         ("ServiceAccount", "factory-trainer"), ("Role", "factory-control-plane"),
-        ("RoleBinding", "factory-control-plane"), ("Deployment", "factory-gateway"),
+        ("RoleBinding", "factory-control-plane"), ("Role", "factory-deployer"),
+        ("RoleBinding", "factory-deployer"), ("Deployment", "factory-gateway"),
         ("Service", "factory-gateway"), ("Secret", "factory-secrets"),
         ("Secret", "factory-postgresql")])
     for obj in manifests:
@@ -413,3 +415,63 @@ def test_run_worker_job_from_the_values(values: dict[str, Any], tmp_path: Path) 
     assert {"secretRef": {"name": "factory-secrets"}} in container["envFrom"]
     assert {"name": "shared", "mountPath": "/mnt/factory-shared"} in container["volumeMounts"]
     assert container["resources"]["limits"]["memory"] == "8Gi"
+
+
+# --- deployed models: the deployer configured as deploy/README.md shows ---------------------------
+
+def _readme_deployer_config() -> dict[str, Any]:
+    """The ``FACTORY_DEPLOYER`` example of ``deploy/README.md``."""
+    import re
+
+    blocks = re.findall(r"```json\n(.*?)\n```", (ROOT / "deploy" / "README.md").read_text(),
+                        re.S)
+    [example] = [json.loads(b) for b in blocks if '"api_server"' in b]
+    return example  # type: ignore[no-any-return]
+
+
+def test_deployed_models_from_the_readme_are_valid_and_wired(
+        values: dict[str, Any], manifests: list[dict[str, Any]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from datetime import UTC, datetime
+
+    from kubernetes import client as k
+
+    from factory.definitions import build_resources
+    from factory.deploy.hosts import ServerSpec
+    from factory.deploy.kubernetes import KubernetesHost
+    from factory.inference import ServeSizing
+    from factory.resources.deployer import KubernetesCPUDeployerResource
+
+    deployment = _user_deployment(values)
+    env = _env(deployment)
+    monkeypatch.setenv("FACTORY_SHARED_DIR", env["FACTORY_SHARED_DIR"])
+    monkeypatch.setenv("FACTORY_DEPLOYER", json.dumps(_readme_deployer_config()))
+    resource = build_resources("embedded")["deployer"]
+    assert isinstance(resource, KubernetesCPUDeployerResource)
+    host = resource.host()
+    assert isinstance(host, KubernetesHost)
+
+    # The CPU server runs from the code location's own image, in the manifests' namespace, off
+    # the shared claim the trainer writes checkpoints to.
+    image = deployment["image"]
+    assert host.image == f"{image['repository']}:{image['tag']}"
+    assert host.namespace == _find(manifests, "Namespace", "factory")["metadata"]["name"]
+    assert host.shared_claim == _kubernetes_rung(values, monkeypatch).shared_claim
+    _find(manifests, "PersistentVolumeClaim", host.shared_claim or "")
+    shared = env["FACTORY_SHARED_DIR"]
+    spec = ServerSpec(name="support_bot", version="v3", adapter="support_bot-v3",
+                      checkpoint=f"{shared}/runs/r1/checkpoints/step-100",
+                      base_model=f"{shared}/models/smollm2-135m-instruct",
+                      backend="transformers", sizing=ServeSizing(), started_at=datetime.now(UTC))
+    built, service, config_map = host.build(spec, suffix="0a1b2c")
+    assert config_map is None
+    for obj in (built, service):
+        assert_valid(k.ApiClient().sanitize_for_serialization(obj))
+    pod = k.ApiClient().sanitize_for_serialization(built)["spec"]["template"]["spec"]
+    assert {"name": "shared", "mountPath": shared} in pod["containers"][0]["volumeMounts"]
+
+    # The chart's account (code location and run workers) may manage them.
+    binding = _find(manifests, "RoleBinding", "factory-deployer")
+    assert binding["roleRef"]["name"] == _find(manifests, "Role", "factory-deployer")[
+        "metadata"]["name"]
+    assert binding["subjects"][0]["name"] == values["serviceAccount"]["name"]
