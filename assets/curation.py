@@ -218,14 +218,15 @@ def _rejection(judge: JudgeResource, experiment: Any, cur: CurationConfig,
 
 def _curate_on_spark(session: Any, experiment: Any, cur: CurationConfig, tokenizer_dir: Any,
                      judge: JudgeResource) -> tuple[Any, int | None, Any]:
-    """Curate on a local Spark session and commit its Parquet with ``add_files``."""
+    """Curate on Spark (``FACTORY_SPARK_MASTER``, default local) and commit its Parquet with
+    ``add_files``."""
     try:
-        from factory.curation.spark import commit, curate_spark, local_session
+        from factory.curation.spark import commit, curate_spark, spark_session
     except ImportError as exc:  # pyspark is the optional extra `spark`
         raise FactoryError(f"engine 'spark' needs pyspark (pip install 'factory[spark]'): "
                            f"{exc}") from exc
     files, snapshot = sample_files(session)
-    spark = local_session()
+    spark = spark_session(session.lake.settings.spark_master)
     try:
         samples = spark.read.parquet(*files).where(experiment.data.where).where(
             f"NOT coalesce(map_contains_key(tags, '{synthesis.TEACHER_TAG}'), false)")

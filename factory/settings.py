@@ -18,6 +18,12 @@ node:
 What only one node uses stays under ``$FACTORY_HOME``: the gateway's spool, the upload drop
 folder, the Dagster home (its ``dagster.yaml``, compute logs), logs and caches.
 
+``FACTORY_SPARK_MASTER`` picks where the Spark curation engine runs: ``local[N]`` (the default,
+in process), a standalone cluster (``spark://host:port``), Kubernetes (``k8s://https://...``) or
+a Spark Connect server (``sc://host:port``). Past ``local``, executors open the tokenizer folder
+(under ``FACTORY_MODELS_DIR``) and write the staging Parquet (under the warehouse) by the same
+paths as the driver, so both must be on the shared filesystem.
+
 ``FACTORY_CATALOG`` (a catalog pyiceberg configures itself) and ``FACTORY_DATABASE_URL`` both
 name where the catalog lives: together they are an error, as is ``FACTORY_WAREHOUSE`` with
 ``FACTORY_CATALOG`` (that catalog's own ``warehouse`` property places its data).
@@ -26,11 +32,18 @@ name where the catalog lives: together they are an error, as is ``FACTORY_WAREHO
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from factory.errors import SettingsError
+
+SPARK_MASTER_SCHEMES = ("spark", "k8s", "sc")
+"""URL schemes ``FACTORY_SPARK_MASTER`` accepts besides ``local``/``local[N]``: a standalone
+master, a Kubernetes API server, a Spark Connect server."""
+
+_LOCAL_MASTER = re.compile(r"local(\[(\*|[1-9][0-9]*)(,[1-9][0-9]*)?\])?")
 
 POSTGRES_SCHEMES = ("postgresql", "postgresql+psycopg2")
 """URL schemes ``FACTORY_DATABASE_URL`` accepts: SQLAlchemy's names for the psycopg2 driver,
@@ -59,6 +72,10 @@ class Settings:
     shared_dir: Path | None = None
     """Root of the artifacts several nodes open (``$FACTORY_SHARED_DIR``); None for the
     warehouse when it is a filesystem path, else ``home``."""
+    spark_master: str | None = None
+    """Master of the Spark curation engine (``$FACTORY_SPARK_MASTER``): ``local[N]``,
+    ``spark://``, ``k8s://`` or Spark Connect ``sc://``; None for ``local`` on this machine's
+    cores."""
 
     def __post_init__(self) -> None:
         if self.catalog_name and self.database_url:
@@ -77,6 +94,8 @@ class Settings:
                 raise SettingsError(
                     f"FACTORY_DATABASE_URL must be a postgresql:// URL, got scheme {scheme!r}"
                     + (" (write postgresql://)" if scheme == "postgres" else ""))
+        if self.spark_master is not None:
+            check_spark_master(self.spark_master)
         if (self.shared_dir is None and self.warehouse_uri is not None
                 and _local_path(self.warehouse_uri) is None):
             raise SettingsError(
@@ -152,6 +171,17 @@ class Settings:
         return self
 
 
+def check_spark_master(master: str) -> str:
+    """``master`` when Spark can run there (``SPARK_MASTER_SCHEMES`` or ``local[N]``), else a
+    ``SettingsError`` saying what is accepted."""
+    scheme, sep, rest = master.partition("://")
+    if _LOCAL_MASTER.fullmatch(master) or (sep and scheme in SPARK_MASTER_SCHEMES and rest):
+        return master
+    raise SettingsError(
+        f"FACTORY_SPARK_MASTER={master!r}: use local, local[N], spark://HOST:PORT (standalone), "
+        "k8s://https://HOST:PORT (Kubernetes) or sc://HOST:PORT (Spark Connect)")
+
+
 def _local_path(location: str) -> Path | None:
     """``location`` as a folder when it is a plain path or a ``file://`` URI, else None."""
     parts = urlsplit(location)
@@ -173,6 +203,7 @@ def get_settings() -> Settings:
                         database_url=env.get("FACTORY_DATABASE_URL") or None,
                         catalog_name=env.get("FACTORY_CATALOG") or None,
                         warehouse_uri=env.get("FACTORY_WAREHOUSE") or None,
-                        shared_dir=shared_dir)
+                        shared_dir=shared_dir,
+                        spark_master=env.get("FACTORY_SPARK_MASTER") or None)
     models = Path(env.get("FACTORY_MODELS_DIR") or settings.shared / "models").absolute()
     return replace(settings, models_dir=models)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,59 +40,119 @@ from factory.curation.pipeline import (
 from factory.curation.profile import build_profile
 from factory.curation.report import pattern_report
 from factory.curation.tokens import RenderCounter
+from factory.errors import FactoryError
 
 _FACT_COLUMNS = ["sample_id", "empty_reason", "num_tokens", "num_prompt_tokens", "prefix_key",
                  "prompt_key", "format_key", "is_json", "json_cut", "refusal", "truncated",
                  "tool_schema", "agent_loop", "language", "size_bytes"]
 
 
-def local_session(app: str = "factory-curation", cores: int = 2) -> Any:
-    """A local Spark session set up for the lake: UTC, Arrow, microsecond Parquet timestamps."""
+CONNECT_PACKAGES = {"pandas": "pandas", "grpc": "grpcio", "grpc_status": "grpcio-status",
+                    "google.rpc": "googleapis-common-protos", "zstandard": "zstandard"}
+"""Import name -> package of what pyspark's Spark Connect client needs besides pyarrow."""
+
+
+def spark_session(master: str | None = None, *, app: str = "factory-curation",
+                  cores: int = 2, conf: Mapping[str, str] | None = None) -> Any:
+    """A Spark session set up for the lake (UTC, Arrow, microsecond Parquet timestamps).
+
+    ``master``: ``local[N]``, ``spark://``, ``k8s://`` (``.master``) or a Spark Connect
+    ``sc://`` URL (``.remote``); None for ``local[cores]``. Executors, memory and the rest of
+    a cluster's set-up come from ``spark-defaults.conf`` (``SPARK_CONF_DIR``) as usual; past
+    ``local`` the executors' Python is this interpreter's path, so the cluster's nodes need
+    the same environment there (one image, or the venv on the shared filesystem). ``conf``
+    adds settings on top.
+    """
     import os
     import sys
 
     from pyspark.sql import SparkSession
 
-    # Python workers must run in this interpreter (our venv), not whatever `python3` is first.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    return (SparkSession.builder.master(f"local[{cores}]").appName(app)
-            .config("spark.sql.session.timeZone", "UTC")
-            .config("spark.sql.shuffle.partitions", str(cores))
-            .config("spark.default.parallelism", str(cores))
-            .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-            .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
-            .config("spark.ui.enabled", "false")
-            .config("spark.driver.memory", "1g")
-            .getOrCreate())
+    from factory.settings import check_spark_master
+
+    master = check_spark_master(master or f"local[{cores}]")
+    if master.startswith("sc://"):
+        missing = sorted(pkg for name, pkg in CONNECT_PACKAGES.items() if not _importable(name))
+        if missing:
+            raise FactoryError(f"Spark Connect ({master}) needs the packages "
+                               f"{', '.join(missing)} in this environment")
+        # the server owns the executors' environment and the static settings
+        builder = SparkSession.builder.remote(master).appName(app)
+    else:
+        # Python workers run this interpreter (our venv), not whatever `python3` is first.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        builder = (SparkSession.builder.master(master).appName(app)
+                   .config("spark.ui.enabled", "false")
+                   .config("spark.driver.memory", "1g"))
+        if master.startswith("local"):
+            builder = builder.config("spark.sql.shuffle.partitions", str(cores)) \
+                .config("spark.default.parallelism", str(cores))
+    builder = (builder.config("spark.sql.session.timeZone", "UTC")
+               .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+               .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS"))
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def is_connect(spark: Any) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no RDDs, no SparkContext)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _features(spark: Any, distinct: Any, config: CurationConfig, tokenizer_dir: str) -> Any:
+    """``features.sample_features`` over ``distinct`` in the executors: ``mapInArrow`` on
+    Spark Connect, else over the RDD (``mapInArrow`` needs pandas on a classic session, which
+    is not a dependency; Spark Connect needs it anyway)."""
+    schema = _ddl(FEATURES_SCHEMA)
+    if is_connect(spark):
+        return distinct.mapInArrow(_feature_batches(config, tokenizer_dir), schema)
+    return spark.createDataFrame(distinct.rdd.mapPartitions(_feature_fn(config, tokenizer_dir)),
+                                 schema)
+
+
+def _feature_batches(config: CurationConfig, tokenizer_dir: str
+                     ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """Partition function over Arrow batches: the input columns in, the features out."""
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        counter = RenderCounter(tokenizer_dir)
+        for batch in batches:
+            yield from sample_features(batch, config, counter).to_batches()
+    return run
 
 
 def _feature_fn(config: CurationConfig, tokenizer_dir: str) -> Callable[[Iterator[Any]],
                                                                          Iterator[Any]]:
-    """Partition function: Spark rows in, feature tuples out, in Arrow batches of 2,000.
-
-    It runs over the RDD rather than ``mapInArrow``, which needs pandas (not a dependency).
-    """
+    """Partition function: Spark rows in, feature tuples out, in Arrow batches of 2,000."""
     names = [f.name for f in FEATURES_SCHEMA]
+    batches = _feature_batches(config, tokenizer_dir)
 
     def run(rows: Iterator[Any]) -> Iterator[tuple[Any, ...]]:
-        counter = RenderCounter(tokenizer_dir)
-        chunk: list[dict[str, Any]] = []
+        def chunks() -> Iterator[pa.RecordBatch]:
+            chunk: list[dict[str, Any]] = []
+            for row in rows:
+                d = row.asDict()
+                d["tags"] = list((d.get("tags") or {}).items())
+                chunk.append(d)
+                if len(chunk) >= 2000:
+                    yield pa.RecordBatch.from_pylist(chunk, schema=_INPUT)
+                    chunk = []
+            if chunk:
+                yield pa.RecordBatch.from_pylist(chunk, schema=_INPUT)
 
-        def flush() -> Iterator[tuple[Any, ...]]:
-            t = pa.Table.from_pylist(chunk, schema=_INPUT)
-            cols = sample_features(t, config, counter).to_pydict()
+        for out in batches(chunks()):
+            cols = out.to_pydict()
             yield from zip(*(cols[n] for n in names), strict=True)
-
-        for row in rows:
-            d = row.asDict()
-            d["tags"] = list((d.get("tags") or {}).items())
-            chunk.append(d)
-            if len(chunk) >= 2000:
-                yield from flush()
-                chunk = []
-        if chunk:
-            yield from flush()
     return run
 
 
@@ -112,9 +172,7 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
         Window.partitionBy("sample_id").orderBy(*order)) - 1).cache()
     num_selected = rows.count()
     distinct = rows.where("row_rank = 0").select("sample_id", "messages", "tools", "tags")
-    features = spark.createDataFrame(
-        distinct.rdd.mapPartitions(_feature_fn(config, tokenizer_dir)),
-        _ddl(FEATURES_SCHEMA)).cache()
+    features = _features(spark, distinct, config, tokenizer_dir).cache()
 
     # near-duplicate edges: pairs sharing a band key, verified by exact Jaccard
     bands = features.select("sample_id", F.posexplode("band_keys").alias("band", "key")) \
@@ -231,7 +289,12 @@ def commit(session: Any, experiment: str, result: CurationResult[Any], staging: 
 
     The experiment's previous rows are deleted first (``where experiment = '<name>'``), then the
     new files are added: a version is the pair of snapshots. Drops go through the lake as rows.
+
+    Executors write the files and this process commits them by path, so ``staging`` must be
+    the same folder for both (the shared filesystem past ``local``): a ``FactoryError`` when
+    the files found there do not hold the rows written.
     """
+    import pyarrow.parquet as pq
     from pyspark.sql import functions as F
 
     from factory.curation.store import experiment_filter
@@ -245,6 +308,13 @@ def commit(session: Any, experiment: str, result: CurationResult[Any], staging: 
         path = f"{staging.rstrip('/')}/{name}/{experiment}-{uuid.uuid4().hex[:12]}"
         out.coalesce(1).write.mode("error").parquet(path)
         spark_files = sorted(str(p) for p in Path(path).glob("*.parquet"))
+        found = sum(pq.ParquetFile(f).metadata.num_rows for f in spark_files)
+        expected = result.profile["num_train" if name == "dataset_train" else "num_eval"]
+        if found != expected:
+            raise FactoryError(
+                f"Spark wrote {expected} {name} rows under {path} but this process finds "
+                f"{found} there: the staging folder must be on a filesystem the executors "
+                "and the driver share (the warehouse on shared storage)")
         table = session.lake.table(name)
         props = session.lineage.snapshot_properties()
         with table.transaction() as tx:

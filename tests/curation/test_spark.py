@@ -33,7 +33,7 @@ def test_spark_matches_embedded_and_commits_with_add_files(
     pytest.importorskip("pyspark")
     import pyarrow.parquet as pq
 
-    from factory.curation.spark import commit, curate_spark, local_session
+    from factory.curation.spark import commit, curate_spark, spark_session
     from factory.lake import Lake
 
     mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
@@ -44,7 +44,7 @@ def test_spark_matches_embedded_and_commits_with_add_files(
                                              for d in embedded.drops}
     path = factory_home / "in.parquet"
     pq.write_table(data.table(), path)
-    spark = local_session()
+    spark = spark_session()
     try:
         result = curate_spark(spark, spark.read.parquet(str(path)), CONFIG, str(smollm2_dir))
         train, ev = result.train.toArrow(), result.eval.toArrow()

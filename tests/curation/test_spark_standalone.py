@@ -1,0 +1,202 @@
+"""The Spark engine past local mode: the master from settings, and a standalone cluster (one
+master, one worker, started here with pyspark's ``bin/spark-class``) giving the embedded
+engine's datasets."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from factory.errors import SettingsError
+from factory.settings import check_spark_master, get_settings
+from tests.curation.conftest import CONFIG
+
+
+@pytest.mark.parametrize("master", ["local", "local[2]", "local[*]", "local[2,3]",
+                                    "spark://10.0.0.5:7077", "k8s://https://10.0.0.1:6443",
+                                    "sc://spark-connect:15002"])
+def test_spark_master_accepts_local_standalone_kubernetes_and_connect(master: str) -> None:
+    assert check_spark_master(master) == master
+
+
+@pytest.mark.parametrize("master", ["yarn", "local[0]", "local[two]", "spark://", "mesos://h:5050",
+                                    "http://master:7077", ""])
+def test_spark_master_refuses_what_spark_cannot_run_on(
+        master: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SettingsError, match="FACTORY_SPARK_MASTER"):
+        check_spark_master(master)
+    if master:
+        monkeypatch.setenv("FACTORY_SPARK_MASTER", master)
+        with pytest.raises(SettingsError, match="FACTORY_SPARK_MASTER"):
+            get_settings()
+
+
+def test_spark_master_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FACTORY_SPARK_MASTER", raising=False)
+    assert get_settings().spark_master is None
+    monkeypatch.setenv("FACTORY_SPARK_MASTER", "spark://127.0.0.1:7077")
+    assert get_settings().spark_master == "spark://127.0.0.1:7077"
+
+
+def test_spark_connect_names_the_missing_client_packages() -> None:
+    pytest.importorskip("pyspark")
+    from factory.curation.spark import CONNECT_PACKAGES, _importable, spark_session
+    from factory.errors import FactoryError
+
+    missing = [pkg for name, pkg in CONNECT_PACKAGES.items() if not _importable(name)]
+    if not missing:
+        pytest.skip("the Spark Connect client's packages are installed")
+    with pytest.raises(FactoryError, match=missing[0]):
+        spark_session("sc://127.0.0.1:15002")
+
+
+# -- a standalone cluster ----------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive_workers(ui_port: int) -> int:
+    """ALIVE workers in the master's status JSON (0 while the master is not answering)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=2) as r:
+            status = json.load(r)
+    except OSError:
+        return 0
+    return sum(1 for w in status.get("workers", []) if w.get("state") == "ALIVE")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the daemon's process group (spark-class execs the JVM; a worker's executors
+    are in its group), SIGKILL after 20 s; waits until no process of the group is left."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 20
+    while _group_alive(proc.pid):
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def standalone(tmp_path: Path) -> Iterator[str]:
+    """A standalone master and one worker (1 core, 1 GiB) on free ports of 127.0.0.1; yields
+    the master URL once the master reports the worker ALIVE, and stops both by pid after."""
+    pyspark = pytest.importorskip("pyspark")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("no Java")
+    spark_home = Path(pyspark.__file__).parent
+    env = {**os.environ, "SPARK_HOME": str(spark_home), "SPARK_DAEMON_MEMORY": "256m",
+           "SPARK_LOG_DIR": str(tmp_path / "logs"), "SPARK_CONF_DIR": str(tmp_path / "conf"),
+           "SPARK_NO_DAEMONIZE": "1"}
+    (tmp_path / "conf").mkdir()
+    port, ui = _free_port(), _free_port()
+    url = f"spark://127.0.0.1:{port}"
+    spark_class = str(spark_home / "bin" / "spark-class")
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+
+    def start(name: str, args: list[str]) -> None:
+        log = (tmp_path / f"{name}.log").open("wb")
+        logs.append(log)
+        procs.append(subprocess.Popen([spark_class, *args], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+
+    try:
+        start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                         "--port", str(port), "--webui-port", str(ui)])
+        start("worker", ["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+                         "--cores", "1", "--memory", "1g", "--webui-port", str(_free_port()),
+                         "--work-dir", str(tmp_path / "work"), url])
+        # The event: the master lists the worker as ALIVE. The deadline only bounds a failure.
+        deadline = time.monotonic() + 90
+        while _alive_workers(ui) < 1:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                tails = {n: (tmp_path / f"{n}.log").read_text()[-2000:]
+                         for n in ("master", "worker")}
+                pytest.fail(f"the standalone cluster did not come up: {tails}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+        for log in logs:
+            log.close()
+    assert not any(_group_alive(p.pid) for p in procs)
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:pyspark.*")
+@pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
+def test_standalone_cluster_gives_the_embedded_datasets(
+        standalone: str, factory_home: Path, counter: Any, smollm2_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow.parquet as pq
+
+    from factory.curation.pipeline import curate
+    from factory.curation.spark import commit, curate_spark, spark_session
+    from factory.curation.synthetic import Planted, planted, templated
+    from factory.lake import Lake
+
+    mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
+    data = Planted(rows=mixed.rows + tickets.rows)
+    embedded = curate(data.table(), CONFIG, counter)
+    path = factory_home / "in.parquet"
+    pq.write_table(data.table(), path)
+    monkeypatch.setenv("FACTORY_SPARK_MASTER", standalone)
+    # one executor of the worker's one core; 2 shuffle partitions as locally (Spark's 200 cost
+    # ~3 minutes of task overhead here)
+    spark = spark_session(get_settings().spark_master, conf={
+        "spark.executor.memory": "1g", "spark.cores.max": "1",
+        "spark.sql.shuffle.partitions": "2", "spark.default.parallelism": "2"})
+    try:
+        assert spark.sparkContext.master == standalone
+        result = curate_spark(spark, spark.read.parquet(str(path)), CONFIG, str(smollm2_dir))
+        train, ev = result.train.toArrow(), result.eval.toArrow()
+        # the work ran in the worker's executor, not in a local one
+        executors = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size()
+        lake = Lake()
+        staging = lake.settings.warehouse / "spark-staging"
+        commit(lake.session(run_id="r1", asset_key="dataset"), "exp", result, str(staging))
+    finally:
+        spark.stop()
+        gc.collect()
+    assert executors == 2  # the driver's block manager and the worker's executor
+    for mine, theirs in ((train, embedded.train), (ev, embedded.eval)):
+        assert mine.num_rows == theirs.num_rows > 0
+        assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
+    assert result.drops == embedded.drops
+    assert result.profile == embedded.profile
+    assert result.report == embedded.report
+    back = lake.read("dataset_train").sort_by("sample_id")
+    assert back.column("sample_id").to_pylist() == embedded.train.column("sample_id").to_pylist()
