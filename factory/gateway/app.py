@@ -30,7 +30,7 @@ from factory.gateway.asgi import (
 )
 from factory.gateway.config import PROVIDERS, GatewayConfig
 from factory.gateway.errors import error_body
-from factory.gateway.flusher import Flusher, stream_complete
+from factory.gateway.flusher import Flusher, IngestFn, stream_complete
 from factory.gateway.keys import KeyStore, keys_path
 from factory.gateway.metrics import Metrics
 from factory.gateway.routes import RoutingTable
@@ -93,7 +93,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, *, settings: Settings | None = None,
                  routes: RoutingTable | None = None, keys: KeyStore | None = None,
                  lake_factory: Callable[[], Any] | None = None,
-                 ingest: Callable[[Any, list[Any]], Any] | None = None,
+                 ingest: IngestFn | None = None,
                  shadows: ShadowTable | None = None) -> None:
         self.config = config
         self.settings = (settings or get_settings()).ensure()

@@ -90,7 +90,8 @@ class GatewayConfig:
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:
-        """Defaults overridden by ``FACTORY_<PROVIDER>_BASE_URL`` / ``_API_KEY``, then by
+        """Defaults overridden by ``FACTORY_<PROVIDER>_BASE_URL`` / ``_API_KEY``,
+        ``FACTORY_MAX_BODY_BYTES`` and ``FACTORY_FLUSH_INTERVAL_S``, then by
         ``overrides`` (None values are ignored, so CLI flags left unset fall through)."""
         values: dict[str, object] = {}
         for provider in PROVIDERS:
@@ -98,12 +99,14 @@ class GatewayConfig:
                 env = os.environ.get(f"FACTORY_{provider.upper()}_{suffix.upper()}")
                 if env:
                     values[f"{provider}_{suffix}"] = env
-        env_limit = os.environ.get("FACTORY_MAX_BODY_BYTES")
-        if env_limit:
-            try:
-                values["max_body_bytes"] = int(env_limit)
-            except ValueError:
-                raise ValueError(f"FACTORY_MAX_BODY_BYTES must be an integer, got {env_limit!r}")\
-                    from None
+        for name, field, kind, what in (
+                ("FACTORY_MAX_BODY_BYTES", "max_body_bytes", int, "an integer"),
+                ("FACTORY_FLUSH_INTERVAL_S", "flush_interval_s", float, "a number")):
+            env = os.environ.get(name)
+            if env:
+                try:
+                    values[field] = kind(env)
+                except ValueError:
+                    raise ValueError(f"{name} must be {what}, got {env!r}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

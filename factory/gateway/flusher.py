@@ -5,7 +5,10 @@ Runs in its own thread so lake commits never touch the request path. A batch is 
 accept and committed with ``factory.ingest.ingest_records``; the segments are deleted only after
 that returned. Each capture's ``raw_trace_id`` is derived from its ``capture_id``, and ingest skips
 ids already in ``raw_traces``, so a batch replayed after a crash between commit and delete is
-captured exactly once. While the lake is unavailable (catalog locked, unreachable, any error on
+captured exactly once. A replay is a segment older than this process's hold on the spool (an
+earlier holder may have committed it) or one whose earlier attempt failed (it may have been
+committed in part); any other batch is new to the lake, and ingest does not read
+``raw_traces``' ids for it (a read that grows with the table, on every flush). While the lake is unavailable (catalog locked, unreachable, any error on
 commit) the batch is retried with back-off and the spool keeps growing; each failed attempt is
 logged with its traceback and counted in ``/metrics``.
 
@@ -25,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -34,7 +37,13 @@ from factory.gateway.spool import SpoolEntry, read_segment, sealed_segments
 
 log = logging.getLogger("factory.gateway")
 
-IngestFn = Callable[[Any, list[Any]], Any]
+
+
+class IngestFn(Protocol):
+    """Commits capture records to the lake (``factory.ingest.ingest_records``); ``new_ids``:
+    none of them can be there yet."""
+
+    def __call__(self, lake: Any, records: list[Any], *, new_ids: bool) -> Any: ...
 
 
 def capture_raw_trace_id(capture_id: str) -> str:
@@ -218,10 +227,10 @@ def merge_otel_records(records: list[Any]) -> list[Any]:
     return merged
 
 
-def _default_ingest(lake: Any, records: list[Any]) -> Any:
+def _default_ingest(lake: Any, records: list[Any], *, new_ids: bool) -> Any:
     from factory.ingest import ingest_records
 
-    return ingest_records(lake, records)
+    return ingest_records(lake, records, new_ids=new_ids)
 
 
 class Flusher:
@@ -257,6 +266,9 @@ class Flusher:
         self._locked_ns = 0
         """When this process took the flush lock: a segment created before it may have been
         committed by an earlier holder that stopped before deleting it (a replay)."""
+        self._tried: set[str] = set()
+        """Segments of a batch whose commit was attempted and failed: it may have been
+        committed in part, so the next attempt is a replay."""
         self.num_pairs = 0
         """Shadow frames committed to ``shadow_pairs`` by this process (a replayed one counts
         again; the table keeps it once)."""
@@ -368,10 +380,14 @@ class Flusher:
             if len(batch) >= self.max_records:
                 break
         records = merge_otel_records(records)
+        names = {seg.name for seg in used + corrupt}
+        replay = any(int(seg.name.split("-")[0]) < self._locked_ns for seg in used + corrupt)
+        new_ids = self._locked_ns > 0 and not replay and not names & self._tried
+        self._tried |= names
         if records:
             if self._lake is None:
                 self._lake = self.lake_factory()
-            summary = self.ingest(self._lake, records)
+            summary = self.ingest(self._lake, records, new_ids=new_ids)
             rejected = int(getattr(summary, "rejected", 0) or 0)
             if rejected:
                 self.num_rejected += rejected
@@ -380,8 +396,7 @@ class Flusher:
         if pairs:
             if self._lake is None:
                 self._lake = self.lake_factory()
-            replay = any(int(seg.name.split("-")[0]) < self._locked_ns for seg in used + corrupt)
-            commit_pairs(self._lake, pairs, check_existing=replay)
+            commit_pairs(self._lake, pairs, check_existing=not new_ids)
             self.num_pairs += len(pairs)
         for seg in used:
             seg.unlink()
@@ -390,6 +405,7 @@ class Flusher:
             os.replace(seg, seg.with_suffix(".corrupt"))
             log.error("spool: segment %s has a torn or corrupt record; its intact records were "
                       "committed, the file is kept as .corrupt", seg.name)
+        self._tried -= names
         self.num_committed += len(records)
         self.last_success_at = time.time()
         self.last_error = None

@@ -65,9 +65,12 @@ class KnownIds:
     rejected_traces (a crash between the raw and the derived commits), which are normalized
     again. Looking ids up is then a binary search in memory: scanning the tables per chunk to
     confirm candidates would make re-ingesting a file cost as much as ingesting it.
+
+    With ``read=False`` the lake's ids are not read (records known to be new to it: the
+    gateway's first attempt at its own captures); only ids seen in this ingest are known.
     """
 
-    def __init__(self, lake: Lake, lineage: Lineage | None) -> None:
+    def __init__(self, lake: Lake, lineage: Lineage | None, *, read: bool = True) -> None:
         self.lake = lake
         self.arrays: list[np.ndarray] = []
         """Sorted digests of the ids (several arrays, merged now and then)."""
@@ -76,8 +79,8 @@ class KnownIds:
         more per id, for a search 4x faster than in the digests)."""
         self._orphans: set[bytes] | None = None
         """Digests of ids in raw_traces without an outcome yet (read when first needed)."""
-        self._snap = lake.snapshot_id("raw_traces")
-        if lineage is not None:
+        self._snap = lake.snapshot_id("raw_traces") if read else None
+        if lineage is not None and read:
             lineage.record_read("raw_traces", self._snap)
         self._add(self._ids("raw_traces", self._snap))
         self._num_initial = sum(len(a) for a in self.arrays)

@@ -43,20 +43,23 @@ from factory.normalize import FORMATS
 
 def ingest_records(lake: Lake, records: Iterable[RawRecord], *,
                    lineages: Mapping[str, Lineage] | None = None, batch_rows: int = 5000,
-                   background_writes: bool = False) -> IngestSummary:
+                   background_writes: bool = False, new_ids: bool = False) -> IngestSummary:
     """Store, normalize and write ``records``; one bad record never stops the others.
 
     Every ``batch_rows`` records read make one commit per table, each stamped with the
     table's entry of ``lineages`` (see ``Writer``). ``background_writes`` commits each batch on
-    a thread while the next one is normalized. Returns the counts and the snapshots committed.
+    a thread while the next one is normalized. ``new_ids``: no record's ``raw_trace_id`` can be
+    in the lake yet (the gateway's first attempt at captures it spooled), so the lake's ids are
+    not read (a read that grows with raw_traces); duplicates among ``records`` are still
+    skipped. Returns the counts and the snapshots committed.
     """
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
     lineages = lineages or {}
     summary = IngestSummary()
     writer = Writer(lake, summary, lineages, threaded=background_writes)
-    pipeline = _Pipeline(lake, KnownIds(lake, lineages.get("raw_traces")), summary, writer,
-                         batch_rows=batch_rows)
+    known = KnownIds(lake, lineages.get("raw_traces"), read=not new_ids)
+    pipeline = _Pipeline(lake, known, summary, writer, batch_rows=batch_rows)
     try:
         for items in item_chunks(records):
             for full in pipeline.add(items):

@@ -33,9 +33,15 @@ def make_config(upstream: ServerThread, **overrides: Any) -> GatewayConfig:
 
 
 class Collected(list):
-    """An ingest stand-in for tests that check captures, not the lake: keeps the records."""
+    """An ingest stand-in for tests that check captures, not the lake: keeps the records, and
+    each call's ``new_ids`` in ``new_ids``."""
 
-    def __call__(self, lake: Any, records: list[Any]) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.new_ids: list[bool] = []
+
+    def __call__(self, lake: Any, records: list[Any], *, new_ids: bool = False) -> None:
+        self.new_ids.append(new_ids)
         self.extend(records)
 
 

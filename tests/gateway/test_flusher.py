@@ -99,7 +99,7 @@ class Crash(BaseException):
 
 def test_a_flusher_that_dies_says_so(factory_home: Path, upstream: ServerThread,
                                      caplog: pytest.LogCaptureFixture) -> None:
-    def ingest(lake: Any, records: list[Any]) -> None:
+    def ingest(lake: Any, records: list[Any], *, new_ids: bool) -> None:
         raise Crash("injected")
 
     app = Gateway(make_config(upstream), lake_factory=lambda: None, ingest=ingest)

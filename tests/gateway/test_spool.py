@@ -4,6 +4,7 @@ exactly-once ids; and the routing table in the lake."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +100,11 @@ def test_flusher_keeps_segments_while_lake_fails_then_drains(tmp_path: Path) -> 
     calls: list[int] = []
     kept = Collected()
 
-    def flaky(lake: Any, records: list[Any]) -> None:
+    def flaky(lake: Any, records: list[Any], *, new_ids: bool) -> None:
         calls.append(len(records))
         if len(calls) < 3:
             raise OSError("catalog unreachable")
-        kept(lake, records)
+        kept(lake, records, new_ids=new_ids)
 
     flusher = Flusher(tmp_path, lake_factory=lambda: None, ingest=flaky)
     for _ in range(2):
@@ -115,6 +116,43 @@ def test_flusher_keeps_segments_while_lake_fails_then_drains(tmp_path: Path) -> 
     ids = [r.raw_trace_id for r in kept]
     assert ids == [capture_raw_trace_id("id-1"), capture_raw_trace_id("id-2")]
     assert capture_raw_trace_id("id-1") == capture_raw_trace_id("id-1")  # replay-stable
+    assert kept.new_ids == [False]  # a segment older than the flush lock: a possible replay
+
+
+def test_only_a_first_attempt_at_this_process_s_own_segments_skips_the_lake_s_ids(
+        tmp_path: Path) -> None:
+    """``new_ids`` (ingest does not read raw_traces' ids) holds for segments spooled after
+    this flusher took the lock, on their first attempt; a segment from before the lock, or a
+    batch whose attempt failed (it may be committed in part), is deduplicated."""
+    calls: list[tuple[int, bool]] = []
+    fail = {"next": False}
+
+    def ingest(lake: Any, records: list[Any], *, new_ids: bool) -> None:
+        calls.append((len(records), new_ids))
+        if fail["next"]:
+            fail["next"] = False
+            raise OSError("commit failed half way")
+
+    flusher = Flusher(tmp_path, lake_factory=lambda: None, ingest=ingest)
+    assert flusher._acquire()
+    try:
+        def segment(i: int, ns: int) -> None:
+            (tmp_path / f"{ns:020d}-1-{i:06d}.seg").write_bytes(_capture(i))
+
+        segment(1, time.time_ns())
+        assert flusher.flush_once() == 1
+        segment(2, time.time_ns())
+        fail["next"] = True
+        with pytest.raises(OSError):
+            flusher.flush_once()
+        assert flusher.flush_once() == 1  # the retry of a failed attempt
+        segment(3, 1)  # spooled before this flusher held the lock
+        assert flusher.flush_once() == 1
+        segment(4, time.time_ns())
+        assert flusher.flush_once() == 1
+        assert calls == [(1, True), (1, True), (1, False), (1, False), (1, True)]
+    finally:
+        flusher.stop(final_flush_s=0)
 
 
 def test_stream_parsers_handle_cut_streams() -> None:
@@ -129,7 +167,7 @@ def test_gateway_drains_after_lake_outage(factory_home: Path, upstream: ServerTh
     down = {"on": True}
     kept = Collected()
 
-    def ingest(lake: Any, records: list[Any]) -> None:
+    def ingest(lake: Any, records: list[Any], *, new_ids: bool) -> None:
         if down["on"]:
             raise RuntimeError("database is locked")
         kept(lake, records)

@@ -134,6 +134,28 @@ def test_gateway_ids_and_errors_never_raise(factory_home: Path) -> None:
     assert ingest_records(lake, recs[1:]).duplicates == 1
 
 
+def test_new_ids_skip_the_lake_s_ids_and_still_dedupe_among_themselves(
+        factory_home: Path) -> None:
+    """``new_ids`` (the gateway's first attempt at its own captures) reads no raw_traces ids:
+    a record already in the lake is not found (the caller vouches it cannot be), and a record
+    twice among the new ones is still one row."""
+    lake = Lake()
+    now = datetime.now(tz=UTC)
+
+    def rec(i: int) -> RawRecord:
+        return RawRecord(payload=conv.openai_call(), source="proxy", received_at=now, tags={},
+                         raw_trace_id=f"capture-{i}")
+
+    assert ingest_records(lake, [rec(1)]).ingested == 1
+    lineage = Lineage(run_id="r2", asset_key="gateway")
+    summary = ingest_records(lake, [rec(2), rec(3), rec(3)], new_ids=True,
+                             lineages={"raw_traces": lineage})
+    assert (summary.ingested, summary.duplicates) == (2, 1)
+    assert "raw_traces" not in lineage.reads
+    assert ingest_records(lake, [rec(1)], new_ids=True).ingested == 1  # not looked up
+    assert ingest_records(lake, [rec(1)]).duplicates == 1  # looked up
+
+
 def test_json_array_gz_and_folders(factory_home: Path, tmp_path: Path) -> None:
     root = tmp_path / "drop"
     (root / "nested").mkdir(parents=True)

@@ -25,6 +25,10 @@ def register(sub: Any) -> None:
                         "FACTORY_MAX_BODY_BYTES)")
     p.add_argument("--upstream-timeout", type=float, default=None, metavar="SECONDS",
                    help="504 when the upstream sends nothing for this long (default 600)")
+    p.add_argument("--flush-interval", type=float, default=None, metavar="SECONDS",
+                   help="how often captures are committed to the lake while traffic is light "
+                        "(default 0.5; env FACTORY_FLUSH_INTERVAL_S): each commit costs the "
+                        "same CPU however few captures it holds")
     p.add_argument("--no-flush", action="store_true",
                    help="only spool captures; another gateway process drains the spool")
     p.set_defaults(func=_serve)
@@ -38,7 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, openai_base_url=args.openai_base_url,
         anthropic_base_url=args.anthropic_base_url, gemini_base_url=args.gemini_base_url,
         max_body_bytes=args.max_body_bytes, upstream_timeout_s=args.upstream_timeout,
-        flush=False if args.no_flush else None)
+        flush_interval_s=args.flush_interval, flush=False if args.no_flush else None)
 
     def ready(port: int) -> None:
         held = [p for p in ("openai", "anthropic", "gemini") if config.api_key(p)]
