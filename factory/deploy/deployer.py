@@ -430,10 +430,14 @@ class Deployer:
         try:
             self.host.wait_ready(dep, cfg.startup_timeout_s)
         except HostError as exc:
-            self.host.stop(dep, timeout_s=10)
-            self._write([dep.row(status="failed", reason=str(exc)[:2000],
+            reason = str(exc)
+            try:
+                self.host.stop(dep, timeout_s=10)
+            except HostError as stop_exc:
+                reason += f"\n(and it could not be stopped: {stop_exc})"
+            self._write([dep.row(status="failed", reason=reason[:2000],
                                  stopped_at=datetime.now(UTC))])
-            raise DeploymentError(str(exc)) from None
+            raise DeploymentError(reason) from None
         dep = Deployment(**dep.row(status=CANDIDATE if candidate else LIVE))
         self._write([dep.row()])
         if candidate:
@@ -489,11 +493,16 @@ class Deployer:
             return []
         hosts = self._hosts_of(deps)
         self._write([d.row(status="draining", reason=reason) for d in deps])
-        running = [(d, h) for d, h in zip(deps, hosts, strict=True) if h.running(d)]
-        if running:
-            time.sleep(self.config.drain_s)  # one drain for all: gateways re-read routes once
-        for d, h in running:
-            h.stop(d, timeout_s=self.config.stop_timeout_s)
+        try:
+            running = [(d, h) for d, h in zip(deps, hosts, strict=True) if h.running(d)]
+            if running:
+                time.sleep(self.config.drain_s)  # one drain for all: gateways re-read routes
+            for d, h in running:
+                h.stop(d, timeout_s=self.config.stop_timeout_s)
+        except HostError as exc:
+            # Left draining: the next deploy or undeploy of the name retires them again.
+            versions = ", ".join(d.version for d in deps)
+            raise DeploymentError(f"retiring {deps[0].name} {versions}: {exc}") from None
         stopped = [Deployment(**d.row(status="stopped", reason=reason,
                                       stopped_at=datetime.now(UTC))) for d in deps]
         self._write([d.row() for d in stopped])

@@ -20,10 +20,12 @@ by the Deployment, so the cluster's garbage collector removes them if a delete i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,15 +78,29 @@ def _located(dep: Deployment) -> tuple[str, str]:
     return namespace, obj
 
 
-def _api_error(what: str, exc: Any) -> HostError:
-    """A ``HostError`` from an ``ApiException`` (its status, reason and the API's message)."""
-    message = ""
+@contextlib.contextmanager
+def _calling(what: str) -> Iterator[None]:
+    """API errors inside as ``HostError``s saying ``what`` failed: the API's status, reason
+    and message, or that it could not be reached."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
     try:
-        message = json.loads(exc.body or "{}").get("message", "")
-    except (ValueError, AttributeError):
-        message = str(exc.body or "")[:500]
-    return HostError(f"{what}: the Kubernetes API answered {exc.status} {exc.reason}"
-                     + (f": {message}" if message else ""))
+        yield
+    except ApiException as exc:
+        try:
+            message = json.loads(exc.body or "{}").get("message", "")
+        except (ValueError, AttributeError):
+            message = str(exc.body or "")[:500]
+        raise HostError(f"{what}: the Kubernetes API answered {exc.status} {exc.reason}"
+                        + (f": {message}" if message else "")) from None
+    except HTTPError as exc:
+        raise HostError(f"{what}: the Kubernetes API cannot be reached ({exc})") from None
+
+
+def _missing(exc: Any) -> bool:
+    """True for an ``ApiException`` saying the object does not exist."""
+    return getattr(exc, "status", None) == 404
 
 
 @dataclass(kw_only=True)
@@ -235,16 +251,13 @@ class KubernetesHost(ServerHost):
     # -- ServerHost ------------------------------------------------------------------------------
     def start(self, spec: ServerSpec) -> Placement:
         from kubernetes import client as k
-        from kubernetes.client.exceptions import ApiException
 
         deployment, service, config_map = self.build(spec, suffix=uuid.uuid4().hex[:6])
         obj = deployment.metadata.name
         with self._api() as api:
             apps, core = k.AppsV1Api(api), k.CoreV1Api(api)
-            try:
+            with _calling(f"creating Deployment {obj}"):
                 created = apps.create_namespaced_deployment(self.namespace, deployment)
-            except ApiException as exc:
-                raise _api_error(f"creating Deployment {obj}", exc) from None
             owner = k.V1OwnerReference(api_version="apps/v1", kind="Deployment", name=obj,
                                        uid=created.metadata.uid, controller=True)
             owned = [(service, core.create_namespaced_service)]
@@ -253,16 +266,16 @@ class KubernetesHost(ServerHost):
             for body, create in owned:
                 body.metadata.owner_references = [owner]
                 try:
-                    create(self.namespace, body)
-                except ApiException as exc:
+                    with _calling(f"creating {body.kind} {obj}"):
+                        create(self.namespace, body)
+                except HostError:
                     self._delete(core, apps, self.namespace, obj)
-                    raise _api_error(f"creating {body.kind} {obj}", exc) from None
+                    raise
         return Placement(endpoint=f"http://{obj}.{self.namespace}.svc:{self.port}/v1",
                          port=self.port, log_path=f"{KUBERNETES_SCHEME}{self.namespace}/{obj}")
 
     def wait_ready(self, dep: Deployment, timeout_s: float) -> None:
         from kubernetes import client as k
-        from kubernetes.client.exceptions import ApiException
 
         namespace, obj = _located(dep)
         what = f"the {dep.backend} server for {dep.name} {dep.version} (Deployment {obj})"
@@ -270,21 +283,21 @@ class KubernetesHost(ServerHost):
         while True:
             with self._api() as api:
                 apps, core = k.AppsV1Api(api), k.CoreV1Api(api)
-                try:
+                with _calling(f"reading Deployment {obj}"):
                     status = apps.read_namespaced_deployment_status(obj, namespace).status
-                except ApiException as exc:
-                    raise _api_error(f"reading Deployment {obj}", exc) from None
                 if status is not None and (status.available_replicas or 0) >= 1:
                     return
-                pods = core.list_namespaced_pod(
-                    namespace, label_selector=f"app.kubernetes.io/instance={obj}").items
+                with _calling(f"listing the pods of {obj}"):
+                    pods = core.list_namespaced_pod(
+                        namespace, label_selector=f"app.kubernetes.io/instance={obj}").items
                 fatal = [reason for reason in map(_waiting_reason, pods)
                          if reason in FATAL_WAITING]
                 if fatal or time.monotonic() > deadline:
                     why = (f"cannot start ({fatal[0]})" if fatal
                            else f"was not ready after {timeout_s:.0f} s")
-                    raise HostError(f"{what} {why}: "
-                                    f"{_report(core, namespace, status, pods)}")
+                    with _calling(f"reading the pods of {obj}"):
+                        report = _report(core, namespace, status, pods)
+                    raise HostError(f"{what} {why}: {report}")
             time.sleep(self.poll_s)
 
     def running(self, dep: Deployment) -> bool:
@@ -292,13 +305,13 @@ class KubernetesHost(ServerHost):
         from kubernetes.client.exceptions import ApiException
 
         namespace, obj = _located(dep)
-        with self._api() as api:
+        with self._api() as api, _calling(f"reading Deployment {obj}"):
             try:
                 k.AppsV1Api(api).read_namespaced_deployment(obj, namespace)
             except ApiException as exc:
-                if exc.status == 404:
+                if _missing(exc):
                     return False
-                raise _api_error(f"reading Deployment {obj}", exc) from None
+                raise
         return True
 
     def stop(self, dep: Deployment, *, timeout_s: float) -> None:
@@ -318,11 +331,12 @@ class KubernetesHost(ServerHost):
         for kind, delete in (("Deployment", apps.delete_namespaced_deployment),
                              ("Service", core.delete_namespaced_service),
                              ("ConfigMap", core.delete_namespaced_config_map)):
-            try:
-                delete(obj, namespace, propagation_policy="Background")
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise _api_error(f"deleting {kind} {obj}", exc) from None
+            with _calling(f"deleting {kind} {obj}"):
+                try:
+                    delete(obj, namespace, propagation_policy="Background")
+                except ApiException as exc:
+                    if not _missing(exc):
+                        raise
 
 
 def _waiting_reason(pod: Any) -> str | None:

@@ -394,6 +394,21 @@ def test_a_checkpoint_off_the_shared_volume_is_refused_before_anything_is_create
     assert cluster.calls == [] and _rows() == {}
 
 
+def test_an_api_server_that_cannot_be_reached_is_a_clear_error(setup: Setup) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    host = KubernetesHost(api_server=f"http://127.0.0.1:{port}", image="i",
+                          shared_claim="factory-shared")
+    with pytest.raises(DeploymentError, match="creating Deployment inference-exp-v1-.*: the "
+                                              "Kubernetes API cannot be reached"):
+        Deployer(config=DeployConfig(drain_s=0.0), host=host).deploy(
+            "exp", str(setup.checkpoints[0]))
+    assert _rows() == {}
+
+
 def test_a_local_deployer_refuses_to_retire_a_version_on_the_cluster(
         cluster: FakeCluster, setup: Setup) -> None:
     cluster.auto_ready = True
