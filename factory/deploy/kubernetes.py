@@ -21,8 +21,10 @@ by the Deployment, so the cluster's garbage collector removes them if a delete i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -44,6 +46,9 @@ from factory.settings import get_settings
 if TYPE_CHECKING:
     from factory.deploy.deployer import Deployment
 
+DEPLOYER_ENV = "FACTORY_DEPLOYER"
+"""A JSON object: the cluster deployed servers run on (``KubernetesHost``'s fields, beside the
+deployer resource's own); unset, they run as processes on this machine."""
 APP = "factory-inference"
 """``app.kubernetes.io/name`` of every deployed server's objects."""
 CONTAINER = "server"
@@ -385,3 +390,21 @@ def _report(core: Any, namespace: str, status: Any, pods: list[Any]) -> str:
                     bits.append(f"(no log: {exc.status} {exc.reason})")
         parts.append("; ".join(bits))
     return "\n".join(parts)
+
+
+def host_from_env() -> KubernetesHost | None:
+    """The cluster ``$FACTORY_DEPLOYER`` configures, for the CLI (the composition root builds
+    the deployer resource from the same object); None when it is unset or empty."""
+    raw = os.environ.get(DEPLOYER_ENV)
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{DEPLOYER_ENV}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{DEPLOYER_ENV}: must be a JSON object, got {type(config).__name__}")
+    names = {f.name for f in dataclasses.fields(KubernetesHost)}
+    values = {key: value for key, value in config.items() if key in names}
+    values["secrets"] = [SecretEnv(**s) for s in values.get("secrets", [])]
+    return KubernetesHost(**values)

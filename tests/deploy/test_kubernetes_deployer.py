@@ -495,3 +495,30 @@ def test_the_deployment_asset_runs_on_the_cluster_factory_deployer_names(
     assert meta["endpoint"].value == f"http://{obj}.ml.svc:8000/v1"
     assert _rows()["v1"].status == "live"
     assert load_routes(Lake())["factory/exp"].base_url == f"http://{obj}.ml.svc:8000/v1"
+
+
+def test_the_cli_deploys_rolls_back_and_undeploys_on_the_cluster_factory_deployer_names(
+        cluster: FakeCluster, setup: Setup, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from factory.app.cli import main
+
+    cluster.auto_ready = True
+    monkeypatch.setenv("FACTORY_DEPLOYER", json.dumps({
+        "api_server": cluster.url, "image": "ghcr.io/example/factory:1", "namespace": "ml",
+        "shared_claim": "factory-shared", "poll_s": 0.02, "drain_s": 0.0}))
+    for ckpt in setup.checkpoints:
+        assert main(["deploy", "exp", "--checkpoint", str(ckpt), "--drain-s", "0",
+                     "--format", "json"]) == 0
+    assert main(["rollback", "exp", "--drain-s", "0", "--format", "json"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(o["version"], o["status"]) for o in out] == [("v1", "live"), ("v2", "live"),
+                                                          ("v1", "live")]
+    assert out[-1]["endpoint"].endswith(".ml.svc:8000/v1")
+    [obj] = cluster.names("deployments")
+    assert out[-1]["endpoint"] == f"http://{obj}.ml.svc:8000/v1"
+    assert main(["undeploy", "exp", "--drain-s", "0"]) == 0
+    assert cluster.names("deployments") == cluster.names("services") == set()
+    assert {d.status for d in _rows().values()} == {"stopped"}
+    monkeypatch.setenv("FACTORY_DEPLOYER", "[1]")
+    assert main(["undeploy", "exp"]) == 2
+    assert "FACTORY_DEPLOYER: must be a JSON object" in capsys.readouterr().err

@@ -104,13 +104,15 @@ def _server_options(p: argparse.ArgumentParser) -> None:
 
 def _deployer(args: argparse.Namespace) -> Any:
     from factory.deploy import DeployConfig, Deployer
+    from factory.deploy.kubernetes import host_from_env
 
     values: dict[str, Any] = {}
     for name in ("backend", "threads", "drain_s", "startup_timeout_s"):
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
-    return Deployer(config=DeployConfig(**values))
+    # Servers run on the cluster $FACTORY_DEPLOYER names, as the deployment asset's do.
+    return Deployer(config=DeployConfig(**values), host=host_from_env())
 
 
 def _report(dep: Any, fmt: str, verb: str) -> None:
@@ -134,10 +136,11 @@ def _deploy(args: argparse.Namespace) -> int:
 
 def _promote(args: argparse.Namespace) -> int:
     from factory.deploy import DeployConfig, Deployer
+    from factory.deploy.kubernetes import host_from_env
 
     cfg = DeployConfig(**({"drain_s": args.drain_s} if args.drain_s is not None else {}))
-    _report(Deployer(config=cfg).promote(args.experiment, args.version), args.format,
-            "promoted")
+    _report(Deployer(config=cfg, host=host_from_env()).promote(args.experiment, args.version),
+            args.format, "promoted")
     return 0
 
 
@@ -188,9 +191,11 @@ def _shadow(args: argparse.Namespace) -> int:
 
 def _undeploy(args: argparse.Namespace) -> int:
     from factory.deploy import DeployConfig, Deployer
+    from factory.deploy.kubernetes import host_from_env
 
     cfg = DeployConfig(**({"drain_s": args.drain_s} if args.drain_s is not None else {}))
-    _report(Deployer(config=cfg).undeploy(args.experiment), "text", "undeployed")
+    _report(Deployer(config=cfg, host=host_from_env()).undeploy(args.experiment), "text",
+            "undeployed")
     return 0
 
 
