@@ -2,7 +2,9 @@
 
 ``Deployer`` boots the inference server for a checkpoint, records the version in
 ``deployments`` and points the gateway route ``factory/<experiment>`` at it; a new version takes
-the traffic only once healthy, and the old one drains and stops.
+the traffic only once healthy, and the old one drains and stops. Where the servers run is a
+``ServerHost`` (``factory.deploy.hosts``): detached processes on this machine, or a Deployment
+and Service per version on Kubernetes (``factory.deploy.kubernetes``).
 """
 
 from factory.deploy.deployer import (
