@@ -742,7 +742,10 @@ class Compare:
                     f"</p><p><a href='/e/{quote(e)}'>back to {esc(e)}</a></p>")
 
     def _promote(self, experiment: str, version: str | None) -> Deployment:
-        return Deployer(self.lake, self.deploy_config).promote(experiment, version)
+        from factory.deploy.kubernetes import host_from_env
+
+        return Deployer(self.lake, self.deploy_config, host=host_from_env()).promote(
+            experiment, version)
 
     def _confirm(self, e: str, version: str | None) -> Response:
         candidate = Deployer(self.lake).candidate(e)

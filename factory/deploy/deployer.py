@@ -323,9 +323,14 @@ class Deployer:
                 raise DeploymentError(f"{name!r} has no candidate {version or ''} to promote "
                                       f"(candidates: {known}); deploy one with "
                                       f"factory deploy {name} --candidate".replace("  ", " "))
-            if not chosen.alive:
+            try:
+                running = self._host_of(chosen).running(chosen)
+            except HostError as exc:
+                raise DeploymentError(str(exc)) from None
+            if not running:
+                where = f"pid {chosen.pid}" if chosen.pid else chosen.log_path
                 raise DeploymentError(f"candidate {name} {chosen.version} is not running "
-                                      f"(pid {chosen.pid}); deploy it again")
+                                      f"({where}); deploy it again")
             previous = [d for d in self.versions(name)
                         if d.status in ACTIVE and d.status != CANDIDATE]
             self._hosts_of(previous)
@@ -469,15 +474,15 @@ class Deployer:
                              "longest sample, so the default context is kept"})
 
     def _host_of(self, dep: Deployment) -> ServerHost:
-        """The host that stops ``dep``: this deployer's when the version runs where it runs
-        servers; a local process needs no configuration to stop, anything else does."""
+        """The host that follows and stops ``dep``: this deployer's when the version runs where
+        it runs servers; a local process needs no configuration to stop, anything else does."""
         placement = placement_of(dep)
         if placement == self.host.kind:
             return self.host
         if placement == PROCESS:
             return ProcessHost(listen=self.config.host, log_root=self.root)
         where = {KUBERNETES: "on Kubernetes"}.get(placement, placement)
-        raise DeploymentError(f"{dep.name} {dep.version} runs {where} ({dep.log_path}): retire "
+        raise DeploymentError(f"{dep.name} {dep.version} runs {where} ({dep.log_path}): act on "
                               f"it with a deployer configured for it (its {placement} "
                               "settings), not this one")
 

@@ -305,6 +305,28 @@ def test_a_new_version_retires_the_old_ones_objects_and_rollback_and_undeploy_wo
     assert cluster.names("deployments") == cluster.names("services") == set()
 
 
+def test_a_candidate_serves_beside_the_live_version_until_promoted(
+        cluster: FakeCluster, setup: Setup) -> None:
+    cluster.auto_ready = True
+    deployer = _deployer(cluster)
+    live = deployer.deploy("exp", str(setup.checkpoints[0]))
+    candidate = deployer.deploy("exp", str(setup.checkpoints[1]), candidate=True)
+    assert candidate.status == "candidate"
+    assert cluster.names("deployments") == {_obj(live), _obj(candidate)}
+    assert load_routes(Lake())["factory/exp"].base_url == live.endpoint
+    promoted = deployer.promote("exp")
+    assert (promoted.version, promoted.status) == ("v2", "live")
+    assert cluster.names("deployments") == cluster.names("services") == {_obj(candidate)}
+    assert load_routes(Lake())["factory/exp"].base_url == candidate.endpoint
+    # A candidate whose objects are gone is not promoted.
+    again = deployer.deploy("exp", str(setup.checkpoints[0]), candidate=True)
+    with cluster.changed:
+        cluster.objects.pop(("deployments", _obj(again)))
+    with pytest.raises(DeploymentError, match=f"candidate exp v3 is not running "
+                                              f"\\(kubernetes://ml/{_obj(again)}\\)"):
+        deployer.promote("exp")
+
+
 def test_a_version_that_never_gets_ready_fails_with_the_pods_status(
         cluster: FakeCluster, setup: Setup) -> None:
     cluster.auto_ready = True
@@ -413,7 +435,7 @@ def test_a_local_deployer_refuses_to_retire_a_version_on_the_cluster(
         cluster: FakeCluster, setup: Setup) -> None:
     cluster.auto_ready = True
     live = _deployer(cluster).deploy("exp", str(setup.checkpoints[0]))
-    with pytest.raises(DeploymentError, match="runs on Kubernetes .*retire it with a deployer "
+    with pytest.raises(DeploymentError, match="runs on Kubernetes .*act on it with a deployer "
                                               "configured for it"):
         Deployer(config=DeployConfig(drain_s=0.0)).undeploy("exp")
     assert _rows()["v1"].status == "live" and cluster.names("deployments") == {_obj(live)}
