@@ -3,8 +3,9 @@ model name ``factory/<experiment>`` in the gateway.
 
 Each materialization boots the inference server for the checkpoint as the next version, waits
 for its health check, records it in ``deployments``, moves the gateway route to it and then
-drains and stops the version it replaced. The server runs detached, so it outlives the run;
-``factory undeploy`` / ``factory rollback`` act on it later.
+drains and stops the version it replaced. The server outlives the run (a detached process, or
+a Deployment on the cluster ``$FACTORY_DEPLOYER`` names); ``factory undeploy`` / ``factory
+rollback`` act on it later.
 
 With ``deploy: {shadow: ...}`` in the experiment (or ``candidate`` in the config) the new version
 is a candidate instead: served beside the live one, the route untouched; the shadow rule sends a

@@ -445,7 +445,9 @@ def test_deployed_models_from_the_readme_are_valid_and_wired(
     deployment = _user_deployment(values)
     env = _env(deployment)
     monkeypatch.setenv("FACTORY_SHARED_DIR", env["FACTORY_SHARED_DIR"])
-    monkeypatch.setenv("FACTORY_DEPLOYER", json.dumps(_readme_deployer_config()))
+    # the values deploy models on the cluster, configured as the README shows
+    assert json.loads(env["FACTORY_DEPLOYER"]) == _readme_deployer_config()
+    monkeypatch.setenv("FACTORY_DEPLOYER", env["FACTORY_DEPLOYER"])
     resource = build_resources("embedded")["deployer"]
     assert isinstance(resource, KubernetesCPUDeployerResource)
     host = resource.host()
