@@ -263,8 +263,7 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
         for sid in alive:
             n = by_id[sid].num_tokens
             if n > config.max_tokens:
-                drop_sample(sid, "max_tokens", "too_long",
-                            f"{n} tokens > the {config.max_tokens}-token limit")
+                drop_sample(sid, "max_tokens", "too_long", too_long_detail(n, config))
             else:
                 nxt.append(sid)
         # 3. exact duplicates: one row per sample id, the earliest kept
@@ -273,8 +272,8 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
             rs = rows_of[sid]
             if len(rs) > 1:
                 kept = rs[0]
-                drop_sample(sid, "exact_dup", "duplicate",
-                            f"same sample_id as row from raw trace {kept.raw_trace_id}", rs[1:])
+                drop_sample(sid, "exact_dup", "duplicate", duplicate_detail(kept.raw_trace_id),
+                            rs[1:])
             deduped.add(sid)
         # 4. near duplicates: one sample per connected cluster, the smallest id kept
         alive_set = set(alive)
@@ -298,8 +297,7 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
         for sid in alive:
             root = roots.get(sid, sid)
             if root != sid:
-                drop_sample(sid, "near_dup", "near_duplicate",
-                            f"near-duplicate of {root} (best jaccard {best[sid]:.3f})")
+                drop_sample(sid, "near_dup", "near_duplicate", near_dup_detail(root, best[sid]))
             else:
                 nxt.append(sid)
         # 5. decontamination: train samples overlapping the final eval set
@@ -312,7 +310,7 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
                 if hits:
                     _, neg, other, kind = min(hits)
                     drop_sample(sid, "decontamination", kind,
-                                _overlap_detail(kind, -neg, other, config))
+                                overlap_detail(kind, -neg, other, config))
                 else:
                     nxt.append(sid)
         # 6. detectors, by policy
@@ -340,7 +338,7 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
                 at = bar[sid]
                 if at is not None and scores[sid] < at:
                     drop_sample(sid, "judge", "judge_below_threshold",
-                                f"score {scores[sid]:.3f} < {at}")
+                                judge_detail(scores[sid], at))
                 else:
                     nxt.append(sid)
         return set(nxt)
@@ -362,7 +360,28 @@ def clean_loss_shares(clean_lost: Mapping[str, int], num_clean: int) -> dict[str
             for k, v in sorted(clean_lost.items())}
 
 
-def _overlap_detail(kind: str, share: float, other: str, config: CurationConfig) -> str:
+def too_long_detail(num_tokens: int, config: CurationConfig) -> str:
+    """Detail of a ``too_long`` drop."""
+    return f"{num_tokens} tokens > the {config.max_tokens}-token limit"
+
+
+def duplicate_detail(kept_raw_trace_id: str | None) -> str:
+    """Detail of an exact duplicate's extra row: the raw trace of the row kept."""
+    return f"same sample_id as row from raw trace {kept_raw_trace_id}"
+
+
+def near_dup_detail(root: str, best_jaccard: float) -> str:
+    """Detail of a ``near_duplicate`` drop: the sample kept, the best Jaccard of its edges."""
+    return f"near-duplicate of {root} (best jaccard {best_jaccard:.3f})"
+
+
+def judge_detail(score: float, threshold: float) -> str:
+    """Detail of a ``judge_below_threshold`` drop."""
+    return f"score {score:.3f} < {threshold}"
+
+
+def overlap_detail(kind: str, share: float, other: str, config: CurationConfig) -> str:
+    """Detail of a decontamination drop of ``kind`` (``OVERLAP_KINDS``)."""
     if kind == "eval_prompt_match":
         return f"same prompt as eval sample {other}"
     if kind == "eval_near_duplicate":

@@ -1,18 +1,24 @@
-"""The Spark engine: the same curation as ``pipeline.curate``, with the heavy work on Spark.
+"""The Spark engine: the same curation as ``pipeline.curate``, run on a Spark cluster.
 
-Spark runs the row function (``features.sample_features`` inside ``mapInArrow``: parsing,
+Spark runs the row function (``features.sample_features`` in the executors: parsing,
 tokenization, MinHash, n-grams, detectors), the LSH bucket self-join with exact Jaccard, the
-train/eval n-gram join and the split hash, and writes the datasets as Parquet that the lake
-commits with pyiceberg ``add_files``. The driver collects compact per-sample facts (ids, flags,
-counts: no text) and the related-pair edges, and runs the same ``decide`` as the embedded
-engine, so both engines give the same datasets (tested).
+train/eval n-gram join, the decisions (``spark_decide``: split groups, cleaning steps, judge
+scores), the profile and report aggregates (``spark_report``), and writes the datasets and the
+drops as Parquet that the lake commits with pyiceberg ``add_files``. What reaches the driver
+is bounded by the number of reasons, detectors and distinct token counts, not by the rows.
+Both engines give the same datasets, drops, profile and report (tested).
+
+The master comes from ``FACTORY_SPARK_MASTER`` (``spark_session``). Past ``local``, the
+executors open the tokenizer folder and write the staging Parquet by the driver's paths: both
+live on the shared filesystem (``FACTORY_MODELS_DIR``, the warehouse).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,29 +29,22 @@ from factory.curation.decide import (
     EVAL,
     NGRAM_WEIGHTS,
     TRAFFIC,
+    TRAIN,
     candidate_floor,
-    decide,
-    eval_cutoff,
-    overlap_share,
-    split_groups,
+    clean_loss_shares,
 )
 from factory.curation.features import FEATURES_SCHEMA, sample_features
-from factory.curation.pipeline import (
-    ROW_ORDER,
-    CurationResult,
-    Judge,
-    _judge_input,
-    facts_from,
+from factory.curation.pipeline import ROW_ORDER, Judge, _judge_input
+from factory.curation.spark_decide import (
+    DROP_COLUMNS,
+    decide_spark,
+    map_arrow,
+    overlap_shares,
+    split_sides,
 )
-from factory.curation.profile import build_profile
-from factory.curation.report import pattern_report
+from factory.curation.spark_report import profile_spark, report_spark
 from factory.curation.tokens import RenderCounter
 from factory.errors import FactoryError
-
-_FACT_COLUMNS = ["sample_id", "empty_reason", "num_tokens", "num_prompt_tokens", "prefix_key",
-                 "prompt_key", "format_key", "is_json", "json_cut", "refusal", "truncated",
-                 "tool_schema", "agent_loop", "language", "size_bytes"]
-
 
 CONNECT_PACKAGES = {"pandas": "pandas", "grpc": "grpcio", "grpc_status": "grpcio-status",
                     "google.rpc": "googleapis-common-protos", "zstandard": "zstandard"}
@@ -110,17 +109,6 @@ def _importable(name: str) -> bool:
         return False
 
 
-def _features(spark: Any, distinct: Any, config: CurationConfig, tokenizer_dir: str) -> Any:
-    """``features.sample_features`` over ``distinct`` in the executors: ``mapInArrow`` on
-    Spark Connect, else over the RDD (``mapInArrow`` needs pandas on a classic session, which
-    is not a dependency; Spark Connect needs it anyway)."""
-    schema = _ddl(FEATURES_SCHEMA)
-    if is_connect(spark):
-        return distinct.mapInArrow(_feature_batches(config, tokenizer_dir), schema)
-    return spark.createDataFrame(distinct.rdd.mapPartitions(_feature_fn(config, tokenizer_dir)),
-                                 schema)
-
-
 def _feature_batches(config: CurationConfig, tokenizer_dir: str
                      ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Partition function over Arrow batches: the input columns in, the features out."""
@@ -131,39 +119,42 @@ def _feature_batches(config: CurationConfig, tokenizer_dir: str
     return run
 
 
-def _feature_fn(config: CurationConfig, tokenizer_dir: str) -> Callable[[Iterator[Any]],
-                                                                         Iterator[Any]]:
-    """Partition function: Spark rows in, feature tuples out, in Arrow batches of 2,000."""
-    names = [f.name for f in FEATURES_SCHEMA]
-    batches = _feature_batches(config, tokenizer_dir)
-
-    def run(rows: Iterator[Any]) -> Iterator[tuple[Any, ...]]:
-        def chunks() -> Iterator[pa.RecordBatch]:
-            chunk: list[dict[str, Any]] = []
-            for row in rows:
-                d = row.asDict()
-                d["tags"] = list((d.get("tags") or {}).items())
-                chunk.append(d)
-                if len(chunk) >= 2000:
-                    yield pa.RecordBatch.from_pylist(chunk, schema=_INPUT)
-                    chunk = []
-            if chunk:
-                yield pa.RecordBatch.from_pylist(chunk, schema=_INPUT)
-
-        for out in batches(chunks()):
-            cols = out.to_pydict()
-            yield from zip(*(cols[n] for n in names), strict=True)
-    return run
-
-
 _INPUT = pa.schema([("sample_id", pa.string()), ("messages", pa.string()),
                     ("tools", pa.string()), ("tags", pa.map_(pa.string(), pa.string()))])
 
 
+@dataclass(kw_only=True)
+class SparkCurationResult:
+    """``pipeline.CurationResult`` with the datasets and the drops as Spark DataFrames."""
+
+    train: Any
+    """Kept train rows (dataset columns without ``experiment``), sorted by sample_id."""
+    eval: Any
+    """Kept eval rows, same columns."""
+    drops: Any
+    """One row per dropped row (``DROP_COLUMNS``), in ``decide``'s order."""
+    report: str
+    """The trace-pattern report (Markdown)."""
+    profile: dict[str, Any]
+    """``dataset_profile`` row, sans experiment."""
+    num_selected: int
+    """Rows curation started from."""
+    num_clean: int
+    """``Decisions.num_clean``."""
+    clean_lost: dict[str, int]
+    """``Decisions.clean_lost``."""
+
+    def drops_by_reason(self) -> dict[str, int]:
+        return dict(sorted(json.loads(self.profile["drops_by_reason"]).items()))
+
+    def clean_loss_by_reason(self) -> dict[str, float]:
+        return clean_loss_shares(self.clean_lost, self.num_clean)
+
+
 def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir: str, *,
-                 judge: Judge | None = None) -> CurationResult[Any]:
-    """Curate ``samples`` (a Spark DataFrame with the ``samples`` columns) on Spark; the
-    result's ``train`` and ``eval`` are DataFrames (dataset columns without ``experiment``)."""
+                 judge: Judge | None = None) -> SparkCurationResult:
+    """Curate ``samples`` (a Spark DataFrame with the ``samples`` columns) on Spark: the
+    datasets and the drops are DataFrames; the report and the profile come from aggregates."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -172,7 +163,8 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
         Window.partitionBy("sample_id").orderBy(*order)) - 1).cache()
     num_selected = rows.count()
     distinct = rows.where("row_rank = 0").select("sample_id", "messages", "tools", "tags")
-    features = _features(spark, distinct, config, tokenizer_dir).cache()
+    features = map_arrow(spark, distinct, _feature_batches(config, tokenizer_dir), _INPUT,
+                         _ddl(FEATURES_SCHEMA)).cache()
 
     # near-duplicate edges: pairs sharing a band key, verified by exact Jaccard
     bands = features.select("sample_id", F.posexplode("band_keys").alias("band", "key")) \
@@ -185,75 +177,75 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
     pairs = pairs.join(sh.withColumnRenamed("sample_id", "x").withColumnRenamed("shingles", "sx"),
                        "x").join(sh.withColumnRenamed("sample_id", "y")
                                  .withColumnRenamed("shingles", "sy"), "y")
-    pairs = pairs.select("x", "y", F.size(F.array_intersect("sx", "sy")).alias("inter"),
-                         F.size("sx").alias("nx"), F.size("sy").alias("ny"))
-    edges = []
-    for r in pairs.collect():
-        jac = r["inter"] / (r["nx"] + r["ny"] - r["inter"])
-        if jac >= config.near_dup_threshold:
-            edges.append((r["x"], r["y"], round(jac, 6)))
-    edges.sort()
+    inter = F.size(F.array_intersect("sx", "sy"))
+    edges = pairs.select("x", "y", (inter / (F.size("sx") + F.size("sy") - inter)).alias("jac")) \
+        .where(F.col("jac") >= config.near_dup_threshold).localCheckpoint()
 
-    facts_table = features.select(*_FACT_COLUMNS).toArrow().sort_by("sample_id")
-    row_table = rows.select("sample_id", "raw_trace_id", "row_rank").toArrow()
-    facts, row_facts = facts_from(facts_table, row_table)
-    groups = split_groups(facts, edges)
-
-    # the split hash in Spark (same integer compare as decide.split_side)
-    related = [(s, g) for s, g in groups.items() if s != g]
-    group_df = spark.createDataFrame(related or [("", "")], "sample_id string, split_group string")
-    sides = features.select("sample_id", "prompt_key", "prompt_ngrams", "shingles") \
-        .join(group_df, "sample_id", "left") \
-        .withColumn("split_group", F.coalesce("split_group", "sample_id")) \
-        .withColumn("h", F.conv(F.substring(F.sha2(F.concat(F.lit(f"{config.seed}:"),
-                                                             F.col("split_group")), 256), 1, 15),
-                                16, 10).cast("long")) \
-        .withColumn("split", F.when(F.col("h") < F.lit(eval_cutoff(config)), "eval")
-                    .otherwise("train")).cache()
-    ev, tr = sides.where("split = 'eval'"), sides.where("split = 'train'")
-    overlaps: dict[str, list[tuple[str, str, float]]] = defaultdict(list)
-    hits = tr.where("prompt_key != ''").select("sample_id", "prompt_key").join(
-        ev.select(F.col("sample_id").alias("other"), "prompt_key"), "prompt_key")
-    for r in hits.select("sample_id", "other").collect():
-        overlaps[r["sample_id"]].append(("eval_prompt_match", r["other"], 1.0))
+    row_keys = rows.select("sample_id", "raw_trace_id", "row_rank")
+    sides = split_sides(features, row_keys, edges, config).localCheckpoint()
+    with_side = features.select("sample_id", "prompt_key", "prompt_ngrams", "shingles") \
+        .join(sides, "sample_id")
+    ev, tr = with_side.where(f"split = '{EVAL}'"), with_side.where(f"split = '{TRAIN}'")
+    # the same prompt as an eval sample: the smallest eval sample of that prompt
+    eval_prompt = ev.where("prompt_key != ''").groupBy("prompt_key").agg(
+        F.min("sample_id").alias("e"))
+    overlaps = tr.where("prompt_key != ''").join(eval_prompt, "prompt_key").select(
+        F.col("sample_id").alias("t"), F.lit("eval_prompt_match").alias("kind"), "e",
+        F.lit(1.0).alias("share"))
     for kind, column in (("eval_ngram_overlap", "prompt_ngrams"),
                          ("eval_conversation_overlap", "shingles")):
-        for r in _weighted_overlaps(sides, column, candidate_floor(kind, config)).collect():
-            overlaps[r["t"]].append((kind, r["e"], overlap_share(r["shared"], r["total"])))
-    overlaps = {k: sorted(set(v)) for k, v in overlaps.items()}
+        overlaps = overlaps.unionByName(overlap_shares(
+            _weighted_overlaps(with_side, column, candidate_floor(kind, config)), kind))
 
     judge_scores = None
     if judge is not None:
-        def judge_scores(ids: list[str]) -> dict[str, float]:
-            wanted = spark.createDataFrame([(i,) for i in ids] or [("",)], "sample_id string")
-            got = distinct.join(wanted, "sample_id").select("sample_id", "messages", "tools")
-            return {r["sample_id"]: float(judge.score(_judge_input(r)))
-                    for r in got.toArrow().to_pylist()}
+        def judge_scores(ids: Any) -> Any:
+            got = distinct.join(ids, "sample_id").select("sample_id", "messages", "tools")
+            return map_arrow(spark, got, _judge_batches(judge), _JUDGE_INPUT,
+                             "sample_id string, score double")
 
-    decisions = decide(facts=facts, rows=row_facts, near_edges=edges, overlaps=overlaps,
-                       config=config, judge_scores=judge_scores, groups=groups)
-    kept_ids = sorted(k.rsplit(":", 1)[0] for k in decisions.kept_rows)
-    kept_df = spark.createDataFrame([(s,) for s in kept_ids] or [("",)], "sample_id string")
-    stats = sides.select("sample_id", "split_group", "split").join(
-        features.select("sample_id", "num_tokens", "num_prompt_tokens", "language",
-                        "size_bytes"), "sample_id")
-    kept = rows.where("row_rank = 0").join(kept_df, "sample_id").join(stats, "sample_id") \
+    decisions = decide_spark(spark, features=features, rows=row_keys, edges=edges,
+                             overlaps=overlaps, sides=sides, config=config,
+                             judge_scores=judge_scores)
+    stats = sides.join(features.select("sample_id", "num_tokens", "num_prompt_tokens",
+                                       "language", "size_bytes"), "sample_id")
+    kept = rows.where("row_rank = 0").join(decisions.kept, "sample_id").join(stats, "sample_id") \
         .withColumn("num_completion_tokens",
                     (F.col("num_tokens") - F.col("num_prompt_tokens")).cast("int")) \
         .withColumn("origin", F.lit(TRAFFIC)) \
         .drop("row_rank")
-    train_df = kept.where("split = 'train'").orderBy("sample_id")
+    train_df = kept.where(f"split = '{TRAIN}'").orderBy("sample_id")
     eval_df = kept.where(f"split = '{EVAL}'").orderBy("sample_id")
-    prof_cols = ["sample_id", "num_tokens", "num_prompt_tokens", "num_turns", "has_images",
-                 "has_tool_calls", "language", "size_bytes"]
-    profile = build_profile(train_df.select(*prof_cols).toArrow(),
-                            eval_df.select(*prof_cols).toArrow(), decisions.drops,
-                            num_selected=num_selected)
-    report = pattern_report(facts_table, decisions, config, num_selected=num_selected)
-    return CurationResult(train=train_df.drop("size_bytes"), eval=eval_df.drop("size_bytes"),
-                          drops=decisions.drops, report=report, profile=profile,
-                          num_selected=num_selected, num_clean=decisions.num_clean,
-                          clean_lost=dict(decisions.clean_lost))
+    drops = decisions.drops.orderBy("sample_id", "step", F.coalesce("raw_trace_id", F.lit("")),
+                                    "row_rank").select(*DROP_COLUMNS)
+    profile = profile_spark(spark, train_df, eval_df, drops, num_selected=num_selected)
+    report = report_spark(features, decisions.drops, decisions, config,
+                          num_selected=num_selected, num_kept=decisions.kept.count())
+    return SparkCurationResult(train=train_df.drop("size_bytes"),
+                               eval=eval_df.drop("size_bytes"), drops=drops, report=report,
+                               profile=profile, num_selected=num_selected,
+                               num_clean=decisions.num_clean, clean_lost=decisions.clean_lost)
+
+
+_JUDGE_INPUT = pa.schema([("sample_id", pa.string()), ("messages", pa.string()),
+                          ("tools", pa.string())])
+
+
+def _judge_batches(judge: Judge) -> Callable[[Iterator[pa.RecordBatch]],
+                                             Iterator[pa.RecordBatch]]:
+    """Partition function: the judge's score of each sample (``score_many`` per batch when
+    the judge has it), in the executor holding the samples."""
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            rows = batch.to_pylist()
+            inputs = [_judge_input(r) for r in rows]
+            many = getattr(judge, "score_many", None)
+            scores = many(inputs) if many is not None else [judge.score(x) for x in inputs]
+            yield pa.RecordBatch.from_pydict(
+                {"sample_id": [r["sample_id"] for r in rows],
+                 "score": [float(v) for v in scores]},
+                schema=pa.schema([("sample_id", pa.string()), ("score", pa.float64())]))
+    return run
 
 
 def _weighted_overlaps(sides: Any, column: str, floor: float) -> Any:
@@ -283,12 +275,13 @@ def _ddl(schema: pa.Schema) -> str:
     return ", ".join(f"{f.name} {names[f.type]}" for f in schema)
 
 
-def commit(session: Any, experiment: str, result: CurationResult[Any], staging: str
+def commit(session: Any, experiment: str, result: SparkCurationResult, staging: str
            ) -> dict[str, Any]:
-    """Write the datasets as Parquet with Spark and commit them to the lake with ``add_files``.
+    """Write the datasets and the drops as Parquet with Spark and commit them to the lake with
+    ``add_files``.
 
     The experiment's previous rows are deleted first (``where experiment = '<name>'``), then the
-    new files are added: a version is the pair of snapshots. Drops go through the lake as rows.
+    new files are added: a version is the set of snapshots.
 
     Executors write the files and this process commits them by path, so ``staging`` must be
     the same folder for both (the shared filesystem past ``local``): a ``FactoryError`` when
@@ -302,17 +295,20 @@ def commit(session: Any, experiment: str, result: CurationResult[Any], staging: 
 
     flt = experiment_filter(experiment)
     snaps: dict[str, Any] = {}
-    for name, df in (("dataset_train", result.train), ("dataset_eval", result.eval)):
+    expected = {"dataset_train": result.profile["num_train"],
+                "dataset_eval": result.profile["num_eval"],
+                "dataset_drops": result.profile["num_dropped"]}
+    for name, df in (("dataset_train", result.train), ("dataset_eval", result.eval),
+                     ("dataset_drops", result.drops)):
         cols = [f.name for f in TABLES[name]]
         out = df.withColumn("experiment", F.lit(experiment)).select(*cols)
         path = f"{staging.rstrip('/')}/{name}/{experiment}-{uuid.uuid4().hex[:12]}"
         out.coalesce(1).write.mode("error").parquet(path)
         spark_files = sorted(str(p) for p in Path(path).glob("*.parquet"))
         found = sum(pq.ParquetFile(f).metadata.num_rows for f in spark_files)
-        expected = result.profile["num_train" if name == "dataset_train" else "num_eval"]
-        if found != expected:
+        if found != expected[name]:
             raise FactoryError(
-                f"Spark wrote {expected} {name} rows under {path} but this process finds "
+                f"Spark wrote {expected[name]} {name} rows under {path} but this process finds "
                 f"{found} there: the staging folder must be on a filesystem the executors "
                 "and the driver share (the warehouse on shared storage)")
         table = session.lake.table(name)
@@ -324,6 +320,4 @@ def commit(session: Any, experiment: str, result: CurationResult[Any], staging: 
         snap = session.lake.table(name).current_snapshot()
         snaps[name] = snap.snapshot_id if snap else None
         session.writes[name] = snaps[name]
-    drops = [{"experiment": experiment, **d} for d in result.drops]
-    snaps["dataset_drops"] = session.overwrite("dataset_drops", drops, where=flt)
     return snaps

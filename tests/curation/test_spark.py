@@ -50,8 +50,9 @@ def test_spark_matches_embedded_and_commits_with_add_files(
         train, ev = result.train.toArrow(), result.eval.toArrow()
         for mine, theirs in ((train, embedded.train), (ev, embedded.eval)):
             assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
-        assert result.drops == embedded.drops
+        assert result.drops.toArrow().to_pylist() == embedded.drops
         assert result.profile == embedded.profile
+        assert result.report == embedded.report
         assert (result.num_clean, result.clean_lost) == (embedded.num_clean,
                                                          embedded.clean_lost)
         lake = Lake()
