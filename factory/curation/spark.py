@@ -213,14 +213,15 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
         .withColumn("num_completion_tokens",
                     (F.col("num_tokens") - F.col("num_prompt_tokens")).cast("int")) \
         .withColumn("origin", F.lit(TRAFFIC)) \
-        .drop("row_rank")
+        .drop("row_rank").cache()
     train_df = kept.where(f"split = '{TRAIN}'").orderBy("sample_id")
     eval_df = kept.where(f"split = '{EVAL}'").orderBy("sample_id")
     drops = decisions.drops.orderBy("sample_id", "step", F.coalesce("raw_trace_id", F.lit("")),
                                     "row_rank").select(*DROP_COLUMNS)
     profile = profile_spark(spark, train_df, eval_df, drops, num_selected=num_selected)
     report = report_spark(features, decisions.drops, decisions, config,
-                          num_selected=num_selected, num_kept=decisions.kept.count())
+                          num_selected=num_selected,
+                          num_kept=profile["num_train"] + profile["num_eval"])
     return SparkCurationResult(train=train_df.drop("size_bytes"),
                                eval=eval_df.drop("size_bytes"), drops=drops, report=report,
                                profile=profile, num_selected=num_selected,

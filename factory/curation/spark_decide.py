@@ -85,7 +85,7 @@ def components(edges: Any) -> Any:
                                                         F.col("src").alias("dst"))) \
         .where("src != dst").distinct().localCheckpoint()
     labels = und.select(F.col("src").alias("node")).distinct() \
-        .withColumn("label", F.col("node")).localCheckpoint()
+        .withColumn("label", F.col("node"))
     while True:
         nb = und.join(labels.select(F.col("node").alias("dst"), F.col("label").alias("nl")),
                       "dst").groupBy(F.col("src").alias("node")).agg(F.min("nl").alias("nb"))

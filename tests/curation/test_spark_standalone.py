@@ -14,6 +14,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ def _alive_workers(ui_port: int) -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=2) as r:
             status = json.load(r)
-    except OSError:
+    except (OSError, ValueError):  # not listening yet, or an empty page while it starts
         return 0
     return sum(1 for w in status.get("workers", []) if w.get("state") == "ALIVE")
 
@@ -162,15 +163,21 @@ def test_standalone_cluster_gives_the_embedded_datasets(
         standalone: str, factory_home: Path, counter: Any, smollm2_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     import pyarrow.parquet as pq
+    from pyspark import cloudpickle
 
     from factory.curation.pipeline import curate
     from factory.curation.spark import commit, curate_spark, spark_session
     from factory.curation.synthetic import Planted, planted, templated
     from factory.lake import Lake
+    from tests.curation import test_pipeline
+    from tests.curation.test_pipeline import LengthJudge
 
     mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
     data = Planted(rows=mixed.rows + tickets.rows)
-    embedded = curate(data.table(), CONFIG, counter)
+    # the judge scores in the worker's executor; at 120 it drops 152 samples here
+    config = replace(CONFIG, judge_threshold=120.0)
+    embedded = curate(data.table(), config, counter, judge=LengthJudge())
+    assert embedded.drops_by_reason()["judge_below_threshold"] > 0
     path = factory_home / "in.parquet"
     pq.write_table(data.table(), path)
     monkeypatch.setenv("FACTORY_SPARK_MASTER", standalone)
@@ -181,7 +188,11 @@ def test_standalone_cluster_gives_the_embedded_datasets(
         "spark.sql.shuffle.partitions": "2", "spark.default.parallelism": "2"})
     try:
         assert spark.sparkContext.master == standalone
-        result = curate_spark(spark, spark.read.parquet(str(path)), CONFIG, str(smollm2_dir))
+        # the executor cannot import the tests package: ship the judge's class by value (a
+        # deployment's judge is in ``factory``, installed on every node)
+        cloudpickle.register_pickle_by_value(test_pipeline)
+        result = curate_spark(spark, spark.read.parquet(str(path)), config, str(smollm2_dir),
+                              judge=LengthJudge())
         train, ev = result.train.toArrow(), result.eval.toArrow()
         drops = result.drops.toArrow().to_pylist()
         # the work ran in the worker's executor, not in a local one
@@ -190,6 +201,7 @@ def test_standalone_cluster_gives_the_embedded_datasets(
         staging = lake.settings.warehouse / "spark-staging"
         commit(lake.session(run_id="r1", asset_key="dataset"), "exp", result, str(staging))
     finally:
+        cloudpickle.unregister_pickle_by_value(test_pipeline)
         spark.stop()
         gc.collect()
     assert executors == 2  # the driver's block manager and the worker's executor
