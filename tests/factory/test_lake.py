@@ -30,6 +30,33 @@ def test_table_created_on_first_use_in_factory_namespace(factory_home: Path) -> 
     assert (factory_home / "catalog.db").is_file()
 
 
+def test_an_append_copies_the_table_metadata_a_few_times_not_once_per_read(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyiceberg deep-copies the whole metadata (every snapshot) each time a transaction's
+    ``table_metadata`` is read; the lake computes it once per transaction state, so a commit's
+    cost does not grow ~18 copies of the table's history at a time."""
+    import pyiceberg.table
+
+    lake = Lake()
+    for i in range(3):
+        lake.append("raw_traces", [_trace(i)])
+    real = pyiceberg.table.update_table_metadata
+    calls = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pyiceberg.table, "update_table_metadata", counted)
+    lake.append("raw_traces", [_trace(9)])
+    assert 0 < len(calls) <= 4
+    tx = lake.table("raw_traces").transaction()
+    first = tx.table_metadata
+    assert tx.table_metadata is first  # same state: computed once
+    tx.set_properties({"factory.test": "1"})
+    assert tx.table_metadata is not first and tx.table_metadata.properties["factory.test"] == "1"
+
+
 def test_unknown_table_is_a_clear_error(factory_home: Path) -> None:
     with pytest.raises(UnknownTableError, match="unknown table 'nope'.*raw_traces"):
         Lake().append("nope", [{"a": 1}])
