@@ -527,6 +527,64 @@ class Lake:
             })
         return out
 
+    def expire_snapshots(self, names: Sequence[str], *, retain_s: float, keep_last: int
+                         ) -> dict[str, int]:
+        """Drop old snapshots of the tables ``names`` from their metadata; returns table ->
+        snapshots expired.
+
+        For tables committed at a high rate (one snapshot per gateway flush): a commit rewrites
+        the whole metadata, so each snapshot kept costs every later commit CPU. A snapshot
+        stays when it is among the last ``keep_last``, newer than ``retain_s`` seconds (a run
+        that read it may not have committed its lineage yet), or read by the lineage of a
+        snapshot that stays, in any table, followed transitively: ``walk_lineage`` from any
+        snapshot still reaches the raw traces. Data files are not touched (these tables only
+        grow: the current snapshot holds every row).
+        """
+        expirable = [n for n in names if self.exists(n)]
+        if not expirable:
+            return {}
+        tables = {n: self.table(n) for n in self.existing_tables()}
+        cutoff_ms = (time.time() - retain_s) * 1000
+        kept: dict[str, set[int]] = {n: set() for n in expirable}
+        todo: list[Any] = []
+        for name, tbl in tables.items():
+            snaps = sorted(tbl.snapshots(), key=lambda s: (s.timestamp_ms, s.sequence_number))
+            if name in kept:
+                recent = snaps[-keep_last:] if keep_last > 0 else []
+                stay = [s for s in snaps if s.timestamp_ms >= cutoff_ms] + recent
+                current = tbl.current_snapshot()
+                stay += [current] if current is not None else []
+                kept[name].update(s.snapshot_id for s in stay)
+                todo += stay
+            else:
+                todo += snaps
+        while todo:
+            snap = todo.pop()
+            props = snap.summary.additional_properties if snap.summary else {}
+            for table, sid in json.loads(props.get(READS, "{}")).items():
+                if table in kept and int(sid) not in kept[table]:
+                    kept[table].add(int(sid))
+                    found = tables[table].snapshot_by_id(int(sid))
+                    if found is not None:
+                        todo.append(found)
+        out: dict[str, int] = {}
+        for name in expirable:
+            old = [s.snapshot_id for s in tables[name].snapshots()
+                   if s.snapshot_id not in kept[name]]
+            if not old:
+                continue
+
+            def expire(name: str = name, old: list[int] = old) -> int:
+                fresh = self.catalog.load_table((NAMESPACE, name))
+                present = {s.snapshot_id for s in fresh.snapshots()}
+                gone = [i for i in old if i in present]  # another process may have expired some
+                if gone:
+                    fresh.maintenance.expire_snapshots().by_ids(gone).commit()
+                return len(gone)
+
+            out[name] = int(self._retry(expire))
+        return out
+
     def snapshot_info(self, name: str, snapshot_id: int | None = None) -> dict[str, Any]:
         """The lineage properties of one snapshot of ``name`` (default: current)."""
         tbl = self.table(name)

@@ -396,11 +396,16 @@ TABLES: dict[str, pa.Schema] = {
 # samples files, CPU-s / MB): zstd level 1, pyiceberg's default, 0.078 / 6.3; lz4 0.050 / 10.6;
 # snappy 0.049 / 9.8; uncompressed 0.016 / 29.8. Snappy: the cheaper codec that still keeps the
 # files smaller than their input, and the one every Parquet reader supports.
-_INGEST_WRITE = {"write.parquet.compression-codec": "snappy"}
+# Every gateway flush commits to these, so each commit's metadata file is written whole: old
+# ones are deleted, the last 50 kept (readers load the current one).
+_INGEST_WRITE = {"write.parquet.compression-codec": "snappy",
+                 "write.metadata.delete-after-commit.enabled": "true",
+                 "write.metadata.previous-versions-max": "50"}
 TABLE_PROPERTIES: dict[str, dict[str, str]] = {
     "raw_traces": _INGEST_WRITE,
     "samples": _INGEST_WRITE,
     "rejected_traces": _INGEST_WRITE,
+    "shadow_pairs": {k: v for k, v in _INGEST_WRITE.items() if k.startswith("write.metadata")},
 }
 
 # Columns whose values are whole documents, nearly all distinct: data files written by the

@@ -117,7 +117,9 @@ class Gateway:
         self.flusher = Flusher(self.settings.spool, lake_factory=self._lake_factory,
                                ingest=ingest, interval_s=config.flush_interval_s,
                                max_records=config.flush_max_records,
-                               retry_max_s=config.flush_retry_max_s) if config.flush else None
+                               retry_max_s=config.flush_retry_max_s,
+                               expire_every_s=config.snapshot_expiry_every_s,
+                               retention_s=config.snapshot_retention_s) if config.flush else None
         # Shadow pairs have a spool and a flusher of their own: a commit to shadow_pairs costs
         # about as much for ten pairs as for a thousand, so they are committed every
         # shadow_flush_s rather than with every batch of captures.
@@ -131,7 +133,7 @@ class Gateway:
                                       interval_s=config.shadow_flush_s,
                                       max_records=config.flush_max_records,
                                       retry_max_s=config.flush_retry_max_s) \
-            if config.flush else None
+            if config.flush else None  # the capture flusher expires shadow_pairs' snapshots
         self._bases = {p: config.base_url(p) for p in PROVIDERS}
         self.client: UpstreamPool | None = None
         self._started = False

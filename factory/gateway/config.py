@@ -53,6 +53,12 @@ class GatewayConfig:
     """Most captures committed in one lake batch."""
     flush_retry_max_s: float = 10.0
     """Longest back-off between attempts while the lake is unavailable."""
+    snapshot_retention_s: float = 600.0
+    """Snapshots of the capture tables older than this are expired (``Lake.expire_snapshots``:
+    the last 100, and every snapshot a kept lineage reads, stay): every flush is a commit, and
+    each snapshot kept makes every later commit rewrite more metadata."""
+    snapshot_expiry_every_s: float = 300.0
+    """How often the flusher expires them (0: never)."""
     routes_poll_s: float = 2.0
     """How often the routing table is re-read from the lake (skipped when unchanged)."""
     flush: bool = True

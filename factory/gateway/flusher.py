@@ -12,7 +12,10 @@ committed in part); any other batch is new to the lake, and ingest does not read
 commit) the batch is retried with back-off and the spool keeps growing; each failed attempt is
 logged with its traceback and counted in ``/metrics``.
 
-Only one process flushes a spool folder at a time (an ``flock`` on ``flush.lock``).
+Only one process flushes a spool folder at a time (an ``flock`` on ``flush.lock``). Every
+``expire_every_s`` it expires old snapshots of the tables it commits to (``CAPTURE_TABLES``,
+``Lake.expire_snapshots``), so a gateway that commits every flush for days keeps its commits as
+cheap as on the first day.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ from factory.gateway.shadow import SHADOW_KIND, commit_pairs
 from factory.gateway.spool import SpoolEntry, read_segment, sealed_segments
 
 log = logging.getLogger("factory.gateway")
+
+CAPTURE_TABLES = ("raw_traces", "samples", "rejected_traces", "shadow_pairs")
+"""The tables a flusher commits to."""
+
+KEEP_LAST_SNAPSHOTS = 100
+"""Snapshots of each capture table kept however old they are."""
 
 
 
@@ -244,13 +253,19 @@ class Flusher:
 
     def __init__(self, directory: Path, *, lake_factory: Callable[[], Any],
                  ingest: IngestFn | None = None, interval_s: float = 0.5,
-                 max_records: int = 20_000, retry_max_s: float = 10.0) -> None:
+                 max_records: int = 20_000, retry_max_s: float = 10.0,
+                 expire_every_s: float = 0.0, retention_s: float = 600.0) -> None:
         self.dir = directory
         self.lake_factory = lake_factory
         self.ingest = ingest if ingest is not None else _default_ingest
         self.interval_s = interval_s
         self.max_records = max_records
         self.retry_max_s = retry_max_s
+        self.expire_every_s = expire_every_s
+        self.retention_s = retention_s
+        self._last_expiry = time.monotonic()
+        self.num_expired = 0
+        """Snapshots this process expired from the capture tables."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
@@ -409,4 +424,24 @@ class Flusher:
         self.num_committed += len(records)
         self.last_success_at = time.time()
         self.last_error = None
+        self._maybe_expire()
         return len(records)
+
+    def _maybe_expire(self) -> None:
+        """Expire old capture-table snapshots when ``expire_every_s`` has passed; a failure is
+        logged and retried at the next period, never a failed flush (the rows are committed)."""
+        if not self.expire_every_s or self._lake is None \
+                or time.monotonic() - self._last_expiry < self.expire_every_s:
+            return
+        self._last_expiry = time.monotonic()
+        try:
+            expired = self._lake.expire_snapshots(CAPTURE_TABLES, retain_s=self.retention_s,
+                                                  keep_last=KEEP_LAST_SNAPSHOTS)
+        except Exception:
+            log.exception("flusher: expiring old snapshots of %s failed; next try in %.0f s",
+                          ", ".join(CAPTURE_TABLES), self.expire_every_s)
+            return
+        self.num_expired += sum(expired.values())
+        if expired:
+            log.info("flusher: expired %s old snapshot(s)",
+                     ", ".join(f"{n} of {t}" for t, n in expired.items()))

@@ -57,6 +57,42 @@ def test_an_append_copies_the_table_metadata_a_few_times_not_once_per_read(
     assert tx.table_metadata is not first and tx.table_metadata.properties["factory.test"] == "1"
 
 
+def test_expired_snapshots_keep_every_lineage_walk_whole(factory_home: Path) -> None:
+    """Old snapshots of the capture tables go, except the newest, and those a kept snapshot of
+    any table read (transitively): the walk from a dataset still reaches its raw traces."""
+    from datetime import UTC, datetime
+
+    from factory.ingest import RawRecord, ingest_records
+    from factory.lake import Lineage
+
+    lake = Lake()
+    snaps = []
+    for i in range(5):
+        ingest_records(lake, [RawRecord(payload={"messages": [
+            {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]},
+            source="upload", received_at=datetime.now(tz=UTC), tags={})])
+        snaps.append((lake.snapshot_id("raw_traces"), lake.snapshot_id("samples")))
+    raw_1, samples_1 = snaps[1]
+    lake.append("dataset_drops", [{"experiment": "x", "sample_id": "s", "step": "empty"}],
+                lineage=Lineage(run_id="r1", asset_key="dataset", reads={"samples": samples_1}))
+    assert lake.snapshot_info("samples", samples_1)["reads"] == {"raw_traces": raw_1}
+
+    expired = lake.expire_snapshots(["raw_traces", "samples", "rejected_traces"], retain_s=0,
+                                    keep_last=1)
+    assert expired == {"raw_traces": 3, "samples": 3}
+    kept = {name: {s.snapshot_id for s in lake.table(name).snapshots()}
+            for name in ("raw_traces", "samples")}
+    assert kept == {"raw_traces": {raw_1, snaps[-1][0]}, "samples": {samples_1, snaps[-1][1]}}
+    tree = walk_lineage(lake, "dataset_drops")
+    [samples] = tree["upstream"]
+    [raw] = samples["upstream"]
+    assert (samples["snapshot_id"], raw["snapshot_id"]) == (samples_1, raw_1)
+    assert "missing" not in samples and "missing" not in raw
+    assert lake.read("samples").num_rows == 5  # rows are the current snapshot's: all there
+    # a recent snapshot stays whatever keep_last says
+    assert lake.expire_snapshots(["raw_traces", "samples"], retain_s=3600, keep_last=0) == {}
+
+
 def test_unknown_table_is_a_clear_error(factory_home: Path) -> None:
     with pytest.raises(UnknownTableError, match="unknown table 'nope'.*raw_traces"):
         Lake().append("nope", [{"a": 1}])

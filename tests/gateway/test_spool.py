@@ -155,6 +155,30 @@ def test_only_a_first_attempt_at_this_process_s_own_segments_skips_the_lake_s_id
         flusher.stop(final_flush_s=0)
 
 
+def test_the_flusher_expires_old_capture_snapshots_and_keeps_every_capture(
+        factory_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each flush is a commit; every ``expire_every_s`` the flusher expires the capture tables'
+    old snapshots, so their metadata stops growing with every flush, and no row goes."""
+    from factory.gateway import flusher as flusher_module
+    from factory.lake import Lake
+
+    monkeypatch.setattr(flusher_module, "KEEP_LAST_SNAPSHOTS", 2)
+    flusher = Flusher(tmp_path, lake_factory=Lake, expire_every_s=1e-9, retention_s=0)
+    assert flusher._acquire()
+    try:
+        for i in range(6):
+            (tmp_path / f"{time.time_ns():020d}-1-{i:06d}.seg").write_bytes(_capture(i))
+            assert flusher.flush_once() == 1
+    finally:
+        flusher.stop(final_flush_s=0)
+    lake = Lake()
+    assert len(lake.table("raw_traces").snapshots()) == 2
+    assert len(lake.table("rejected_traces").snapshots()) == 2  # (no answer: rejected)
+    assert flusher.num_expired > 0
+    assert sorted(lake.read("raw_traces").column("raw_trace_id").to_pylist()) == sorted(
+        capture_raw_trace_id(f"id-{i}") for i in range(6))
+
+
 def test_stream_parsers_handle_cut_streams() -> None:
     sse = b'event: x\ndata: {"a":1}\n\ndata: {"a":2}\n\ndata: [DONE]\n\n'
     assert parse_sse(sse) == [{"a": 1}, {"a": 2}]
