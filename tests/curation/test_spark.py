@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ from factory.curation.pipeline import curate
 from factory.curation.synthetic import Planted, planted, templated
 from tests.curation.conftest import CONFIG
 from tests.curation.test_assets import _checks, _run, _setup
+from tests.curation.test_pipeline import LengthJudge
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +24,13 @@ def _collect_spark_garbage():
     fails with ``KeyError: <thread id>`` (seen once in tests/curation/test_assets.py)."""
     yield
     gc.collect()
+
+class LockedJudge(LengthJudge):
+    """``LengthJudge`` holding a lock, which cannot be pickled."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:Delete operation did not match any records"),
@@ -38,7 +48,11 @@ def test_spark_matches_embedded_and_commits_with_add_files(
 
     mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
     data = Planted(rows=mixed.rows + tickets.rows)
-    embedded = curate(data.table(), CONFIG, counter)
+    # a judge that cannot go to the executors (like an LLM judge's HTTP client) scores in
+    # the driver; at 80 it drops 12 samples here, and every other step still drops some
+    config = replace(CONFIG, judge_threshold=80.0)
+    embedded = curate(data.table(), config, counter, judge=LockedJudge())
+    assert embedded.drops_by_reason()["judge_below_threshold"] > 0
     # the rarity-weighted overlaps agree too: both decontamination views drop their sample
     assert set(tickets.expected.items()) <= {(d["sample_id"], d["reason"])
                                              for d in embedded.drops}
@@ -46,7 +60,8 @@ def test_spark_matches_embedded_and_commits_with_add_files(
     pq.write_table(data.table(), path)
     spark = spark_session()
     try:
-        result = curate_spark(spark, spark.read.parquet(str(path)), CONFIG, str(smollm2_dir))
+        result = curate_spark(spark, spark.read.parquet(str(path)), config, str(smollm2_dir),
+                              judge=LockedJudge())
         train, ev = result.train.toArrow(), result.eval.toArrow()
         for mine, theirs in ((train, embedded.train), (ev, embedded.eval)):
             assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
@@ -103,3 +118,26 @@ def test_dagster_engine_spark_writes_the_embedded_datasets(
         {k: v for k, v in embedded_profile.items() if k not in ("engine", "created_at")}
     mat = spark_run.asset_materializations_for_node("dataset")[0]
     assert mat.metadata["engine"].value == "spark"
+
+
+def test_components_match_union_find_on_chains_and_stars() -> None:
+    pytest.importorskip("pyspark")
+    import random
+
+    from factory.curation.neardup import components as union_find
+    from factory.curation.spark import spark_session
+    from factory.curation.spark_decide import components
+
+    rng = random.Random(3)
+    names = [f"{rng.getrandbits(32):08x}" for _ in range(60)]
+    chain = names[:33]  # a path of 33 nodes, named in no order: many rounds without jumps
+    edges = list(zip(chain, chain[1:], strict=False))
+    edges += [(names[40], n) for n in names[41:50]]  # a star
+    edges += [(names[55], names[56]), (names[56], names[56])]  # a pair and a self-loop
+    spark = spark_session()
+    try:
+        got = components(spark.createDataFrame(edges, "src string, dst string"))
+        roots = {r["node"]: r["root"] for r in got.collect()}
+    finally:
+        spark.stop()
+    assert roots == union_find(edges)
