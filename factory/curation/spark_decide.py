@@ -159,7 +159,7 @@ def decide_spark(spark: Any, *, features: Any, rows: Any, edges: Any, overlaps: 
     samples = features.select("sample_id", "empty_reason", "num_tokens", *_FLAG_COLUMNS) \
         .join(fmt, "sample_id").join(sides, "sample_id").cache()
     row_side = rows.select("sample_id", "raw_trace_id", "row_rank") \
-        .join(sides.select("sample_id", "split"), "sample_id")
+        .join(sides.select("sample_id", "split"), "sample_id").cache()
     first_row = row_side.where("row_rank = 0")
 
     drop_parts: list[Any] = []
@@ -200,10 +200,10 @@ def decide_spark(spark: Any, *, features: Any, rows: Any, edges: Any, overlaps: 
         .union(live.select(F.col("y").alias("sample_id"), "jac")) \
         .groupBy("sample_id").agg(F.max("jac").alias("best"))
     near = roots.where("root != node").select(F.col("node").alias("sample_id"), "root") \
-        .join(best, "sample_id")
+        .join(best, "sample_id").cache()
     nd_detail = udf(lambda root, jac: near_dup_detail(root, round(jac, 6)), "string")
     drop(near, "near_dup", F.lit("near_duplicate"), nd_detail("root", "best"), all_rows=False)
-    alive = alive.join(near.select("sample_id"), "sample_id", "left_anti")
+    alive = alive.join(near.select("sample_id"), "sample_id", "left_anti").cache()
 
     def flagged(df: Any) -> tuple[Any, Any]:
         """6. detectors by policy: (survivors, drops with reason and detail)."""
@@ -251,7 +251,8 @@ def decide_spark(spark: Any, *, features: Any, rows: Any, edges: Any, overlaps: 
         .join(train.select(F.col("sample_id").alias("t")), "t") \
         .withColumn("n", F.row_number().over(Window.partitionBy("t").orderBy(
             order[F.col("kind")], F.col("share").desc(), F.col("e")))) \
-        .where("n = 1").select(F.col("t").alias("sample_id"), "kind", "e", "share")
+        .where("n = 1").select(F.col("t").alias("sample_id"), "kind", "e", "share") \
+        .localCheckpoint()  # read by the drops and by the train side's survivors
     ov_detail = udf(lambda kind, share, e: overlap_detail(kind, share, e, config), "string")
     drop(hits, "decontamination", F.col("kind"), ov_detail("kind", "share", "e"),
          all_rows=False)
