@@ -162,7 +162,7 @@ def test_experiment_page_shows_the_figures_and_the_worst_pair(lake: Lake, page: 
 class Captures(list[Any]):
     """The gateway's ingest, keeping the captured records instead of writing the lake."""
 
-    def __call__(self, lake: Any, records: list[Any]) -> None:
+    def __call__(self, lake: Any, records: list[Any], *, new_ids: bool = False) -> None:
         self.extend(records)
 
 

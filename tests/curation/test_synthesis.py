@@ -619,7 +619,7 @@ def test_a_teacher_behind_the_gateway_gets_the_key_and_its_calls_stay_out_of_cur
             GatewayConfig(port=0, openai_base_url=upstream.url + "/v1",
                           flush_interval_s=0.05, segment_max_age_s=0.05),
             lake_factory=lambda: None,
-            ingest=lambda lake, records: captured.extend(records))) as gateway:
+            ingest=lambda lake, records, new_ids: captured.extend(records))) as gateway:
         monkeypatch.setenv("FACTORY_GATEWAY_URL", gateway.url)
         monkeypatch.setenv("TEAM_KEY", "sk-team")
         teacher = synthesis.teacher_for(
