@@ -209,11 +209,16 @@ def _rejection(judge: JudgeResource, experiment: Any, cur: CurationConfig,
                samples: Any) -> Any:
     """Rejection sampling (data.judge_threshold, and synthetic samples'): the judge scores each
     sample's own answer against the reference-free part of the experiment's rubric, inferred
-    from the traffic ``samples``; None without a threshold."""
+    from the traffic ``samples`` (an Arrow table, or a Spark DataFrame streamed in
+    ``sample_id`` order as far as the rubric needs); None without a threshold."""
     if cur.judge_threshold is None and cur.synthetic_judge_threshold is None:
         return None
-    return rejection_judge(judge.judge(), samples.select(["sample_id", "messages", "tools"])
-                           .to_pylist(), rubric=experiment.eval.rubric)
+    if isinstance(samples, pa.Table):
+        return rejection_judge(judge.judge(), samples.select(["sample_id", "messages", "tools"])
+                               .to_pylist(), rubric=experiment.eval.rubric)
+    rows = (r.asDict() for r in samples.select("sample_id", "messages", "tools")
+            .orderBy("sample_id").toLocalIterator())
+    return rejection_judge(judge.judge(), rows, rubric=experiment.eval.rubric, ordered=True)
 
 
 def _curate_on_spark(session: Any, experiment: Any, cur: CurationConfig, tokenizer_dir: Any,
@@ -232,8 +237,7 @@ def _curate_on_spark(session: Any, experiment: Any, cur: CurationConfig, tokeniz
             f"NOT coalesce(map_contains_key(tags, '{synthesis.TEACHER_TAG}'), false)")
         rejection = None
         if cur.judge_threshold is not None:
-            rejection = _rejection(judge, experiment, cur, samples.select(
-                "sample_id", "messages", "tools").toArrow())
+            rejection = _rejection(judge, experiment, cur, samples)
         result = curate_spark(spark, samples, cur, str(tokenizer_dir), judge=rejection)
         staging = session.lake.settings.warehouse / "spark-staging"
         commit(session, experiment.name, result, str(staging))

@@ -16,7 +16,7 @@ scored as a silent zero or kept unjudged.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from factory.evals.judges import (
@@ -97,13 +97,14 @@ class RejectionJudge:
         return [float(r.score) for r in rows]
 
 
-def rejection_judge(judge: Any, samples: Sequence[Mapping[str, Any]], *,
-                    rubric: Any = "auto") -> RejectionJudge:
+def rejection_judge(judge: Any, samples: Iterable[Mapping[str, Any]], *,
+                    rubric: Any = "auto", ordered: bool = False) -> RejectionJudge:
     """A ``RejectionJudge`` for ``samples`` (rows with ``sample_id``, ``messages``, ``tools``).
 
     ``rubric``: an inline rubric mapping (the experiment's ``eval.rubric``) or ``"auto"``:
-    inferred from up to ``MAX_RUBRIC_EXAMPLES`` of the samples (an LLM judge adds its
-    task-specific criteria).
+    inferred from the first ``MAX_RUBRIC_EXAMPLES`` samples with an answer, in ``sample_id``
+    order (an LLM judge adds its task-specific criteria). ``ordered``: ``samples`` already come
+    in that order, and are read only as far as needed (the Spark engine streams them).
     """
     if isinstance(rubric, Mapping):
         return RejectionJudge(judge, Rubric.from_dict(dict(rubric), source="inline"))
@@ -111,7 +112,7 @@ def rejection_judge(judge: Any, samples: Sequence[Mapping[str, Any]], *,
         raise ValueError(f"eval.rubric {rubric!r}: named rubrics are not supported; use 'auto' "
                          "or an inline mapping")
     usable = []
-    for s in sorted(samples, key=lambda s: str(s["sample_id"])):
+    for s in samples if ordered else sorted(samples, key=lambda s: str(s["sample_id"])):
         try:
             usable.extend(items_from_samples([dict(s)]))
         except ValueError:

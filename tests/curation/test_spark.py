@@ -141,3 +141,33 @@ def test_components_match_union_find_on_chains_and_stars() -> None:
     finally:
         spark.stop()
     assert roots == union_find(edges)
+
+
+def test_rejection_sampling_reads_a_spark_selection_only_for_its_rubric(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rubric of a Spark selection is the embedded one's (its first samples with an answer,
+    in sample_id order), read by streaming the ordered DataFrame, not by collecting it."""
+    pytest.importorskip("pyspark")
+    from types import SimpleNamespace
+
+    import pyarrow.parquet as pq
+
+    from factory.assets.curation import _rejection
+    from factory.curation.spark import spark_session
+    from factory.evals import rejection as rejection_module
+    from factory.resources.judge import EmbeddedJudgeResource
+
+    monkeypatch.setattr(rejection_module, "MAX_RUBRIC_EXAMPLES", 8)
+    table = templated(60, seed=3, config=CONFIG).table()
+    path = factory_home / "sel.parquet"
+    pq.write_table(table, path)
+    experiment = SimpleNamespace(eval=SimpleNamespace(rubric="auto"))
+    config = replace(CONFIG, judge_threshold=0.5)
+    embedded = _rejection(EmbeddedJudgeResource(), experiment, config, table)
+    spark = spark_session("local[1]", cores=1)
+    try:
+        on_spark = _rejection(EmbeddedJudgeResource(), experiment, config,
+                              spark.read.parquet(str(path)))
+    finally:
+        spark.stop()
+    assert on_spark.rubric.to_dict() == embedded.rubric.to_dict()

@@ -97,6 +97,28 @@ def test_rejection_judge_scores_own_answers_without_a_reference(judge_server: st
         judge.score(broken)
 
 
+def test_an_ordered_stream_is_read_only_as_far_as_the_rubric_needs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Spark engine streams the selection in sample_id order: the rubric is the one the
+    whole, sorted selection gives, and the rows past its examples are never read."""
+    from factory.evals import EmbeddedJudge
+    from factory.evals import rejection as rejection_module
+
+    monkeypatch.setattr(rejection_module, "MAX_RUBRIC_EXAMPLES", 5)
+    rows = _samples(20, seed=5, corrupt=set())
+    read = []
+
+    def stream() -> Any:
+        for r in rows:
+            read.append(r["sample_id"])
+            yield r
+
+    whole = rejection_judge(EmbeddedJudge(), list(reversed(rows)))
+    streamed = rejection_judge(EmbeddedJudge(), stream(), ordered=True)
+    assert streamed.rubric.to_dict() == whole.rubric.to_dict()
+    assert read == [r["sample_id"] for r in rows[:5]]
+
+
 def test_reference_free_rubric() -> None:
     rows = _samples(20, seed=5, corrupt=set())
     from factory.evals import EmbeddedJudge
