@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -216,3 +217,90 @@ def test_standalone_cluster_gives_the_embedded_datasets(
     assert result.report == embedded.report
     back = lake.read("dataset_train").sort_by("sample_id")
     assert back.column("sample_id").to_pylist() == embedded.train.column("sample_id").to_pylist()
+
+
+# -- a Spark Connect server --------------------------------------------------------------------
+
+@pytest.fixture
+def connect_server(tmp_path: Path) -> Iterator[str]:
+    """A Spark Connect server (``SparkConnectServer`` through pyspark's ``bin/spark-submit``,
+    over a ``local[1]`` master) on a free port of 127.0.0.1; yields its ``sc://`` URL once its
+    log says it started, and stops it by process group after."""
+    pyspark = pytest.importorskip("pyspark")
+    from factory.curation.spark import CONNECT_PACKAGES, _importable
+
+    if not all(_importable(p) for p in CONNECT_PACKAGES):
+        pytest.skip("the Spark Connect client's packages are not installed")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("no Java")
+    spark_home = Path(pyspark.__file__).parent
+    # the server's Python workers run this interpreter (the venv that has ``factory``), as a
+    # deployment's Connect server runs the factory image's
+    env = {**os.environ, "SPARK_HOME": str(spark_home), "SPARK_CONF_DIR": str(tmp_path / "conf"),
+           "PYSPARK_PYTHON": sys.executable}
+    (tmp_path / "conf").mkdir()
+    port = _free_port()
+    log_path = tmp_path / "connect.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [str(spark_home / "bin" / "spark-submit"), "--class",
+             "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", "local[1]",
+             "--conf", f"spark.connect.grpc.binding.port={port}",
+             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+             "--conf", "spark.driver.memory=1g", "--conf", "spark.ui.enabled=false",
+             "--conf", "spark.sql.shuffle.partitions=2",
+             "--conf", "spark.default.parallelism=2", "--name", "factory-test-connect",
+             "spark-internal"], env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        # The event: the server logs that it listens. The deadline only bounds a failure.
+        deadline = time.monotonic() + 120
+        while "Spark Connect server started" not in log_path.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the Spark Connect server did not start: "
+                            + log_path.read_text(errors="replace")[-3000:])
+            time.sleep(0.2)
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+    assert not _group_alive(proc.pid)
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:pyspark.*")
+def test_spark_connect_gives_the_embedded_datasets(
+        connect_server: str, factory_home: Path, counter: Any, smollm2_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Spark Connect (no RDDs, no SparkContext in the client) the engine's row
+    function, split groups and cleaning steps give the embedded engine's datasets, drops,
+    profile and report."""
+    import pyarrow.parquet as pq
+
+    from factory.curation.pipeline import curate
+    from factory.curation.spark import curate_spark, spark_session
+    from factory.curation.synthetic import Planted, planted, templated
+
+    mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
+    data = Planted(rows=mixed.rows + tickets.rows)
+    embedded = curate(data.table(), CONFIG, counter)
+    path = factory_home / "in.parquet"
+    pq.write_table(data.table(), path)
+    monkeypatch.setenv("FACTORY_SPARK_MASTER", connect_server)
+    spark = spark_session(get_settings().spark_master)
+    try:
+        assert spark.client is not None  # a Connect session, not a classic one
+        result = curate_spark(spark, spark.read.parquet(str(path)), CONFIG, str(smollm2_dir))
+        train, ev = result.train.toArrow(), result.eval.toArrow()
+        drops = result.drops.toArrow().to_pylist()
+    finally:
+        spark.stop()
+        gc.collect()
+    for mine, theirs in ((train, embedded.train), (ev, embedded.eval)):
+        assert mine.num_rows == theirs.num_rows > 0
+        assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
+    assert drops == embedded.drops
+    assert result.profile == embedded.profile
+    assert result.report == embedded.report
