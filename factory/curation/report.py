@@ -36,15 +36,7 @@ def pattern_report(features: pa.Table, decisions: Decisions, config: CurationCon
         ex = "; ".join(f"`{d['sample_id'][:12]}` {d['detail'] or ''}".strip()
                        for d in ds[:_EXAMPLES])
         lines.append(f"| {step} | {reason} | {len(ds)} | {_cell(ex)} |")
-    lines += ["", "## Clean samples lost", "",
-              f"{decisions.num_clean} distinct samples are clean (not empty, renderable, no "
-              "detector flag); what each reason removed of them:", "",
-              "| reason | clean samples | share of clean |", "|---|---|---|"]
-    shares = clean_loss_shares(decisions.clean_lost, decisions.num_clean)
-    for reason, share in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])):
-        lines.append(f"| {reason} | {decisions.clean_lost[reason]} | {share:.2%} |")
-    if not shares:
-        lines.append("| (none) | 0 | 0.00% |")
+    lines += clean_lost_lines(decisions)
     f = features.select(["sample_id", "refusal", "truncated", "tool_schema",
                          "agent_loop"]).to_pydict()
     lines += ["", "## Patterns found (distinct samples, before the drop policy)", ""]
@@ -94,3 +86,18 @@ def _synthetic_section(decisions: Decisions, synthetic: frozenset[str]) -> list[
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def clean_lost_lines(decisions: Any) -> list[str]:
+    """The report's "Clean samples lost" section (both engines'): what each drop reason
+    removed of the clean samples (``Decisions.num_clean`` / ``clean_lost``)."""
+    lines = ["", "## Clean samples lost", "",
+             f"{decisions.num_clean} distinct samples are clean (not empty, renderable, no "
+             "detector flag); what each reason removed of them:", "",
+             "| reason | clean samples | share of clean |", "|---|---|---|"]
+    shares = clean_loss_shares(decisions.clean_lost, decisions.num_clean)
+    for reason, share in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])):
+        lines.append(f"| {reason} | {decisions.clean_lost[reason]} | {share:.2%} |")
+    if not shares:
+        lines.append("| (none) | 0 | 0.00% |")
+    return lines

@@ -32,10 +32,9 @@ from factory.curation.decide import (
     TRAFFIC,
     TRAIN,
     candidate_floor,
-    clean_loss_shares,
 )
 from factory.curation.features import FEATURES_SCHEMA, sample_features
-from factory.curation.pipeline import ROW_ORDER, Judge, _judge_input
+from factory.curation.pipeline import ROW_ORDER, CurationResult, Judge, _judge_input
 from factory.curation.spark_decide import (
     DROP_COLUMNS,
     decide_spark,
@@ -125,31 +124,14 @@ _INPUT = pa.schema([("sample_id", pa.string()), ("messages", pa.string()),
 
 
 @dataclass(kw_only=True)
-class SparkCurationResult:
+class SparkCurationResult(CurationResult[Any]):
     """``pipeline.CurationResult`` with the datasets and the drops as Spark DataFrames."""
 
-    train: Any
-    """Kept train rows (dataset columns without ``experiment``), sorted by sample_id."""
-    eval: Any
-    """Kept eval rows, same columns."""
-    drops: Any
+    drops: Any  # type: ignore[assignment]
     """One row per dropped row (``DROP_COLUMNS``), in ``decide``'s order."""
-    report: str
-    """The trace-pattern report (Markdown)."""
-    profile: dict[str, Any]
-    """``dataset_profile`` row, sans experiment."""
-    num_selected: int
-    """Rows curation started from."""
-    num_clean: int
-    """``Decisions.num_clean``."""
-    clean_lost: dict[str, int]
-    """``Decisions.clean_lost``."""
 
     def drops_by_reason(self) -> dict[str, int]:
         return dict(sorted(json.loads(self.profile["drops_by_reason"]).items()))
-
-    def clean_loss_by_reason(self) -> dict[str, float]:
-        return clean_loss_shares(self.clean_lost, self.num_clean)
 
 
 def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir: str, *,

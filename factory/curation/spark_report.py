@@ -20,8 +20,8 @@ from typing import Any
 import pyarrow as pa
 
 from factory.curation.config import CurationConfig
-from factory.curation.decide import SYNTHETIC, clean_loss_shares
-from factory.curation.report import _EXAMPLES, _cell, _pattern
+from factory.curation.decide import SYNTHETIC
+from factory.curation.report import _EXAMPLES, _cell, _pattern, clean_lost_lines
 from factory.curation.spark_decide import map_arrow, udf
 
 _DROP_ORDER = ("sample_id", "step", "trace_key", "row_rank")
@@ -164,15 +164,7 @@ def report_spark(features: Any, drops: Any, decisions: Any, config: CurationConf
     for (step, reason), ds in sorted(groups.items(), key=lambda kv: -int(kv[1][0]["rows"])):
         ex = "; ".join(f"`{d['sample_id'][:12]}` {d['detail'] or ''}".strip() for d in ds)
         lines.append(f"| {step} | {reason} | {ds[0]['rows']} | {_cell(ex)} |")
-    lines += ["", "## Clean samples lost", "",
-              f"{decisions.num_clean} distinct samples are clean (not empty, renderable, no "
-              "detector flag); what each reason removed of them:", "",
-              "| reason | clean samples | share of clean |", "|---|---|---|"]
-    shares = clean_loss_shares(decisions.clean_lost, decisions.num_clean)
-    for reason, share in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])):
-        lines.append(f"| {reason} | {decisions.clean_lost[reason]} | {share:.2%} |")
-    if not shares:
-        lines.append("| (none) | 0 | 0.00% |")
+    lines += clean_lost_lines(decisions)
     lines += ["", "## Patterns found (distinct samples, before the drop policy)", ""]
     pattern = udf(_pattern, "string")
     hits = features.select("sample_id", F.explode(F.array(*[
