@@ -63,8 +63,8 @@ contracts: install
 unit: install sysdeps native
 	$(BIN)/pytest -q -m "not heavy"
 
-# The tests on Gemma 3 270M's real weights (gate, memory model, built folder): ~10 minutes more
-# on 2 cores, so kept out of make test's 30-minute budget.
+# The tests on Gemma 3 270M's real weights (gate, memory model, built folder) and the Spark
+# Connect server's: ~12 minutes more on 2 cores, so kept out of make test's 30-minute budget.
 test-heavy: install sysdeps native
 	$(BIN)/pytest -q -m heavy
 

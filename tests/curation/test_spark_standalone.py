@@ -268,6 +268,7 @@ def connect_server(tmp_path: Path) -> Iterator[str]:
 
 @pytest.mark.spark
 @pytest.mark.slow
+@pytest.mark.heavy  # ~2 minutes on 2 cores: in make test-heavy, outside make test's budget
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:pyspark.*")
