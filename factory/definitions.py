@@ -24,7 +24,6 @@ machine). The launchpad then configures the chosen classes per run.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import pkgutil
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from factory.resources.inference import CPUInferenceResource, VLLMInferenceResou
 from factory.resources.judge import EmbeddedJudgeResource, JudgeResource, LLMJudgeResource
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
+from factory.settings import env_json_object
 
 
 def _modules(package: ModuleType) -> list[ModuleType]:
@@ -60,22 +60,8 @@ def _collect(name: str) -> list[Any]:
 DEPLOYMENT_ENV = "FACTORY_DEPLOYMENT"
 
 
-def _env_config(var: str) -> dict[str, Any] | None:
-    """The JSON object in ``$var``; None when it is unset or empty."""
-    raw = os.environ.get(var)
-    if not raw:
-        return None
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{var}: not JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{var}: must be a JSON object, got {type(config).__name__}")
-    return config
-
-
 def _judge() -> JudgeResource:
-    config = _env_config("FACTORY_JUDGE")
+    config = env_json_object("FACTORY_JUDGE")
     return LLMJudgeResource(**config) if config is not None else EmbeddedJudgeResource()
 
 
@@ -83,7 +69,7 @@ def _deployer(local: type[DeployerResource],
               on_kubernetes: type[KubernetesDeployerResource]) -> DeployerResource:
     """The deployment's server as processes here, or on the cluster ``$FACTORY_DEPLOYER``
     configures."""
-    config = _env_config("FACTORY_DEPLOYER")
+    config = env_json_object("FACTORY_DEPLOYER")
     return on_kubernetes(**config) if config is not None else local()
 
 
@@ -94,7 +80,7 @@ def embedded() -> dict[str, Any]:
         "lake": LakeResource(),
         "judge": _judge(),
         "inference": CPUInferenceResource(),
-        "provider": ProviderResource(**(_env_config("FACTORY_PROVIDERS") or {})),
+        "provider": ProviderResource(**(env_json_object("FACTORY_PROVIDERS") or {})),
         "deployer": _deployer(CPUDeployerResource, KubernetesCPUDeployerResource),
     }
 

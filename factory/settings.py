@@ -31,10 +31,12 @@ name where the catalog lives: together they are an error, as is ``FACTORY_WAREHO
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from factory.errors import SettingsError
@@ -207,3 +209,18 @@ def get_settings() -> Settings:
                         spark_master=env.get("FACTORY_SPARK_MASTER") or None)
     models = Path(env.get("FACTORY_MODELS_DIR") or settings.shared / "models").absolute()
     return replace(settings, models_dir=models)
+
+
+def env_json_object(var: str) -> dict[str, Any] | None:
+    """The JSON object in ``$var`` (``FACTORY_PROVIDERS``, ``FACTORY_JUDGE``,
+    ``FACTORY_DEPLOYER``); None when it is unset or empty, ``ValueError`` when it is not one."""
+    raw = os.environ.get(var)
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{var}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{var}: must be a JSON object, got {type(config).__name__}")
+    return config

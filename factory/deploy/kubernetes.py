@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from factory.deploy.hosts import (
     ServerHost,
     ServerSpec,
 )
-from factory.settings import get_settings
+from factory.settings import env_json_object, get_settings
 
 if TYPE_CHECKING:
     from factory.deploy.deployer import Deployment
@@ -395,15 +394,9 @@ def _report(core: Any, namespace: str, status: Any, pods: list[Any]) -> str:
 def host_from_env() -> KubernetesHost | None:
     """The cluster ``$FACTORY_DEPLOYER`` configures, for the CLI (the composition root builds
     the deployer resource from the same object); None when it is unset or empty."""
-    raw = os.environ.get(DEPLOYER_ENV)
-    if not raw:
+    config = env_json_object(DEPLOYER_ENV)
+    if config is None:
         return None
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{DEPLOYER_ENV}: not JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{DEPLOYER_ENV}: must be a JSON object, got {type(config).__name__}")
     names = {f.name for f in dataclasses.fields(KubernetesHost)}
     values = {key: value for key, value in config.items() if key in names}
     values["secrets"] = [SecretEnv(**s) for s in values.get("secrets", [])]
