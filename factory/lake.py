@@ -45,6 +45,7 @@ ASSET_KEY = "factory.asset_key"
 CODE_VERSION = "factory.code_version"
 READS = "factory.reads"
 
+
 def _cache_transaction_metadata() -> None:
     """Make pyiceberg's ``Transaction.table_metadata`` compute once per state.
 
@@ -541,16 +542,18 @@ class Lake:
         snapshot still reaches the raw traces. Data files are not touched (these tables only
         grow: the current snapshot holds every row).
         """
-        expirable = [n for n in names if self.exists(n)]
+        existing = self.existing_tables()
+        expirable = [n for n in names if n in existing]
         if not expirable:
             return {}
-        tables = {n: self.table(n) for n in self.existing_tables()}
+        tables = {n: self.table(n) for n in existing}
         cutoff_ms = (time.time() - retain_s) * 1000
         kept: dict[str, set[int]] = {n: set() for n in expirable}
         todo: list[Any] = []
         for name, tbl in tables.items():
-            snaps = sorted(tbl.snapshots(), key=lambda s: (s.timestamp_ms, s.sequence_number))
+            snaps = tbl.snapshots()
             if name in kept:
+                snaps = sorted(snaps, key=lambda s: (s.timestamp_ms, s.sequence_number))
                 recent = snaps[-keep_last:] if keep_last > 0 else []
                 stay = [s for s in snaps if s.timestamp_ms >= cutoff_ms] + recent
                 current = tbl.current_snapshot()

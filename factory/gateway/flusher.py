@@ -8,8 +8,8 @@ ids already in ``raw_traces``, so a batch replayed after a crash between commit 
 captured exactly once. A replay is a segment older than this process's hold on the spool (an
 earlier holder may have committed it) or one whose earlier attempt failed (it may have been
 committed in part); any other batch is new to the lake, and ingest does not read
-``raw_traces``' ids for it (a read that grows with the table, on every flush). While the lake is unavailable (catalog locked, unreachable, any error on
-commit) the batch is retried with back-off and the spool keeps growing; each failed attempt is
+``raw_traces``' ids for it (a read that grows with the table, on every flush). While the lake
+is unavailable (catalog locked, unreachable, any error on commit) the batch is retried with back-off and the spool keeps growing; each failed attempt is
 logged with its traceback and counted in ``/metrics``.
 
 Only one process flushes a spool folder at a time (an ``flock`` on ``flush.lock``). Every
@@ -45,7 +45,6 @@ CAPTURE_TABLES = ("raw_traces", "samples", "rejected_traces", "shadow_pairs")
 
 KEEP_LAST_SNAPSHOTS = 100
 """Snapshots of each capture table kept however old they are."""
-
 
 
 class IngestFn(Protocol):
