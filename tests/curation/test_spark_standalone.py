@@ -24,6 +24,7 @@ import pytest
 from factory.errors import SettingsError
 from factory.settings import check_spark_master, get_settings
 from tests.curation.conftest import CONFIG
+from tests.waiting import wait_until
 
 
 @pytest.mark.parametrize("master", ["local", "local[2]", "local[*]", "local[2,3]",
@@ -137,15 +138,18 @@ def standalone(tmp_path: Path) -> Iterator[str]:
         start("worker", ["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
                          "--cores", "1", "--memory", "1g", "--webui-port", str(_free_port()),
                          "--work-dir", str(tmp_path / "work"), url])
-        # The event: the master lists the worker as ALIVE. The deadline only bounds a failure.
-        deadline = time.monotonic() + 90
-        while _alive_workers(ui) < 1:
-            dead = [p for p in procs if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                tails = {n: (tmp_path / f"{n}.log").read_text()[-2000:]
-                         for n in ("master", "worker")}
-                pytest.fail(f"the standalone cluster did not come up: {tails}")
-            time.sleep(0.2)
+        def up() -> bool:
+            if any(p.poll() is not None for p in procs):
+                raise AssertionError("a daemon exited")
+            return _alive_workers(ui) >= 1
+
+        # The event: the master lists the worker as ALIVE. The timeout only bounds a failure.
+        try:
+            wait_until(up, 90, what="the worker ALIVE in the master's status")
+        except AssertionError as exc:
+            tails = {n: (tmp_path / f"{n}.log").read_text()[-2000:]
+                     for n in ("master", "worker")}
+            pytest.fail(f"the standalone cluster did not come up ({exc}): {tails}")
         yield url
     finally:
         for proc in reversed(procs):
@@ -253,13 +257,17 @@ def connect_server(tmp_path: Path) -> Iterator[str]:
              "spark-internal"], env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
     try:
-        # The event: the server logs that it listens. The deadline only bounds a failure.
-        deadline = time.monotonic() + 120
-        while "Spark Connect server started" not in log_path.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the Spark Connect server did not start: "
-                            + log_path.read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
+        def started() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError("the server exited")
+            return "Spark Connect server started" in log_path.read_text(errors="replace")
+
+        # The event: the server logs that it listens. The timeout only bounds a failure.
+        try:
+            wait_until(started, 120, what="the Spark Connect server's start")
+        except AssertionError as exc:
+            pytest.fail(f"the Spark Connect server did not start ({exc}): "
+                        + log_path.read_text(errors="replace")[-3000:])
         yield f"sc://127.0.0.1:{port}"
     finally:
         _stop(proc)
