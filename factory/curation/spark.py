@@ -182,13 +182,12 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
 
     judge_scores = None
     if judge is not None:
+        _check_shippable(judge)
+
         def judge_scores(ids: Any) -> Any:
             got = distinct.join(ids, "sample_id").select("sample_id", "messages", "tools")
-            if _picklable(judge):
-                return map_arrow(spark, got, _judge_batches(judge), _JUDGE_INPUT,
-                                 "sample_id string, score double")
-            return spark.createDataFrame(_scores_here(got, judge),
-                                         "sample_id string, score double")
+            return map_arrow(spark, got, _judge_batches(judge), _JUDGE_INPUT,
+                             "sample_id string, score double")
 
     decisions = decide_spark(spark, features=features, rows=row_keys, edges=edges,
                              overlaps=overlaps, sides=sides, config=config,
@@ -218,38 +217,20 @@ _JUDGE_INPUT = pa.schema([("sample_id", pa.string()), ("messages", pa.string()),
                           ("tools", pa.string())])
 
 
-def _picklable(judge: Judge) -> bool:
-    """Whether ``judge`` can be shipped to the executors (an LLM judge holding an HTTP
-    client cannot)."""
+def _check_shippable(judge: Judge) -> None:
+    """Refuse, before any Spark work, a judge that cannot be pickled to the executors (the
+    judges the factory ships can: an ``LLMJudge`` opens its own HTTP client there). Scoring
+    in the driver instead would bring every selected sample to one process."""
     from pyspark import cloudpickle
 
     try:
         cloudpickle.dumps(judge)
-    except (TypeError, AttributeError, pickle.PicklingError):
-        return False
-    return True
-
-
-def _scores_here(samples: Any, judge: Judge, batch: int = 256) -> list[tuple[str, float]]:
-    """(sample_id, score) of ``samples`` scored in this process: the rows stream in (one
-    partition at a time), ``batch`` at a time through ``score_many`` when the judge has it."""
-    run = _judge_batches(judge)
-    out: list[tuple[str, float]] = []
-    chunk: list[dict[str, Any]] = []
-
-    def flush() -> None:
-        for b in run(iter([pa.RecordBatch.from_pylist(chunk, schema=_JUDGE_INPUT)])):
-            out.extend(zip(b.column("sample_id").to_pylist(), b.column("score").to_pylist(),
-                           strict=True))
-        chunk.clear()
-
-    for row in samples.toLocalIterator():
-        chunk.append(row.asDict())
-        if len(chunk) >= batch:
-            flush()
-    if chunk:
-        flush()
-    return out
+    except (TypeError, AttributeError, pickle.PicklingError) as e:
+        raise FactoryError(
+            f"the judge {getattr(judge, 'name', type(judge).__name__)} cannot be sent to "
+            f"Spark's executors ({type(e).__name__}: {e}); give it __getstate__/__setstate__ "
+            "that leave out what cannot be pickled (clients, locks), or curate with the "
+            "embedded engine") from e
 
 
 def _judge_batches(judge: Judge) -> Callable[[Iterator[pa.RecordBatch]],

@@ -105,6 +105,11 @@ class EmbeddedJudge:
         self._model: Any = None
         self._references: dict[str, Any] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Shipped to another process (a Spark executor) as its settings: the copy loads the
+        # embedder itself rather than receive a pickled model.
+        return {**self.__dict__, "_model": None, "_references": {}}
+
     @property
     def name(self) -> str:
         return "embedded:all-MiniLM-L6-v2"
@@ -282,8 +287,18 @@ class LLMJudge:
         self.max_retries = max_retries
         self.concurrency = concurrency
         self.retry_backoff_s = retry_backoff_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(timeout=timeout_s, headers=headers)
+        self._timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(timeout=timeout_s, headers=self._headers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Shipped to another process (a Spark executor) without its HTTP client, which holds
+        # sockets and locks; the copy opens its own.
+        return {k: v for k, v in self.__dict__.items() if k != "http"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.http = httpx.Client(timeout=self._timeout_s, headers=self._headers)
 
     @property
     def name(self) -> str:

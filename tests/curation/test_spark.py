@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,10 @@ def test_spark_matches_embedded_and_commits_with_add_files(
 
     mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
     data = Planted(rows=mixed.rows + tickets.rows)
-    # a judge that cannot go to the executors (like an LLM judge's HTTP client) scores in
-    # the driver; at 80 it drops 12 samples here, and every other step still drops some
+    # the judge scores in the executors; at 80 it drops 12 samples here, and every other step
+    # still drops some
     config = replace(CONFIG, judge_threshold=80.0)
-    embedded = curate(data.table(), config, counter, judge=LockedJudge())
+    embedded = curate(data.table(), config, counter, judge=LengthJudge())
     assert embedded.drops_by_reason()["judge_below_threshold"] > 0
     # the rarity-weighted overlaps agree too: both decontamination views drop their sample
     assert set(tickets.expected.items()) <= {(d["sample_id"], d["reason"])
@@ -61,7 +62,7 @@ def test_spark_matches_embedded_and_commits_with_add_files(
     spark = spark_session()
     try:
         result = curate_spark(spark, spark.read.parquet(str(path)), config, str(smollm2_dir),
-                              judge=LockedJudge())
+                              judge=LengthJudge())
         train, ev = result.train.toArrow(), result.eval.toArrow()
         for mine, theirs in ((train, embedded.train), (ev, embedded.eval)):
             assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
@@ -81,6 +82,66 @@ def test_spark_matches_embedded_and_commits_with_add_files(
     assert back.num_rows == embedded.train.num_rows  # the commit replaced the earlier rows
     assert back.column("tags").to_pylist() == embedded.train.column("tags").to_pylist()
     assert back.column("created_at").equals(embedded.train.column("created_at"))
+
+
+@pytest.fixture()
+def judge_server() -> Iterator[str]:
+    """The eval tests' judge model on 127.0.0.1 (``tests.evals.conftest.JudgeHandler``)."""
+    from http.server import ThreadingHTTPServer
+
+    from tests.evals.conftest import JudgeHandler
+
+    JudgeHandler.calls = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_llm_judge_scores_in_the_executors_as_in_the_embedded_engine(
+        factory_home: Path, counter: Any, smollm2_dir: Path, judge_server: str) -> None:
+    """Rejection sampling by an LLM judge on Spark: the judge (its HTTP client left behind)
+    goes to the executors, which call the judge model themselves; the same samples are
+    dropped as by the embedded engine. A judge that cannot be pickled is refused by name
+    before any Spark work, rather than scored in the driver."""
+    pytest.importorskip("pyspark")
+    import pyarrow.parquet as pq
+
+    from factory.curation.spark import curate_spark, spark_session
+    from factory.errors import FactoryError
+    from factory.evals import LLMJudge
+    from factory.evals.rejection import RejectionJudge
+    from factory.evals.rubric import Rubric
+    from tests.evals.conftest import JudgeHandler
+
+    rubric = Rubric.from_dict({"criteria": [
+        {"name": "names_intent", "check": "llm", "description": "Names the intent."}]})
+    judge = RejectionJudge(LLMJudge(base_url=judge_server, model="judge-1", max_retries=0),
+                           rubric)
+    data = templated(40, seed=4, config=CONFIG)
+    config = replace(CONFIG, judge_threshold=0.5)
+    embedded = curate(data.table(), config, counter, judge=judge)
+    judged = len(JudgeHandler.calls)
+    assert embedded.drops_by_reason()["judge_below_threshold"] > 0 and embedded.train.num_rows
+    path = factory_home / "in.parquet"
+    pq.write_table(data.table(), path)
+    spark = spark_session("local[1]", cores=1)
+    try:
+        with pytest.raises(FactoryError, match=r"the judge LockedJudge cannot be sent to "
+                                               r"Spark's executors \(TypeError"):
+            curate_spark(spark, spark.read.parquet(str(path)), config, str(smollm2_dir),
+                         judge=LockedJudge())
+        result = curate_spark(spark, spark.read.parquet(str(path)), config, str(smollm2_dir),
+                              judge=judge)
+        train = result.train.toArrow()
+        drops = result.drops.toArrow().to_pylist()
+    finally:
+        spark.stop()
+    assert len(JudgeHandler.calls) == 2 * judged  # the executors asked the judge model
+    assert train.select(embedded.train.column_names).to_pylist() == embedded.train.to_pylist()
+    assert drops == embedded.drops
 
 
 def test_dagster_engine_spark_writes_the_embedded_datasets(

@@ -109,6 +109,23 @@ def test_llm_judge_scores_retries_and_fails_loudly(judge_server: str) -> None:
     assert "invalid" in broken_calls[-1]["messages"][-1]["content"]
 
 
+def test_an_llm_judge_travels_to_another_process_without_its_client(judge_server: str) -> None:
+    """A Spark executor gets the judge pickled: its settings and key go, its HTTP client does
+    not (the copy opens its own), and the copy judges as the original does."""
+    import pickle
+
+    items = items_from_samples(_rows(2, seed=4))
+    rubric = _similarity_rubric()
+    judge = LLMJudge(base_url=judge_server, model="judge-1", api_key="sk-team", max_retries=0)
+    answers = [Answer(text='{"intent":"refund"}'), Answer(text="no idea")]
+    copy = pickle.loads(pickle.dumps(judge))
+    assert copy.http is not judge.http and not copy.http.is_closed
+    assert copy.http.headers["Authorization"] == "Bearer sk-team"
+    assert [r.score for r in copy.score(rubric, items, answers)] == \
+        [r.score for r in judge.score(rubric, items, answers)]
+    assert len(JudgeHandler.calls) == 4
+
+
 def test_llm_judge_unreachable_is_a_failed_row() -> None:
     items = items_from_samples(_rows(1))
     rubric = _similarity_rubric()
