@@ -83,7 +83,8 @@ _CHECKS = [
                 "samples for the slices of the traffic train split that are thin, from train "
                 "seed samples only. Each attempt gives a sample (table synthetic_samples, with "
                 "teacher, prompt and seed ids) or a drop with its reason (synthesis_drops); a "
-                "rerun skips recorded attempts. Without data.synthesize: nothing to do.",
+                "slice stops once it holds its target, and a rerun skips recorded attempts and "
+                "counts their samples. Without data.synthesize: nothing to do.",
     code_version="1",
 )
 def synthetic_samples(context: dg.AssetExecutionContext,
@@ -108,7 +109,8 @@ def synthetic_samples(context: dg.AssetExecutionContext,
             session, experiment.name, traffic.train, teacher,
             known_ids=samples.column("sample_id").to_pylist(),
             max_per_slice=spec.max_per_slice, seed=experiment.data.seed,
-            samples_snapshot_id=snapshot, counter=counter)
+            samples_snapshot_id=snapshot, counter=counter,
+            attempts_per_sample=spec.attempts_per_sample)
     finally:
         teacher.close()
     return dg.MaterializeResult(metadata={
@@ -119,6 +121,7 @@ def synthetic_samples(context: dg.AssetExecutionContext,
         "num_planned": outcome.num_planned,
         "num_resumed": outcome.num_skipped,
         "num_written": outcome.num_written,
+        "num_not_needed": outcome.num_not_needed,
         "written_by_slice": dg.MetadataValue.json(outcome.by_slice),
         "drops_by_reason": dg.MetadataValue.json(outcome.drops),
         "samples_snapshot_id": snapshot,

@@ -67,7 +67,12 @@ class SynthesizeSpec:
     api_key_env: str | None = None
     """Environment variable holding the teacher's API key (the key is never in the file)."""
     max_per_slice: int = 200
-    """Most attempts per thin slice (each fills the slice toward an even share)."""
+    """Most samples a thin slice is filled with (its target: the samples it lacks of an even
+    share, at most this many)."""
+    attempts_per_sample: float = 1.0
+    """Attempts planned per sample of a slice's target (rounded up), since many attempts are
+    dropped; the slice stops once it holds its target, so the attempts beyond what it needs
+    are never run. 1: one attempt per missing sample."""
     timeout_s: float = 60.0
     """Seconds per teacher call; a call past it is a ``timeout`` drop."""
     judge_threshold: float | None = None
@@ -604,6 +609,13 @@ def _parse_synthesize(ctx: _Ctx, raw: Any) -> SynthesizeSpec:
         if not (_is_int(v) and v >= 1):
             raise ctx.error((*where, "max_per_slice"), f"got {v!r}; allowed: a positive integer")
         kw["max_per_slice"] = v
+    if "attempts_per_sample" in raw:
+        v = raw["attempts_per_sample"]
+        if not (_is_num(v) and 1 <= v < float("inf")):
+            raise ctx.error((*where, "attempts_per_sample"),
+                            f"got {v!r}; allowed: a number >= 1 (attempts per sample a slice "
+                            "lacks)")
+        kw["attempts_per_sample"] = float(v)
     if "timeout_s" in raw:
         v = raw["timeout_s"]
         if not (_is_num(v) and v > 0):

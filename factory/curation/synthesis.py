@@ -2,8 +2,13 @@
 
 (``factory.curation.synthetic`` is something else: the seeded generator of test data.)
 
-For each thin slice (``factory.curation.slices``) synthesis plans attempts up to the slice's
-even share, at most ``max_per_slice``. Attempt ``i`` of a slice shows the teacher
+For each thin slice (``factory.curation.slices``) synthesis fills the slice toward its even
+share: its *target* is the samples it lacks, at most ``max_per_slice``, and it plans
+``attempts_per_sample`` attempts per sample of the target (rounded up), since many attempts
+give no sample. The attempts of a slice run in index order and the slice stops once it holds
+its target (samples written by earlier runs count): a batch takes, per slice, no more attempts
+than the slice still needs, so it never overshoots, and the attempts left unrun are not
+recorded (a later run with a higher target runs them). Attempt ``i`` of a slice shows the teacher
 ``NUM_SEEDS`` train samples of the slice (never eval ones): the ``i``-th of the slice in a
 stable hash order, then others picked by a hash of the attempt, so every sample leads some
 attempt and no two attempts need see the same seeds. It takes two calls:
@@ -25,7 +30,8 @@ experiment already has). An unreachable endpoint stops synthesis instead
 (nothing recorded for the attempt), so a teacher that is down never uses up attempts.
 
 Attempt ids hash (experiment, slice, attempt index); each is recorded once, as a sample or a
-drop, so a resumed synthesis skips recorded attempts and writes no duplicate. Synthetic samples
+drop, so a resumed synthesis skips recorded attempts, writes no duplicate and continues up to
+the target. Synthetic samples
 then go through curation with the traffic (``factory.curation.pipeline.curate``): train side
 only, decontaminated against the eval set, judged by rejection sampling.
 """
@@ -38,7 +44,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -147,6 +154,9 @@ class Attempt:
     """Index within the slice, from 0."""
     seeds: tuple[dict[str, Any], ...]
     """Train rows (``sample_id``, ``messages``, ``tools``, ``project``, ``tags``) shown."""
+    target: int | None = None
+    """Samples the slice is filled to (``synthesize`` runs no attempt of a slice that holds
+    them); None: no target, the attempt runs."""
 
     @property
     def attempt_id(self) -> str:
@@ -168,23 +178,29 @@ def _rank(seed: int, slice_key: str, sample_id: str) -> str:
 
 
 def plan_attempts(experiment: str, slices: Sequence[Slice], members: dict[str, list[dict[str, Any]]],
-                  *, max_per_slice: int, seed: int = 0) -> list[Attempt]:
-    """Attempts for every thin slice: up to its even share, at most ``max_per_slice``.
+                  *, max_per_slice: int, seed: int = 0,
+                  attempts_per_sample: float = 1.0) -> list[Attempt]:
+    """Attempts for every thin slice, in index order: its target (the samples it lacks of its
+    even share, at most ``max_per_slice``) times ``attempts_per_sample``, rounded up.
 
     ``members``: slice key -> the traffic train rows in it (the seed pool).
     """
+    if attempts_per_sample < 1:
+        raise ValueError(f"attempts_per_sample: got {attempts_per_sample}; allowed: >= 1")
     out = []
     for s in slices:
         pool = sorted(members.get(s.key, []), key=lambda r: _rank(seed, s.key, r["sample_id"]))
         if not s.thin or not pool:
             continue
-        num = min(max_per_slice, max(0, s.even - s.num_traffic))
+        target = min(max_per_slice, max(0, s.even - s.num_traffic))
+        # rounded to 9 places first: 10 * 1.1 is 11.000000000000002 in floats, not 12 attempts
+        num = math.ceil(round(target * attempts_per_sample, 9))
         for i in range(num):
             first = pool[i % len(pool)]
             rest = heapq.nsmallest(NUM_SEEDS - 1, (r for r in pool if r is not first),
                                    key=lambda r: _rank(seed, f"{s.key}#{i}", r["sample_id"]))
             out.append(Attempt(experiment=experiment, slice=s, attempt=i,
-                               seeds=(first, *rest)))
+                               seeds=(first, *rest), target=target))
     return out
 
 
@@ -386,6 +402,8 @@ class Outcome:
     num_skipped: int = 0
     """Attempts already recorded by an earlier run (resumed)."""
     num_written: int = 0
+    num_not_needed: int = 0
+    """Attempts left unrun because their slice held its target (not recorded)."""
     drops: dict[str, int] = field(default_factory=dict)
     """Reason -> attempts of this run dropped."""
     by_slice: dict[str, int] = field(default_factory=dict)
@@ -425,14 +443,25 @@ def synthesize(attempts: Sequence[Attempt], teacher: Teacher, labeler: Labeler |
                recorded: Iterable[str], known_ids: Iterable[str],
                write: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None],
                samples_snapshot_id: int | None = None, concurrency: int = 4,
-               counter: TokenCounter | None = None) -> Outcome:
-    """Run the attempts not in ``recorded`` (attempt ids), ``BATCH`` at a time, each batch's
-    sample and drop rows handed to ``write`` before the next starts. ``known_ids``: sample ids
-    the experiment already has (traffic and synthetic); a sample among them is a duplicate."""
+               counter: TokenCounter | None = None,
+               written_before: Mapping[str, int] | None = None) -> Outcome:
+    """Run the attempts not in ``recorded`` (attempt ids), in order, ``BATCH`` at a time, each
+    batch's sample and drop rows handed to ``write`` before the next starts. A batch takes no
+    more of a slice's attempts than the slice lacks of its ``Attempt.target``; the attempts of
+    a slice that holds it are left unrun (``Outcome.num_not_needed``). ``written_before``:
+    slice key -> samples earlier runs wrote, counted toward the target. ``known_ids``: sample
+    ids the experiment already has (traffic and synthetic); a sample among them is a
+    duplicate."""
     done = set(recorded)
     seen = set(known_ids)
     todo = [a for a in attempts if a.attempt_id not in done]
     out = Outcome(num_planned=len(attempts), num_skipped=len(attempts) - len(todo))
+    queues: dict[str, deque[Attempt]] = {}
+    for a in todo:
+        queues.setdefault(a.slice.key, deque()).append(a)
+    before = written_before or {}
+    need = {key: len(q) if q[0].target is None else max(0, q[0].target - before.get(key, 0))
+            for key, q in queues.items()}
 
     def run(a: Attempt) -> dict[str, Any] | Drop:
         try:
@@ -440,9 +469,15 @@ def synthesize(attempts: Sequence[Attempt], teacher: Teacher, labeler: Labeler |
         except Drop as d:
             return d
 
+    def next_batch() -> list[Attempt]:
+        batch: list[Attempt] = []
+        for key, queue in queues.items():
+            for _ in range(min(len(queue), need[key], BATCH - len(batch))):
+                batch.append(queue.popleft())
+        return batch
+
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        for lo in range(0, len(todo), BATCH):
-            batch = todo[lo:lo + BATCH]
+        while batch := next_batch():
             rows, drops = [], []
             for a, result in zip(batch, pool.map(run, batch), strict=True):
                 if isinstance(result, dict) and result["sample_id"] in seen:
@@ -456,8 +491,10 @@ def synthesize(attempts: Sequence[Attempt], teacher: Teacher, labeler: Labeler |
                 seen.add(result["sample_id"])
                 rows.append(sample_row(a, result, teacher, samples_snapshot_id))
                 out.by_slice[a.slice.key] = out.by_slice.get(a.slice.key, 0) + 1
+                need[a.slice.key] -= 1
             write(rows, drops)
             out.num_written += len(rows)
+    out.num_not_needed = sum(len(q) for q in queues.values())
     out.drops = dict(sorted(out.drops.items()))
     out.by_slice = dict(sorted(out.by_slice.items()))
     return out
@@ -501,20 +538,27 @@ def read_synthetic(session: LakeSession, experiment: str) -> pa.Table:
     return out.append_column("origin", pa.array([SYNTHETIC] * out.num_rows, pa.string()))
 
 
-def recorded_attempts(session: LakeSession, experiment: str) -> tuple[set[str], set[str]]:
-    """(attempt ids already recorded as a sample or a drop, sample ids of the samples)."""
+def recorded_attempts(session: LakeSession, experiment: str
+                      ) -> tuple[set[str], set[str], dict[str, int]]:
+    """(attempt ids already recorded as a sample or a drop, sample ids of the samples, slice
+    key -> samples written: attempts with a sample, each once)."""
     flt = experiment_filter(experiment)
     attempts: set[str] = set()
     ids: set[str] = set()
+    by_slice: dict[str, int] = {}
     if session.lake.exists("synthetic_samples"):
         t = session.read("synthetic_samples", row_filter=flt,
-                         columns=("attempt_id", "sample_id"))
+                         columns=("attempt_id", "sample_id", "slice"))
         attempts.update(t.column("attempt_id").to_pylist())
         ids.update(t.column("sample_id").to_pylist())
+        # one per attempt: two runs of one experiment at once may both have written it
+        for key in dict(zip(t.column("attempt_id").to_pylist(), t.column("slice").to_pylist(),
+                            strict=True)).values():
+            by_slice[key] = by_slice.get(key, 0) + 1
     if session.lake.exists("synthesis_drops"):
         t = session.read("synthesis_drops", row_filter=flt, columns=("attempt_id",))
         attempts.update(t.column("attempt_id").to_pylist())
-    return attempts, ids
+    return attempts, ids, by_slice
 
 
 def slice_members(train: pa.Table, labeler: Labeler | None) -> dict[str, list[dict[str, Any]]]:
@@ -533,16 +577,17 @@ def slice_members(train: pa.Table, labeler: Labeler | None) -> dict[str, list[di
 
 def run(session: LakeSession, experiment: str, train: pa.Table, teacher: Teacher, *,
         known_ids: Iterable[str], max_per_slice: int, seed: int,
-        samples_snapshot_id: int | None, counter: TokenCounter | None = None
-        ) -> tuple[Outcome, list[Slice]]:
+        samples_snapshot_id: int | None, counter: TokenCounter | None = None,
+        attempts_per_sample: float = 1.0) -> tuple[Outcome, list[Slice]]:
     """Synthesize for the thin slices of ``train`` (the traffic train split), appending each
     batch to ``synthetic_samples`` and ``synthesis_drops``; attempts recorded by an earlier run
-    are skipped."""
+    are skipped and its samples count toward their slice's target."""
     slices = profile_slices(train)
     labeler = fit_labeler(train)
     attempts = plan_attempts(experiment, slices, slice_members(train, labeler),
-                             max_per_slice=max_per_slice, seed=seed)
-    recorded, synthetic_ids = recorded_attempts(session, experiment)
+                             max_per_slice=max_per_slice, seed=seed,
+                             attempts_per_sample=attempts_per_sample)
+    recorded, synthetic_ids, written_before = recorded_attempts(session, experiment)
 
     def write(rows: list[dict[str, Any]], drops: list[dict[str, Any]]) -> None:
         if rows:
@@ -552,5 +597,6 @@ def run(session: LakeSession, experiment: str, train: pa.Table, teacher: Teacher
 
     outcome = synthesize(attempts, teacher, labeler, recorded=recorded,
                          known_ids={*known_ids, *synthetic_ids}, write=write,
-                         samples_snapshot_id=samples_snapshot_id, counter=counter)
+                         samples_snapshot_id=samples_snapshot_id, counter=counter,
+                         written_before=written_before)
     return outcome, slices

@@ -1,5 +1,6 @@
-"""Synthesis: thin slices, a scripted OpenAI-compatible teacher, drops with reasons, resume,
-and synthetic samples through curation (train side only, decontaminated, in the profile)."""
+"""Synthesis: thin slices, a scripted OpenAI-compatible teacher, drops with reasons, a slice
+filled to its target, resume, and synthetic samples through curation (train side only,
+decontaminated, in the profile)."""
 
 from __future__ import annotations
 
@@ -212,19 +213,32 @@ def test_every_seed_leads_an_attempt_and_companions_vary() -> None:
     assert len({frozenset(a.seed_ids) for a in attempts}) > 6
     assert all(len(set(a.seed_ids)) == synthesis.NUM_SEEDS for a in attempts)
     assert synthesis.plan_attempts("triage", thin, members, max_per_slice=12) == attempts
+    assert {a.target for a in attempts} == {12}
+    # more attempts per sample extend the plan: the first ones are the same attempts
+    more = synthesis.plan_attempts("triage", thin, members, max_per_slice=12,
+                                   attempts_per_sample=2.5)
+    assert len(more) == 30 and more[:12] == attempts
+    assert len(synthesis.plan_attempts("triage", thin, members, max_per_slice=10,
+                                       attempts_per_sample=1.1)) == 11
+    with pytest.raises(ValueError, match="attempts_per_sample"):
+        synthesis.plan_attempts("triage", thin, members, max_per_slice=12,
+                                attempts_per_sample=0.5)
 
 
 # -- the teacher ----------------------------------------------------------------------------
 
 
-def _attempts(num: int) -> list[synthesis.Attempt]:
+def _attempts(num: int, *, attempts_per_sample: float = 1.0) -> list[synthesis.Attempt]:
+    """The thin slice's attempts for a target of ``num`` samples."""
     rows = _rows(200, keep_thin=3)
     train = _train(rows)
     slices = [s for s in profile_slices(train) if s.key == f"label:{THIN}"]
     labeler = Labeler.fit([ticket_triage.LABELS[i % 5] for i in range(20)])
     members = synthesis.slice_members(train, labeler)
-    attempts = synthesis.plan_attempts("triage", slices, members, max_per_slice=num)
-    assert len(attempts) == num
+    attempts = synthesis.plan_attempts("triage", slices, members, max_per_slice=num,
+                                       attempts_per_sample=attempts_per_sample)
+    assert len(attempts) == math.ceil(num * attempts_per_sample)
+    assert {a.target for a in attempts} == {num}
     assert all(set(a.seed_ids) <= {r["sample_id"] for r in members[f"label:{THIN}"]}
                for a in attempts)
     return attempts
@@ -268,7 +282,8 @@ def test_teacher_failures_are_counted_drops_and_a_crash_resumes_without_duplicat
     out = synthesis.synthesize(attempts, teacher, labeler, recorded=recorded,
                                known_ids={r["sample_id"] for r in written},
                                write=write, concurrency=1)
-    assert (out.num_planned, out.num_skipped) == (10, 4)
+    # one attempt per sample: every attempt runs, the slice short of its target
+    assert (out.num_planned, out.num_skipped, out.num_not_needed) == (10, 4, 0)
     ids = [r["attempt_id"] for r in written + dropped]
     assert sorted(ids) == sorted(a.attempt_id for a in attempts)  # each attempt once
     reasons = Counter(d["reason"] for d in dropped)
@@ -298,6 +313,119 @@ def test_teacher_failures_are_counted_drops_and_a_crash_resumes_without_duplicat
     again = synthesis.synthesize(attempts, teacher, labeler, recorded=set(ids), known_ids=[],
                                  write=write)
     assert (again.num_skipped, again.num_written, scripted.num_calls) == (10, 0, before)
+
+
+def _requests(scripted: ScriptedTeacher) -> list[dict[str, Any]]:
+    """The request-writing calls the teacher was sent: one per attempt run."""
+    return [b for b in scripted.bodies
+            if _text(b["messages"][0]["content"]) == synthesis.REQUEST_SYSTEM]
+
+
+def test_a_slice_stops_at_its_target_and_its_later_attempts_are_not_run(serve: Any) -> None:
+    """Three attempts per sample for a target of 4: each batch takes no more attempts than the
+    slice lacks, so the slice ends at exactly 4 samples; the 4 attempts it did not need are
+    neither run nor recorded."""
+    attempts = _attempts(4, attempts_per_sample=3)
+    labeler = Labeler.fit(list(ticket_triage.LABELS) * 4)
+    scripted = ScriptedTeacher(["malformed", "good", "off_slice", "good", "unsure", "good",
+                                "refusal", "good", "good", "good"])
+    teacher = synthesis.Teacher(base_url=serve(scripted), model="scripted", min_confidence=0.9)
+    rows: list[dict[str, Any]] = []
+    drops: list[dict[str, Any]] = []
+    batches: list[list[int]] = []
+
+    def write(r: list[dict[str, Any]], d: list[dict[str, Any]]) -> None:
+        rows.extend(r)
+        drops.extend(d)
+        batches.append(sorted(x["attempt"] for x in r + d))
+
+    out = synthesis.synthesize(attempts, teacher, labeler, recorded=[], known_ids=[],
+                               write=write, concurrency=1)
+    teacher.close()
+    assert batches == [[0, 1, 2, 3], [4, 5], [6], [7]]
+    assert len(rows) == 4 and len({r["sample_id"] for r in rows}) == 4
+    assert (out.num_planned, out.num_written, out.num_not_needed) == (12, 4, 4)
+    assert out.by_slice == {f"label:{THIN}": 4}
+    assert out.drops == {"low_confidence": 1, "malformed": 1, "off_slice": 1, "refusal": 1}
+    assert sorted(d["reason"] for d in drops) == sorted(out.drops)
+    assert len(_requests(scripted)) == 8 and scripted.modes == ["good", "good"]
+
+
+def test_a_resumed_synthesis_counts_earlier_samples_toward_the_target(serve: Any) -> None:
+    """A run killed after its first batch, resumed: the resumed run takes only what the slice
+    still lacks, drops a copy of an earlier sample as a duplicate, and the slice ends at its
+    target; a third run asks the teacher nothing."""
+    attempts = _attempts(4, attempts_per_sample=3)
+    labeler = Labeler.fit(list(ticket_triage.LABELS) * 4)
+    scripted = ScriptedTeacher(["malformed", "good", "good", "off_slice"])
+    teacher = synthesis.Teacher(base_url=serve(scripted), model="scripted")
+    rows: list[dict[str, Any]] = []
+    drops: list[dict[str, Any]] = []
+
+    def killed_after_first_batch(r: list[dict[str, Any]], d: list[dict[str, Any]]) -> None:
+        if rows or drops:
+            raise RuntimeError("the run was killed")
+        rows.extend(r)
+        drops.extend(d)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        synthesis.synthesize(attempts, teacher, labeler, recorded=[], known_ids=[],
+                             write=killed_after_first_batch, concurrency=1)
+    assert (len(rows), len(drops)) == (2, 2)
+
+    def resume() -> synthesis.Outcome:
+        return synthesis.synthesize(
+            attempts, teacher, labeler, recorded={x["attempt_id"] for x in rows + drops},
+            known_ids={r["sample_id"] for r in rows},
+            write=lambda r, d: (rows.extend(r), drops.extend(d)), concurrency=1,
+            written_before=Counter(r["slice"] for r in rows))
+
+    earlier = _user_and_answer(rows[0]["messages"])[0]
+    scripted.modes = [f"copy:{earlier}", "good", "good", "good"]
+    before = len(_requests(scripted))
+    out = resume()
+    assert (out.num_skipped, out.num_written, out.num_not_needed) == (4, 2, 5)
+    assert out.drops == {"duplicate": 1}
+    assert len(_requests(scripted)) - before == 3 and scripted.modes == ["good"]
+    assert len(rows) == 4 and len({r["sample_id"] for r in rows}) == 4
+    ids = [x["attempt_id"] for x in rows + drops]
+    assert len(ids) == len(set(ids)) == 7
+    # the slice holds its target: nothing more is asked
+    before = len(scripted.bodies)
+    again = resume()
+    assert (again.num_skipped, again.num_written, again.num_not_needed) == (7, 0, 5)
+    assert len(scripted.bodies) == before
+    teacher.close()
+
+
+def test_the_lake_side_run_resumes_from_the_samples_it_wrote(
+        factory_home: Path, serve: Any) -> None:
+    """``synthesis.run`` counts the ``synthetic_samples`` rows of the experiment per slice:
+    a first run filled the slice to 2, a second with a target of 4 and two attempts per
+    sample writes 2 more and leaves the rest unrun (both batches of 2 whatever order the
+    teacher answers them in)."""
+    train = _train(_rows(200, keep_thin=3))
+    scripted = ScriptedTeacher(["good", "good", "malformed", "malformed", "good", "good"])
+    teacher = synthesis.Teacher(base_url=serve(scripted), model="scripted")
+    lake = Lake()
+
+    def run(max_per_slice: int, attempts_per_sample: float) -> synthesis.Outcome:
+        session = lake.session(run_id="r", asset_key="synthetic_samples")
+        out, _ = synthesis.run(session, "triage", train, teacher, known_ids=[],
+                               max_per_slice=max_per_slice, seed=0, samples_snapshot_id=None,
+                               attempts_per_sample=attempts_per_sample)
+        return out
+
+    first = run(2, 1)
+    assert (first.num_planned, first.num_written) == (2, 2)
+    second = run(4, 2)
+    assert (second.num_planned, second.num_skipped, second.num_written,
+            second.num_not_needed) == (8, 2, 2, 2)
+    made = lake.read("synthetic_samples", row_filter="experiment = 'triage'")
+    assert made.num_rows == 4 and len(set(made.column("sample_id").to_pylist())) == 4
+    assert sorted(made.column("attempt").to_pylist()) == [0, 1, 4, 5]
+    assert lake.read("synthesis_drops").column("reason").to_pylist() == ["malformed"] * 2
+    teacher.close()
 
 
 def test_an_answer_the_teacher_is_unsure_of_is_a_low_confidence_drop(serve: Any) -> None:
@@ -431,11 +559,21 @@ def test_synthesize_is_validated_with_file_line_and_field(tmp_path: Path) -> Non
     sure = parse_experiment("name: x\nrecipe: smollm2-135m-lora\ndata:\n  synthesize:\n"
                             "    teacher: gpt-4o\n    min_confidence: 0.9\n", path)
     assert sure.data.synthesize is not None and sure.data.synthesize.min_confidence == 0.9
+    assert sure.data.synthesize.attempts_per_sample == 1
+    more = parse_experiment("name: x\nrecipe: smollm2-135m-lora\ndata:\n  synthesize:\n"
+                            "    teacher: gpt-4o\n    attempts_per_sample: 2.5\n", path)
+    assert more.data.synthesize is not None and more.data.synthesize.attempts_per_sample == 2.5
     for body, where in (
             ("    teacher: ''\n", "5: data.synthesize.teacher"),
             ("    teacher: t\n    max_per_slice: 0\n", "6: data.synthesize.max_per_slice"),
             ("    teacher: t\n    base_url: ftp://x\n", "6: data.synthesize.base_url"),
             ("    teacher: t\n    min_confidence: 1.5\n", "6: data.synthesize.min_confidence"),
+            ("    teacher: t\n    attempts_per_sample: 0.5\n",
+             "6: data.synthesize.attempts_per_sample: got 0.5; allowed: a number >= 1"),
+            ("    teacher: t\n    attempts_per_sample: yes\n",
+             "6: data.synthesize.attempts_per_sample"),
+            ("    teacher: t\n    attempts_per_sample: .inf\n",
+             "6: data.synthesize.attempts_per_sample"),
             ("    teacher: t\n    timeot_s: 3\n", "6: data.synthesize.timeot_s: unknown key "
                                                 "'timeot_s'; did you mean 'timeout_s'?")):
         with pytest.raises(ExperimentError) as err:
@@ -584,6 +722,7 @@ def test_synthetic_samples_fill_the_thin_slice_on_the_train_side_only(
     assert again.success and scripted.num_calls == calls
     meta = again.asset_materializations_for_node("synthetic_samples")[0].metadata
     assert (meta["num_resumed"].value, meta["num_written"].value) == (10, 0)
+    assert meta["num_not_needed"].value == 0
     made = lake.read("synthetic_samples", row_filter=flt)
     assert made.num_rows == 10 and len(set(made.column("attempt_id").to_pylist())) == 10
 
@@ -604,6 +743,9 @@ def test_an_attempt_written_twice_is_read_once(factory_home: Path) -> None:
     assert read.column("sample_id").to_pylist() == [sample["sample_id"]]
     assert read.column("origin").to_pylist() == ["synthetic"]
     assert session.lineage.reads["synthetic_samples"] == lake.snapshot_id("synthetic_samples")
+    # and counted once toward its slice's target
+    assert synthesis.recorded_attempts(session, "triage") == (
+        {attempt.attempt_id}, {sample["sample_id"]}, {f"label:{THIN}": 1})
     teacher.close()
 
 
