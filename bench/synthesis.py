@@ -8,27 +8,39 @@ ticket in, one of five team labels out).
   makes (``synthesis.request_prompt`` over three tickets of a label, answered with
   ``<request>`` + a new ticket of that label ``</request>``; the frontier, used as a teacher,
   would write such requests). It is served by the factory's CPU server
-  (``python -m factory.inference``), an OpenAI-compatible endpoint on 127.0.0.1.
+  (``python -m factory.inference``), an OpenAI-compatible endpoint on 127.0.0.1. Its
+  checkpoint is written under the work folder and its path printed in the teacher's line;
+  ``--teacher-checkpoint`` reuses such a folder (kept with ``--work``) instead of training one.
 - **The student's traffic** is the same generated traffic with the thin label cut to
   ``--keep`` tickets. It is curated by the real pipeline (``factory.curation.pipeline.curate``:
   split, cleaning, decontamination), so the profile's slices show the label thin.
 - **Synthesis** is the library's own (``factory.curation.synthesis``): slices of the curated
-  train split, attempts planned for the thin slice (seeds from the train split only), both
-  calls to the teacher, drops by reason. The synthetic rows then go through ``curate`` with
-  the traffic again (train side only, deduplicated, decontaminated against the eval split).
-  Rejection sampling by a judge is not applied here: the LLM judge needs a frontier model.
-  The answer calls ask for logprobs, so each synthetic sample has the probability the teacher
-  gave its answer (``data.synthesize.min_confidence`` drops those under the bar).
+  train split, attempts planned for the thin slice (seeds from the train split only;
+  ``--attempts-per-sample`` per sample the slice lacks, at most ``--max-per-slice`` samples),
+  both calls to the teacher, drops by reason, the slice stopped once it holds its target.
+  The synthetic rows then go through ``curate`` with the traffic again (train side only,
+  deduplicated, decontaminated against the eval split). Rejection sampling by a judge is not
+  applied here: the LLM judge needs a frontier model. The answer calls ask for logprobs, so
+  each synthetic sample has the probability the teacher gave its answer. Without
+  ``--synthesis-min-confidence`` no answer is dropped for it (a bar of 1e-300); with it, the
+  bar is ``data.synthesize.min_confidence``: unsure answers are ``low_confidence`` drops
+  during synthesis and, with more than one attempt per sample, the slice fills with sure ones.
 - **Student runs**, the same trainer and plan (SmolLM2-135M-Instruct, LoRA r=16 on every
   linear layer, bf16 autocast, packed rows of 256 tokens, ``--student-steps`` of 8 rows): on
   the curated traffic alone, on the curated traffic plus every synthetic sample, and, per
   ``--min-confidence`` bar, plus the synthetic samples the teacher gave at least that
-  probability (the samples ``min_confidence`` keeps: synthesis drops the others as
-  ``low_confidence``).
+  probability. These bars apply after synthesis to its one pool of samples (what
+  ``min_confidence`` would keep of it, the slice left short); ``--synthesis-min-confidence``
+  is the bar that refills the slice.
 - **Scored** teacher-forced on ``--heldout`` tickets per label phrased with held-out templates
   (``generate_heldout``): the label of highest likelihood among the five, per label.
 
     FACTORY_MODELS_DIR=.cache/test-models .venv/bin/python bench/synthesis.py
+    # a bar of 0.9 in synthesis, the slice filled with sure samples (no post-hoc bar: every
+    # synthetic sample already clears it), the teacher of a run kept with --work reused:
+    FACTORY_MODELS_DIR=.cache/test-models .venv/bin/python bench/synthesis.py \
+        --synthesis-min-confidence 0.9 --attempts-per-sample 4 --min-confidence \
+        --teacher-checkpoint <work>/teacher/checkpoints/step-00000040 --work <work-0.9>
 """
 
 from __future__ import annotations
@@ -167,10 +179,20 @@ def main() -> int:
     p.add_argument("--student-steps", type=int, default=24)
     p.add_argument("--teacher-lr", type=float, default=1e-3)
     p.add_argument("--lr", type=float, default=5e-4, help="the students' learning rate")
-    p.add_argument("--max-per-slice", type=int, default=100)
+    p.add_argument("--max-per-slice", type=int, default=100,
+                   help="most samples a thin slice is filled with")
+    p.add_argument("--attempts-per-sample", type=float, default=1.0,
+                   help="attempts planned per sample a thin slice lacks (>= 1); the slice "
+                        "stops once it holds its target")
+    p.add_argument("--synthesis-min-confidence", type=float,
+                   help="data.synthesize.min_confidence during synthesis: answers the teacher "
+                        "gives less probability are low_confidence drops (default: none)")
     p.add_argument("--min-confidence", type=float, nargs="*", default=[0.9],
-                   help="confidence bars: one student each, trained on the synthetic samples "
-                        "the teacher gave at least this probability")
+                   help="confidence bars applied after synthesis: one student each, trained "
+                        "on the synthetic samples the teacher gave at least this probability")
+    p.add_argument("--teacher-checkpoint",
+                   help="a teacher checkpoint folder (the path in an earlier run's teacher "
+                        "line, kept with --work): scored, not trained")
     p.add_argument("--heldout", type=int, default=40, help="held-out tickets per label")
     p.add_argument("--threads", type=int, help="OMP threads (default: one per core)")
     p.add_argument("--seed", type=int, default=0)
@@ -192,6 +214,14 @@ def main() -> int:
 
     if args.thin not in LABELS:
         p.error(f"--thin: one of {', '.join(LABELS)}")
+    if not args.attempts_per_sample >= 1:
+        p.error(f"--attempts-per-sample: got {args.attempts_per_sample}; allowed: >= 1")
+    synthesis_bar = args.synthesis_min_confidence
+    if synthesis_bar is not None and not 0 < synthesis_bar <= 1:
+        p.error(f"--synthesis-min-confidence: got {synthesis_bar}; allowed: a probability in "
+                "(0, 1]")
+    if args.teacher_checkpoint and not Path(args.teacher_checkpoint).is_dir():
+        p.error(f"--teacher-checkpoint: no folder {args.teacher_checkpoint}")
     t_start = time.perf_counter()
     convs = ticket_triage.generate_conversations(args.records, args.seed)
     fresh = ticket_triage.generate_conversations(args.records, args.seed + 7)
@@ -204,20 +234,26 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         # -- the teacher: full traffic plus request-writing calls ---------------------------
-        full = curate(pa.Table.from_pylist(_traffic_rows(convs, {}), schema=schema), config,
-                      counter)
-        writing = _request_writing(convs, fresh, args.request_calls, args.seed)
-        # One file, rows in a seeded order (the order these figures were measured with; the
-        # trainer mixes a source's files too).
-        rows = [*zip(full.train.column("sample_id").to_pylist(),
-                     full.train.column("messages").to_pylist(), strict=True), *writing]
-        random.Random(args.seed).shuffle(rows)
-        teacher_files = [_write_parquet(work / "teacher.parquet", [r[0] for r in rows],
-                                        [r[1] for r in rows])]
-        teacher_ckpt, facts = _train("teacher", work, teacher_files,
-                                    lora_plan(base, steps=args.teacher_steps, lr=args.teacher_lr,
-                                              seq_len=512, seed=args.seed), args.threads)
-        results["teacher"] = {**facts, "train_samples": full.train.num_rows + len(writing),
+        if args.teacher_checkpoint:
+            teacher_ckpt = Path(args.teacher_checkpoint).resolve()
+            facts: dict[str, Any] = {"reused": True}
+        else:
+            full = curate(pa.Table.from_pylist(_traffic_rows(convs, {}), schema=schema), config,
+                          counter)
+            writing = _request_writing(convs, fresh, args.request_calls, args.seed)
+            # One file, rows in a seeded order (the order these figures were measured with;
+            # the trainer mixes a source's files too).
+            rows = [*zip(full.train.column("sample_id").to_pylist(),
+                         full.train.column("messages").to_pylist(), strict=True), *writing]
+            random.Random(args.seed).shuffle(rows)
+            teacher_files = [_write_parquet(work / "teacher.parquet", [r[0] for r in rows],
+                                            [r[1] for r in rows])]
+            teacher_ckpt, facts = _train("teacher", work, teacher_files,
+                                        lora_plan(base, steps=args.teacher_steps,
+                                                  lr=args.teacher_lr, seq_len=512,
+                                                  seed=args.seed), args.threads)
+            facts["train_samples"] = full.train.num_rows + len(writing)
+        results["teacher"] = {**facts, "checkpoint": str(teacher_ckpt),
                               **score(base, teacher_ckpt, heldout)}
         print(json.dumps({"side": "teacher", **results["teacher"]}), flush=True)
 
@@ -235,14 +271,17 @@ def main() -> int:
         with InferenceServer(base, adapters={"teacher": str(teacher_ckpt)},
                              threads=args.threads, max_batch_size=4,
                              log_path=work / "teacher-server.log") as server:
-            # a bar no answer misses: logprobs asked, every sample kept with its probability
+            # without --synthesis-min-confidence, a bar no answer misses: logprobs asked, every
+            # sample kept with its probability
             teacher = synthesis.Teacher(base_url=server.base_url, model="teacher", timeout_s=180,
                                         max_tokens=16, experiment="bench",
-                                        min_confidence=1e-300)
+                                        min_confidence=1e-300 if synthesis_bar is None
+                                        else synthesis_bar)
             labeler = fit_labeler(alone.train)
             attempts = synthesis.plan_attempts("bench", slices,
                                                synthesis.slice_members(alone.train, labeler),
-                                               max_per_slice=args.max_per_slice, seed=args.seed)
+                                               max_per_slice=args.max_per_slice, seed=args.seed,
+                                               attempts_per_sample=args.attempts_per_sample)
             written: list[dict[str, Any]] = []
             drop_rows: list[dict[str, Any]] = []
 
@@ -273,8 +312,10 @@ def main() -> int:
         synth_labels = Counter(labeler.label(final_turn(json.loads(m))[0]) if labeler else None
                                for m in kept_synth)
         results["synthesis"] = {
-            "attempts": outcome.num_planned, "written": outcome.num_written,
-            "drops": outcome.drops, "seconds": round(synth_s, 1),
+            "targets": {a.slice.key: a.target for a in attempts},
+            "attempts": outcome.num_planned, "not_needed": outcome.num_not_needed,
+            "written": outcome.num_written, "drops": outcome.drops,
+            "min_confidence": synthesis_bar, "seconds": round(synth_s, 1),
             "kept_after_curation": len(kept_synth),
             "curation_drops_of_synthetic": dict(Counter(
                 d["reason"] for d in both.drops
