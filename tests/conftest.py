@@ -42,9 +42,12 @@ def factory_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     home = tmp_path / "factory-home"
     home.mkdir()
     monkeypatch.setenv("FACTORY_HOME", str(home))
-    for shared in ("FACTORY_DATABASE_URL", "FACTORY_WAREHOUSE", "FACTORY_SHARED_DIR",
-                   "FACTORY_CATALOG"):
-        monkeypatch.delenv(shared, raising=False)  # the embedded default unless a test says
+    # the embedded default and the composition root's default resources unless a test says
+    # (a developer's shell may set any of them)
+    for name in ("FACTORY_DATABASE_URL", "FACTORY_WAREHOUSE", "FACTORY_SHARED_DIR",
+                 "FACTORY_CATALOG", "FACTORY_DEPLOYER", "FACTORY_JUDGE", "FACTORY_PROVIDERS",
+                 "FACTORY_SPARK_MASTER"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FACTORY_MODELS_DIR", str(_models_cache()))
     monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))
     (home / "dagster").mkdir()

@@ -74,7 +74,8 @@ def spark_session(master: str | None = None, *, app: str = "factory-curation",
         missing = sorted(pkg for name, pkg in CONNECT_PACKAGES.items() if not _importable(name))
         if missing:
             raise FactoryError(f"Spark Connect ({master}) needs the packages "
-                               f"{', '.join(missing)} in this environment")
+                               f"{', '.join(missing)} in this environment (the `spark` extra "
+                               "installs them)")
         # the server owns the executors' environment and the static settings
         builder = SparkSession.builder.remote(master).appName(app)
     else:

@@ -158,7 +158,6 @@ class Deployment:
         for k, v in out.items():
             if isinstance(v, datetime):
                 out[k] = v.isoformat()
-        out["alive"] = self.alive
         return out
 
 

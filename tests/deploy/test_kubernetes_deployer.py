@@ -538,6 +538,11 @@ def test_the_cli_deploys_rolls_back_and_undeploys_on_the_cluster_factory_deploye
     assert out[-1]["endpoint"].endswith(".ml.svc:8000/v1")
     [obj] = cluster.names("deployments")
     assert out[-1]["endpoint"] == f"http://{obj}.ml.svc:8000/v1"
+    # `deployments` asks the cluster whether each version's Deployment exists
+    assert main(["deployments", "exp", "--all", "--format", "json"]) == 0
+    listed = {r["version"]: r for r in json.loads(capsys.readouterr().out)}
+    assert (listed["v1"]["status"], listed["v1"]["alive"]) == ("live", True)
+    assert (listed["v2"]["status"], listed["v2"]["alive"]) == ("stopped", False)
     assert main(["undeploy", "exp", "--drain-s", "0"]) == 0
     assert cluster.names("deployments") == cluster.names("services") == set()
     assert {d.status for d in _rows().values()} == {"stopped"}

@@ -206,13 +206,34 @@ def _rollback(args: argparse.Namespace) -> int:
 
 def _deployments(args: argparse.Namespace) -> int:
     from factory.deploy import Deployer, check_name
+    from factory.deploy.kubernetes import host_from_env
     from factory.output import print_rows
 
     name = check_name(args.experiment) if args.experiment else None
-    rows = [d.as_dict() for d in Deployer().versions(name)
+    deployer = Deployer(host=host_from_env())
+    rows = [{**d.as_dict(), "alive": _alive(deployer.host, d)} for d in deployer.versions(name)
             if args.all or d.status in ("starting", "live", "candidate", "draining")]
     print_rows(rows, args.format, columns=COLUMNS)
     return 0
+
+
+def _alive(host: Any, dep: Any) -> bool | None:
+    """Whether what runs ``dep`` exists where it is hosted: a process on this machine, or a
+    Deployment on the cluster ``$FACTORY_DEPLOYER`` names; None when that cannot be asked (a
+    cluster this node is not configured for, or an API that does not answer: said on
+    stderr)."""
+    from factory.deploy.hosts import PROCESS, HostError, placement_of
+
+    where = placement_of(dep)
+    if where == PROCESS:
+        return bool(dep.alive)
+    if where != host.kind:
+        return None
+    try:
+        return bool(host.running(dep))
+    except HostError as e:
+        print(f"{dep.name} {dep.version}: {e}", file=sys.stderr)
+        return None
 
 
 def _chat(args: argparse.Namespace) -> int:
