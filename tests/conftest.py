@@ -8,6 +8,7 @@ ignored by git) so repeated runs skip the ~20 s GGUF dequantization.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -123,3 +124,19 @@ def gemma3_dir() -> Path:
     from factory.trainer.base_models import GEMMA3_NAME, build_gemma3
 
     return build_gemma3(_models_cache() / GEMMA3_NAME)
+
+
+@pytest.fixture()
+def judge_server() -> Iterator[str]:
+    """A judge model on 127.0.0.1 (``tests.evals.conftest.JudgeHandler``): its ``/v1`` URL."""
+    from http.server import ThreadingHTTPServer
+
+    from tests.evals.conftest import JudgeHandler
+
+    JudgeHandler.calls = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()

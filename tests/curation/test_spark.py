@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -82,22 +81,6 @@ def test_spark_matches_embedded_and_commits_with_add_files(
     assert back.num_rows == embedded.train.num_rows  # the commit replaced the earlier rows
     assert back.column("tags").to_pylist() == embedded.train.column("tags").to_pylist()
     assert back.column("created_at").equals(embedded.train.column("created_at"))
-
-
-@pytest.fixture()
-def judge_server() -> Iterator[str]:
-    """The eval tests' judge model on 127.0.0.1 (``tests.evals.conftest.JudgeHandler``)."""
-    from http.server import ThreadingHTTPServer
-
-    from tests.evals.conftest import JudgeHandler
-
-    JudgeHandler.calls = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
-    server.server_close()
 
 
 def test_an_llm_judge_scores_in_the_executors_as_in_the_embedded_engine(

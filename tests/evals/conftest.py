@@ -8,10 +8,8 @@ and a ``trainer_state.json`` with the loss history the report plots.
 from __future__ import annotations
 
 import json
-import threading
 import warnings
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +99,3 @@ class JudgeHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
         self.wfile.write(reply)
-
-
-@pytest.fixture()
-def judge_server() -> Iterator[str]:
-    JudgeHandler.calls = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
-    server.server_close()
