@@ -27,8 +27,13 @@ Format (``\\n`` is a newline; ``S``/``E`` the turn tokens, ``B`` the opening tex
     S tool\\n<tool_response>\\n{parts}\\n</tool_response>E\\n
 
 Parts are joined with ``\\n``: text as is, reasoning as ``<think>\\n...\\n</think>``, images as
-``[image]`` (text-only models). Tool calls carry no ids: tool results follow the calls in order,
-and ``parse_assistant`` renumbers ``call_0, call_1, ...`` exactly like the canonical form does.
+``[image]`` for text-only models; a vision-language model's image is its placeholder
+(``trainer.vision``: Qwen's ``<|vision_start|>`` + one ``<|image_pad|>`` per merged patch +
+``<|vision_end|>``), passed in as ``image`` because its length depends on the image. The Jinja
+twin of a vision model (``chat_template(fmt, vision=True)``) writes one ``<|image_pad|>`` per
+image, as Qwen's own template and vLLM expect; the server expands it (``vision.expand_pads``).
+Tool calls carry no ids: tool results follow the calls in order, and ``parse_assistant``
+renumbers ``call_0, call_1, ...`` exactly like the canonical form does.
 Loss is on assistant turns only: everything after ``S assistant\\n`` up to and including ``E``
 (so the model learns to stop), tool calls included; never system, user or tool.
 """
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,10 +107,17 @@ def _lit(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
 
 
-def chat_template(fmt: ChatFormat) -> str:
-    """The Jinja twin of ``render`` in format ``fmt``."""
+VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+"""An image in the Jinja twin of a vision model: one pad, expanded to the image's tokens."""
+
+
+def chat_template(fmt: ChatFormat, *, vision: bool = False) -> str:
+    """The Jinja twin of ``render`` in format ``fmt``; ``vision``: images as
+    ``VISION_PLACEHOLDER`` (a vision-language base model), else as ``[image]``."""
     begin = "{{ " + _lit(fmt.begin) + " }}" if fmt.begin else ""
-    return (_TEMPLATE.replace(_BEGIN, begin).replace("<|im_start|>", fmt.turn_start)
+    template = _TEMPLATE.replace("{{ '[image]' }}", "{{ " + _lit(VISION_PLACEHOLDER) + " }}") \
+        if vision else _TEMPLATE
+    return (template.replace(_BEGIN, begin).replace("<|im_start|>", fmt.turn_start)
             .replace("<|im_end|>", fmt.turn_end)
             .replace("<|assistant|>", fmt.assistant_role))
 
@@ -173,7 +185,15 @@ def _loads(value: Any, name: str) -> Any:
     return value
 
 
-def _content(content: Any) -> str:
+ImageText = Callable[[dict[str, Any]], str]
+"""Renders one image part (``[image]`` for text-only models)."""
+
+
+def text_only_image(part: dict[str, Any]) -> str:
+    return "[image]"
+
+
+def _content(content: Any, image: ImageText = text_only_image) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -188,7 +208,7 @@ def _content(content: Any) -> str:
         elif kind == "reasoning":
             out.append("<think>\n" + part["text"] + "\n</think>")
         elif kind in ("image", "image_url"):
-            out.append("[image]")
+            out.append(image(part))
         else:
             raise ValueError(f"content: unknown part type {kind!r}")
     return "\n".join(out)
@@ -204,8 +224,10 @@ def _call(call: dict[str, Any]) -> str:
 
 
 def segments(messages: Any, tools: Any = None, *, add_generation_prompt: bool = False,
-             fmt: ChatFormat = CHATML) -> list[tuple[str, bool]]:
-    """The rendered text as ``(text, trainable)`` pieces; joined they equal ``render``."""
+             fmt: ChatFormat = CHATML, image: ImageText = text_only_image
+             ) -> list[tuple[str, bool]]:
+    """The rendered text as ``(text, trainable)`` pieces; joined they equal ``render``.
+    ``image`` renders each image part, called in the order the parts appear in the text."""
     messages = _loads(messages, "messages")
     tools = _loads(tools, "tools") or []
     if not isinstance(messages, list) or not messages:
@@ -215,7 +237,7 @@ def segments(messages: Any, tools: Any = None, *, add_generation_prompt: bool = 
     first = 0
     system = ""
     if messages[0].get("role") == "system":
-        system = _content(messages[0].get("content"))
+        system = _content(messages[0].get("content"), image)
         first = 1
     if tools:
         block = TOOLS_HEAD + "".join(
@@ -227,7 +249,7 @@ def segments(messages: Any, tools: Any = None, *, add_generation_prompt: bool = 
     for m in messages[first:]:
         role = m.get("role")
         if role == "assistant":
-            body = _content(m.get("content"))
+            body = _content(m.get("content"), image)
             calls = m.get("tool_calls") or []
             for i, call in enumerate(calls):
                 body += ("\n" if body or i else "") + _call(call)
@@ -235,10 +257,10 @@ def segments(messages: Any, tools: Any = None, *, add_generation_prompt: bool = 
             out.append((body + end, True))
             out.append(("\n", False))
         elif role == "tool":
-            out.append((f"{start}tool\n<tool_response>\n{_content(m.get('content'))}"
+            out.append((f"{start}tool\n<tool_response>\n{_content(m.get('content'), image)}"
                         f"\n</tool_response>{end}\n", False))
         elif role in ("system", "user"):
-            out.append((f"{start}{role}\n{_content(m.get('content'))}{end}\n", False))
+            out.append((f"{start}{role}\n{_content(m.get('content'), image)}{end}\n", False))
         else:
             raise ValueError(f"messages: unknown role {role!r}")
     if add_generation_prompt:
@@ -247,17 +269,18 @@ def segments(messages: Any, tools: Any = None, *, add_generation_prompt: bool = 
 
 
 def render(messages: Any, tools: Any = None, tokenizer: Any = None, *,
-           add_generation_prompt: bool = False) -> str:
+           add_generation_prompt: bool = False, image: ImageText = text_only_image) -> str:
     """Canonical ``messages``/``tools`` (lists or their JSON strings) to the model's text, in
     the format of ``tokenizer`` (``chat_format``; ChatML without one)."""
     return "".join(t for t, _ in segments(messages, tools, fmt=chat_format(tokenizer),
-                                          add_generation_prompt=add_generation_prompt))
+                                          add_generation_prompt=add_generation_prompt,
+                                          image=image))
 
 
-def spans(messages: Any, tools: Any = None, *,
-          fmt: ChatFormat = CHATML) -> tuple[str, list[tuple[int, int]]]:
+def spans(messages: Any, tools: Any = None, *, fmt: ChatFormat = CHATML,
+          image: ImageText = text_only_image) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans of its assistant (trained) pieces."""
-    segs = segments(messages, tools, fmt=fmt)
+    segs = segments(messages, tools, fmt=fmt, image=image)
     out: list[tuple[int, int]] = []
     pos = 0
     for t, trainable in segs:
@@ -310,17 +333,17 @@ def _is_backend(tokenizer: Any) -> bool:
     return isinstance(tokenizer, Tokenizer)
 
 
-def encode(messages: Any, tools: Any, tokenizer: Any, *,
-           max_len: int | None = None) -> tuple[list[int], list[int]]:
+def encode(messages: Any, tools: Any, tokenizer: Any, *, max_len: int | None = None,
+           image: ImageText = text_only_image) -> tuple[list[int], list[int]]:
     """Token ids and labels (``IGNORE_INDEX`` outside assistant turns) of one sample.
 
     The whole text is tokenized once, exactly as at inference; a token is trained when its last
     character lies in an assistant span. ``labels[i]`` is the target *at* position i (the caller
     shifts). ``tokenizer`` is a transformers tokenizer or a ``tokenizers.Tokenizer`` (what
     curation loads: the same backend, so the same ids; tests/curation/test_tokens.py holds the
-    two equal).
+    two equal). ``image`` renders image parts (``trainer.vision`` for vision-language models).
     """
-    text, trained = spans(messages, tools, fmt=chat_format(tokenizer))
+    text, trained = spans(messages, tools, fmt=chat_format(tokenizer), image=image)
     if _is_backend(tokenizer):
         enc = tokenizer.encode(text, add_special_tokens=False)
         ids, offsets = list(enc.ids), enc.offsets
@@ -378,7 +401,8 @@ def parse_assistant(text: str) -> dict[str, Any]:
     return msg
 
 
-def install_chat_template(tokenizer: Any) -> Any:
-    """Put the template of its format on ``tokenizer`` (saved with it as chat_template.jinja)."""
-    tokenizer.chat_template = chat_template(chat_format(tokenizer))
+def install_chat_template(tokenizer: Any, *, vision: bool = False) -> Any:
+    """Put the template of its format on ``tokenizer`` (saved with it as chat_template.jinja);
+    ``vision`` for the tokenizer of a vision-language model (``trainer.vision.has_vision``)."""
+    tokenizer.chat_template = chat_template(chat_format(tokenizer), vision=vision)
     return tokenizer

@@ -224,6 +224,10 @@ class Job:
     is the primary one: ``plan.num_epochs`` counts passes over it."""
     eval_data_files: list[str] = field(default_factory=list)
     """Optional held-out Parquet files for eval loss every ``plan.eval_every_steps``."""
+    blob_dir: str | None = None
+    """The factory's blob store folder (``<blob_dir>/<aa>/<sha256>``), where a vision-language
+    base model reads the images of the samples; None: such a model drops every image sample
+    (``missing_image``). Text-only models never read it."""
     resume_from: str | None = None
     """A checkpoint directory, or ``latest`` (newest verified checkpoint under output_dir)."""
     events_file: str | None = None

@@ -25,6 +25,12 @@ the context it has alone: the loss and gradient are those of separate rows (with
 dropout, whose mask on the prefix is then one for the micro-batch), for a fraction of the tokens
 when the prompt is long and the rests are short. tests/trainer/test_model.py holds the two equal.
 
+A vision-language base model (``vision.has_vision``) renders each image of a sample as its
+placeholder tokens and feeds the processor's ``pixel_values`` and ``image_grid_thw`` with the
+batch (``Batch.pixel_values``, in the order the image tokens appear in the rows); a sample
+whose image is not in the blob store is dropped (``missing_image``). Image samples pack like
+any other: ``model.CausalLMLoss`` computes each packed segment's 3-D rope positions apart.
+
 A sample is trained whole or not at all: one longer than the plan's ``max_seq_len`` is dropped
 (``too_long_for_plan``), never cut, because the cut falls at the end of the conversation, on the
 assistant turn the sample exists for. ``check_plan_data`` is the pre-launch check the
@@ -48,14 +54,17 @@ import torch
 
 from .chat import IGNORE_INDEX, common_prefix, encode
 from .config import MIN_SHARED_PREFIX, Job, MixSource
+from .vision import ImageInput, MissingImage, Vision, load_vision, stack
+from .vision import encode as encode_with_images
 
 # First-fit packing looks at this many open rows: 99%+ fill on realistic length mixes while
 # staying linear in the number of samples.
 _OPEN_ROWS = 64
 
-DROP_REASONS = ("unrenderable", "too_long_for_plan", "no_target")
-"""Why ``tokenize`` drops a sample: its messages cannot be rendered; it is longer than the plan's
-``max_seq_len``; it has no assistant token to train on."""
+DROP_REASONS = ("unrenderable", "missing_image", "too_long_for_plan", "no_target")
+"""Why ``tokenize`` drops a sample: its messages cannot be rendered; an image of it is not in
+the blob store (vision models only); it is longer than the plan's ``max_seq_len``; it has no
+assistant token to train on."""
 MAX_DROP_FRACTION = 0.01
 """The share of the training samples a plan may drop: the planner sizes ``max_seq_len`` to cover
 99% of them, so dropping more means the plan does not fit its data."""
@@ -71,6 +80,8 @@ class Example:
     """Token ids of the rendered conversation."""
     labels: list[int]
     """Targets at each position (``IGNORE_INDEX`` outside assistant turns)."""
+    images: tuple[ImageInput, ...] = ()
+    """Its images, in the order of their tokens (a vision model's samples only)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +140,8 @@ def read_rows(*, data_files: Sequence[str] = (), payload_file: str | None = None
 class _Tally:
     """Counts what tokenizing keeps and drops, for ``DataStats``."""
 
-    def __init__(self) -> None:
+    def __init__(self, vision: Vision | None = None) -> None:
+        self.vision = vision
         self.num_samples = self.num_tokens = self.num_label_tokens = self.longest = 0
         self.kept = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
@@ -137,8 +149,16 @@ class _Tally:
     def encode(self, row: dict[str, Any], tokenizer: Any, max_seq_len: int) -> Example | None:
         """``row`` as an example with ``trainer.chat.encode``, or None (dropped, counted)."""
         self.num_samples += 1
+        images: list[ImageInput] = []
         try:
-            ids, labels = encode(row["messages"], row.get("tools"), tokenizer)
+            if self.vision is not None:
+                ids, labels, images = encode_with_images(row["messages"], row.get("tools"),
+                                                         tokenizer, self.vision)
+            else:
+                ids, labels = encode(row["messages"], row.get("tools"), tokenizer)
+        except MissingImage:
+            self.dropped["missing_image"] += 1
+            return None
         except (ValueError, KeyError, TypeError):
             self.dropped["unrenderable"] += 1
             return None
@@ -154,7 +174,8 @@ class _Tally:
         self.kept += 1
         self.num_tokens += len(ids)
         self.num_label_tokens += targets
-        return Example(sample_id=str(row["sample_id"]), input_ids=ids, labels=labels)
+        return Example(sample_id=str(row["sample_id"]), input_ids=ids, labels=labels,
+                       images=tuple(images))
 
     def stats(self) -> DataStats:
         return DataStats(num_samples=self.num_samples, num_examples=self.kept,
@@ -163,11 +184,12 @@ class _Tally:
                          num_tokens=self.num_tokens, num_label_tokens=self.num_label_tokens)
 
 
-def tokenize(rows: Iterable[dict[str, Any]], tokenizer: Any, *, max_seq_len: int
-             ) -> tuple[list[Example], DataStats]:
-    """Rows to examples with ``trainer.chat.encode``; a row that cannot train whole is dropped
-    and counted by its reason (``DROP_REASONS``)."""
-    tally = _Tally()
+def tokenize(rows: Iterable[dict[str, Any]], tokenizer: Any, *, max_seq_len: int,
+             vision: Vision | None = None) -> tuple[list[Example], DataStats]:
+    """Rows to examples with ``trainer.chat.encode`` (``trainer.vision.encode`` with
+    ``vision``); a row that cannot train whole is dropped and counted by its reason
+    (``DROP_REASONS``)."""
+    tally = _Tally(vision)
     examples = [e for row in rows if (e := tally.encode(row, tokenizer, max_seq_len)) is not None]
     return examples, tally.stats()
 
@@ -180,11 +202,12 @@ def plan_tokenizer(base_model: str) -> Any:
     """
     from .chat import install_chat_template
     from .model import load_tokenizer
+    from .vision import has_vision
 
     path = Path(base_model).expanduser()
     if (path.is_absolute() or base_model.startswith((".", "~"))) and not path.exists():
         raise ValueError(f"plan.base_model: no such directory {base_model}")
-    return install_chat_template(load_tokenizer(base_model))
+    return install_chat_template(load_tokenizer(base_model), vision=has_vision(base_model))
 
 
 MAX_CHECK_ROWS = 10_000
@@ -194,12 +217,12 @@ is checked."""
 
 
 def check_plan_data(rows: Iterable[dict[str, Any]], tokenizer: Any, *, max_seq_len: int,
-                    what: str = "training samples") -> DataStats:
+                    what: str = "training samples", vision: Vision | None = None) -> DataStats:
     """The pre-launch check: tokenize ``rows`` exactly as the trainer will (holding none), and
     raise a ``ValueError`` naming the numbers when the plan would drop more than
     ``MAX_DROP_FRACTION`` of them. No kept sample lacks a target: ``tokenize`` drops those
     (``no_target``), and the drops count toward the limit."""
-    tally = _Tally()
+    tally = _Tally(vision)
     for row in rows:
         tally.encode(row, tokenizer, max_seq_len)
     stats = tally.stats()
@@ -220,18 +243,20 @@ def check_job_data(job: Job) -> DataStats:
     source of a mix. The held-out rows must keep at least one sample. Returns the primary
     source's stats."""
     tokenizer = plan_tokenizer(job.plan.base_model)
+    vision = load_vision(job.plan.base_model, job.blob_dir)
     sources = job.sources()
     stats = check_plan_data(SourceReader(sources[0], index=0, seed=0).rows(), tokenizer,
                             max_seq_len=job.plan.max_seq_len,
                             what=f"{sources[0].name} samples" if job.mix
-                            else "training samples")
+                            else "training samples", vision=vision)
     for i, source in enumerate(sources[1:], 1):
         rows = SourceReader(source, index=i, seed=0).rows()
         check_plan_data(itertools.islice(rows, MAX_CHECK_ROWS), tokenizer,
-                        max_seq_len=job.plan.max_seq_len, what=f"{source.name} samples")
+                        max_seq_len=job.plan.max_seq_len, what=f"{source.name} samples",
+                        vision=vision)
     if job.eval_data_files:
         held_out, ev = tokenize(read_rows(data_files=job.eval_data_files), tokenizer,
-                                max_seq_len=job.plan.max_seq_len)
+                                max_seq_len=job.plan.max_seq_len, vision=vision)
         if not held_out:
             raise ValueError(f"plan max_seq_len {job.plan.max_seq_len} would keep none of the "
                              f"{ev.num_samples} held-out samples: {ev.describe_drops()}")
@@ -318,6 +343,11 @@ class Batch:
     num_row_tokens: int = 0
     """Non-padding tokens of the rows, the tokens computed: ``num_real_tokens`` less the shared
     prefixes computed once (0: the same as ``num_real_tokens``)."""
+    pixel_values: torch.Tensor | None = None
+    """The images' processed patches, in the order of their tokens in the rows (row by row);
+    None: no image."""
+    image_grid_thw: torch.Tensor | None = None
+    """[num_images, 3] each image's patch grid, in the same order."""
 
     @property
     def num_computed_tokens(self) -> int:
@@ -329,7 +359,11 @@ class Batch:
                      attention_mask=None if self.attention_mask is None
                      else self.attention_mask.to(device),
                      sample_index=self.sample_index, num_real_tokens=self.num_real_tokens,
-                     num_label_tokens=self.num_label_tokens, num_row_tokens=self.num_row_tokens)
+                     num_label_tokens=self.num_label_tokens, num_row_tokens=self.num_row_tokens,
+                     pixel_values=None if self.pixel_values is None
+                     else self.pixel_values.to(device),
+                     image_grid_thw=None if self.image_grid_thw is None
+                     else self.image_grid_thw.to(device))
 
 
 def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], *, packed: bool,
@@ -361,16 +395,20 @@ def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], *, packe
         labs.append(r_lab + [IGNORE_INDEX] * pad)
         idx.append(r_idx + [-1] * pad)
     labels = torch.tensor(labs, dtype=torch.long)
+    pixels, grids = stack([x for row in rows for i in row for x in examples[i].images])
     return Batch(input_ids=torch.tensor(ids, dtype=torch.long),
                  position_ids=torch.tensor(pos, dtype=torch.long), labels=labels,
                  attention_mask=None if packed else torch.tensor(mask, dtype=torch.long),
                  sample_index=torch.tensor(idx, dtype=torch.long), num_real_tokens=real,
-                 num_label_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()))
+                 num_label_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()),
+                 pixel_values=pixels, image_grid_thw=grids)
 
 
 def collate_shared(examples: Sequence[Example], indices: Sequence[int], prefix: int) -> Batch:
     """The examples ``indices`` as one row: their first ``prefix`` tokens (the same in all, see
     ``shared_prefix_length``) once, then each example's rest at positions ``prefix...``."""
+    # Only plain-attention (text) models share prefixes (``load_model``): no images here.
+    assert not any(examples[i].images for i in indices), "share_prefix with image samples"
     first = examples[indices[0]]
     ids = list(first.input_ids[:prefix])
     pos = list(range(prefix))
@@ -681,7 +719,8 @@ class MixtureStream:
 
     def __init__(self, sources: Sequence[MixSource], tokenizer: Any, *, max_seq_len: int,
                  packing: bool, micro_batch_size: int, seed: int, pad_id: int,
-                 share_prefix: bool = False, window_samples: int = WINDOW_SAMPLES) -> None:
+                 share_prefix: bool = False, window_samples: int = WINDOW_SAMPLES,
+                 vision: Vision | None = None) -> None:
         if not sources:
             raise ValueError("mix: no sources")
         self.readers = [SourceReader(s, index=i, seed=seed) for i, s in enumerate(sources)]
@@ -701,7 +740,7 @@ class MixtureStream:
         self.pad_id = pad_id
         self.share_prefix = share_prefix
         self.window_samples = window_samples
-        self.tally = _Tally()
+        self.tally = _Tally(vision)
         self.drawn = [0] * len(sources)
         """Rows drawn from each source by this process."""
         self.peak_examples_held = 0

@@ -12,6 +12,14 @@ On CPU, packed rows attend per sample (``packed_sdpa_attention``): one causal SD
 segment instead of one masked call over the whole row. The result is the block-diagonal mask's,
 but the cost is the sum of the squared sample lengths instead of the squared row length, and
 the unmasked causal kernel is ~2x faster than the masked one (bench/trainer.py).
+
+A batch with images (a vision-language model: ``Batch.pixel_values``) runs through the model's
+multimodal body instead of its decoder alone: the frozen vision tower encodes the images and
+their features replace the ``<|image_pad|>`` embeddings. Qwen2.5-VL's rotary positions are 3-D
+(temporal, height, width) over an image and 1-D over text; ``mrope_positions`` computes them for
+each packed segment alone (the model's ``get_rope_index`` over the segment), so image samples
+pack like text ones, and passes the per-sample text positions as the first of four rows, which
+is what transformers derives the packed (block-diagonal) mask from.
 """
 
 from __future__ import annotations
@@ -320,9 +328,39 @@ class CausalLMLoss(nn.Module):
         self.head = base.get_output_embeddings()
         self.packed_attention = \
             getattr(base.config, "_attn_implementation", None) == PACKED_ATTENTION
+        body = getattr(base, "model", None)
+        self.multimodal = body if hasattr(body, "visual") and hasattr(body, "get_rope_index") \
+            else None
+        """The multimodal body (vision tower + decoder) of a vision-language model, else None."""
+
+    def mrope_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                        image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """[4, B, L]: the per-sample text positions, then the 3-D rotary positions, each packed
+        segment's computed alone from its tokens and its images' grids."""
+        assert self.multimodal is not None
+        image_id = self.multimodal.config.image_token_id
+        rope = position_ids[None].repeat(3, 1, 1)
+        grids = list(image_grid_thw)
+        used = 0
+        for b, lengths in enumerate(segment_lengths(position_ids)):
+            start = 0
+            for n in lengths:
+                seg = input_ids[b, start:start + n]
+                is_image = seg == image_id
+                num_images = int(is_image[0]) + int((is_image[1:] & ~is_image[:-1]).sum())
+                if num_images:
+                    pos, _ = self.multimodal.get_rope_index(
+                        seg[None], is_image[None].int(),
+                        image_grid_thw=torch.stack(grids[used:used + num_images]))
+                    rope[:, b, start:start + n] = pos[:, 0] + position_ids[b, start]
+                    used += num_images
+                start += n
+        assert used == len(grids), "every image has its tokens in the batch"
+        return torch.cat([position_ids[None], rope])
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-               attention_mask: torch.Tensor | None) -> torch.Tensor:
+               attention_mask: torch.Tensor | None, pixel_values: torch.Tensor | None = None,
+               image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         extra: dict[str, Any] = {}
         if self.packed_attention and attention_mask is None:
             segments = segment_lengths(position_ids)
@@ -330,13 +368,25 @@ class CausalLMLoss(nn.Module):
             starts = segment_starts(position_ids, segments)
             if any(p for row in starts for p in row[1:]):
                 extra["segment_starts"] = starts
+        if pixel_values is not None:
+            if self.multimodal is None or image_grid_thw is None:
+                raise ValueError("pixel_values: the model has no vision tower")
+            out = self.multimodal(
+                input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=self.mrope_positions(input_ids, position_ids, image_grid_thw),
+                pixel_values=pixel_values, image_grid_thw=image_grid_thw, use_cache=False,
+                **extra)
+            return out.last_hidden_state
         out = self.decoder(input_ids=input_ids, position_ids=position_ids,
                            attention_mask=attention_mask, use_cache=False, **extra)
         return out.last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
-        h = self.hidden(input_ids, position_ids, attention_mask)[:, :-1]
+                attention_mask: torch.Tensor | None, labels: torch.Tensor, *,
+                pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.hidden(input_ids, position_ids, attention_mask, pixel_values,
+                        image_grid_thw)[:, :-1]
         targets = labels[:, 1:]
         keep = targets != IGNORE_INDEX
         h, targets = h[keep], targets[keep]
@@ -356,9 +406,12 @@ class CausalLMLoss(nn.Module):
 
     @torch.no_grad()
     def token_losses(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     attention_mask: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+                     attention_mask: torch.Tensor | None, labels: torch.Tensor, *,
+                     pixel_values: torch.Tensor | None = None,
+                     image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """[B, L-1] loss of predicting token i+1 at position i (0 where unlabeled)."""
-        h = self.hidden(input_ids, position_ids, attention_mask)[:, :-1]
+        h = self.hidden(input_ids, position_ids, attention_mask, pixel_values,
+                        image_grid_thw)[:, :-1]
         logits = self.head(h).float()
         targets = labels[:, 1:]
         losses = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")

@@ -216,6 +216,7 @@ class Trainer:
             tokenize,
         )
         from .model import CausalLMLoss, load_model
+        from .vision import load_vision
 
         plan = self.plan
         if self.world > 1 and not torch.distributed.is_initialized():
@@ -223,12 +224,13 @@ class Trainer:
             torch.distributed.init_process_group(backend)
         _setup_determinism(plan)
         self.tokenizer = plan_tokenizer(plan.base_model)
+        vision = load_vision(plan.base_model, self.job.blob_dir)
         pad_id = int(self.tokenizer.pad_token_id)
         sources = self.job.sources()
         self.stream = MixtureStream(sources, self.tokenizer, max_seq_len=plan.max_seq_len,
                                     packing=plan.packing, micro_batch_size=plan.micro_batch_size,
                                     seed=plan.seed, pad_id=pad_id,
-                                    share_prefix=plan.share_prefix)
+                                    share_prefix=plan.share_prefix, vision=vision)
         self.data_stats = self.stream.first_window_stats
         if not self.stream.per_epoch:
             raise ValueError(f"{'mix' if self.job.mix else 'data_files'}: none of the "
@@ -245,7 +247,7 @@ class Trainer:
         self.eval_stream = None
         if self.job.eval_data_files:
             ev, ev_stats = tokenize(read_rows(data_files=self.job.eval_data_files),
-                                    self.tokenizer, max_seq_len=plan.max_seq_len)
+                                    self.tokenizer, max_seq_len=plan.max_seq_len, vision=vision)
             if not ev:
                 raise ValueError(f"eval_data_files: none of the {ev_stats.num_samples} samples "
                                  f"can be scored at max_seq_len {plan.max_seq_len}: "
@@ -397,7 +399,8 @@ class Trainer:
             for k in range(self.rank, self.eval_stream.per_epoch, self.world):
                 b = self.eval_stream.batch(k).to(self.device)
                 total += float(self.loss_module(b.input_ids, b.position_ids, b.attention_mask,
-                                                b.labels))
+                                                b.labels, pixel_values=b.pixel_values,
+                                                image_grid_thw=b.image_grid_thw))
                 count += b.num_label_tokens
         self.model.train()
         t = torch.tensor([total, count], dtype=torch.float64, device=self.device)
@@ -425,7 +428,9 @@ class Trainer:
             computed += batch.num_computed_tokens
             with _autocast(plan, self.device):
                 loss = self.loss_module(batch.input_ids, batch.position_ids,
-                                        batch.attention_mask, batch.labels)
+                                        batch.attention_mask, batch.labels,
+                                        pixel_values=batch.pixel_values,
+                                        image_grid_thw=batch.image_grid_thw)
             if inject_nan:
                 loss = loss * float("nan")
             (loss * scale).backward()

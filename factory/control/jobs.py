@@ -255,5 +255,5 @@ def job_from_plan(lake: Lake, run_key: str, *, settings: Settings | None = None,
     job = Job.from_dict({
         "run_id": run_id, "plan": config, **data,
         "eval_data_files": [str(evals)] if evals is not None else [],
-        "output_dir": str(settings.checkpoints / run_id)})
+        "output_dir": str(settings.checkpoints / run_id), "blob_dir": str(settings.blobs)})
     return job, experiment

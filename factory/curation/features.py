@@ -111,7 +111,8 @@ def sample_features(batch: pa.Table | pa.RecordBatch, config: CurationConfig,
         looks, ok, cut = detectors.json_status(m)
         rows["sample_id"].append(ids[i])
         count = counts[i]
-        rows["empty_reason"].append(empty_reason(m) or (None if count else "unrenderable"))
+        rows["empty_reason"].append(empty_reason(m) or (
+            None if count else getattr(counter, "failures", {}).get(i, "unrenderable")))
         rows["num_tokens"].append(count[0] if count else 0)
         rows["num_prompt_tokens"].append(count[1] if count else 0)
         rows["prefix_key"].append(_digest(normalize(firsts[0])) if firsts else "")

@@ -12,6 +12,11 @@ the trainer's own tokenizer.
 The tokenizer is loaded with the ``tokenizers`` library (0.2 s, against ~10 s for
 ``AutoTokenizer`` here, which matters in every Spark worker); it is the same Rust backend the
 transformers tokenizer wraps, so the ids are the same.
+
+A vision-language base model (``factory.trainer.vision.has_vision``) counts each image as the
+trainer renders it: its placeholder of as many ``<|image_pad|>`` tokens as the processor's grid
+for that image gives (from the image's size, read from the blob store). A sample whose image is
+not in the blob store has no count, and ``failures`` says ``missing_image`` for it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from factory.trainer.chat import chat_format, common_prefix, spans
+from factory.trainer.chat import ImageText, chat_format, common_prefix, spans, text_only_image
+from factory.trainer.vision import MissingImage, Vision, blob_reader, has_vision, image_text
 
 Count = tuple[int, int] | None
 """(total tokens, prompt tokens) of one sample; None when it cannot be rendered."""
@@ -41,18 +47,40 @@ class RenderCounter:
 
     ``total`` is the length of the sample as the trainer tokenizes it (``factory.trainer.chat.encode``);
     ``prompt`` is the number of those tokens before the last assistant turn's trained text.
-    Pickles as its folder, so Spark workers and process pools rebuild it cheaply.
+    Pickles as its folders, so Spark workers and process pools rebuild it cheaply.
+    ``blob_dir``: the blob store a vision model's images are read from (default: the
+    settings' ``blobs``).
     """
 
-    def __init__(self, tokenizer_dir: str | Path) -> None:
+    def __init__(self, tokenizer_dir: str | Path, blob_dir: str | Path | None = None) -> None:
         self.tokenizer_dir = str(tokenizer_dir)
+        self.blob_dir = str(blob_dir) if blob_dir is not None else None
         self.name = Path(self.tokenizer_dir).name
+        self.failures: dict[int, str] = {}
+        """Why samples of the last ``count`` have no count, by index, where known
+        (``missing_image``)."""
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tokenizer_dir": self.tokenizer_dir, "name": self.name}
+        return {"tokenizer_dir": self.tokenizer_dir, "blob_dir": self.blob_dir,
+                "name": self.name}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["tokenizer_dir"])  # type: ignore[misc]
+        self.__init__(state["tokenizer_dir"], state.get("blob_dir"))  # type: ignore[misc]
+
+    def image_text(self) -> ImageText:
+        """How an image part renders for this model: ``[image]``, or a vision model's
+        placeholder of the image's tokens (``MissingImage`` when its bytes are not stored)."""
+        if not has_vision(self.tokenizer_dir):
+            return text_only_image
+        blob_dir = self.blob_dir
+        if blob_dir is None:
+            from factory.settings import get_settings
+
+            blob_dir = str(get_settings().blobs)
+        vision = _vision(self.tokenizer_dir, blob_dir)
+        if vision is None:
+            return text_only_image
+        return lambda part: image_text(vision.num_tokens(part))
 
     @property
     def tokenizer(self) -> Any:
@@ -66,9 +94,15 @@ class RenderCounter:
         where: list[int] = []
         out: list[Count] = [None] * len(conversations)
         fmt = chat_format(self.tokenizer)
+        image = self.image_text()
+        self.failures = {}
         for i, messages in enumerate(conversations):
             try:
-                text, trained = spans(messages, tools[i] if tools is not None else None, fmt=fmt)
+                text, trained = spans(messages, tools[i] if tools is not None else None, fmt=fmt,
+                                      image=image)
+            except MissingImage:
+                self.failures[i] = "missing_image"
+                continue
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # not a renderable conversation: the caller drops it with the reason
             texts.append(text)
@@ -100,10 +134,11 @@ def shared_prefix_tokens(counter: RenderCounter, conversations: list[list[dict[s
     random.Random(seed).shuffle(order)
     ids: list[list[int]] = []
     fmt = chat_format(counter.tokenizer)
+    image = counter.image_text()
     for i in order[:max_samples]:
         try:
             text, trained = spans(conversations[i], tools[i] if tools is not None else None,
-                                  fmt=fmt)
+                                  fmt=fmt, image=image)
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
         enc = counter.tokenizer.encode(text, add_special_tokens=False)
@@ -115,6 +150,11 @@ def shared_prefix_tokens(counter: RenderCounter, conversations: list[list[dict[s
     groups = [ids[k:k + SHARED_PREFIX_GROUP] for k in range(0, len(ids), SHARED_PREFIX_GROUP)]
     lengths = sorted(common_prefix(g) for g in groups if len(g) > 1)
     return lengths[len(lengths) // 2] if lengths else 0
+
+
+@cache
+def _vision(model_dir: str, blob_dir: str) -> Vision | None:
+    return Vision(model_dir, blob_reader(blob_dir)) if has_vision(model_dir) else None
 
 
 @cache

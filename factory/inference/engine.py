@@ -8,6 +8,12 @@ the tokenizer's end-of-sequence token and at the format's end-of-turn token. Thi
 it is why a checkpoint with a wrong template shows up in the train/serve equivalence check
 instead of silently serving a different prompt than the one trained on.
 
+A vision-language base model (``factory.trainer.vision.has_vision``) takes images: a request's
+image parts go through the model's processor (``Engine.vision``), the template's one
+``<|image_pad|>`` per image is expanded to the image's tokens (the trainer's rendering), and the
+pixels are fed with the prompt, with Qwen2.5-VL's 3-D rotary positions from the model's
+``get_rope_index``. A text-only model renders an image as ``[image]``, as it was trained.
+
 Generation is a hand-written KV-cached loop over a left-padded batch (greedy, or sampled when a
 request sets ``temperature > 0``), so one pass serves several requests, streams tokens as they
 come, and reads each token's log-probability at no extra cost. Requests for the same model are
@@ -26,6 +32,7 @@ from typing import Any
 import torch
 
 from factory.trainer.chat import chat_format, chat_template
+from factory.trainer.vision import ImageInput, Vision, blob_reader, has_vision, stack
 
 TokenCallback = Callable[[int, str], None]
 """Called with (token id, text delta) for every generated token of one request."""
@@ -55,6 +62,8 @@ class GenerationRequest:
     """Strings that end the completion (not included in it)."""
     top_logprobs: int | None = None
     """None: no log-probs; k >= 0: the chosen token's log-prob plus the k most likely."""
+    images: list[ImageInput] = field(default_factory=list)
+    """The prompt's images in the order of their tokens (a vision model's requests only)."""
     on_token: TokenCallback | None = None
     """Streaming callback."""
 
@@ -90,14 +99,15 @@ class TokenLogprob:
     """The k most likely tokens at this position and their log-probs, most likely first."""
 
 
-def _load_tokenizer(path: str | Path, template: str | None) -> Any:
+def _load_tokenizer(path: str | Path, template: str | None, *, vision: bool = False) -> Any:
     """The tokenizer in ``path`` with ``template``: a Jinja string, ``"trainer"`` (the trainer's
-    template of its format), or None (its own template, the trainer's when it ships none)."""
+    template of its format; ``vision``: of a vision model), or None (its own template, the
+    trainer's when it ships none)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
     if template == "trainer" or (template is None and not getattr(tok, "chat_template", None)):
-        tok.chat_template = chat_template(chat_format(tok))
+        tok.chat_template = chat_template(chat_format(tok), vision=vision)
     elif template is not None:
         tok.chat_template = template
     if tok.pad_token_id is None:
@@ -131,7 +141,13 @@ class Engine:
         self.served_model_name = served_model_name or self.model_path
         self.max_model_len = max_model_len
         template = None if base_chat_template == "tokenizer" else base_chat_template
-        self.tokenizer = _load_tokenizer(model, template)
+        self.vision: Vision | None = None
+        """The image processor of a vision-language model (None: images are ``[image]``)."""
+        if has_vision(model):
+            from factory.blobs import BlobStore
+
+            self.vision = Vision(model, blob_reader(BlobStore().root))
+        self.tokenizer = _load_tokenizer(model, template, vision=self.vision is not None)
         self.dtype = torch.float32 if dtype == "float32" else torch.bfloat16
         quiet_progress_bars()
         self.base = auto_model_class(self.model_path).from_pretrained(self.model_path,
@@ -165,8 +181,8 @@ class Engine:
         p = Path(path)
         if not (p / "adapter_config.json").is_file():
             raise EngineError(f"lora_path: {path} has no adapter_config.json")
-        tok = (_load_tokenizer(p, None) if (p / "tokenizer_config.json").is_file()
-               else self.tokenizer)
+        tok = (_load_tokenizer(p, None, vision=self.vision is not None)
+               if (p / "tokenizer_config.json").is_file() else self.tokenizer)
         if len(tok) != len(self.tokenizer):
             raise EngineError(f"lora_path: {path} has a tokenizer of {len(tok)} tokens, the "
                               f"base model has {len(self.tokenizer)}")
@@ -254,18 +270,56 @@ class Engine:
             ids.add(end)
         return {i for i in ids if i is not None}
 
+    def images(self, messages: list[dict[str, Any]], blobs: dict[str, bytes]
+               ) -> list[ImageInput]:
+        """The image parts of the canonical ``messages``, in the order they render, through
+        the processor: the bytes from ``blobs`` (the request's inline images) or the blob
+        store. ``EngineError`` when an image's bytes are in neither (a remote URL, a blob this
+        machine lacks); [] for a model without a vision tower."""
+        if self.vision is None:
+            return []
+        out = []
+        for m in messages:
+            for part in m.get("content") or []:
+                if part.get("type") != "image":
+                    continue
+                data = blobs.get(part.get("sha256") or "")
+                try:
+                    out.append(self.vision.image(part) if data is None
+                               else self.vision.process(data))
+                except ValueError as e:
+                    raise EngineError(f"messages: {e}") from None
+        return out
+
     # --- prompt log-probs --------------------------------------------------------------------
 
+    def _image_inputs(self, ids: torch.Tensor, mask: torch.Tensor,
+                      images: list[ImageInput]) -> dict[str, Any]:
+        """The model's image arguments for the left-padded rows ``ids``: the pixels, the grids
+        and the positions (the text positions, then the 3-D ones of ``get_rope_index``)."""
+        pixels, grids = stack(images)
+        if pixels is None:
+            return {}
+        assert self.vision is not None and grids is not None
+        body = self.base.model
+        is_image = (ids == self.vision.image_token_id).int()
+        rope, _ = body.get_rope_index(ids, is_image, image_grid_thw=grids, attention_mask=mask)
+        text = (mask.cumsum(-1) - 1).clamp(min=0)
+        return {"pixel_values": pixels.to(self.dtype), "image_grid_thw": grids,
+                "position_ids": torch.cat([text[None], rope])}
+
     @torch.no_grad()
-    def prompt_logprobs(self, model: str, token_ids: list[int], k: int = 0
-                        ) -> list[TokenLogprob | None]:
-        """Each prompt token's log-prob given the ones before it, with its rank and the ``k``
-        most likely tokens there; None for the first token (nothing precedes it)."""
+    def prompt_logprobs(self, model: str, token_ids: list[int], k: int = 0,
+                        images: list[ImageInput] | None = None) -> list[TokenLogprob | None]:
+        """Each prompt token's log-prob given the ones before it (and ``images``, the prompt's
+        images), with its rank and the ``k`` most likely tokens there; None for the first
+        token (nothing precedes it)."""
         if not token_ids:
             raise EngineError("prompt: must not be empty")
         with self.lock, self._forward_model(model):
             ids = torch.tensor([token_ids])
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            extra = self._image_inputs(ids, torch.ones_like(ids), images or [])
+            logits = self.model(input_ids=ids, use_cache=False, **extra).logits[0, :-1].float()
         lsm = torch.log_softmax(logits, dim=-1)
         out: list[TokenLogprob | None] = [None]
         out += [_token_logprob(lsm[i], token_ids[i + 1], k) for i in range(len(token_ids) - 1)]
@@ -303,8 +357,13 @@ class Engine:
                 finish[i] = "length"
         with self.lock, self._forward_model(model):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            extra = self._image_inputs(ids, mask, [x for r in requests for x in r.images])
+            if extra:
+                # [4, B, L]: the text positions, then the 3-D ones; every dimension of a token
+                # generated after the prompt is the last one's plus one.
+                positions = extra.pop("position_ids")
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             use_cache=True)
+                             use_cache=True, **extra)
             cache = out.past_key_values
             logits = out.logits[:, -1].float()
             while any(f is None for f in finish):
@@ -345,7 +404,7 @@ class Engine:
                 if all(f is not None for f in finish):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
-                positions = positions[:, -1:] + 1
+                positions = positions[..., -1:] + 1
                 out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
                                  position_ids=positions, past_key_values=cache, use_cache=True)
                 cache = out.past_key_values

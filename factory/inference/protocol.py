@@ -75,11 +75,14 @@ def new_call_id() -> str:
 # --- requests -----------------------------------------------------------------------------------
 
 
-def canonical_request(messages: Any, tools: Any = None
+def canonical_request(messages: Any, tools: Any = None, *,
+                      blobs: dict[str, bytes] | None = None
                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """An OpenAI chat request's ``messages`` and ``tools`` as the canonical conversation.
 
-    Raises ``NormalizeError`` (a ``ValueError``) naming the field, as ingest does.
+    The bytes of the request's inline images (``image_url`` data URLs, now canonical image
+    parts by sha256) go into ``blobs`` when given. Raises ``NormalizeError`` (a
+    ``ValueError``) naming the field, as ingest does.
     """
     items = expect_list(messages, "messages")
     if not items:
@@ -89,7 +92,7 @@ def canonical_request(messages: Any, tools: Any = None
     # canonical messages are swapped for an empty user turn there and put back after.
     placeholder = {"role": "user", "content": ""}
     openai = [placeholder if i in canonical_at else m for i, m in enumerate(items)]
-    converted = convert_messages(openai, {})
+    converted = convert_messages(openai, blobs if blobs is not None else {})
     for i in canonical_at:
         converted[i] = _canonical_message(items[i], f"messages[{i}]")
     canon_tools = convert_tools({"tools": _wrapped_tools(tools)}, "request") if tools else []

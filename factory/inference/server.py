@@ -17,7 +17,10 @@ server against them.
   generation is not constrained. vLLM's extra parameters ``add_generation_prompt`` (default
   true), ``return_token_ids`` (the response's ``prompt_token_ids`` and ``choices[0].token_ids``)
   and ``prompt_logprobs`` (non-streamed) are honoured: the equivalence gate reads the rendered
-  prompt's token ids with them.
+  prompt's token ids with them. OpenAI ``image_url`` parts (``data:`` URLs; canonical image
+  parts by sha256 read from the blob store) go through a vision-language model's processor and
+  are fed with the prompt; a remote URL (never fetched) or an image missing from the blob store
+  is a 400. A text-only model renders an image as ``[image]``, the text it was trained on.
 - ``POST /v1/completions``: one prompt, text or token ids, not streamed; ``max_tokens``
   (default 16; 0 only with ``echo``), ``echo``, ``logprobs`` (the OpenAI legacy shape:
   ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``, prompt tokens included with
@@ -63,6 +66,7 @@ from factory.inference.protocol import (
     reply_message,
 )
 from factory.normalize.canon import NormalizeError
+from factory.trainer.vision import ImageInput, expand_pads
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -197,13 +201,21 @@ def _completion_logprobs(tok: Any, ids: list[int], entries: list[TokenLogprob | 
 
 
 def _prompt(engine: Engine, model: str, body: dict[str, Any], *,
-            add_generation_prompt: bool) -> tuple[str, bool]:
-    """The request's conversation rendered for ``model``, and whether it declared tools."""
+            add_generation_prompt: bool) -> tuple[str, bool, list[ImageInput]]:
+    """The request's conversation rendered for ``model``, whether it declared tools, and its
+    images through a vision model's processor (each one's pads expanded in the text)."""
     engine.tokenizer_for(model)
-    messages, tools = canonical_request(body.get("messages"), body.get("tools"))
+    blobs: dict[str, bytes] = {}
+    messages, tools = canonical_request(body.get("messages"), body.get("tools"), blobs=blobs)
     text = engine.render(model, *chat_template_input(messages, tools),
                          add_generation_prompt=add_generation_prompt)
-    return text, bool(tools)
+    images = engine.images(messages, blobs)
+    if engine.vision is not None:
+        try:
+            text = expand_pads(text, images)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+    return text, bool(tools), images
 
 
 def _request_error(e: ValueError) -> JSONResponse:
@@ -262,12 +274,12 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
             prompt_lps = _int(body, "prompt_logprobs", None, 0)
             if prompt_lps is not None and body.get("stream"):
                 raise EngineError("prompt_logprobs: not available when stream is true")
-            prompt, has_tools = _prompt(
+            prompt, has_tools, images = _prompt(
                 engine, model, body,
                 add_generation_prompt=_bool(body, "add_generation_prompt", True))
             req = GenerationRequest(model=model, prompt_ids=engine.encode(model, prompt),
                                     max_tokens=max_tokens, top_logprobs=top_logprobs,
-                                    **_sampling(body))
+                                    images=images, **_sampling(body))
         except (EngineError, NormalizeError) as e:
             return _request_error(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -297,7 +309,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
             out["prompt_token_ids"] = req.prompt_ids
         if prompt_lps is not None:
             entries = await asyncio.to_thread(engine.prompt_logprobs, model, req.prompt_ids,
-                                              prompt_lps)
+                                              prompt_lps, req.images)
             out["prompt_logprobs"] = _prompt_logprobs(tok, entries)
         return JSONResponse(out)
 

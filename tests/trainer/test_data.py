@@ -55,8 +55,8 @@ def test_too_long_samples_are_dropped_whole_and_counted_by_reason(tok: Any) -> N
 
     assert [e.sample_id for e in examples] == [r["sample_id"] for r in good]
     assert [len(e.input_ids) for e in examples] == lengths[:20]  # kept whole, none cut
-    assert stats.num_dropped_by_reason == {"unrenderable": 1, "too_long_for_plan": 2,
-                                           "no_target": 1}
+    assert stats.num_dropped_by_reason == {"unrenderable": 1, "missing_image": 0,
+                                           "too_long_for_plan": 2, "no_target": 1}
     assert set(stats.num_dropped_by_reason) == set(DROP_REASONS)
     assert (stats.num_samples, stats.num_examples, stats.num_dropped) == (24, 20, 4)
     assert stats.max_sample_tokens == max(lengths) > max_seq_len
