@@ -182,6 +182,20 @@ def test_training_feeds_the_pixels_and_keeps_the_vision_tower_frozen(
                                     image_grid_thw=batch.image_grid_thw)
     assert float(loss) != float(other)
 
+    # Packed image samples score as they do alone (each segment's own 3-D positions).
+    from factory.trainer.data import collate, tokenize
+
+    examples, _ = tokenize(samples[:2], trainer.tokenizer, max_seq_len=128, vision=vision)
+    with torch.no_grad():
+        packed = collate(examples, [[0, 1]], packed=True, pad_id=0)
+        alone = collate(examples, [[0], [1]], packed=False, pad_id=0)
+        losses = [trainer.loss_module(b.input_ids, b.position_ids, b.attention_mask, b.labels,
+                                      pixel_values=b.pixel_values,
+                                      image_grid_thw=b.image_grid_thw)
+                  for b in (packed, alone)]
+    # fp32 over ~20 label tokens: summation order alone moves the last bits.
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5)
+
     visual = {n: p.detach().clone() for n, p in base.model.visual.named_parameters()}
     lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
             if p.requires_grad}
