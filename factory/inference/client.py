@@ -18,7 +18,7 @@ import httpx
 
 from factory.errors import FactoryError
 from factory.inference.contract import TOKEN_ID_PREFIX
-from factory.inference.protocol import wire_messages, wire_tools
+from factory.inference.protocol import ImageURL, wire_messages, wire_tools
 
 
 class InferenceClientError(FactoryError):
@@ -29,8 +29,11 @@ class InferenceClient:
     """OpenAI-compatible calls plus vLLM's adapter endpoints and extra parameters."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, image_url: ImageURL | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.image_url = image_url
+        """How canonical image parts are sent (a vision-language model's server:
+        ``protocol.image_data_urls``); None: as the ``[image]`` text of text-only models."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(timeout=timeout_s, headers=headers)
 
@@ -59,8 +62,10 @@ class InferenceClient:
              **extra: Any) -> dict[str, Any]:
         """One non-streaming chat completion (the full response object). ``messages`` and
         ``tools`` may be canonical: they are sent as the protocol carries them
-        (``factory.inference.protocol.wire_messages``)."""
-        body: dict[str, Any] = {"model": model, "messages": wire_messages(messages),
+        (``factory.inference.protocol.wire_messages``, images as ``image_url`` parts when the
+        client has ``image_url``)."""
+        body: dict[str, Any] = {"model": model,
+                                "messages": wire_messages(messages, self.image_url),
                                 "max_tokens": max_tokens, "temperature": 0, **extra}
         if tools:
             body["tools"] = wire_tools(tools)

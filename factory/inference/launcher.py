@@ -225,8 +225,16 @@ class InferenceServer:
 
     def client(self, timeout_s: float = 600.0) -> Any:
         from factory.inference.client import InferenceClient
+        from factory.trainer.vision import has_vision
 
-        return InferenceClient(self.base_url, timeout_s=timeout_s)
+        image_url = None
+        if has_vision(self.model):
+            # the model reads images: send them as data URLs of the blob store's bytes
+            from factory.blobs import BlobStore
+            from factory.inference.protocol import image_data_urls
+
+            image_url = image_data_urls(BlobStore().root)
+        return InferenceClient(self.base_url, timeout_s=timeout_s, image_url=image_url)
 
     def __enter__(self) -> InferenceServer:
         return self.start()

@@ -40,8 +40,10 @@ chunks accumulate (as the ``openai`` SDK does it) into the non-streamed message 
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from factory.normalize.canon import (
@@ -131,19 +133,53 @@ def chat_template_input(messages: list[dict[str, Any]], tools: list[dict[str, An
     return out, ([{"type": "function", "function": t} for t in tools] or None)
 
 
-def wire_messages(messages: Any) -> list[dict[str, Any]]:
+ImageURL = Callable[[dict[str, Any]], str]
+"""The URL a canonical image part is sent as (``data:`` URL of its blob: ``image_data_urls``)."""
+
+
+def image_data_urls(blob_root: str | Path) -> ImageURL:
+    """Canonical image parts as ``data:`` URLs of their bytes in the blob store under
+    ``blob_root`` (a remote image's part as its ``url``); ``ValueError`` naming the sha256 when
+    the blob is not there."""
+    from factory.trainer.vision import MissingImage, blob_reader
+
+    read = blob_reader(blob_root)
+
+    def url(part: dict[str, Any]) -> str:
+        if isinstance(part.get("url"), str) and not part.get("sha256"):
+            return str(part["url"])
+        try:
+            data = read(str(part.get("sha256")))
+        except MissingImage as e:
+            raise ValueError(str(e)) from None
+        media = part.get("media_type") or "image/png"
+        return f"data:{media};base64," + base64.b64encode(data).decode()
+
+    return url
+
+
+def wire_messages(messages: Any, image_url: ImageURL | None = None) -> list[dict[str, Any]]:
     """Canonical or OpenAI-shaped messages as the serving protocol carries them
     (docs/serving-protocol.md): content a string, text parts or null, calls nested under
     ``function``. vLLM refuses the canonical ``reasoning`` and ``image`` parts, so content that
     holds one is sent as the text the trainer renders for it (``<think>`` block, the ``[image]``
     placeholder of text-only models, parts joined by newlines): the server renders the same
-    prompt, and vLLM accepts it. Other messages go as they are."""
+    prompt, and vLLM accepts it. With ``image_url`` (a vision-language model) content holding
+    an image goes as parts instead: text and reasoning as text parts, each image as an OpenAI
+    ``image_url`` part (``image_data_urls``), which the server renders as the trainer does.
+    Other messages go as they are."""
     out = []
     for m in messages:
         msg = dict(m)
         parts = msg.get("content")
-        if isinstance(parts, list) and any(isinstance(p, dict) and p.get("type")
-                                           in _CANONICAL_PART_TYPES for p in parts):
+        if image_url is not None and isinstance(parts, list) and any(
+                isinstance(p, dict) and p.get("type") == "image" for p in parts):
+            msg["content"] = [
+                {"type": "image_url", "image_url": {"url": image_url(p)}}
+                if p.get("type") == "image" else
+                {"type": "text", "text": rendered_content([p])} for p in parts]
+        elif isinstance(parts, list) and any(isinstance(p, dict) and p.get("type")
+                                             in _CANONICAL_PART_TYPES for p in parts):
             msg["content"] = rendered_content(parts)
         if msg.get("tool_calls"):
             if not msg.get("content"):

@@ -259,6 +259,15 @@ def test_the_server_answers_image_url_parts(vl_dir: Path, tmp_path: Path,
         assert prompt == expected and prompt == ids[:len(prompt)]
         assert prompt.count(tok.convert_tokens_to_ids(IMAGE_PAD)) == images[0].num_tokens
 
+        # The evals' client sends a canonical image as a data URL of its blob (what vLLM
+        # takes too), and the server renders the whole conversation as the trainer encodes it.
+        client = server.client()
+        assert client.image_url is not None
+        assert client.rendered_ids("base", canonical) == ids
+        with pytest.raises(ValueError, match="not in the blob store"):
+            client.chat("base", [{"role": "user", "content": [
+                {"type": "image", "media_type": "image/png", "sha256": "ab" * 32}]}])
+
         # An image the server holds in its blob store, sent canonically, is read from there;
         # the same question with the other image is answered from other pixels.
         lp = {"prompt_logprobs": 0}
@@ -279,3 +288,23 @@ def test_the_server_answers_image_url_parts(vl_dir: Path, tmp_path: Path,
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
         assert remote.status_code == 400
         assert "remote image is not fetched" in remote.json()["error"]["message"]
+
+
+def test_the_wire_carries_images_as_data_urls_only_for_a_vision_model(factory_home: Path
+                                                                       ) -> None:
+    from factory.inference.protocol import image_data_urls, wire_messages
+
+    sha = BlobStore().put(RED_GREEN)
+    message = {"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "reasoning", "text": "look"},
+        {"type": "image", "media_type": "image/png", "sha256": sha}]}
+    [text_only] = wire_messages([message])
+    assert text_only["content"] == "What is in this picture?\n<think>\nlook\n</think>\n[image]"
+    [vision] = wire_messages([message], image_data_urls(BlobStore().root))
+    assert vision["content"] == [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "text", "text": "<think>\nlook\n</think>"},
+        {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(RED_GREEN).decode()}}]
+
