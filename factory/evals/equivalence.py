@@ -10,7 +10,9 @@ server's, asked only what a stock ``vllm serve`` answers (docs/serving-protocol.
    or special tokens differ from training fails here with the first point of difference;
 2. the log-probabilities the server gives the trainer's own token ids (a text completion whose
    prompt is those ids, with ``echo`` and ``logprobs``) must agree with the trainer's within
-   ``atol`` on the trained (assistant) tokens.
+   ``atol`` on the trained (assistant) tokens. A sample with images, sent to a vision model's
+   server (the client sends images as ``image_url`` data URLs), is scored by the chat
+   completion of step 1 with vLLM's ``prompt_logprobs`` instead: token ids carry no pixels.
 
 Default tolerance: both sides run fp32 on CPU here, where the only differences are summation
 order (measured ~1e-5); 1e-3 leaves room without hiding a real mismatch, which moves log-probs
@@ -53,10 +55,13 @@ class EquivalenceResult:
 
 
 def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
-                 base_model: str | None = None) -> list[tuple[list[int], list[int], list[float]]]:
+                 base_model: str | None = None, blob_dir: str | None = None
+                 ) -> list[tuple[list[int], list[int], list[float]]]:
     """(token ids, labels, log-prob of token i+1 at i) per sample, as the trainer computes them.
 
-    ``samples``: canonical ``{"messages", "tools"}`` (lists or JSON strings).
+    ``samples``: canonical ``{"messages", "tools"}`` (lists or JSON strings). A vision model's
+    images are read from the blob store (``blob_dir``, default the factory's) and fed as the
+    trainer feeds them.
     """
     import json
     import warnings
@@ -72,6 +77,8 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
         load_tokenizer,
         quiet_progress_bars,
     )
+    from factory.trainer.vision import encode as encode_with_images
+    from factory.trainer.vision import has_vision, load_vision, stack
 
     if base_model is None:
         cfg = json.loads((Path(checkpoint_dir) / "adapter_config.json").read_text())
@@ -85,35 +92,67 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
         model = PeftModel.from_pretrained(base, checkpoint_dir, is_trainable=False)
     model.eval()
     loss = CausalLMLoss(model)
+    vision = None
+    if has_vision(base_model):
+        if blob_dir is None:
+            from factory.blobs import BlobStore
+
+            blob_dir = str(BlobStore().root)
+        vision = load_vision(base_model, blob_dir)
     out = []
     for s in samples:
-        ids, labels = encode(s["messages"], s.get("tools"), tok)
+        pixels = grids = None
+        if vision is not None:
+            ids, labels, images = encode_with_images(s["messages"], s.get("tools"), tok, vision)
+            pixels, grids = stack(images)
+        else:
+            ids, labels = encode(s["messages"], s.get("tools"), tok)
         t_ids = torch.tensor([ids])
         pos = torch.arange(len(ids))[None]
-        losses = loss.token_losses(t_ids, pos, None, torch.tensor([labels]))[0]
+        losses = loss.token_losses(t_ids, pos, None, torch.tensor([labels]),
+                                   pixel_values=pixels, image_grid_thw=grids)[0]
         out.append((ids, labels, (-losses).tolist()))
     return out
 
 
+def _has_image(messages: Any) -> bool:
+    import json
+
+    loaded = json.loads(messages) if isinstance(messages, str) else messages
+    return any(isinstance(p, dict) and p.get("type") == "image"
+               for m in loaded for p in (m.get("content") or []) if isinstance(m, dict)
+               and isinstance(m.get("content"), list))
+
+
 def check_equivalence(client: Any, model: str, checkpoint_dir: str,
                       samples: Sequence[dict[str, Any]], *, base_model: str | None = None,
-                      atol: float = 1e-3) -> EquivalenceResult:
+                      atol: float = 1e-3, blob_dir: str | None = None) -> EquivalenceResult:
     """Compare the server behind ``client`` (an ``InferenceClient``) serving ``model`` with the
-    trainer's view of ``checkpoint_dir`` on ``samples`` (canonical, reference answer last)."""
+    trainer's view of ``checkpoint_dir`` on ``samples`` (canonical, reference answer last);
+    ``blob_dir``: where the trainer's view reads images (default the factory's blob store)."""
     from factory.evals.runner import to_openai_messages, to_openai_tools
     from factory.trainer.chat import IGNORE_INDEX
     from factory.trainer.model import load_tokenizer
 
     if not samples:
         raise ValueError("check_equivalence: needs at least one sample")
-    views = trainer_view(checkpoint_dir, samples, base_model=base_model)
+    views = trainer_view(checkpoint_dir, samples, base_model=base_model, blob_dir=blob_dir)
     problems: list[str] = []
     max_diff: float | None = None
     num_tokens = 0
     tok: Any = None  # the checkpoint's tokenizer, loaded to spell out a mismatch
     for k, (s, (ids, labels, lps)) in enumerate(zip(samples, views, strict=True)):
-        got = client.rendered_ids(model, to_openai_messages(s["messages"]),
-                                  to_openai_tools(s.get("tools")) or None)
+        messages = to_openai_messages(s["messages"])
+        tools = to_openai_tools(s.get("tools")) or None
+        # A prompt with images is scored through the chat completion that carries them (its
+        # prompt_logprobs); token ids alone would carry no pixels.
+        with_images = getattr(client, "image_url", None) is not None \
+            and _has_image(s["messages"])
+        served: list[float] | None = None
+        if with_images:
+            got, served = client.chat_prompt_logprobs(model, messages, tools)
+        else:
+            got = client.rendered_ids(model, messages, tools)
         if got != ids:
             i = next((j for j, (a, b) in enumerate(zip(got, ids, strict=False)) if a != b),
                      min(len(got), len(ids)))
@@ -125,7 +164,8 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
                 f"from there {tok.decode(got[i:i + 16])!r}) -- chat template or tokenizer "
                 "mismatch")
             continue
-        served = client.prompt_logprobs(model, ids)
+        if served is None:
+            served = client.prompt_logprobs(model, ids)
         diffs = []
         for i in range(len(ids) - 1):
             if labels[i + 1] == IGNORE_INDEX:

@@ -108,6 +108,28 @@ class InferenceClient:
                 "return_token_ids (vLLM returns them since 0.10.2)")
         return ids
 
+    def chat_prompt_logprobs(self, model: str, messages: list[dict[str, Any]],
+                             tools: list[dict[str, Any]] | None = None
+                             ) -> tuple[list[int], list[float]]:
+        """(the token ids of the whole conversation as the server renders it, ``out[i]``: the
+        log-probability of id ``i + 1`` given those before it), from one chat completion with
+        ``add_generation_prompt: false``, ``return_token_ids`` and vLLM's ``prompt_logprobs``.
+        The gate's path for prompts a text completion cannot carry (images: the ids alone
+        have no pixels)."""
+        body: dict[str, Any] = {"add_generation_prompt": False, "return_token_ids": True,
+                                "prompt_logprobs": 0}
+        out = self.chat(model, messages, tools=tools, max_tokens=1, **body)
+        ids, entries = out.get("prompt_token_ids"), out.get("prompt_logprobs")
+        try:
+            assert isinstance(ids, list) and isinstance(entries, list)
+            assert len(entries) == len(ids)
+            values = [float(entries[i][str(ids[i])]["logprob"]) for i in range(1, len(ids))]
+        except (AssertionError, KeyError, TypeError, ValueError):
+            raise InferenceClientError(
+                "POST /chat/completions: the response to return_token_ids and prompt_logprobs "
+                "has no prompt_token_ids with one prompt_logprobs entry per token") from None
+        return ids, values
+
     def prompt_logprobs(self, model: str, token_ids: Sequence[int]) -> list[float]:
         """``out[i]``: the log-probability of ``token_ids[i + 1]`` given ``token_ids[:i + 1]``,
         as ``model`` on the server computes it (one fewer than the ids: the first token has

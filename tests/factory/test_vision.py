@@ -308,3 +308,38 @@ def test_the_wire_carries_images_as_data_urls_only_for_a_vision_model(factory_ho
         {"type": "image_url", "image_url": {
             "url": "data:image/png;base64," + base64.b64encode(RED_GREEN).decode()}}]
 
+
+def test_the_gate_scores_image_samples_with_their_pixels(vl_dir: Path, tmp_path: Path,
+                                                         factory_home: Path) -> None:
+    """A checkpoint trained on image samples passes the train/serve gate on them: the server
+    gets the pixels (data URLs) and scores the prompt through its chat completion; a trainer
+    view that reads other pixels under the same sha256 fails it."""
+    import torch
+
+    from factory.evals import check_equivalence
+    from factory.inference import InferenceServer
+    from factory.trainer.checkpoint import latest_checkpoint
+    from factory.trainer.train import ExitCode, run_job
+
+    torch.set_num_threads(1)
+    store = BlobStore()
+    red, blue = store.put(RED_GREEN), store.put(BLUE_YELLOW)
+    samples = [_sample(red), _sample(blue, "two squares, blue and yellow")]
+    assert run_job(_job(vl_dir, tmp_path, samples * 2, store.root)) == ExitCode.FINISHED
+    info = latest_checkpoint(str(tmp_path / "out"))
+    assert info is not None
+    # another store whose blob under the red image's sha256 holds the blue image's bytes
+    other = tmp_path / "other-blobs"
+    blob_path(other, red).parent.mkdir(parents=True)
+    blob_path(other, red).write_bytes(BLUE_YELLOW)
+    with InferenceServer(vl_dir, served_model_name="base", threads=1, startup_timeout_s=240,
+                         log_path=tmp_path / "server.log") as server:
+        client = server.client()
+        client.load_adapter("ckpt", info.path)
+        good = check_equivalence(client, "ckpt", info.path, samples, base_model=str(vl_dir))
+        assert good.passed, good.problems
+        assert good.num_tokens > 5 and good.max_abs_diff is not None
+        bad = check_equivalence(client, "ckpt", info.path, samples[:1], base_model=str(vl_dir),
+                                blob_dir=str(other))
+    assert not bad.passed and "log-probs differ" in bad.problems[0]
+
