@@ -142,8 +142,9 @@ class Deployment:
 
     @property
     def alive(self) -> bool:
-        """The recorded server process still runs (and is still our server); False for a
-        version served on Kubernetes, which has no process here."""
+        """The recorded server process still runs (and is still our server: a pid recorded
+        long ago may have been recycled); False for a version served on Kubernetes, which has
+        no process here."""
         return bool(self.pid) and is_alive(self.pid) and runs_command(
             int(self.pid or 0), ["--port", str(self.port)])
 

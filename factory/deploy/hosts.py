@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from factory.deploy.process import ProcessError, is_alive, runs_command, spawn_detached, stop_group
+from factory.deploy.process import ProcessError, is_alive, spawn_detached, stop_group
 from factory.errors import FactoryError
 from factory.inference import InferenceServer, ServeSizing, free_port
 from factory.inference.vllm import VLLM_ENV
@@ -171,9 +171,7 @@ class ProcessHost(ServerHost):
             time.sleep(self.poll_s)
 
     def running(self, dep: Deployment) -> bool:
-        # The pid must still run our server: a pid recorded long ago may have been recycled.
-        return bool(dep.pid) and is_alive(dep.pid) and runs_command(
-            int(dep.pid or 0), ["--port", str(dep.port)])
+        return dep.alive
 
     def stop(self, dep: Deployment, *, timeout_s: float) -> None:
         if self.running(dep):

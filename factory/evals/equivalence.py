@@ -115,13 +115,10 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
     return out
 
 
-def _has_image(messages: Any) -> bool:
-    import json
-
-    loaded = json.loads(messages) if isinstance(messages, str) else messages
-    return any(isinstance(p, dict) and p.get("type") == "image"
-               for m in loaded for p in (m.get("content") or []) if isinstance(m, dict)
-               and isinstance(m.get("content"), list))
+def _has_image(messages: list[dict[str, Any]]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
+        for m in messages)
 
 
 def check_equivalence(client: Any, model: str, checkpoint_dir: str,
@@ -147,7 +144,7 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
         # A prompt with images is scored through the chat completion that carries them (its
         # prompt_logprobs); token ids alone would carry no pixels.
         with_images = getattr(client, "image_url", None) is not None \
-            and _has_image(s["messages"])
+            and _has_image(messages)
         served: list[float] | None = None
         if with_images:
             got, served = client.chat_prompt_logprobs(model, messages, tools)

@@ -9,8 +9,9 @@ captured exactly once. A replay is a segment older than this process's hold on t
 earlier holder may have committed it) or one whose earlier attempt failed (it may have been
 committed in part); any other batch is new to the lake, and ingest does not read
 ``raw_traces``' ids for it (a read that grows with the table, on every flush). While the lake
-is unavailable (catalog locked, unreachable, any error on commit) the batch is retried with back-off and the spool keeps growing; each failed attempt is
-logged with its traceback and counted in ``/metrics``.
+is unavailable (catalog locked, unreachable, any error on commit) the batch is retried with
+back-off and the spool keeps growing; each failed attempt is logged with its traceback and
+counted in ``/metrics``.
 
 Only one process flushes a spool folder at a time (an ``flock`` on ``flush.lock``). Every
 ``expire_every_s`` it expires old snapshots of the tables it commits to (``CAPTURE_TABLES``,
