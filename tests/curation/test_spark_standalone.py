@@ -162,6 +162,26 @@ def standalone(tmp_path: Path) -> Iterator[str]:
     assert not any(_group_alive(p.pid) for p in procs)
 
 
+def _tickets_with_planted_flaws() -> tuple[Any, Any]:
+    """(every row, the templated tickets with their expected decontamination drops): the
+    planted flaws of every cleaning step beside 150 templated tickets."""
+    from factory.curation.synthetic import Planted, planted, templated
+
+    mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
+    return Planted(rows=mixed.rows + tickets.rows), tickets
+
+
+def _assert_embedded(result: Any, train: Any, ev: Any, drops: list[dict[str, Any]],
+                     embedded: Any) -> None:
+    """The Spark result (its datasets and drops read back) is the embedded engine's."""
+    for mine, theirs in ((train, embedded.train), (ev, embedded.eval)):
+        assert mine.num_rows == theirs.num_rows > 0
+        assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
+    assert drops == embedded.drops
+    assert result.profile == embedded.profile
+    assert result.report == embedded.report
+
+
 @pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -175,13 +195,11 @@ def test_standalone_cluster_gives_the_embedded_datasets(
 
     from factory.curation.pipeline import curate
     from factory.curation.spark import commit, curate_spark, spark_session
-    from factory.curation.synthetic import Planted, planted, templated
     from factory.lake import Lake
     from tests.curation import test_pipeline
     from tests.curation.test_pipeline import LengthJudge
 
-    mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
-    data = Planted(rows=mixed.rows + tickets.rows)
+    data, tickets = _tickets_with_planted_flaws()
     # the judge scores in the worker's executor; at 80 it drops 12 samples here, and every
     # other step still drops some (both decontamination views included)
     config = replace(CONFIG, judge_threshold=80.0)
@@ -216,12 +234,7 @@ def test_standalone_cluster_gives_the_embedded_datasets(
         spark.stop()
         gc.collect()
     assert executors == 2  # the driver's block manager and the worker's executor
-    for mine, theirs in ((train, embedded.train), (ev, embedded.eval)):
-        assert mine.num_rows == theirs.num_rows > 0
-        assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
-    assert drops == embedded.drops
-    assert result.profile == embedded.profile
-    assert result.report == embedded.report
+    _assert_embedded(result, train, ev, drops, embedded)
     back = lake.read("dataset_train").sort_by("sample_id")
     assert back.column("sample_id").to_pylist() == embedded.train.column("sample_id").to_pylist()
 
@@ -293,10 +306,8 @@ def test_spark_connect_gives_the_embedded_datasets(
 
     from factory.curation.pipeline import curate
     from factory.curation.spark import curate_spark, spark_session
-    from factory.curation.synthetic import Planted, planted, templated
 
-    mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
-    data = Planted(rows=mixed.rows + tickets.rows)
+    data, tickets = _tickets_with_planted_flaws()
     embedded = curate(data.table(), CONFIG, counter)
     path = factory_home / "in.parquet"
     pq.write_table(data.table(), path)
@@ -310,9 +321,4 @@ def test_spark_connect_gives_the_embedded_datasets(
     finally:
         spark.stop()
         gc.collect()
-    for mine, theirs in ((train, embedded.train), (ev, embedded.eval)):
-        assert mine.num_rows == theirs.num_rows > 0
-        assert mine.select(theirs.column_names).to_pylist() == theirs.to_pylist()
-    assert drops == embedded.drops
-    assert result.profile == embedded.profile
-    assert result.report == embedded.report
+    _assert_embedded(result, train, ev, drops, embedded)
