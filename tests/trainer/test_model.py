@@ -206,6 +206,23 @@ def test_model_loading_draws_no_progress_bars_into_a_log(tiny_model_dir: Path, l
     assert ("Loading weights" in out.stderr) is bars, out.stderr[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("quiet", [False, True])
+def test_dequantizing_a_gguf_draws_no_progress_bar_into_a_log(quiet: bool) -> None:
+    """The GGUF reader's own bar ("Converting and de-quantizing GGUF tensors...") stays out of
+    a log once the factory quiets the bars (the embedded models are built this way)."""
+    code = ("from factory.trainer.base_models import gguf_path; "
+            "from factory.trainer.model import quiet_progress_bars; "
+            + ("quiet_progress_bars(); " if quiet else "")
+            + "from transformers import AutoModelForCausalLM; src = gguf_path(); "
+            "AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("de-quantizing GGUF tensors" in out.stderr) is not quiet, out.stderr[-2000:]
+
+
 SYSTEM = ("You triage support tickets for a desk shop. Route each ticket to one team: billing, "
           "bug, account_access, shipping or feature_request. Answer with the label only.")
 
