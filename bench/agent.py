@@ -168,10 +168,11 @@ def _row(label: str, s: dict[str, Any]) -> str:
 
 
 def models_to_score(lake: Any, experiment: str, *, deployed: bool, home: Path,
-                    threads: int | None) -> tuple[str, dict[str, str], Any]:
+                    threads: int | None, recipe: str = "smollm2-135m-lora"
+                    ) -> tuple[str, dict[str, str], Any]:
     """(base URL, label -> served model, the server this started or None): the live
     deployment's server, which serves the base model beside the adapter, when ``deployed``;
-    else a server of the base model alone (stop it when done)."""
+    else a server of ``recipe``'s base model alone (stop it when done)."""
     if deployed:
         import httpx
 
@@ -182,10 +183,10 @@ def models_to_score(lake: Any, experiment: str, *, deployed: bool, home: Path,
         ids = [m["id"] for m in httpx.get(live.endpoint + "/models").json()["data"]]
         return live.endpoint, {"base": next(i for i in ids if i != live.adapter),
                                "deployed": live.adapter}, None
-    from factory.base_model import smollm2_dir
+    from factory.base_model import model_dir_for
     from factory.inference import InferenceServer
 
-    server = InferenceServer(smollm2_dir(), served_model_name=f"{experiment}-base",
+    server = InferenceServer(model_dir_for(recipe), served_model_name=f"{experiment}-base",
                              threads=threads, log_path=home / "base-server.log").start()
     return server.base_url, {"base": f"{experiment}-base"}, server
 
