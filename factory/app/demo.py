@@ -1,8 +1,9 @@
 """The whole loop on the embedded default, on one machine: what ``make demo`` runs.
 
-1. builds the base model (SmolLM2-135M-Instruct from the wheel);
-2. generates demo traffic for the embedded extraction task (``factory.tasks``), sends part of
-   it through the capture gateway (its upstream replays the generator's reference answers, the
+1. builds the experiment's base model (``demo-extract``: SmolLM2-135M-Instruct from the wheel;
+   ``demo-extract-gemma``: Gemma 3 270M, the same task on the other embedded base);
+2. generates demo traffic for the embedded extraction task (``factory.tasks``), tagged with the
+   project the experiment selects (``demo_project``), sends part of it through the capture gateway (its upstream replays the generator's reference answers, the
    "frontier model") and uploads the rest through the ``traces`` asset;
 3. runs the experiment through Dagster (``factory.app.run.run_experiment``): dataset,
    rubric, plan, LoRA training with evals fired by ``checkpoint_sensor`` as checkpoints land,
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +30,10 @@ NUM_RECORDS = 240
 """Demo traffic: enough for a train split that teaches the format and a 10% eval split."""
 GATEWAY_SHARE = 4
 """One record in this many goes through the gateway; the rest is uploaded."""
-TAGS = {"project": "demo"}
+_PROJECT = re.compile(r"""^\s*tags\['project'\]\s*=\s*'([A-Za-z0-9_.-]+)'\s*$""")
+"""The selection a demo experiment must have: one project tag, which the demo's traffic carries
+(``demo-extract``: ``demo``; ``demo-extract-gemma``: ``demo-gemma``, so that neither experiment
+finds samples, and starts, in the other's home)."""
 SUMMARY_KEYS = ("base_score", "best_score", "best_step", "endpoint", "model", "factory_home")
 
 
@@ -55,11 +60,22 @@ def _count_samples(lake: Lake, where: str, params: list[Any]) -> int:
                .column("n")[0].as_py())
 
 
-def _send_traffic(gateway_url: str, records: list[dict[str, Any]]) -> None:
+def demo_project(experiment: Any) -> str:
+    """The project tag experiment ``experiment`` selects (``data.where`` of the form
+    ``tags['project'] = '<tag>'``); the demo tags its traffic with it."""
+    match = _PROJECT.match(experiment.data.where or "")
+    if match is None:
+        raise FactoryError(f"demo: experiment {experiment.name} must select its samples with "
+                           f"data.where: \"tags['project'] = '<tag>'\", not "
+                           f"{experiment.data.where!r}")
+    return match.group(1)
+
+
+def _send_traffic(gateway_url: str, records: list[dict[str, Any]], project: str) -> None:
     import openai
 
     client = openai.OpenAI(base_url=gateway_url + "/v1", api_key="demo", max_retries=0,
-                           default_headers={"X-Factory-Tags": "project=demo"})
+                           default_headers={"X-Factory-Tags": f"project={project}"})
     for i, record in enumerate(records):
         request = record["request"]
         if i % 4 == 3:  # some streamed, like real clients
@@ -80,37 +96,46 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
     factory_home}``."""
     from factory.app.run import run_experiment, terminal_plot
     from factory.app.runner import materialize
+    from factory.base_model import BUILDERS
     from factory.deploy.replay import ReplayUpstream
+    from factory.experiments import load_experiment
     from factory.gateway import ServerThread, gateway_in_thread
+    from factory.recipes import load_recipe
     from factory.tasks import generate_records
-    from factory.trainer.base_models import SMOLLM2_NAME
 
     say = progress or (lambda line: print(line, flush=True))
     settings = get_settings().ensure()
     started = time.monotonic()
     say(f"factory home: {settings.home}")
-    say("[demo 1/4] base model: SmolLM2-135M-Instruct (built once, then cached)")
-    materialize(["base_model"], partition_key=SMOLLM2_NAME)
+    spec = load_experiment(experiment)
+    project = demo_project(spec)
+    recipe = load_recipe(spec.recipe)
+    if recipe.builder not in BUILDERS:
+        raise FactoryError(f"demo: experiment {experiment}'s recipe {recipe.name} is not one of "
+                           "the embedded base models; the demo trains on those only")
+    built = BUILDERS[recipe.builder][0]
+    say(f"[demo 1/4] base model: {built} (built once, then cached)")
+    materialize(["base_model"], partition_key=built)
 
     records = generate_records(num_records, seed)
     via_gateway = records[::GATEWAY_SHARE]
     uploaded = [r for i, r in enumerate(records) if i % GATEWAY_SHARE]
     lake = Lake(settings)
     demo_where = "tags['project'] = ?"
-    before = _count_samples(lake, demo_where, ["demo"])
+    before = _count_samples(lake, demo_where, [project])
     upstream = ServerThread(ReplayUpstream(records)).start()
     gateway = gateway_in_thread(openai_base_url=upstream.url + "/v1")
     try:
         say(f"[demo 2/4] traffic: {len(via_gateway)} calls through the gateway at {gateway.url}"
             f", {len(uploaded)} records uploaded")
-        _send_traffic(gateway.url, via_gateway)
-        upload = settings.uploads / f"demo-traffic-{seed}.jsonl"
+        _send_traffic(gateway.url, via_gateway, project)
+        upload = settings.uploads / f"demo-traffic-{project}-{seed}.jsonl"
         upload.write_text("".join(json.dumps(r) + "\n" for r in uploaded))
-        materialize(["raw_traces", "samples", "rejected_traces"], run_config={
-            "ops": {"traces": {"config": {"paths": [str(upload)], "tags": TAGS}}}})
-        total = _wait(lambda: (n := _count_samples(lake, demo_where, ["demo"])) >= before
+        materialize(["raw_traces", "samples", "rejected_traces"], run_config={"ops": {
+            "traces": {"config": {"paths": [str(upload)], "tags": {"project": project}}}}})
+        total = _wait(lambda: (n := _count_samples(lake, demo_where, [project])) >= before
                       + num_records and n, 120, "the gateway's captures in samples")
-        say(f"  samples tagged project=demo: {total}")
+        say(f"  samples tagged project={project}: {total}")
 
         say(f"[demo 3/4] {experiment}: dataset -> plan -> training -> evals -> deployment")
         out = run_experiment(experiment, progress=say)
@@ -128,7 +153,7 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
                                # Tagged like the demo's traffic: the experiment selects it
                                # for the next version's dataset.
                                default_headers={"X-Factory-Tags":
-                                                "project=demo,source=demo-check"})
+                                                f"project={project},source=demo-check"})
         answer = client.chat.completions.create(model=model, messages=fresh["messages"],
                                                 max_tokens=96, temperature=0)
         say(f"  user: {_one_line(fresh['messages'][-1]['content'])}")

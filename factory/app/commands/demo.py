@@ -10,6 +10,9 @@ from typing import Any
 
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="run the main job on the embedded default")
+    p.add_argument("--experiment", default="demo-extract",
+                   help="the demo experiment (default demo-extract, on SmolLM2-135M; "
+                        "demo-extract-gemma: the same task on Gemma 3 270M)")
     p.set_defaults(func=_demo)
 
 
@@ -17,7 +20,7 @@ def _demo(args: argparse.Namespace) -> int:
     from factory.app.demo import run_demo
     from factory.evals.selection import CLEAR_MARGIN
 
-    summary = run_demo()
+    summary = run_demo(experiment=args.experiment)
     print(json.dumps(summary))
     base, best = summary["base_score"], summary["best_score"]
     gain = best - base if base is not None and best is not None else None
