@@ -207,7 +207,8 @@ def test_model_loading_draws_no_progress_bars_into_a_log(tiny_model_dir: Path, l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quiet", [False, True])
+# quiet=False shows the bar is there to remove (make test-heavy): ~35 s of make test's budget.
+@pytest.mark.parametrize("quiet", [pytest.param(False, marks=pytest.mark.heavy), True])
 def test_dequantizing_a_gguf_draws_no_progress_bar_into_a_log(quiet: bool) -> None:
     """The GGUF reader's own bar ("Converting and de-quantizing GGUF tensors...") stays out of
     a log once the factory quiets the bars (the embedded models are built this way)."""
