@@ -115,12 +115,6 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
     return out
 
 
-def _has_image(messages: list[dict[str, Any]]) -> bool:
-    return any(isinstance(m.get("content"), list) and any(
-        isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
-        for m in messages)
-
-
 def check_equivalence(client: Any, model: str, checkpoint_dir: str,
                       samples: Sequence[dict[str, Any]], *, base_model: str | None = None,
                       atol: float = 1e-3, blob_dir: str | None = None) -> EquivalenceResult:
@@ -128,6 +122,7 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
     trainer's view of ``checkpoint_dir`` on ``samples`` (canonical, reference answer last);
     ``blob_dir``: where the trainer's view reads images (default the factory's blob store)."""
     from factory.evals.runner import to_openai_messages, to_openai_tools
+    from factory.inference.protocol import holds_image
     from factory.trainer.chat import IGNORE_INDEX
     from factory.trainer.model import load_tokenizer
 
@@ -144,7 +139,7 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
         # A prompt with images is scored through the chat completion that carries them (its
         # prompt_logprobs); token ids alone would carry no pixels.
         with_images = getattr(client, "image_url", None) is not None \
-            and _has_image(messages)
+            and any(holds_image(m.get("content")) for m in messages)
         served: list[float] | None = None
         if with_images:
             got, served = client.chat_prompt_logprobs(model, messages, tools)

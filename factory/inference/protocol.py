@@ -44,7 +44,7 @@ import base64
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from factory.normalize.canon import (
     NormalizeError,
@@ -158,6 +158,12 @@ def image_data_urls(blob_root: str | Path) -> ImageURL:
     return url
 
 
+def holds_image(content: Any) -> TypeGuard[list[Any]]:
+    """Whether a message's content holds a canonical image part."""
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in content)
+
+
 def wire_messages(messages: Any, image_url: ImageURL | None = None) -> list[dict[str, Any]]:
     """Canonical or OpenAI-shaped messages as the serving protocol carries them
     (docs/serving-protocol.md): content a string, text parts or null, calls nested under
@@ -172,8 +178,7 @@ def wire_messages(messages: Any, image_url: ImageURL | None = None) -> list[dict
     for m in messages:
         msg = dict(m)
         parts = msg.get("content")
-        if image_url is not None and isinstance(parts, list) and any(
-                isinstance(p, dict) and p.get("type") == "image" for p in parts):
+        if image_url is not None and holds_image(parts):
             msg["content"] = [
                 {"type": "image_url", "image_url": {"url": image_url(p)}}
                 if p.get("type") == "image" else
