@@ -113,13 +113,25 @@ def local_recipes(settings: Settings | None = None) -> list[str]:
     return [r.name for r in list_recipes() if r.builder in BUILDERS]
 
 
+def embedded_name(recipe: Recipe | str) -> str | None:
+    """The embedded model (one of ``BUILT_MODELS``) that ``recipe``'s builder makes, or None
+    when the recipe names no builder (its weights come from a folder or the hub cache)."""
+    r = load_recipe(recipe) if isinstance(recipe, str) else recipe
+    if not r.builder:
+        return None
+    if r.builder not in BUILDERS:
+        raise MissingBaseModelError(f"recipe {r.name}: unknown builder {r.builder!r}")
+    return BUILDERS[r.builder][0]
+
+
 def model_dir_for(recipe: Recipe | str, settings: Settings | None = None) -> Path:
     """The folder of ``recipe``'s base model, built first when a builder makes it;
     ``MissingBaseModelError`` when it is not on this machine."""
     r = load_recipe(recipe) if isinstance(recipe, str) else recipe
     require_base_model(r, settings)
-    if r.builder:
-        return ensure_built(BUILDERS[r.builder][0], settings)[0]
+    name = embedded_name(r)
+    if name is not None:
+        return ensure_built(name, settings)[0]
     if r.is_local(settings):
         return Path(r.base_model_path(settings))
     own = Path(os.path.expanduser(r.base_model_id))

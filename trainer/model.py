@@ -45,8 +45,8 @@ PACKED_ATTENTION = "factory_packed_sdpa"
 def quiet_progress_bars() -> None:
     """Turn off transformers' and huggingface_hub's progress bars ("Loading weights: 0%|...",
     the GGUF reader's) unless stderr is a terminal: in a log file or a Dagster run's captured
-    output every redraw is kept. Called before loading a model; an ``HF_HUB_DISABLE_PROGRESS_BARS`` set by the
-    user wins."""
+    output every redraw is kept. Called before loading a model; an
+    ``HF_HUB_DISABLE_PROGRESS_BARS`` set by the user wins."""
     if "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ or (sys.stderr is not None
                                                          and sys.stderr.isatty()):
         return

@@ -3,8 +3,9 @@
 1. builds the experiment's base model (``demo-extract``: SmolLM2-135M-Instruct from the wheel;
    ``demo-extract-gemma``: Gemma 3 270M, the same task on the other embedded base);
 2. generates demo traffic for the embedded extraction task (``factory.tasks``), tagged with the
-   project the experiment selects (``demo_project``), sends part of it through the capture gateway (its upstream replays the generator's reference answers, the
-   "frontier model") and uploads the rest through the ``traces`` asset;
+   project the experiment selects (``demo_project``), sends part of it through the capture
+   gateway (its upstream replays the generator's reference answers, the "frontier model") and
+   uploads the rest through the ``traces`` asset;
 3. runs the experiment through Dagster (``factory.app.run.run_experiment``): dataset,
    rubric, plan, LoRA training with evals fired by ``checkpoint_sensor`` as checkpoints land,
    best checkpoint, deployment;
@@ -19,11 +20,14 @@ import json
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from factory.errors import FactoryError
 from factory.lake import Lake
 from factory.settings import get_settings
+
+if TYPE_CHECKING:
+    from factory.experiments import Experiment
 
 EXPERIMENT = "demo-extract"
 NUM_RECORDS = 240
@@ -60,7 +64,7 @@ def _count_samples(lake: Lake, where: str, params: list[Any]) -> int:
                .column("n")[0].as_py())
 
 
-def demo_project(experiment: Any) -> str:
+def demo_project(experiment: Experiment) -> str:
     """The project tag experiment ``experiment`` selects (``data.where`` of the form
     ``tags['project'] = '<tag>'``); the demo tags its traffic with it."""
     match = _PROJECT.match(experiment.data.where or "")
@@ -96,11 +100,10 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
     factory_home}``."""
     from factory.app.run import run_experiment, terminal_plot
     from factory.app.runner import materialize
-    from factory.base_model import BUILDERS
+    from factory.base_model import embedded_name
     from factory.deploy.replay import ReplayUpstream
     from factory.experiments import load_experiment
     from factory.gateway import ServerThread, gateway_in_thread
-    from factory.recipes import load_recipe
     from factory.tasks import generate_records
 
     say = progress or (lambda line: print(line, flush=True))
@@ -109,11 +112,10 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
     say(f"factory home: {settings.home}")
     spec = load_experiment(experiment)
     project = demo_project(spec)
-    recipe = load_recipe(spec.recipe)
-    if recipe.builder not in BUILDERS:
-        raise FactoryError(f"demo: experiment {experiment}'s recipe {recipe.name} is not one of "
+    built = embedded_name(spec.recipe)
+    if built is None:
+        raise FactoryError(f"demo: experiment {experiment}'s recipe {spec.recipe} is not one of "
                            "the embedded base models; the demo trains on those only")
-    built = BUILDERS[recipe.builder][0]
     say(f"[demo 1/4] base model: {built} (built once, then cached)")
     materialize(["base_model"], partition_key=built)
 
