@@ -60,8 +60,14 @@ typecheck: install
 contracts: install
 	$(BIN)/lint-imports
 
+# Two test workers (one per core of the 2-core reference machine), a test file each at a time:
+# most of the slow tests wait on Dagster daemons, servers and subprocesses, which overlap. Every
+# torch process of the tests gets one thread: two torch processes with a thread per core each
+# oversubscribe the cores, and OpenMP's spinning threads then run 2-4x slower
+# (bench/cpu_sharing.py). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 unit: install sysdeps native
-	$(BIN)/pytest -q -m "not heavy"
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not heavy"
 
 # The tests on Gemma 3 270M's real weights (gate, memory model, built folder) and the Spark
 # Connect server's: ~12 minutes more on 2 cores, so kept out of make test's 30-minute budget.

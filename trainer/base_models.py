@@ -51,17 +51,26 @@ def is_built(dest: Path) -> bool:
     return (Path(dest) / _DONE).is_file()
 
 
-def _atomic_save(dest: Path, save: object) -> Path:
-    """Build into a temp dir beside ``dest`` and rename, so a half-built model never counts."""
+def _atomic_save(dest: Path, save: object, *, force: bool = False) -> Path:
+    """Build into a temp dir beside ``dest`` and rename, so a half-built model never counts.
+    Processes building the same model at once (test workers, two nodes on a shared models
+    folder) each build their own; the first to finish is kept and the others' are discarded,
+    so a reader of a built ``dest`` never sees it replaced (``force``: replace it)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         info = save(tmp)  # type: ignore[operator]
         (tmp / _DONE).write_text(json.dumps(info, indent=2, sort_keys=True))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        if is_built(dest) and not force:
+            return dest
+        if dest.exists():  # a half-built folder, or a built one to replace
+            shutil.rmtree(dest, ignore_errors=True)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not is_built(dest):  # not another builder's finished folder: a real failure
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -102,7 +111,7 @@ def build_smollm2(dest: Path, *, force: bool = False) -> Path:
         return {"name": SMOLLM2_NAME, "source": str(src),
                 "num_parameters": int(sum(p.numel() for p in model.parameters()))}
 
-    return _atomic_save(Path(dest), save)
+    return _atomic_save(Path(dest), save, force=force)
 
 
 def build_gemma3(dest: Path, *, force: bool = False) -> Path:
@@ -137,7 +146,7 @@ def build_gemma3(dest: Path, *, force: bool = False) -> Path:
                 "gguf_sha256": EXPECTED_SHA256,
                 "num_parameters": int(sum(p.numel() for p in model.parameters()))}
 
-    return _atomic_save(Path(dest), save)
+    return _atomic_save(Path(dest), save, force=force)
 
 
 def build_tiny_llama(dest: Path, *, seed: int = 0, force: bool = False) -> Path:
@@ -167,7 +176,7 @@ def build_tiny_llama(dest: Path, *, seed: int = 0, force: bool = False) -> Path:
         return {"name": TINY_NAME, "source": "random-init", "seed": seed,
                 "num_parameters": int(sum(p.numel() for p in model.parameters()))}
 
-    return _atomic_save(Path(dest), save)
+    return _atomic_save(Path(dest), save, force=force)
 
 
 def _gemma3_tokenizer(tmp: Path) -> object:
@@ -240,7 +249,7 @@ def build_tiny(family: str, dest: Path, *, seed: int = 0, force: bool = False) -
         return {"name": f"tiny-{family}", "source": "random-init", "seed": seed,
                 "num_parameters": int(sum(p.numel() for p in model.parameters()))}
 
-    return _atomic_save(Path(dest), save)
+    return _atomic_save(Path(dest), save, force=force)
 
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

@@ -26,7 +26,7 @@ from factory.lake import Lake, Lineage, walk_lineage
 from tests.deploy.conftest import factory_cli
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # under a second test worker
 MODEL = "factory/exp"
 MESSAGES = [{"role": "user", "content": "Extract the fields: Hi, I am Ana from Acme."}]
 

@@ -28,7 +28,7 @@ from tests.deploy.dagster_ui import UI, factory_ui
 from tests.inference.conftest import make_adapter
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # under a second test worker
 
 TINY = """name: tiny
 data: {where: "tags['project'] = 'demo'", eval_fraction: 0.2, max_tokens: 512}

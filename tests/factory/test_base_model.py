@@ -105,3 +105,45 @@ def test_factory_run_of_a_recipe_without_weights_fails_before_compute(
     from factory.app.instance import instance
 
     assert not instance().get_runs()  # nothing was submitted
+
+
+def test_builders_racing_on_one_folder_keep_the_first_finished_build(tmp_path: Path) -> None:
+    """Two processes building the same model at once (two test workers, two nodes on a shared
+    models folder): both succeed, the folder is the first finished build and is never replaced
+    under a reader; ``force`` still replaces it."""
+    import threading
+
+    from factory.trainer.base_models import _atomic_save, is_built
+
+    dest = tmp_path / "model"
+    both_saved = threading.Barrier(2)
+    first_done = threading.Event()
+    results: dict[str, Path] = {}
+
+    def build(name: str, wait_for_first: bool) -> None:
+        def save(tmp: Path) -> dict[str, str]:
+            (tmp / "weights").write_text(name)
+            both_saved.wait(timeout=30)
+            if wait_for_first:
+                assert first_done.wait(timeout=30)
+            return {"builder": name}
+
+        results[name] = _atomic_save(dest, save)
+        first_done.set()
+
+    threads = [threading.Thread(target=build, args=("a", False)),
+               threading.Thread(target=build, args=("b", True))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {"a": dest, "b": dest}
+    assert is_built(dest) and (dest / "weights").read_text() == "a"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no builder's temp folder left
+
+    def rebuild(tmp: Path) -> dict[str, str]:
+        (tmp / "weights").write_text("c")
+        return {"builder": "c"}
+
+    _atomic_save(dest, rebuild, force=True)
+    assert (dest / "weights").read_text() == "c"

@@ -109,14 +109,14 @@ def test_keys_cli_and_gateway_auth(gateway: ServerThread, capsys: pytest.Capture
     def status(headers: dict[str, str]) -> int:
         return httpx.post(url, json=CHAT, headers=headers).status_code
 
-    wait_until(lambda: status({}) == 401, 3, "the key file to be noticed")
+    wait_until(lambda: status({}) == 401, 10, "the key file to be noticed")
     assert status({"X-Factory-Key": "fk-wrong"}) == 401
     assert status({"X-Factory-Key": key}) == 200
     assert main(["keys", "list", "--format", "json"]) == 0
     assert orjson.loads(capsys.readouterr().out)[0]["key_id"] == info.key_id
     assert main(["keys", "revoke", info.key_id]) == 0
     # Revoked, and no valid key left: back to loopback-only without a key.
-    wait_until(lambda: status({"X-Factory-Key": key}) == 200 and status({}) == 200, 3)
+    wait_until(lambda: status({"X-Factory-Key": key}) == 200 and status({}) == 200, 10)
     assert main(["keys", "revoke", "nope"]) == 2
 
 

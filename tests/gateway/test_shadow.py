@@ -120,7 +120,7 @@ def test_a_dead_or_hanging_candidate_changes_nothing_for_the_client(
             answer = httpx.post(srv.url + "/v1/chat/completions", json=chat(f"q{i}"))
             assert answer.status_code == 200
             assert answer.json()["choices"][0]["message"]["content"] == f"echo: q{i}"
-            assert time.perf_counter() - started < 3.0  # the candidate would take 6 s
+            assert time.perf_counter() - started < 5.0  # the candidate would take 6 s
         wait_until(lambda: len(_rows(lake, "shadow_pairs")) == 3, what="3 failed pairs")
         assert _metric(srv.url, "factory_gateway_shadow_failed_total") == 3
     for pair in _rows(lake, "shadow_pairs"):

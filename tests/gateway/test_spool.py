@@ -87,7 +87,7 @@ def test_seal_thread_outlives_an_unexpected_error(tmp_path: Path,
     writer.start()
     try:
         writer.append(_capture(1))
-        wait_until(lambda: calls["n"] >= 2 and bool(sealed_segments(tmp_path)), timeout_s=10)
+        wait_until(lambda: calls["n"] >= 2 and bool(sealed_segments(tmp_path)), timeout_s=30)
         assert writer._thread is not None and writer._thread.is_alive()
     finally:
         writer.stop()
