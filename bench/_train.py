@@ -21,6 +21,23 @@ def canonical(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
             for m in messages]
 
 
+def write_triage(path: Path, n: int, seed: int) -> Path:
+    """``n`` training conversations of the triage task (``factory.tasks.ticket_triage``,
+    ``seed``) as a trainer data file: sample ids ``t00000``, ``t00001``..., canonical messages,
+    no tools."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from factory.tasks.ticket_triage import generate_conversations
+
+    convs = generate_conversations(n, seed)
+    pq.write_table(pa.table({
+        "sample_id": [f"t{i:05d}" for i in range(len(convs))],
+        "messages": [json.dumps(canonical(c["messages"])) for c in convs],
+        "tools": ["[]"] * len(convs)}), path)
+    return path
+
+
 def lora_plan(base_model: str, *, steps: int, lr: float, seq_len: int, seed: int
               ) -> dict[str, Any]:
     """Packed rows of ``seq_len``, 8 rows a step (4 x 2 accumulated), LoRA r=16 on every linear

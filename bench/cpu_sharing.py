@@ -40,22 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _train import canonical, lora_plan, start, train  # noqa: E402 - bench/ is the script's folder
-
-
-def _data(work: Path, n: int) -> dict[str, Any]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from factory.tasks.ticket_triage import generate_conversations
-
-    convs = generate_conversations(n, 0)
-    path = work / "triage.parquet"
-    pq.write_table(pa.table({
-        "sample_id": [f"t{i:05d}" for i in range(len(convs))],
-        "messages": [json.dumps(canonical(c["messages"])) for c in convs],
-        "tools": ["[]"] * len(convs)}), path)
-    return {"data_files": [str(path)]}
+from _train import lora_plan, start, train, write_triage  # noqa: E402 - bench/ is the script's folder
 
 
 def _step_seconds(events: list[dict[str, Any]], warmup: int) -> tuple[float, float, float]:
@@ -153,7 +138,7 @@ def main() -> None:
     args.policies = ["ACTIVE", *(p for p in args.policies if p != "ACTIVE")]
     with tempfile.TemporaryDirectory(prefix="cpu-sharing-") as tmp:
         work = Path(tmp)
-        data = _data(work, args.samples)
+        data = {"data_files": [str(write_triage(work / "triage.parquet", args.samples, 0))]}
         rows: dict[tuple[str, bool], dict[str, Any]] = {}
         for beside in (False, True):
             for policy in args.policies:

@@ -31,18 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _train import canonical, load_for_scoring, lora_plan, start, train  # noqa: E402 - bench/ is the script's folder
-
-
-def _write_parquet(path: Path, samples: list[dict[str, Any]]) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({
-        "sample_id": [s["sample_id"] for s in samples],
-        "messages": [json.dumps(s["messages"]) for s in samples],
-        "tools": ["[]" for _ in samples]}), path)
-    return path
+from _train import canonical, load_for_scoring, lora_plan, start, train, write_triage  # noqa: E402 - bench/ is the script's folder
 
 
 def score(base_model: str, adapter: Path | None, triage: list[dict[str, Any]],
@@ -102,10 +91,7 @@ def main() -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-mixing-") as tmp:
         work = Path(tmp)
-        task = _write_parquet(work / "triage.parquet", [
-            {"sample_id": f"t{i:05d}", "messages": canonical(c["messages"])}
-            for i, c in enumerate(ticket_triage.generate_conversations(args.task_samples,
-                                                                       args.seed))])
+        task = write_triage(work / "triage.parquet", args.task_samples, args.seed)
         general_jsonl = work / "general.jsonl"
         general_jsonl.write_text("".join(
             json.dumps({"messages": c["messages"]}) + "\n"

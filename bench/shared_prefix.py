@@ -33,26 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _samples(n: int, seed: int) -> list[dict[str, Any]]:
-    from factory.tasks.ticket_triage import generate_conversations
-
-    out = []
-    for i, conv in enumerate(generate_conversations(n, seed)):
-        messages = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
-                    for m in conv["messages"]]
-        out.append({"sample_id": f"t{i:05d}", "messages": messages, "tools": []})
-    return out
-
-
-def _write(path: Path, samples: list[dict[str, Any]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({
-        "sample_id": [s["sample_id"] for s in samples],
-        "messages": [json.dumps(s["messages"]) for s in samples],
-        "tools": [json.dumps(s["tools"]) for s in samples]}), path)
+from _train import write_triage  # noqa: E402 - bench/ is the script's folder
 
 
 def _plan(base_model: str, steps: int, share: bool) -> dict[str, Any]:
@@ -121,7 +102,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-shared-") as tmp:
         work = Path(tmp)
         data = work / "train.parquet"
-        _write(data, _samples(args.samples, args.seed))
+        write_triage(data, args.samples, args.seed)
         runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
         for k in range(args.repeats):
             for share in (False, True):
