@@ -69,7 +69,8 @@ def _atomic_save(dest: Path, save: object, *, force: bool = False) -> Path:
         try:
             os.replace(tmp, dest)
         except OSError:
-            if not is_built(dest):  # not another builder's finished folder: a real failure
+            # another builder's finished folder took the place: keep it, unless told to replace
+            if force or not is_built(dest):
                 raise
     finally:
         if tmp.exists():
