@@ -66,7 +66,8 @@ contracts: install
 # three failures in tests that pass serially (BENCHMARKS.md, "The test suite").
 TEST_WORKERS ?= 0
 unit: install sysdeps native
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not heavy"
+	$(if $(filter-out 0,$(TEST_WORKERS)),OMP_NUM_THREADS=1 )$(BIN)/pytest -q -n $(TEST_WORKERS) \
+	  --dist loadfile -m "not heavy"
 
 # The tests on Gemma 3 270M's real weights (gate, memory model, built folder) and the Spark
 # Connect server's: ~12 minutes more on 2 cores, so kept out of make test's 30-minute budget.
