@@ -82,6 +82,9 @@ def install_signal_handlers(flag: StopFlag) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    # A blocked signal survives exec: a trainer launched by a process that had SIGTERM blocked
+    # would never see the stop it is meant to checkpoint on.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 def lr_at(plan: TrainConfig, step: int, num_steps: int) -> float:

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,22 +14,6 @@ import pytest
 from factory.control.base import Handle
 from factory.control.providers import LocalProvider, SandboxProvider
 from tests.waiting import wait_until
-
-
-@pytest.fixture(autouse=True)
-def default_sigterm() -> Iterator[None]:
-    """The stand-ins are shell scripts, and a shell cannot trap a signal that was ignored (or
-    blocked) when it started: both are inherited from the process that launches it. Another
-    test of the same pytest process can leave SIGTERM so (seen once, in a full clean-clone run:
-    every stand-in here ignored the SIGTERM it was meant to trap), so these tests launch with
-    SIGTERM at its default and unblocked, as a trainer launched by a fresh process is."""
-    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
 def _script(tmp_path: Path, name: str, body: str) -> str:

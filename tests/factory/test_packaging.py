@@ -55,16 +55,30 @@ def test_the_wheel_has_one_top_level_name_and_the_package_data(tmp_path: Path) -
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["factory"]
 
 
-def _top_level_imports(path: Path) -> list[tuple[int, str]]:
-    import ast
-
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+_SCAN = """
+import ast, json, sys
+out = []
+for path in sys.stdin.read().split():
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
+            out += [(path, node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module))
-    return [(line, name) for line, name in out if name.split(".")[0] in LINKED]
+            out.append((path, node.lineno, node.module))
+print(json.dumps(out))
+"""
+
+
+def _top_level_imports(files: list[str]) -> list[tuple[str, int, str]]:
+    """``(file, line, module)`` of every absolute import of a linked folder's name in
+    ``files`` (paths relative to the checkout). Parsed in a fresh interpreter: in a long pytest
+    process, CPython 3.11.7's ``ast.parse`` has failed with "AST constructor recursion depth
+    mismatch" (seen in a two-worker run)."""
+    import json
+
+    found = json.loads(subprocess.run([sys.executable, "-c", _SCAN], cwd=ROOT, check=True,
+                                      input="\n".join(files), capture_output=True, text=True,
+                                      timeout=120).stdout)
+    return [(f, line, name) for f, line, name in found if name.split(".")[0] in LINKED]
 
 
 def test_nothing_imports_a_folder_by_its_top_level_name() -> None:
@@ -74,7 +88,7 @@ def test_nothing_imports_a_folder_by_its_top_level_name() -> None:
                            capture_output=True, text=True).stdout.split()
     # The one exception: in the trainer image trainer/ and kernels/ are copied side by side.
     image_layout = {("trainer/model.py", "kernels.patcher")}
-    stray = [f"{f}:{line}: import {name}" for f in files
-             for line, name in _top_level_imports(ROOT / f) if (f, name) not in image_layout]
+    stray = [f"{f}:{line}: import {name}" for f, line, name in _top_level_imports(files)
+             if (f, name) not in image_layout]
     assert not stray, "use the installed names (factory.assets, factory.trainer, ...):\n" + \
         "\n".join(stray)

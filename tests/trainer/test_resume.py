@@ -113,3 +113,18 @@ def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_pat
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), f"{key} differs {why}"
+
+
+def test_a_trainer_started_with_sigterm_blocked_still_stops_on_it() -> None:
+    # A blocked signal survives exec, so a trainer launched by a process that had SIGTERM
+    # blocked would never see the stop it checkpoints on: its handlers unblock it.
+    code = ("import os, signal\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})\n"
+            "from factory.trainer.train import StopFlag, install_signal_handlers\n"
+            "flag = StopFlag()\n"
+            "install_signal_handlers(flag)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print(flag.event.wait(10), flag.signal)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["True", str(int(signal.SIGTERM))]
