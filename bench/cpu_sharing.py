@@ -93,9 +93,13 @@ class _Clients:
 
 
 def _policy_env(policy: str) -> dict[str, str]:
-    """``ACTIVE``/``PASSIVE``: ``OMP_WAIT_POLICY``; ``spin=N``: ``GOMP_SPINCOUNT=N`` alone."""
+    """``ACTIVE``/``PASSIVE``: ``OMP_WAIT_POLICY``; ``spin=N``: ``GOMP_SPINCOUNT=N`` alone;
+    ``threads=N``: ``OMP_NUM_THREADS=N`` (torch's thread count) for the trainer and the
+    server, OpenMP's waits at their defaults."""
     if policy.startswith("spin="):
         return {"GOMP_SPINCOUNT": policy.removeprefix("spin=")}
+    if policy.startswith("threads="):
+        return {"OMP_NUM_THREADS": policy.removeprefix("threads=")}
     return {"OMP_WAIT_POLICY": policy}
 
 
@@ -105,7 +109,7 @@ def _side(name: str, work: Path, base: str, data: dict[str, Any], args: argparse
 
     plan = lora_plan(base, steps=args.steps, lr=2e-4, seq_len=256, seed=0)
     env = _policy_env(policy)
-    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the trainer subprocess's environment
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # the trainer's env
         os.environ.pop(var, None)
     os.environ.update(env)
     if not beside:
@@ -130,8 +134,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4, help="requests in flight")
     parser.add_argument("--samples", type=int, default=400, help="triage conversations")
     parser.add_argument("--policies", nargs="+", default=["ACTIVE", "PASSIVE"],
-                        help="OpenMP waits to compare: ACTIVE (the baseline, always run), "
-                             "PASSIVE, spin=N (GOMP_SPINCOUNT=N)")
+                        help="OpenMP settings to compare: ACTIVE (the baseline, always run), "
+                             "PASSIVE, spin=N (GOMP_SPINCOUNT=N), threads=N (OMP_NUM_THREADS)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of this process (it only sends requests)")
     args, base = start(parser)

@@ -43,26 +43,31 @@ _previous_test: list[str] = []
 
 
 @pytest.fixture(autouse=True)
-def default_sigterm(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every test starts with SIGTERM at its default and unblocked, as a fresh process has it.
+def default_signals(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test starts with SIGTERM unblocked and not ignored, and SIGINT not ignored.
 
-    A process launched by a test (a trainer, a stand-in shell script, a server) inherits an
-    ignored or blocked SIGTERM across exec, and then cannot be stopped gracefully: in a long
-    pytest process something has left SIGTERM so (two-worker runs: stand-in trainers that
-    survived their SIGTERM until the SIGKILL, then held the local provider's only slot). Which
-    test leaves it is reported in the warnings summary, and the state is reset here. A
-    Python-level handler is left alone: exec resets it to the default in the child."""
+    A process launched by a test (a stand-in trainer, a shell script, a server) inherits an
+    ignored or blocked SIGTERM across exec and then cannot be stopped gracefully. Dagster leaves
+    SIGTERM so after any in-process execution in a process whose SIGINT is ignored: leaving its
+    interrupt capture, it sets SIGTERM to SIGINT's handler (``dagster._utils.interrupts``). A
+    test that leaves either signal so is named in the warnings summary, and the state is reset
+    here."""
+    found = []
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    handler = signal.getsignal(signal.SIGTERM)
-    if handler is signal.SIG_IGN:
+    if signal.SIGTERM in mask:
+        found.append("SIGTERM blocked")
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        found.append("SIGTERM ignored")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if signal.SIGTERM in mask or handler is signal.SIG_IGN:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        found.append("SIGINT ignored")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if found:
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # reported in the summary, not failing this test
-            warnings.warn(f"SIGTERM was {'blocked' if signal.SIGTERM in mask else 'ignored'} "
-                          f"at the start of {request.node.nodeid}; the test before it in this "
-                          f"process: {_previous_test[-1] if _previous_test else '(none)'}",
-                          stacklevel=1)
+            warnings.warn(f"{', '.join(found)} at the start of {request.node.nodeid}; the test "
+                          f"before it in this process: "
+                          f"{_previous_test[-1] if _previous_test else '(none)'}", stacklevel=1)
     _previous_test[:] = [request.node.nodeid]
     yield
 

@@ -289,12 +289,7 @@ TEMPLATES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
 """split (``train``/``heldout``) -> part (``core``/``detail``/``aside``) -> label -> frames."""
 
 # ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
+# Assembly.
 
 
 def _slots(rng: random.Random) -> dict[str, str]:
