@@ -60,11 +60,10 @@ typecheck: install
 contracts: install
 	$(BIN)/lint-imports
 
-# TEST_WORKERS=2 runs the suite in two workers, a test file each at a time (21 min instead of
-# 37 on 2 cores), one torch thread per process: two torch processes with a thread per core
-# oversubscribe the cores (bench/cpu_sharing.py). Not the default: one of three clean runs had
-# three failures in tests that pass serially (BENCHMARKS.md, "The test suite").
-TEST_WORKERS ?= 0
+# The suite runs in TEST_WORKERS workers, a test file each at a time (21-24 min on 2 cores; 37
+# min in one process, TEST_WORKERS=0), one torch thread per process: two torch processes with a
+# thread per core oversubscribe the cores (bench/cpu_sharing.py).
+TEST_WORKERS ?= 2
 unit: install sysdeps native
 	$(if $(filter-out 0,$(TEST_WORKERS)),OMP_NUM_THREADS=1 )$(BIN)/pytest -q -n $(TEST_WORKERS) \
 	  --dist loadfile -m "not heavy"

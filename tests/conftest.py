@@ -47,11 +47,12 @@ def default_signals(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test starts with SIGTERM unblocked and not ignored, and SIGINT not ignored.
 
     A process launched by a test (a stand-in trainer, a shell script, a server) inherits an
-    ignored or blocked SIGTERM across exec and then cannot be stopped gracefully. Dagster leaves
-    SIGTERM so after any in-process execution in a process whose SIGINT is ignored: leaving its
-    interrupt capture, it sets SIGTERM to SIGINT's handler (``dagster._utils.interrupts``). A
-    test that leaves either signal so is named in the warnings summary, and the state is reset
-    here."""
+    ignored or blocked SIGTERM across exec and then cannot be stopped gracefully. A pytest run
+    started in the background (``nohup``, ``&`` in a script: CI) ignores SIGINT from its start,
+    and Dagster, leaving any in-process execution's interrupt capture, sets SIGTERM to SIGINT's
+    handler (``dagster._utils.interrupts``): ignored from then on (two-worker runs: stand-in
+    trainers that survived their SIGTERM until the SIGKILL and held the local provider's only
+    slot). What a test finds so is named in the warnings summary, and reset here."""
     found = []
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if signal.SIGTERM in mask:
