@@ -1,7 +1,9 @@
-"""Benchmark: a trainer sharing the CPU cores with an eval server, OpenMP threads spinning
-(GNU OpenMP's default) vs sleeping (``OMP_WAIT_POLICY=PASSIVE``) or spinning briefly
-(``GOMP_SPINCOUNT``). The factory sets none of them: its processes run with GNU OpenMP's
-defaults (BENCHMARKS.md, "CPU sharing", has why).
+"""Benchmark: a trainer sharing the CPU cores with an eval server: each with a thread per core
+and OpenMP threads spinning (GNU OpenMP's default: the baseline), sleeping
+(``OMP_WAIT_POLICY=PASSIVE``) or spinning briefly (``GOMP_SPINCOUNT``), a fixed thread count
+each (``OMP_NUM_THREADS``), or the cores split while both run (``share``:
+``factory/trainer/cores.py``, what the factory does). BENCHMARKS.md, "CPU sharing", has the
+figures.
 
 On a CPU machine the loop trains and evaluates at once: a checkpoint's evals run on the CPU
 inference server while the trainer goes on. Both are torch processes with a thread per core.
@@ -92,15 +94,21 @@ class _Clients:
         return sum(t0 <= t <= t1 for t in self.done) / (t1 - t0)
 
 
-def _policy_env(policy: str) -> dict[str, str]:
-    """``ACTIVE``/``PASSIVE``: ``OMP_WAIT_POLICY``; ``spin=N``: ``GOMP_SPINCOUNT=N`` alone;
-    ``threads=N``: ``OMP_NUM_THREADS=N`` (torch's thread count) for the trainer and the
-    server, OpenMP's waits at their defaults."""
+def _policy_env(policy: str, work: Path) -> dict[str, str]:
+    """``share``: the factory's core sharing (claims in a folder of this run), OpenMP at its
+    defaults. Every other setting with sharing off: ``ACTIVE``/``PASSIVE``:
+    ``OMP_WAIT_POLICY``; ``spin=N``: ``GOMP_SPINCOUNT=N`` alone; ``threads=N``:
+    ``OMP_NUM_THREADS=N`` (torch's thread count) for the trainer and the server."""
+    from factory.trainer.cores import ENV_FOLDER, ENV_SWITCH
+
+    if policy == "share":
+        return {ENV_SWITCH: "1", ENV_FOLDER: str(work / "cores")}
+    off = {ENV_SWITCH: "0"}
     if policy.startswith("spin="):
-        return {"GOMP_SPINCOUNT": policy.removeprefix("spin=")}
+        return {**off, "GOMP_SPINCOUNT": policy.removeprefix("spin=")}
     if policy.startswith("threads="):
-        return {"OMP_NUM_THREADS": policy.removeprefix("threads=")}
-    return {"OMP_WAIT_POLICY": policy}
+        return {**off, "OMP_NUM_THREADS": policy.removeprefix("threads=")}
+    return {**off, "OMP_WAIT_POLICY": policy}
 
 
 def _side(name: str, work: Path, base: str, data: dict[str, Any], args: argparse.Namespace,
@@ -108,8 +116,9 @@ def _side(name: str, work: Path, base: str, data: dict[str, Any], args: argparse
     from factory.inference.launcher import InferenceServer
 
     plan = lora_plan(base, steps=args.steps, lr=2e-4, seq_len=256, seed=0)
-    env = _policy_env(policy)
-    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # the trainer's env
+    env = _policy_env(policy, work)
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS",  # the trainer's env
+                "FACTORY_CORE_SHARE", "FACTORY_CORE_SHARES"):
         os.environ.pop(var, None)
     os.environ.update(env)
     if not beside:
@@ -133,9 +142,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="first steps not timed")
     parser.add_argument("--clients", type=int, default=4, help="requests in flight")
     parser.add_argument("--samples", type=int, default=400, help="triage conversations")
-    parser.add_argument("--policies", nargs="+", default=["ACTIVE", "PASSIVE"],
-                        help="OpenMP settings to compare: ACTIVE (the baseline, always run), "
-                             "PASSIVE, spin=N (GOMP_SPINCOUNT=N), threads=N (OMP_NUM_THREADS)")
+    parser.add_argument("--policies", nargs="+", default=["ACTIVE", "share"],
+                        help="settings to compare: ACTIVE (OpenMP's default, no sharing: the "
+                             "baseline, always run), PASSIVE, spin=N (GOMP_SPINCOUNT=N), "
+                             "threads=N (OMP_NUM_THREADS), share (the factory's core sharing)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of this process (it only sends requests)")
     args, base = start(parser)

@@ -34,6 +34,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import Job, TrainConfig
+from .cores import CoreShare
 from .tracking import NullTracker, Tracker, make_tracker
 from .webhooks import EventLog, WebhookSender
 
@@ -205,6 +206,7 @@ class Trainer:
         self.last_saved: ckpt.CheckpointInfo | None = None
         self.saved_step = -1
         self.step = 0
+        self.cores: CoreShare | None = None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -387,6 +389,9 @@ class Trainer:
         return 4.0 * self._num_params * tokens_per_s / (peak * self.world)
 
     def close(self) -> None:
+        if self.cores is not None:
+            self.cores.leave()
+            self.cores = None
         tmp = getattr(self, "_tok_tmp", None)
         if tmp is not None:
             tmp.cleanup()
@@ -479,12 +484,19 @@ class Trainer:
         if self.rank == 0:
             reporter.tracker.log_params({"run_id": job.run_id, **plan.to_dict()})
         self.model.train()
+        if self.device.type == "cpu" and self.cores is None and not plan.deterministic:
+            # The machine's cores are split with the factory's other torch processes there (an
+            # eval server beside the trainer) while the loop runs: trainer/cores.py. Not for a
+            # deterministic plan: CPU kernels reproduce bitwise only at a fixed thread count.
+            self.cores = CoreShare.for_this_process()
         window_t = time.perf_counter()
         window_tokens = window_computed = 0.0
         while self.step < self.num_steps:
             if self._agree_stop():
                 raise Preempted
             step = self.step + 1
+            if self.cores is not None:
+                self.cores.adjust()
             out = self.train_step(step, inject_nan=inject_at == step)
             if not out["finite"]:
                 reporter.emit("nan", step=step, loss=ckpt.finite_float(out["loss"]),
@@ -507,6 +519,8 @@ class Trainer:
                         and step % plan.eval_every_steps == 0:
                     metrics["eval_loss"] = self._eval_loss()
                 mem = _memory(self.device)
+                if self.cores is not None:
+                    metrics["cpu_threads"] = self.cores.threads or 0
                 reporter.emit("progress", step=step, num_steps=self.num_steps, **metrics,
                               memory=mem, data_position=self.stream.position(step * self.per_step))
                 if self.rank == 0:

@@ -27,9 +27,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from factory.inference.engine import Engine, EngineError
     from factory.inference.server import create_app
+    from factory.trainer.cores import CoreShare
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # The cores are split with the factory's other torch processes on this machine (a trainer
+    # beside an eval server), adjusted before every batch and left when the app shuts down:
+    # factory/trainer/cores.py.
+    cores = CoreShare.for_this_process(pinned=args.threads)
     template = args.chat_template
     if template not in ("trainer", "tokenizer"):
         with open(template) as f:
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         except EngineError as e:
             print(f"--lora-modules: {e}", file=sys.stderr)
             return 2
-    app = create_app(engine, max_batch_size=args.max_num_seqs)
+    app = create_app(engine, max_batch_size=args.max_num_seqs, cores=cores)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

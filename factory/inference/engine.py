@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from factory.trainer.chat import chat_format, chat_template
+from factory.trainer.cores import CoreShare
 from factory.trainer.vision import ImageInput, Vision, blob_reader, has_vision, stack
 
 TokenCallback = Callable[[int, str], None]
@@ -468,9 +469,12 @@ class BatchScheduler:
     cores the batch is compute-bound anyway).
     """
 
-    def __init__(self, engine: Engine, *, max_batch_size: int = 8) -> None:
+    def __init__(self, engine: Engine, *, max_batch_size: int = 8,
+                 cores: CoreShare | None = None) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
+        self.cores = cores
+        """This server's share of the machine's cores, adjusted before every batch."""
         self._pending: list[tuple[GenerationRequest, Any]] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -493,6 +497,8 @@ class BatchScheduler:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=30)
+        if self.cores is not None:  # the server is going: its cores are free for the others
+            self.cores.leave()
 
     def _run(self) -> None:
         while True:
@@ -506,6 +512,8 @@ class BatchScheduler:
                 for p in batch:
                     self._pending.remove(p)
             try:
+                if self.cores is not None:
+                    self.cores.adjust()
                 results = self.engine.generate([r for r, _ in batch])
             except Exception as e:  # delivered to every caller of the batch, which reports it
                 for _, fut in batch:

@@ -66,6 +66,7 @@ from factory.inference.protocol import (
     reply_message,
 )
 from factory.normalize.canon import NormalizeError
+from factory.trainer.cores import CoreShare
 from factory.trainer.vision import ImageInput, expand_pads
 
 DEFAULT_MAX_TOKENS = 256
@@ -224,9 +225,10 @@ def _request_error(e: ValueError) -> JSONResponse:
     return _error(400, str(e))
 
 
-def create_app(engine: Engine, *, max_batch_size: int = 8) -> Starlette:
+def create_app(engine: Engine, *, max_batch_size: int = 8,
+               cores: CoreShare | None = None) -> Starlette:
     """The ASGI app serving ``engine``."""
-    scheduler = BatchScheduler(engine, max_batch_size=max_batch_size)
+    scheduler = BatchScheduler(engine, max_batch_size=max_batch_size, cores=cores)
     created = int(time.time())
 
     async def health(request: Request) -> Response:
