@@ -28,6 +28,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .pids import is_alive
+
 ENV_FOLDER = "FACTORY_CORE_SHARES"
 """The folder of the claims (default ``<tmp>/factory-cores-<uid>``)."""
 
@@ -37,19 +39,6 @@ ENV_SWITCH = "FACTORY_CORE_SHARE"
 
 def default_folder() -> Path:
     return Path(tempfile.gettempdir()) / f"factory-cores-{os.getuid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie holds no core
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except (OSError, IndexError):
-        return True
 
 
 class CoreShare:
@@ -125,7 +114,7 @@ class CoreShare:
             if not name.isdigit() or int(name) == os.getpid():
                 continue
             path = self.folder / name
-            if not _alive(int(name)):
+            if not is_alive(int(name)):
                 path.unlink(missing_ok=True)  # its process died without leaving
                 continue
             try:

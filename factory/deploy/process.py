@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from factory.errors import FactoryError
+from factory.trainer.pids import is_alive
 
 _HELPER = (
     "import os, subprocess, sys\n"
@@ -45,34 +46,6 @@ def spawn_detached(argv: Sequence[str], *, log_path: Path, env: Mapping[str, str
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise ProcessError(f"cannot start {argv[0]!r}: {last}")
     return int(out.stdout.strip())
-
-
-def _proc_state(pid: int) -> str | None:
-    """The state letter from /proc (Linux), '' where /proc is not available, None if gone."""
-    stat = Path(f"/proc/{pid}/stat")
-    if not Path("/proc/self/stat").exists():
-        return ""
-    try:
-        text = stat.read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return text.rsplit(")", 1)[1].split()[0]
-
-
-def is_alive(pid: int | None) -> bool:
-    """True while ``pid`` runs (a zombie waiting for init to reap it counts as gone)."""
-    if not pid or pid <= 0:
-        return False
-    state = _proc_state(pid)
-    if state is None or state in ("Z", "X"):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def runs_command(pid: int, needle: Sequence[str]) -> bool:
