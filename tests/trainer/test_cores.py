@@ -120,11 +120,13 @@ def _fresh_threads() -> int:
 
 
 @pytest.mark.slow
-def test_the_cpu_server_holds_a_claim_while_it_serves(tiny_model_dir: Path,
-                                                      tmp_path: Path) -> None:
+def test_the_cpu_server_holds_a_claim_while_it_serves(tiny_model_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import httpx
 
     from factory.inference.launcher import InferenceServer
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # `make test` pins one thread
 
     folder = tmp_path / "cores"
     with InferenceServer(tiny_model_dir, served_model_name="base", startup_timeout_s=240,
