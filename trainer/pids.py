@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 
-def proc_state(pid: int) -> str | None:
+def _proc_state(pid: int) -> str | None:
     """The state letter from /proc (Linux), '' where /proc is not available, None if gone."""
     stat = Path(f"/proc/{pid}/stat")
     if not Path("/proc/self/stat").exists():
@@ -22,7 +22,7 @@ def is_alive(pid: int | None) -> bool:
     """True while ``pid`` runs (a zombie waiting for init to reap it counts as gone)."""
     if not pid or pid <= 0:
         return False
-    state = proc_state(pid)
+    state = _proc_state(pid)
     if state is None or state in ("Z", "X"):
         return False
     try:

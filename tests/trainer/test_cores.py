@@ -86,7 +86,7 @@ def test_sharing_is_off_with_the_switch_and_omp_num_threads_pins(
     share.leave()
 
 
-def _train(make_job, tmp_path: Path, name: str, folder: Path) -> list[dict]:
+def _train(make_job, name: str, folder: Path) -> list[dict]:
     job = make_job(name, plan={"deterministic": False, "num_steps": 4,
                                "checkpoint_every_steps": 4})
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -102,11 +102,11 @@ def _train(make_job, tmp_path: Path, name: str, folder: Path) -> list[dict]:
 def test_a_cpu_trainer_takes_half_the_threads_beside_another_claim(
         make_job, tmp_path: Path, other: subprocess.Popen[bytes]) -> None:
     full = _fresh_threads()
-    alone = _train(make_job, tmp_path, "alone", tmp_path / "cores-alone")
+    alone = _train(make_job, "alone", tmp_path / "cores-alone")
     assert alone and {e["cpu_threads"] for e in alone} == {full}
     folder = tmp_path / "cores-beside"
     _claim(folder, other.pid)
-    beside = _train(make_job, tmp_path, "beside", folder)
+    beside = _train(make_job, "beside", folder)
     assert beside and {e["cpu_threads"] for e in beside} == {max(1, full // 2)}
     assert sorted(p.name for p in folder.iterdir()) == [str(other.pid)]  # the trainer left
 
