@@ -10,8 +10,9 @@ judged by is the ``rubric`` asset, ``factory.assets.rubric``).
   train/serve equivalence check runs first, on a few samples, as a blocking asset check: a
   checkpoint that fails it is not scored, so no later ``best_checkpoint`` can pick it. An
   overfitting or plateau signal (``decide_stop``) goes to ``early_stops``.
-- ``best_checkpoint`` (per experiment): highest mean score with a bootstrap interval, ties to
-  the earlier step; a row in ``best_checkpoints``.
+- ``best_checkpoint`` (per experiment): highest mean score with a bootstrap interval; equal
+  means go to the lower held-out loss the trainer measured on the eval split, else to the
+  earlier step; a row in ``best_checkpoints``.
 """
 
 import json
@@ -25,7 +26,7 @@ import dagster as dg
 from factory.assets.rubric import eval_rows
 from factory.evals.equivalence import check_equivalence
 from factory.evals.progress import unscored_checkpoints
-from factory.evals.report import plot_png, read_curves, record_early_stop
+from factory.evals.report import plot_png, read_curves, read_eval_losses, record_early_stop
 from factory.evals.reuse import borrow_scores
 from factory.evals.rubric import Rubric, stored_rubric
 from factory.evals.runner import (
@@ -33,7 +34,7 @@ from factory.evals.runner import (
     items_from_samples,
     score_reference,
 )
-from factory.evals.selection import select_best, summarize
+from factory.evals.selection import best_of, select_best, summarize
 from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServerError
 from factory.inference.sizing import plan_of_run
@@ -233,9 +234,10 @@ class BestCheckpointConfig(dg.Config):
     group_name="evals",
     kinds={"iceberg", "python"},
     description="The checkpoint to deploy: highest mean rubric score over the experiment's "
-                "runs (bootstrap interval; ties to the earlier step), once every checkpoint of "
+                "runs (bootstrap interval; equal means to the lower held-out loss, else the "
+                "earlier step), once every checkpoint of "
                 "its finished runs is scored. Table best_checkpoints.",
-    code_version="2",
+    code_version="3",
 )
 def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untyped-def]
                     config: BestCheckpointConfig, lake: LakeResource):
@@ -271,13 +273,13 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
             ref.append(r["score"])
     if not by_run:
         raise dg.Failure(f"experiment {experiment.name!r} has no evaluated checkpoints")
-    best_run, best = None, None
-    for run_id in sorted(by_run):
-        cand = select_best(by_run[run_id])
-        if best is None or cand.mean > best.mean + 1e-12 or (
-                abs(cand.mean - best.mean) <= 1e-12 and cand.step < best.step):
-            best_run, best = run_id, cand
-    assert best is not None and best_run is not None
+    # Equal means (an eval split the checkpoints have saturated) go to the lowest held-out loss
+    # the trainer measured on the same split, else to the earlier step (selection.best_of).
+    runs = sorted(by_run)
+    losses = {run_id: read_eval_losses(session, run_id) for run_id in runs}
+    cands = [select_best(by_run[run_id], losses[run_id]) for run_id in runs]
+    pick = best_of([(c, losses[r].get(c.step)) for r, c in zip(runs, cands, strict=True)])
+    best_run, best = runs[pick], cands[pick]
     base_mean = summarize(0, base).mean if any(s is not None for s in base) else None
     ref_mean = summarize(0, ref).mean if any(s is not None for s in ref) else None
     session.append("best_checkpoints", [{

@@ -2,7 +2,8 @@
 
 Scores come from ``eval_scores`` (mean per step; the base model at step 0 and the reference
 answers as a horizontal line); the loss curve from the ``trainer_state.json`` of the run's
-newest checkpoint listed in ``checkpoints`` (it holds the whole loss history).
+newest checkpoint listed in ``checkpoints`` (it holds the whole loss history). The trainer's
+held-out losses per step (``read_eval_losses``) come from ``training_events``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ def record_early_stop(lake: Any, run_id: str, experiment: str) -> tuple[RunCurve
             "last_score": stop.last_score, "reason": stop.reason,
             "created_at": datetime.now(UTC)}])
     return curves, stop
+
+
+def read_eval_losses(lake: Any, run_id: str) -> dict[int, float]:
+    """Step -> the trainer's held-out loss (``eval_loss`` of its ``progress`` events in
+    ``training_events``) of ``run_id``; the newest event wins where a resumed segment repeats a
+    step. Empty when the run had no eval split or its events are not synced."""
+    root = getattr(lake, "lake", lake)
+    if not root.exists("training_events"):
+        return {}
+    rows = lake.sql("SELECT step, payload FROM training_events WHERE run_id = ? "
+                    "AND type = 'progress' AND payload LIKE '%eval_loss%' "
+                    "ORDER BY event_time, seq", [run_id]).to_pylist()
+    out: dict[int, float] = {}
+    for r in rows:
+        value = json.loads(r["payload"] or "{}").get("eval_loss")
+        if r["step"] is not None and isinstance(value, int | float) and value == value:
+            out[int(r["step"])] = float(value)
+    return out
 
 
 def read_curves(lake: Any, run_id: str) -> RunCurves:

@@ -3,8 +3,11 @@
 - ``summarize``: mean score of one checkpoint with a percentile-bootstrap interval (seeded, so
   the same scores always give the same interval). Failed judge rows (score None) are left out
   and counted, never averaged in as zeros.
-- ``select_best``: the checkpoint with the highest mean; equal means go to the earlier step
-  (fewer steps: less drift from the base, and it was there first).
+- ``select_best``: the checkpoint with the highest mean. Equal means (an eval split the model
+  has saturated cannot tell its checkpoints apart) go to the lowest held-out loss, the
+  trainer's ``eval_loss`` on the same eval split, when every tied checkpoint has one; otherwise
+  to the earlier step (fewer steps: less drift from the base, and it was there first).
+  ``best_of`` applies the same order to candidates from several runs.
 - ``detect_overfitting``: after the best score so far, the last ``patience`` evals are all
   more than ``margin`` below it -> an ``EarlyStop`` for the control plane.
 - ``detect_plateau``: the last ``patience`` checkpoints' scores each stay within the bootstrap
@@ -59,19 +62,35 @@ def summarize(step: int, scores: Sequence[float | None], *, num_resamples: int =
                      num_failed=failed)
 
 
-def select_best(by_step: Mapping[int, Sequence[float | None]], **kwargs: float) -> StepScore:
-    """Highest mean score; ties go to the earlier step."""
+TIE = 1e-12
+"""Means closer than this are equal: means of the same sample scores summed in a different order
+differ in the last bits."""
+
+
+def best_of(candidates: Sequence[tuple[StepScore, float | None]]) -> int:
+    """Index of the best of ``candidates`` ((score, held-out loss or None) pairs): the highest
+    mean; among equal means the lowest loss when every one of them has a loss, else the
+    earliest step, then the first listed."""
+    if not candidates:
+        raise ValueError("best_of: no candidates")
+    top = max(c.mean for c, _ in candidates)
+    tied = [i for i, (c, _) in enumerate(candidates) if c.mean >= top - TIE]
+    losses = [candidates[i][1] for i in tied]
+    if len(tied) > 1 and all(v is not None for v in losses):
+        return min(tied, key=lambda i: (candidates[i][1], candidates[i][0].step, i))
+    return min(tied, key=lambda i: (candidates[i][0].step, i))
+
+
+def select_best(by_step: Mapping[int, Sequence[float | None]],
+                eval_loss: Mapping[int, float] | None = None, **kwargs: float) -> StepScore:
+    """Highest mean score; equal means go to the lowest ``eval_loss`` (step -> the trainer's
+    held-out loss at that step) when each has one, else to the earlier step."""
     if not by_step:
         raise ValueError("select_best: no scored checkpoints")
     summaries = [summarize(step, scores, **kwargs)  # type: ignore[arg-type]
                  for step, scores in sorted(by_step.items())]
-    # Means computed from the same sample scores in a different order can differ in the last
-    # bits; treat those as ties.
-    best = summaries[0]
-    for s in summaries[1:]:
-        if s.mean > best.mean + 1e-12:
-            best = s
-    return best
+    losses = eval_loss or {}
+    return summaries[best_of([(s, losses.get(s.step)) for s in summaries])]
 
 
 @dataclass(frozen=True, kw_only=True)

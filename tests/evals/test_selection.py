@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from factory.evals import detect_overfitting, select_best, summarize
+from factory.evals.selection import best_of
 
 
 def test_summary_interval_contains_mean_and_ignores_failed() -> None:
@@ -20,6 +21,19 @@ def test_best_is_highest_mean_ties_to_earlier_step() -> None:
     best = select_best({0: [0.1, 0.2], 20: [0.7, 0.9], 40: [0.9, 0.7], 60: [0.5, 0.5]})
     assert best.step == 20 and best.mean == pytest.approx(0.8)
     assert select_best({30: [0.3], 10: [0.3]}).step == 10
+
+
+def test_equal_means_go_to_the_lowest_eval_loss_when_each_has_one() -> None:
+    scores = {10: [1.0, 1.0], 20: [1.0, 1.0], 30: [1.0, 1.0], 5: [0.5, 1.0]}
+    assert select_best(scores, {5: 0.001, 10: 0.3, 20: 0.1, 30: 0.2}).step == 20
+    assert select_best(scores, {10: 0.3, 30: 0.2}).step == 10  # step 20 has no loss
+    assert select_best(scores, {}).step == 10
+    a, b = summarize(40, [1.0]), summarize(10, [1.0])
+    assert best_of([(a, 0.1), (b, 0.1)]) == 1  # equal losses: the earlier step
+    assert best_of([(a, 0.1), (b, None)]) == 1
+    assert best_of([(a, 0.1), (b, 0.2)]) == 0
+    with pytest.raises(ValueError, match="no candidates"):
+        best_of([])
 
 
 def test_overfitting() -> None:

@@ -1,0 +1,94 @@
+"""``best_checkpoint`` on checkpoints the judge cannot tell apart: the trainer's held-out loss on
+the eval split (``eval_loss`` in its ``progress`` events) decides, else the earlier step. Real
+lake and Dagster, scores and events as the evals and the control plane write them."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from factory.control.plane import event_row
+from factory.evals.rubric import Criterion, Rubric
+from factory.lake import Lake
+from tests.evals.conftest import write_experiment
+
+pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
+
+RUBRIC = Rubric(criteria=(Criterion(name="label", description="the right label",
+                                    check="label_match"),))
+T0 = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def _scores(run_id: str, means: dict[int, float]) -> list[dict[str, Any]]:
+    """Four samples per step, ``mean`` of them right (quarters)."""
+    rows = []
+    for step, mean in means.items():
+        right = round(mean * 4)
+        for i in range(4):
+            rows.append({"run_id": run_id, "experiment": "support", "step": step,
+                         "kind": "checkpoint", "checkpoint_path": f"/ckpt/{run_id}/{step}",
+                         "rubric_version": RUBRIC.version, "sample_id": f"s{i}",
+                         "response": "x", "score": 1.0 if i < right else 0.0, "status": "ok",
+                         "judge": "code", "evaluated_at": T0})
+    return rows
+
+
+def _losses(run_id: str, losses: dict[int, float], *, start: int = 0) -> list[dict[str, Any]]:
+    """``progress`` events with ``eval_loss`` as the control plane stores them."""
+    return [event_row({"type": "progress", "run_id": run_id, "step": step, "seq": start + k,
+                       "time": (T0 + timedelta(seconds=start + k)).timestamp(),
+                       "loss": 0.1, "eval_loss": loss},
+                      segment_id=f"{run_id}-s0", source="events_file", received_at=T0)
+            for k, (step, loss) in enumerate(losses.items())]
+
+
+def _best(factory_home: Path, monkeypatch: pytest.MonkeyPatch,
+          scores: list[dict[str, Any]], events: list[dict[str, Any]]) -> tuple[str, int]:
+    from factory.assets.evals import best_checkpoint
+    from factory.resources.lake import LakeResource
+
+    write_experiment(factory_home, monkeypatch,
+                     'name: support\ndata: {where: "true"}\nrecipe: smollm2-135m-lora\n')
+    lake = Lake()
+    lake.append("rubrics", [{"experiment": "support", "version": RUBRIC.version,
+                             "source": "inline", "num_examples": 4,
+                             "rubric": json.dumps(RUBRIC.to_dict()), "created_at": T0}])
+    lake.append("eval_scores", scores)
+    if events:
+        lake.append("training_events", events)
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("experiments", ["support"])
+    assert dg.materialize([best_checkpoint], instance=instance, partition_key="support",
+                          resources={"lake": LakeResource()}).success
+    [row] = lake.read("best_checkpoints").to_pylist()
+    assert row["path"] == f"/ckpt/{row['run_id']}/{row['step']}"
+    return row["run_id"], row["step"]
+
+
+def test_equal_scores_go_to_the_lowest_held_out_loss(factory_home: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # r1's steps 20 and 30 and r2's step 10 all score 1.0; r1's step 30 has the lowest loss
+    # (step 20's event is repeated by a resumed segment: the newer value counts).
+    scores = _scores("r1", {10: 0.75, 20: 1.0, 30: 1.0}) + _scores("r2", {10: 1.0})
+    events = (_losses("r1", {10: 0.9, 20: 0.05, 30: 0.2}) + _losses("r1", {20: 0.4}, start=10)
+              + _losses("r2", {10: 0.3}))
+    assert _best(factory_home, monkeypatch, scores, events) == ("r1", 30)
+
+
+def test_a_higher_score_wins_whatever_its_loss(factory_home: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    scores = _scores("r1", {10: 0.75, 20: 1.0})
+    events = _losses("r1", {10: 0.01, 20: 0.9})
+    assert _best(factory_home, monkeypatch, scores, events) == ("r1", 20)
+
+
+def test_without_a_loss_for_every_tied_checkpoint_the_earlier_step_wins(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scores = _scores("r1", {10: 1.0, 20: 1.0, 30: 1.0})
+    events = _losses("r1", {20: 0.1, 30: 0.05})  # step 10 has none
+    assert _best(factory_home, monkeypatch, scores, events) == ("r1", 10)
