@@ -508,6 +508,11 @@ class Trainer:
             self.loss_history.append([step, out["loss"]])
             window_tokens += out["real_tokens"]
             window_computed += out["computed_tokens"]
+            saving = step % plan.checkpoint_every_steps == 0 or step == self.num_steps
+            # The held-out loss at each eval step and at each checkpoint the run saves: the
+            # checkpoints' judge scores can tie, and best_checkpoint then ranks them by it.
+            eval_now = self.eval_stream is not None and plan.eval_every_steps is not None \
+                and (step % plan.eval_every_steps == 0 or saving)
             if step % plan.log_every_steps == 0 or step == self.num_steps:
                 elapsed = time.perf_counter() - window_t
                 metrics = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
@@ -515,8 +520,7 @@ class Trainer:
                 mfu = self._mfu(window_computed / max(elapsed, 1e-9))
                 if mfu is not None:
                     metrics["mfu"] = mfu
-                if self.eval_stream is not None and plan.eval_every_steps \
-                        and step % plan.eval_every_steps == 0:
+                if eval_now:
                     metrics["eval_loss"] = self._eval_loss()
                 mem = _memory(self.device)
                 if self.cores is not None:
@@ -527,10 +531,9 @@ class Trainer:
                     reporter.tracker.log_metrics({**metrics, **{k: float(v) for k, v in
                                                                 mem.items()}}, step=step)
                 window_t, window_tokens, window_computed = time.perf_counter(), 0.0, 0.0
-            elif self.eval_stream is not None and plan.eval_every_steps \
-                    and step % plan.eval_every_steps == 0:
+            elif eval_now:
                 reporter.emit("progress", step=step, eval_loss=self._eval_loss())
-            if step % plan.checkpoint_every_steps == 0 or step == self.num_steps:
+            if saving:
                 self._checkpoint(reporter)
             if job.debug.sleep_per_step_s:
                 self.stop.event.wait(job.debug.sleep_per_step_s)
