@@ -34,7 +34,7 @@ from factory.evals.runner import (
     items_from_samples,
     score_reference,
 )
-from factory.evals.selection import best_of, select_best, summarize
+from factory.evals.selection import rank, summarize
 from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServerError
 from factory.inference.sizing import plan_of_run
@@ -273,13 +273,15 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
             ref.append(r["score"])
     if not by_run:
         raise dg.Failure(f"experiment {experiment.name!r} has no evaluated checkpoints")
-    # Equal means (an eval split the checkpoints have saturated) go to the lowest held-out loss
-    # the trainer measured on the same split, else to the earlier step (selection.best_of).
-    runs = sorted(by_run)
-    losses = {run_id: read_eval_losses(session, run_id) for run_id in runs}
-    cands = [select_best(by_run[run_id], losses[run_id]) for run_id in runs]
-    pick = best_of([(c, losses[r].get(c.step)) for r, c in zip(runs, cands, strict=True)])
-    best_run, best = runs[pick], cands[pick]
+    # Every checkpoint of every run at once: equal means (an eval split the checkpoints have
+    # saturated) go to the lowest held-out loss the trainer measured on the same split, else to
+    # the earlier step (selection.rank).
+    losses = {run_id: read_eval_losses(session, run_id) for run_id in by_run}
+    keys = sorted((run_id, step) for run_id, steps in by_run.items() for step in steps)
+    cands = [summarize(step, by_run[run_id][step]) for run_id, step in keys]
+    pick, decided_by = rank([(c, losses[run_id].get(step))
+                             for c, (run_id, step) in zip(cands, keys, strict=True)])
+    best_run, best = keys[pick][0], cands[pick]
     base_mean = summarize(0, base).mean if any(s is not None for s in base) else None
     ref_mean = summarize(0, ref).mean if any(s is not None for s in ref) else None
     session.append("best_checkpoints", [{
@@ -289,8 +291,10 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
         "num_samples": best.num_samples, "base_score": base_mean, "reference_score": ref_mean,
         "selected_at": _now()}])
     curves = read_curves(session, best_run)
-    curve = "| step | mean score |\n|---|---|\n" + "\n".join(
-        f"| {s} | {v:.3f} |" for s, v in curves.scores)
+    run_losses = losses[best_run]
+    curve = "| step | mean score | eval loss |\n|---|---|---|\n" + "\n".join(
+        f"| {s} | {v:.3f} | {run_losses[s]:.3g} |" if s in run_losses
+        else f"| {s} | {v:.3f} | - |" for s, v in curves.scores)
     extra: dict = {}
     if experiment.sweep:
         # By task score: sweep_comparison reads each point's best checkpoint mean from
@@ -300,6 +304,7 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
     png = plot_png(curves, get_settings().home / "reports" / best_run / "curve.png")
     return dg.MaterializeResult(metadata={
         "run_id": best_run, "step": best.step, "mean_score": best.mean,
+        "decided_by": decided_by,
         "ci": f"[{best.ci_low:.3f}, {best.ci_high:.3f}]",
         "base_score": base_mean, "reference_score": ref_mean,
         "score_curve": dg.MetadataValue.md(curve), "curve": dg.MetadataValue.path(str(png)),

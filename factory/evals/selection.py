@@ -7,7 +7,8 @@
   has saturated cannot tell its checkpoints apart) go to the lowest held-out loss, the
   trainer's ``eval_loss`` on the same eval split, when every tied checkpoint has one; otherwise
   to the earlier step (fewer steps: less drift from the base, and it was there first).
-  ``best_of`` applies the same order to candidates from several runs.
+  ``rank`` and ``best_of`` apply the same order to checkpoints of several runs and say what
+  decided.
 - ``detect_overfitting``: after the best score so far, the last ``patience`` evals are all
   more than ``margin`` below it -> an ``EarlyStop`` for the control plane.
 - ``detect_plateau``: the last ``patience`` checkpoints' scores each stay within the bootstrap
@@ -67,18 +68,28 @@ TIE = 1e-12
 differ in the last bits."""
 
 
-def best_of(candidates: Sequence[tuple[StepScore, float | None]]) -> int:
-    """Index of the best of ``candidates`` ((score, held-out loss or None) pairs): the highest
-    mean; among equal means the lowest loss when every one of them has a loss, else the
-    earliest step, then the first listed."""
+def rank(candidates: Sequence[tuple[StepScore, float | None]]) -> tuple[int, str]:
+    """(index of the best of ``candidates``, what decided it) for (score, held-out loss or None)
+    pairs: the highest mean; among equal means the lowest loss when every one of them has a
+    loss, else the earliest step, then the first listed. What decided: ``mean score``, or
+    ``eval loss`` / ``earliest step`` with how many candidates tied."""
     if not candidates:
         raise ValueError("best_of: no candidates")
     top = max(c.mean for c, _ in candidates)
     tied = [i for i, (c, _) in enumerate(candidates) if c.mean >= top - TIE]
-    losses = [candidates[i][1] for i in tied]
-    if len(tied) > 1 and all(v is not None for v in losses):
-        return min(tied, key=lambda i: (candidates[i][1], candidates[i][0].step, i))
-    return min(tied, key=lambda i: (candidates[i][0].step, i))
+    if len(tied) == 1:
+        return tied[0], "mean score"
+    if all(candidates[i][1] is not None for i in tied):
+        return (min(tied, key=lambda i: (candidates[i][1], candidates[i][0].step, i)),
+                f"eval loss ({len(tied)} checkpoints tie on the mean score)")
+    return (min(tied, key=lambda i: (candidates[i][0].step, i)),
+            f"earliest step ({len(tied)} checkpoints tie on the mean score, not all with an "
+            "eval loss)")
+
+
+def best_of(candidates: Sequence[tuple[StepScore, float | None]]) -> int:
+    """Index of the best of ``candidates`` by ``rank``'s order."""
+    return rank(candidates)[0]
 
 
 def select_best(by_step: Mapping[int, Sequence[float | None]],

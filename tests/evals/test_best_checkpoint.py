@@ -48,7 +48,8 @@ def _losses(run_id: str, losses: dict[int, float], *, start: int = 0) -> list[di
 
 
 def _best(factory_home: Path, monkeypatch: pytest.MonkeyPatch,
-          scores: list[dict[str, Any]], events: list[dict[str, Any]]) -> tuple[str, int]:
+          scores: list[dict[str, Any]], events: list[dict[str, Any]]) -> tuple[str, int, str]:
+    """(run, step) of the row ``best_checkpoint`` writes, and its ``decided_by``."""
     from factory.assets.evals import best_checkpoint
     from factory.resources.lake import LakeResource
 
@@ -63,11 +64,14 @@ def _best(factory_home: Path, monkeypatch: pytest.MonkeyPatch,
         lake.append("training_events", events)
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("experiments", ["support"])
-    assert dg.materialize([best_checkpoint], instance=instance, partition_key="support",
-                          resources={"lake": LakeResource()}).success
+    result = dg.materialize([best_checkpoint], instance=instance, partition_key="support",
+                            resources={"lake": LakeResource()})
+    assert result.success
     [row] = lake.read("best_checkpoints").to_pylist()
     assert row["path"] == f"/ckpt/{row['run_id']}/{row['step']}"
-    return row["run_id"], row["step"]
+    meta = result.asset_materializations_for_node("best_checkpoint")[0].metadata
+    assert (meta["run_id"].value, meta["step"].value) == (row["run_id"], row["step"])
+    return row["run_id"], row["step"], meta["decided_by"].value
 
 
 def test_equal_scores_go_to_the_lowest_held_out_loss(factory_home: Path,
@@ -77,18 +81,20 @@ def test_equal_scores_go_to_the_lowest_held_out_loss(factory_home: Path,
     scores = _scores("r1", {10: 0.75, 20: 1.0, 30: 1.0}) + _scores("r2", {10: 1.0})
     events = (_losses("r1", {10: 0.9, 20: 0.05, 30: 0.2}) + _losses("r1", {20: 0.4}, start=10)
               + _losses("r2", {10: 0.3}))
-    assert _best(factory_home, monkeypatch, scores, events) == ("r1", 30)
+    assert _best(factory_home, monkeypatch, scores, events) == (
+        "r1", 30, "eval loss (3 checkpoints tie on the mean score)")
 
 
 def test_a_higher_score_wins_whatever_its_loss(factory_home: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     scores = _scores("r1", {10: 0.75, 20: 1.0})
     events = _losses("r1", {10: 0.01, 20: 0.9})
-    assert _best(factory_home, monkeypatch, scores, events) == ("r1", 20)
+    assert _best(factory_home, monkeypatch, scores, events) == ("r1", 20, "mean score")
 
 
 def test_without_a_loss_for_every_tied_checkpoint_the_earlier_step_wins(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     scores = _scores("r1", {10: 1.0, 20: 1.0, 30: 1.0})
     events = _losses("r1", {20: 0.1, 30: 0.05})  # step 10 has none
-    assert _best(factory_home, monkeypatch, scores, events) == ("r1", 10)
+    assert _best(factory_home, monkeypatch, scores, events) == (
+        "r1", 10, "earliest step (3 checkpoints tie on the mean score, not all with an eval loss)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from factory.evals import detect_overfitting, select_best, summarize
-from factory.evals.selection import best_of
+from factory.evals.selection import best_of, rank
 
 
 def test_summary_interval_contains_mean_and_ignores_failed() -> None:
@@ -34,6 +34,8 @@ def test_equal_means_go_to_the_lowest_eval_loss_when_each_has_one() -> None:
     assert best_of([(a, 0.1), (b, 0.2)]) == 0
     with pytest.raises(ValueError, match="no candidates"):
         best_of([])
+    assert rank([(a, 0.1), (summarize(20, [0.5]), 0.01)]) == (0, "mean score")
+    assert rank([(a, 0.1), (b, 0.2)]) == (0, "eval loss (2 checkpoints tie on the mean score)")
 
 
 def test_overfitting() -> None:
