@@ -7,8 +7,7 @@
   has saturated cannot tell its checkpoints apart) go to the lowest held-out loss, the
   trainer's ``eval_loss`` on the same eval split, when every tied checkpoint has one; otherwise
   to the earlier step (fewer steps: less drift from the base, and it was there first).
-  ``rank`` and ``best_of`` apply the same order to checkpoints of several runs and say what
-  decided.
+  ``rank`` applies the same order to checkpoints of several runs and says what decided.
 - ``detect_overfitting``: after the best score so far, the last ``patience`` evals are all
   more than ``margin`` below it -> an ``EarlyStop`` for the control plane.
 - ``detect_plateau``: the last ``patience`` checkpoints' scores each stay within the bootstrap
@@ -74,7 +73,7 @@ def rank(candidates: Sequence[tuple[StepScore, float | None]]) -> tuple[int, str
     loss, else the earliest step, then the first listed. What decided: ``mean score``, or
     ``eval loss`` / ``earliest step`` with how many candidates tied."""
     if not candidates:
-        raise ValueError("best_of: no candidates")
+        raise ValueError("rank: no candidates")
     top = max(c.mean for c, _ in candidates)
     tied = [i for i, (c, _) in enumerate(candidates) if c.mean >= top - TIE]
     if len(tied) == 1:
@@ -87,11 +86,6 @@ def rank(candidates: Sequence[tuple[StepScore, float | None]]) -> tuple[int, str
             "eval loss)")
 
 
-def best_of(candidates: Sequence[tuple[StepScore, float | None]]) -> int:
-    """Index of the best of ``candidates`` by ``rank``'s order."""
-    return rank(candidates)[0]
-
-
 def select_best(by_step: Mapping[int, Sequence[float | None]],
                 eval_loss: Mapping[int, float] | None = None, **kwargs: float) -> StepScore:
     """Highest mean score; equal means go to the lowest ``eval_loss`` (step -> the trainer's
@@ -101,7 +95,7 @@ def select_best(by_step: Mapping[int, Sequence[float | None]],
     summaries = [summarize(step, scores, **kwargs)  # type: ignore[arg-type]
                  for step, scores in sorted(by_step.items())]
     losses = eval_loss or {}
-    return summaries[best_of([(s, losses.get(s.step)) for s in summaries])]
+    return summaries[rank([(s, losses.get(s.step)) for s in summaries])[0]]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from factory.evals import detect_overfitting, select_best, summarize
-from factory.evals.selection import best_of, rank
+from factory.evals.selection import rank
 
 
 def test_summary_interval_contains_mean_and_ignores_failed() -> None:
@@ -29,11 +29,11 @@ def test_equal_means_go_to_the_lowest_eval_loss_when_each_has_one() -> None:
     assert select_best(scores, {10: 0.3, 30: 0.2}).step == 10  # step 20 has no loss
     assert select_best(scores, {}).step == 10
     a, b = summarize(40, [1.0]), summarize(10, [1.0])
-    assert best_of([(a, 0.1), (b, 0.1)]) == 1  # equal losses: the earlier step
-    assert best_of([(a, 0.1), (b, None)]) == 1
-    assert best_of([(a, 0.1), (b, 0.2)]) == 0
+    assert rank([(a, 0.1), (b, 0.1)])[0] == 1  # equal losses: the earlier step
+    assert rank([(a, 0.1), (b, None)])[0] == 1
+    assert rank([(a, 0.1), (b, 0.2)])[0] == 0
     with pytest.raises(ValueError, match="no candidates"):
-        best_of([])
+        rank([])
     assert rank([(a, 0.1), (summarize(20, [0.5]), 0.01)]) == (0, "mean score")
     assert rank([(a, 0.1), (b, 0.2)]) == (0, "eval loss (2 checkpoints tie on the mean score)")
 
