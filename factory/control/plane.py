@@ -181,6 +181,37 @@ def _latest(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _latest_runs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest row of each run, where an ended submission stays ended: once a run is
+    finished, failed, cancelled or stopped, a later row of the same submission (the same
+    ``submitted_at``) is a stale read of another process (a dispatch that read it queued and
+    wrote it running after a cancel) and is ignored. A new submission (``submit``: queued,
+    reason ``submitted``) replaces it."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: r["updated_at"]):
+        prev = out.get(row["run_id"])
+        if prev is not None and prev["status"] not in RUN_ACTIVE and \
+                row["submitted_at"] == prev["submitted_at"] and \
+                (row["status"], row["reason"]) != ("queued", "submitted"):
+            continue
+        out[row["run_id"]] = row
+    return out
+
+
+def _latest_segments(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest row of each segment, where ``ended`` is final: a segment id is never
+    launched twice, so a live row written after an ended one is a stale read of another
+    process (a sensor's tick that read the segment running, written after a cancel ended it)
+    and is ignored. A later ended row (its events synced) still replaces an ended one."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: r["updated_at"]):
+        prev = out.get(row["segment_id"])
+        if prev is not None and prev["status"] == "ended" and row["status"] != "ended":
+            continue
+        out[row["segment_id"]] = row
+    return out
+
+
 def events_file_for(job: Job, segment_id: str) -> str:
     """Each segment writes its own events file, so events map to segments exactly."""
     if job.is_local_output:
@@ -225,7 +256,7 @@ class ControlPlane:
 
     # -- state -------------------------------------------------------------------------------
     def runs(self) -> dict[str, Run]:
-        rows = _latest(self._rows("training_runs"), "run_id")
+        rows = _latest_runs(self._rows("training_runs"))
         return {k: Run(run_id=k, experiment=r["experiment"], kind=r["kind"],
                        priority=r["priority"], status=r["status"],
                        job=Job.from_dict(json.loads(r["job"])),
@@ -235,7 +266,7 @@ class ControlPlane:
                 for k, r in rows.items()}
 
     def segments(self, run_id: str | None = None) -> list[Segment]:
-        rows = _latest(self._rows("training_segments"), "segment_id")
+        rows = _latest_segments(self._rows("training_segments"))
         segs = [Segment(segment_id=r["segment_id"], run_id=r["run_id"], seq=r["seq"],
                         provider=r["provider"], handle=Handle.from_json(r["handle"]),
                         status=r["status"], launched_at=_t(r["launched_at"]) or 0.0,
@@ -735,6 +766,7 @@ class ControlPlane:
         states = self.provider_states()  # before the events: see observe
         synced = self.sync_events()
         changed = self.observe(states)
+        reaped = self.reap()
         stopped = self.early_stop()
         decisions = self.dispatch()
         rolled = self.rollover()
@@ -742,7 +774,21 @@ class ControlPlane:
         return {"events": synced, "changed": [s.segment_id for s in changed],
                 "assigned": [d.job_id for d in decisions if d.provider],
                 "rollovers": [s.segment_id for s in rolled],
-                "recoveries": [s.segment_id for s in recovered], "early_stops": stopped}
+                "recoveries": [s.segment_id for s in recovered], "early_stops": stopped,
+                "reaped": [s.segment_id for s in reaped]}
+
+    def reap(self) -> list[Segment]:
+        """Stop the live segments of runs no longer active: a trainer launched by a process
+        that read its run queued or running just before another ended it (a dispatch beside a
+        cancel) must not train on for a cancelled run."""
+        runs = self.runs()
+        orphans = [s for s in self.segments() if s.live and s.run_id in runs
+                   and runs[s.run_id].status not in RUN_ACTIVE]
+        for s in orphans:
+            log.warning("stopping %s: its run %s is %s", s.segment_id, s.run_id,
+                        runs[s.run_id].status)
+        self._stop_live(orphans, self.clock())
+        return orphans
 
 
 def cancel_run(plane: ControlPlane, run_id: str, *, reason: str,

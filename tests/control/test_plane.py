@@ -8,6 +8,7 @@ import json
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save
@@ -205,6 +206,98 @@ def test_an_early_stop_from_the_evals_stops_the_run(factory_home, make_job) -> N
     p.state["r-s000"] = ProviderStatus(state="failed", exit_code=75)
     plane.tick()
     assert len(plane.segments("r")) == 1  # never recovered
+
+
+class CancelledWhileAsked(Scripted):
+    """Another process cancels the run at the moment this one asks about its trainer: between
+    a tick's read of the segments and its write of what it saw."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.on_status: Any = None
+
+    def status(self, handle: Handle) -> ProviderStatus:
+        hook, self.on_status = self.on_status, None
+        if hook is not None:
+            hook()
+        return super().status(handle)
+
+
+def test_a_cancel_during_another_processs_tick_stays_cancelled(factory_home, make_job) -> None:
+    """A sensor's tick read the segment running, a cancel ended it, then the tick wrote the
+    step it saw: the segment is still ended (``stopped``), the run cancelled, nothing is
+    relaunched, and the provider is not asked to stop it twice."""
+    p = CancelledWhileAsked("local")
+    sensor, lake = _plane(p)
+    cancelling, _ = _plane(p)
+    sensor.submit(make_job("r"))
+    sensor.tick()
+    _emit(lake, "r-s000", "started", 0, p.now)
+    sensor.tick()
+    _emit(lake, "r-s000", "progress", 5, p.now + 1)
+    p.now += 2
+
+    def cancel() -> None:
+        cancelling.stop_run("r", reason="interrupted")
+        p.now += 1  # the tick writes after the cancel
+
+    p.on_status = cancel
+    [stale] = sensor.observe()  # the step it saw, written after the cancel
+    assert (stale.status, stale.last_step) == ("running", 5)
+    [seg] = sensor.segments("r")
+    assert (seg.status, seg.end_reason) == ("ended", "stopped")
+    assert cancelling.runs()["r"].status == "cancelled"
+    p.state["r-s000"] = ProviderStatus(state="failed", exit_code=-15)
+    p.now += 100
+    sensor.tick()
+    assert [(s.segment_id, s.status, s.end_reason) for s in sensor.segments("r")] == \
+        [("r-s000", "ended", "stopped")]
+    assert sensor.runs()["r"].status == "cancelled" and p.stopped == ["r-s000"]
+
+
+class CancelledWhileLaunching(Scripted):
+    """Another process cancels the run while this one launches its trainer: a dispatch that
+    read the run queued, beside a cancel."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.on_launch: Any = None
+
+    def launch(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Handle:
+        hook, self.on_launch = self.on_launch, None
+        if hook is not None:
+            hook()
+        return super().launch(job, segment_id=segment_id, num_gpus=num_gpus)
+
+
+def test_a_trainer_launched_as_its_run_is_cancelled_is_stopped(factory_home, make_job) -> None:
+    """The dispatch's "running" write after the cancel is ignored and the next tick stops the
+    trainer it launched; a new submission of the run id then queues it again."""
+    p = CancelledWhileLaunching("local")
+    dispatcher, _ = _plane(p)
+    cancelling, _ = _plane(p)
+    job = make_job("r")
+    dispatcher.submit(job)
+
+    def cancel() -> None:
+        cancelling.stop_run("r", reason="interrupted")
+        p.now += 1  # the dispatch writes after the cancel
+
+    p.on_launch = cancel
+    dispatcher.dispatch()
+    assert dispatcher.runs()["r"].status == "cancelled"
+    assert [s.status for s in dispatcher.segments("r")] == ["launched"] and p.stopped == []
+    report = dispatcher.tick()
+    assert report["reaped"] == ["r-s000"] and p.stopped == ["r-s000"]
+    [seg] = dispatcher.segments("r")
+    assert (seg.status, seg.end_reason) == ("ended", "stopped")
+    p.state["r-s000"] = ProviderStatus(state="failed", exit_code=-15)
+    assert dispatcher.tick()["reaped"] == [] and dispatcher.runs()["r"].status == "cancelled"
+    assert dispatcher.submit(job).status == "queued"
+    assert dispatcher.runs()["r"].status == "queued"
+    dispatcher.tick()
+    assert dispatcher.runs()["r"].status == "running"
+    assert [s.segment_id for s in dispatcher.segments("r") if s.live] == ["r-s001"]
 
 
 class ExitsWhenAsked(Scripted):
