@@ -164,6 +164,11 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     shared = reported(events, "shared_prefix")
     if shared:
         metadata["shared_prefix"] = dg.MetadataValue.json(shared)
+    # What the trainer computed in: the plan's precision, or fp32 on a CPU that would emulate
+    # bf16 (factory.trainer.precision), with why.
+    ran = reported(events, "precision")
+    if ran:
+        metadata["precision"] = str(ran["ran"]) + (f" ({ran['reason']})" if ran["reason"] else "")
     metadata.update(session.metadata())
     # "stopped" is the evals' early stop (the score fell after its peak): the run ended as it
     # should, and its best checkpoint is selected like a finished run's.

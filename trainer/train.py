@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch
 from . import checkpoint as ckpt
 from .config import Job, TrainConfig
 from .cores import CoreShare
+from .precision import effective_precision
 from .tracking import NullTracker, Tracker, make_tracker
 from .webhooks import EventLog, WebhookSender
 
@@ -197,10 +198,14 @@ class Trainer:
 
     def __init__(self, job: Job, *, stop: StopFlag | None = None) -> None:
         self.job = job
-        self.plan = job.plan
         self.stop = stop or StopFlag()
         self.rank, self.world = _dist()
         self.device = _device()
+        # The precision this device really runs (bf16 autocast is fp32 on a CPU that would
+        # emulate bf16); the started event says so when it differs from the plan's.
+        precision, self.precision_note = effective_precision(job.plan.precision,
+                                                             self.device.type)
+        self.plan = replace(job.plan, precision=precision)
         self.loss_history: list[list[float]] = []
         self.resumed_from: str | None = None
         self.last_saved: ckpt.CheckpointInfo | None = None
@@ -477,6 +482,8 @@ class Trainer:
         reporter.emit("started", step=self.step, num_steps=self.num_steps,
                       resumed_from=self.resumed_from, world_size=self.world,
                       device=str(self.device), pid=os.getpid(), malloc=malloc_name(),
+                      precision={"planned": job.plan.precision, "ran": plan.precision,
+                                 "reason": self.precision_note},
                       data=vars(self.data_stats), mix=self.stream.summary(),
                       shared_prefix=self.stream.shared_prefix_summary(),
                       num_trainable_parameters=sum(p.numel() for p in self.params),

@@ -56,10 +56,14 @@ def _materialize(job: Job, tmp_path: Path, **kwargs: Any) -> Any:
 
 
 def test_training_run_materializes_segments_and_loss_curve(factory_home, make_job,
-                                                           tmp_path: Path) -> None:
-    # One sample in 100 is longer than the plan: dropped before training, and counted.
-    job = _with_long_samples(make_job("asset-run", num_steps=4), tmp_path / "some-long.parquet",
-                             num_short=99, num_long=1)
+                                                           tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    # One sample in 100 is longer than the plan: dropped before training, and counted. The
+    # plan's bf16 autocast, on a CPU said to emulate bf16, runs fp32.
+    monkeypatch.setenv("FACTORY_CPU_BF16", "emulated")
+    job = _with_long_samples(make_job("asset-run", num_steps=4, precision="bf16-autocast"),
+                             tmp_path / "some-long.parquet", num_short=99, num_long=1)
     result = _materialize(job, tmp_path)
     assert result.success
     [mat] = result.asset_materializations_for_node("training_run")
@@ -80,6 +84,8 @@ def test_training_run_materializes_segments_and_loss_curve(factory_home, make_jo
     # What share_prefix saved (nothing: the job does not ask for it), as the trainer reports it.
     assert md["shared_prefix"].value == started["shared_prefix"]
     assert started["shared_prefix"]["tokens_computed"] == started["shared_prefix"]["tokens"] > 0
+    assert md["precision"].value.startswith("fp32 (bf16-autocast planned, fp32 run: this CPU "
+                                            "(FACTORY_CPU_BF16=emulated) emulates bf16")
     lake = Lake()
     rows = lake.read("checkpoints").to_pylist()
     assert sorted(r["step"] for r in rows) == [2, 4]

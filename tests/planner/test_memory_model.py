@@ -18,9 +18,14 @@ def test_loss_chunk_matches_the_trainer() -> None:
 
 def test_estimate_within_25_percent_of_a_real_trainer_run(tiny_model_dir: Path,
                                                           factory_home: Path,
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
     # 4 packed rows of 512 tokens under the planner's CPU precision (bf16 autocast): two loss
-    # chunks, so the estimate is dominated by the chunked loss's buffers.
+    # chunks, so the estimate is dominated by the chunked loss's buffers. The trainer runs bf16
+    # autocast even where this CPU would emulate it (it would run fp32 there): the model of
+    # that precision is what is measured.
+    monkeypatch.setenv("FACTORY_CPU_BF16", "native")
     config = MeasureConfig(model="tiny-llama", seq_len=512, micro_batch_size=4, packing=True)
     m = measure(config, threads=1, work_dir=tmp_path, model_path=tiny_model_dir)
     cfg = m.plan.train_config()
@@ -42,7 +47,9 @@ def test_estimate_within_25_percent_of_a_real_trainer_run(tiny_model_dir: Path,
 
 @pytest.mark.heavy
 def test_estimate_within_25_percent_on_gemma3_270m(gemma3_dir: Path, factory_home: Path,
-                                                   tmp_path: Path) -> None:
+                                                   tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FACTORY_CPU_BF16", "native")  # the planned precision, as above
     # Gemma 3 270M: 262,144 vocabulary rows, so the loss is where memory goes; measured here
     # (2 x 512, bf16 autocast): 6.04 GiB estimated vs 5.68 GiB (+6%), 2.8 GiB of it the loss's
     # chunk buffers.
