@@ -31,7 +31,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -174,42 +174,34 @@ def _t(d: Any) -> float | None:
     return None if d is None else d.timestamp()
 
 
-def _latest(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+def _latest(rows: list[dict[str, Any]], key: str,
+            stale: Callable[[dict[str, Any], dict[str, Any]], bool] | None = None
+            ) -> dict[str, dict[str, Any]]:
+    """The newest row (by ``updated_at``) of each ``key``; a row for which ``stale(the row it
+    would replace, it)`` holds is skipped."""
     out: dict[str, dict[str, Any]] = {}
     for row in sorted(rows, key=lambda r: r["updated_at"]):
+        prev = out.get(row[key])
+        if stale is not None and prev is not None and stale(prev, row):
+            continue
         out[row[key]] = row
     return out
 
 
-def _latest_runs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The newest row of each run, where an ended submission stays ended: once a run is
-    finished, failed, cancelled or stopped, a later row of the same submission (the same
-    ``submitted_at``) is a stale read of another process (a dispatch that read it queued and
-    wrote it running after a cancel) and is ignored. A new submission (``submit``: queued,
-    reason ``submitted``) replaces it."""
-    out: dict[str, dict[str, Any]] = {}
-    for row in sorted(rows, key=lambda r: r["updated_at"]):
-        prev = out.get(row["run_id"])
-        if prev is not None and prev["status"] not in RUN_ACTIVE and \
-                row["submitted_at"] == prev["submitted_at"] and \
-                (row["status"], row["reason"]) != ("queued", "submitted"):
-            continue
-        out[row["run_id"]] = row
-    return out
+def _stale_run(prev: dict[str, Any], row: dict[str, Any]) -> bool:
+    """An ended submission stays ended: once a run is finished, failed, cancelled or stopped, a
+    later row of the same submission (the same ``submitted_at``) is a stale read of another
+    process (a dispatch that read it queued and wrote it running after a cancel). A new
+    submission (``submit``: queued, reason ``submitted``) is not."""
+    return prev["status"] not in RUN_ACTIVE and row["submitted_at"] == prev["submitted_at"] \
+        and (row["status"], row["reason"]) != ("queued", "submitted")
 
 
-def _latest_segments(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The newest row of each segment, where ``ended`` is final: a segment id is never
-    launched twice, so a live row written after an ended one is a stale read of another
-    process (a sensor's tick that read the segment running, written after a cancel ended it)
-    and is ignored. A later ended row (its events synced) still replaces an ended one."""
-    out: dict[str, dict[str, Any]] = {}
-    for row in sorted(rows, key=lambda r: r["updated_at"]):
-        prev = out.get(row["segment_id"])
-        if prev is not None and prev["status"] == "ended" and row["status"] != "ended":
-            continue
-        out[row["segment_id"]] = row
-    return out
+def _stale_segment(prev: dict[str, Any], row: dict[str, Any]) -> bool:
+    """``ended`` is final: a segment id is never launched twice, so a live row after an ended
+    one is a stale read of another process (a sensor's tick that read the segment running,
+    written after a cancel ended it). A later ended row (its events synced) is not."""
+    return prev["status"] == "ended" and row["status"] != "ended"
 
 
 def events_file_for(job: Job, segment_id: str) -> str:
@@ -256,7 +248,7 @@ class ControlPlane:
 
     # -- state -------------------------------------------------------------------------------
     def runs(self) -> dict[str, Run]:
-        rows = _latest_runs(self._rows("training_runs"))
+        rows = _latest(self._rows("training_runs"), "run_id", _stale_run)
         return {k: Run(run_id=k, experiment=r["experiment"], kind=r["kind"],
                        priority=r["priority"], status=r["status"],
                        job=Job.from_dict(json.loads(r["job"])),
@@ -266,7 +258,7 @@ class ControlPlane:
                 for k, r in rows.items()}
 
     def segments(self, run_id: str | None = None) -> list[Segment]:
-        rows = _latest_segments(self._rows("training_segments"))
+        rows = _latest(self._rows("training_segments"), "segment_id", _stale_segment)
         segs = [Segment(segment_id=r["segment_id"], run_id=r["run_id"], seq=r["seq"],
                         provider=r["provider"], handle=Handle.from_json(r["handle"]),
                         status=r["status"], launched_at=_t(r["launched_at"]) or 0.0,
