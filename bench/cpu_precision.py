@@ -24,28 +24,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _train import TARGETS, start, write_triage  # noqa: E402 - bench/ is the script's folder
+from _train import lora_plan, start, train, write_triage  # noqa: E402 - bench/ is the script's folder
 
 
 def run(work: Path, base: str, precision: str, steps: int, threads: int | None) -> dict:
-    import subprocess
-
-    plan = {"base_model": base, "max_seq_len": 128, "packing": False, "micro_batch_size": 4,
-            "grad_accum_steps": 1, "learning_rate": 5e-4, "num_steps": steps, "lora_rank": 16,
-            "lora_alpha": 32.0, "lora_dropout": 0.0, "lora_target_modules": TARGETS,
-            "precision": precision, "checkpoint_every_steps": 10_000, "seed": 0}
+    """One trainer run of ``steps`` steps at ``precision``: its wall time and the median
+    seconds between the steps' metrics after the first."""
+    plan = {**lora_plan(base, steps=steps, lr=5e-4, seq_len=128, seed=0), "packing": False,
+            "micro_batch_size": 4, "grad_accum_steps": 1, "precision": precision}
     name = precision.replace("-", "_")
-    job = {"run_id": name, "output_dir": str(work / name), "plan": plan,
-           "data_files": [str(work / "triage.parquet")]}
-    (work / f"{name}.json").write_text(json.dumps(job))
-    env = {**os.environ, "FACTORY_CPU_BF16": "native"}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
     began = time.perf_counter()
-    with open(work / f"{name}.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "factory.trainer", "--job",
-                        str(work / f"{name}.json")], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=log)
+    train(name, work, {"data_files": [str(work / "triage.parquet")]}, plan, threads)
     wall = time.perf_counter() - began
     rows = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()
             if x.strip()]
@@ -65,6 +54,7 @@ def main() -> int:
     args, base = start(p)
     native, what = cpu_bf16()
     print(json.dumps({"cpu_bf16_native": native, "cpu": what}), flush=True)
+    os.environ["FACTORY_CPU_BF16"] = "native"  # the trainers run bf16 autocast as asked
     with tempfile.TemporaryDirectory(prefix="bench-precision-") as tmp:
         work = Path(tmp)
         write_triage(work / "triage.parquet", 64, 0)
