@@ -9,12 +9,28 @@ a functional ``<op>``) plus a pure-torch ``<op>_reference`` that the tests hold 
 - ``kernels.fused_linear_cross_entropy``: LM head + cross-entropy in row chunks, never the full logits.
 - ``kernels.patcher``: ``apply_kernels(model, ...)`` swaps them into supported transformers models.
 
-Installed, this package is ``factory.kernels`` (there is no top-level ``kernels`` to collide
-with Hugging Face's hub package of that name, which transformers probes for by import name). Where
-this folder is on the path as ``kernels`` (the trainer image copies it next to ``trainer/``),
-transformers imports it to read a version, finds none and ignores it
-(tests/kernels/test_transformers_probe.py checks both): this file deliberately imports nothing and
-does nothing, so that import stays free of side effects and cheap. The modules import each other
-relatively, so they work under either name. Import the submodules explicitly, e.g.
+Installed, this package is ``factory.kernels``: the top-level name ``kernels`` belongs to
+Hugging Face's hub-kernels package, which transformers (5.25 on) requires and imports. Where this
+folder is on the path under that name (a checkout's root on ``sys.path``: pytest, ``python -m``
+or ``python -c`` run in the checkout; the trainer image's ``/app``), the code below hands the
+import over to the installed hub package, so transformers gets the package it asks for; with none
+installed the import stays this empty module (older transformers find no version and ignore it).
+The trainer image loads this folder under another name (``trainer.model.apply_kernels``);
+tests/kernels/test_transformers_probe.py checks each case. The modules import each other
+relatively, so they work under any package name. Import the submodules explicitly, e.g.
 ``from factory.kernels.patcher import apply_kernels``.
 """
+
+if __name__ == "kernels":
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _checkout = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.realpath(p or os.curdir) != _checkout])
+    if _spec is not None and _spec.loader is not None:
+        _hub = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _hub  # what the import statement returns
+        _spec.loader.exec_module(_hub)

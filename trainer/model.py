@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,17 +149,46 @@ def apply_kernels(model: Any) -> Any:
     """Our Triton kernels swapped into ``model`` (opt-in: ``kernels/`` is optional for the
     trainer); the ``KernelReport`` of what changed.
 
-    The kernels are the trainer's sibling package: ``factory.kernels`` when installed,
-    ``kernels`` where ``trainer/`` and ``kernels/`` are copied side by side (the trainer image).
+    The kernels are the trainer's sibling package: ``factory.kernels`` when installed; where
+    ``trainer/`` and ``kernels/`` are copied side by side (the trainer image), the sibling folder
+    loaded as ``trainer_kernels``, since the top-level name ``kernels`` is Hugging Face's
+    hub-kernels package (transformers requires it).
     """
     if __name__.count(".") > 1:
         from ..kernels import patcher
     else:
-        import kernels.patcher as patcher  # type: ignore[no-redef]
+        patcher = _sibling_kernels().patcher  # type: ignore[assignment]
 
     # Our loss never calls the *ForCausalLM forward, so its fused cross-entropy patch would be
     # dead code: CausalLMLoss already avoids the logits. Norms and LoRA linears apply.
     return patcher.apply_kernels(model, cross_entropy=False)
+
+
+SIBLING_KERNELS = "trainer_kernels"
+"""The name the image's ``kernels/`` folder is loaded under (see ``apply_kernels``)."""
+
+
+def _sibling_kernels() -> Any:
+    """The ``kernels/`` folder next to this ``trainer/``, imported as ``SIBLING_KERNELS`` with
+    its ``patcher`` submodule (its modules import each other relatively)."""
+    import importlib
+    import importlib.util
+
+    if SIBLING_KERNELS not in sys.modules:
+        folder = Path(__file__).resolve().parent.parent / "kernels"
+        spec = importlib.util.spec_from_file_location(
+            SIBLING_KERNELS, folder / "__init__.py", submodule_search_locations=[str(folder)])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no kernels package next to the trainer at {folder}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[SIBLING_KERNELS] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[SIBLING_KERNELS]
+            raise
+    importlib.import_module(f"{SIBLING_KERNELS}.patcher")
+    return sys.modules[SIBLING_KERNELS]
 
 
 def _store_frozen_linears_in(model: Any, dtype: torch.dtype) -> None:

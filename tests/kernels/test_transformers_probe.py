@@ -1,8 +1,9 @@
-"""Our kernels folder is named ``kernels``, like Hugging Face's hub-kernels package that
-transformers probes for by import name. Installed, ours is ``factory.kernels`` and there is no
-top-level ``kernels`` at all; where the folder itself is on the path (the trainer image, a
-checkout), transformers imports it, finds no version and ignores it. These tests pin both down,
-and that loading and running a model is unchanged with ours imported.
+"""Our kernels folder is named ``kernels``, like Hugging Face's hub-kernels package, which
+transformers (5.25 on) requires and imports by that name. Installed, ours is ``factory.kernels``
+and the top-level ``kernels`` is the hub package; where our folder itself is on the path under
+that name (a checkout's root, the trainer image's /app), importing ``kernels`` hands over to the
+installed hub package, so transformers gets what it asks for. These tests pin that down, and
+that loading and running a model is the same whichever ``kernels`` the process saw first.
 """
 
 from __future__ import annotations
@@ -40,24 +41,47 @@ def _probe(cwd: Path) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_installed_there_is_no_top_level_kernels(tmp_path: Path) -> None:
-    assert _probe(tmp_path) == {"found": False, "available": False}
+HUB = {"found": True, "available": True}
+"""What transformers sees of the hub package when it is installed (transformers >= 5.25)."""
 
 
-def test_a_kernels_folder_on_the_path_is_imported_and_ignored(tmp_path: Path) -> None:
-    # The trainer image's layout: trainer/ and kernels/ side by side, no installed metadata.
+def _hub_installed() -> dict:
+    report = _probe(Path("/"))
+    assert not report["found"] or not report["file"].startswith(str(ROOT / "kernels")), report
+    return report
+
+
+def test_installed_the_top_level_kernels_is_not_ours(tmp_path: Path) -> None:
+    report = _probe(tmp_path)
+    assert report == _hub_installed()
+    if report["found"]:  # the hub package, from site-packages
+        assert {k: report[k] for k in HUB} == HUB and report["version"] != "N/A"
+        assert "site-packages" in report["file"]
+    else:  # a transformers older than 5.25 without it
+        assert report == {"found": False, "available": False}
+
+
+def test_a_kernels_folder_on_the_path_hands_over_to_the_installed_package(
+        tmp_path: Path) -> None:
+    # The trainer image's layout: trainer/ and kernels/ side by side, ours first on the path.
     shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
-    assert _probe(tmp_path) == {"found": True, "version": "N/A", "available": False,
-                                "file": str(tmp_path / "kernels" / "__init__.py")}
+    installed = _hub_installed()
+    if installed["found"]:
+        assert _probe(tmp_path) == installed
+    else:  # nothing to hand over to: ours is imported, has no version and is ignored
+        assert _probe(tmp_path) == {"found": True, "version": "N/A", "available": False,
+                                    "file": str(tmp_path / "kernels" / "__init__.py")}
 
 
-@pytest.mark.parametrize(("name", "where"), [("kernels", "checkout"), ("factory.kernels", "tmp")])
-def test_importing_kernels_has_no_side_effects(name: str, where: str, tmp_path: Path) -> None:
-    code = (f"import sys; before = set(sys.modules); import {name}; "
-            f"print(sorted(set(sys.modules) - before - {{{name!r}, 'factory'}}))")
-    cwd = ROOT if where == "checkout" else tmp_path
-    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                         check=True, timeout=60)
+def test_the_checkout_root_on_the_path_gives_transformers_the_hub_package() -> None:
+    assert _probe(ROOT) == _hub_installed()
+
+
+def test_importing_factory_kernels_has_no_side_effects(tmp_path: Path) -> None:
+    code = ("import sys; before = set(sys.modules); import factory.kernels; "
+            "print(sorted(set(sys.modules) - before - {'factory.kernels', 'factory'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, check=True, timeout=60)
     assert json.loads(out.stdout.replace("'", '"')) == []
 
 
@@ -65,14 +89,12 @@ _HIDDEN_RUN = """
 import sys
 import numpy as np, torch
 from transformers import AutoModelForCausalLM
-from transformers.utils import import_utils
-assert not import_utils._is_package_available("kernels")[0]
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 with torch.no_grad():
     logits = model(input_ids=torch.arange(5, 17).view(1, 12)).logits
 np.save(sys.argv[2], logits.numpy())
-assert "kernels" not in sys.modules and "factory" not in sys.modules
+assert "factory" not in sys.modules
 """
 
 
@@ -82,6 +104,8 @@ def test_model_loads_and_runs_the_same_with_our_package_present(tiny_model_dir, 
 
     import factory.kernels.patcher  # noqa: F401  ours, fully imported in this process
 
+    hub = sys.modules.get("kernels")  # transformers >= 5.25 imported it: not our folder
+    assert hub is None or not str(hub.__file__).startswith(str(ROOT / "kernels"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -67,7 +67,7 @@ def test_the_trainer_finds_its_sibling_kernels_in_both_layouts(image: Path,
         [sys.executable, "-W", "ignore", "-c", NO_FACTORY + _KERNELS.format(package="trainer")],
         cwd=image, capture_output=True, text=True, timeout=300)
     assert copied.returncode == 0, copied.stderr
-    assert copied.stdout.split("\n")[0] == "None True ['kernels.patcher']"
+    assert copied.stdout.split("\n")[0] == "None True ['trainer_kernels.patcher']"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     installed = subprocess.run(
