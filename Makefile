@@ -73,7 +73,7 @@ contracts: install
 TEST_WORKERS ?= 2
 unit: install sysdeps native
 	$(if $(filter-out 0,$(TEST_WORKERS)),OMP_NUM_THREADS=1 )$(BIN)/pytest -q -n $(TEST_WORKERS) \
-	  --dist loadfile -m "not heavy"
+	  --dist loadfile -m "not heavy" --durations=40 --durations-min=10
 
 # The tests on Gemma 3 270M's real weights (gate, memory model, built folder) and the Spark
 # Connect server's: ~12 minutes more on 2 cores, so kept out of make test's 30-minute budget.

@@ -2,7 +2,9 @@
 
 A user mistake (``FactoryError``, ``ValueError`` from validation) prints one line on stderr and
 exits 2; tracebacks are kept for real bugs. A closed stdout (``factory sql ... | head``) ends the
-command quietly.
+command quietly. SIGTERM (``kill``, ``timeout``, a CI job's cancel) is a Ctrl-C: the command
+stops what it started (``factory run`` cancels its chain and stops the daemon it started) and
+exits 143, where Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import os
 import pkgutil
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from factory import __version__
 from factory.errors import FactoryError
@@ -41,16 +45,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        code = int(args.func(args) or 0)
-        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        with _terminate_as_interrupt():
+            code = int(args.func(args) or 0)
+            sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
         return code
     except BrokenPipeError:
         return _reader_gone()
     except (FactoryError, ValueError) as exc:
         print(f"factory {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where a Ctrl-C's ``KeyboardInterrupt`` would be, so every cleanup that
+    handles an interrupt handles it too."""
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` while the block runs, where SIGTERM has its default action
+    (an inherited ignore or another handler is left alone), in the main thread only; the
+    previous handler is back afterwards (``main`` also runs inside other programs' processes)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _reader_gone() -> int:

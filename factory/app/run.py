@@ -9,7 +9,8 @@ Every run is on the instance, so ``factory ui`` shows the same chain a click wou
 ``summary`` reads the result back from the lake.
 
 Ctrl-C cancels the chain's runs (the training run cancels its trainer, which checkpoints and
-exits; the run is recorded ``cancelled``) and ``factory run`` exits 130.
+exits; the run is recorded ``cancelled``) and ``factory run`` exits 130; SIGTERM does the same
+and exits 143 (``factory.app.cli``).
 """
 
 from __future__ import annotations

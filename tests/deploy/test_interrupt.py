@@ -1,6 +1,7 @@
 """Ctrl-C on ``factory run`` stops what it started: the trainer the control plane launched is
-stopped, the run is recorded ``cancelled``, and the command exits 130. A real ``factory run``
-process on the tiny model gets SIGINT once its trainer reports ``started``."""
+stopped, the run is recorded ``cancelled``, and the command exits 130; SIGTERM (``kill``,
+``timeout``, a CI job's cancel) does the same and exits 143. A real ``factory run`` process on
+the tiny model gets the signal once its trainer reports ``started``."""
 
 from __future__ import annotations
 
@@ -66,7 +67,10 @@ def _started_trainer(lake: Lake) -> tuple[str, int] | None:
 
 
 @pytest.mark.timeout(600)
-def test_ctrl_c_cancels_the_training_run_and_exits_130(home: Path) -> None:
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl_c", "sigterm"])
+def test_an_interrupt_cancels_the_training_run_and_exits(home: Path, sig: int,
+                                                         code: int) -> None:
     from factory.ingest import RawRecord, ingest_records
     from factory.tasks import generate_records
 
@@ -86,14 +90,14 @@ def test_ctrl_c_cancels_the_training_run_and_exits_130(home: Path) -> None:
 
     try:
         run_id, pid = wait_until(trainer_started, timeout_s=400, what="the trainer to start")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=150)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     out, err = out_path.read_text(), err_path.read_text()
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == code, err[-3000:]
     assert "cancelled" in err and run_id in err
     assert out == ""  # no summary line: the run did not finish
     assert not is_alive(pid)  # the trainer is gone, not orphaned
