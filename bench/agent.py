@@ -77,8 +77,9 @@ def run_cli(args: list[str], env: dict[str, str], *, log: Path | None = None,
         out = proc.stdout.read() if proc.stdout is not None else ""
         code = proc.wait()
     except BaseException:
-        # Interrupted: SIGINT lets `factory run` cancel its training run in order first.
-        proc.send_signal(signal.SIGINT)
+        # Interrupted: SIGTERM lets `factory run` cancel its training run in order first (not
+        # SIGINT: a bench started in the background hands its children an ignored SIGINT).
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
