@@ -157,7 +157,7 @@ def apply_kernels(model: Any) -> Any:
     if __name__.count(".") > 1:
         from ..kernels import patcher
     else:
-        patcher = _sibling_kernels().patcher  # type: ignore[assignment]
+        patcher = _sibling_patcher()
 
     # Our loss never calls the *ForCausalLM forward, so its fused cross-entropy patch would be
     # dead code: CausalLMLoss already avoids the logits. Norms and LoRA linears apply.
@@ -168,9 +168,9 @@ SIBLING_KERNELS = "trainer_kernels"
 """The name the image's ``kernels/`` folder is loaded under (see ``apply_kernels``)."""
 
 
-def _sibling_kernels() -> Any:
-    """The ``kernels/`` folder next to this ``trainer/``, imported as ``SIBLING_KERNELS`` with
-    its ``patcher`` submodule (its modules import each other relatively)."""
+def _sibling_patcher() -> Any:
+    """``patcher`` of the ``kernels/`` folder next to this ``trainer/``, the folder imported as
+    ``SIBLING_KERNELS`` (its modules import each other relatively)."""
     import importlib
     import importlib.util
 
@@ -187,8 +187,7 @@ def _sibling_kernels() -> Any:
         except BaseException:
             del sys.modules[SIBLING_KERNELS]
             raise
-    importlib.import_module(f"{SIBLING_KERNELS}.patcher")
-    return sys.modules[SIBLING_KERNELS]
+    return importlib.import_module(f"{SIBLING_KERNELS}.patcher")
 
 
 def _store_frozen_linears_in(model: Any, dtype: torch.dtype) -> None:
