@@ -29,10 +29,14 @@ steps of ``train_run_job``), evals (``checkpoint_evals`` runs and ``best_checkpo
 second counts for the earliest of these phases running then, so evals that overlap training
 count as training and the phases add up to the span.
 
-It then scores ``--heldout`` tickets phrased with templates the training data never used
-(``generate_heldout``, seed + 1) through the ``openai`` SDK, on the endpoint's server, which
-serves the base model beside the deployed adapter: exact label (``exact_label``: the answer
-stripped and lower-cased equals the label) for the base model and for the deployment.
+It then scores two sets of ``--heldout`` tickets (``--heldout-sets`` picks one or both) through
+the ``openai`` SDK, on the endpoint's server, which serves the base model beside the deployed
+adapter: exact label (``exact_label``: the answer stripped and lower-cased equals the label) for
+the base model and for the deployment. ``unseen``: fresh tickets of the training data's own
+frames, none of them a training ticket or a near-duplicate of one (``generate_unseen``, seed +
+2): the traffic the deployment will be sent. ``disjoint``: tickets phrased with frames the
+training data never used (``generate_heldout``, seed + 1): how far the model generalizes.
+``--score-checkpoints`` and the reference run score the first set named.
 
 ``--reference-epochs N`` then trains the same data again as experiment ``ticket-triage-refN``
 with ``num_epochs: N`` and ``--reference-checkpoints`` (6) checkpoints evenly spaced over the run
@@ -43,7 +47,7 @@ reaches". The goals printed at the end:
 - ingest -> live endpoint in at most 600 s (2 idle cores, SmolLM2 recipe, planner defaults);
 - the deployed model within 2 points of the reference's best checkpoint;
 - the base model right on fewer than 20% of the held-out tickets, the deployed model on at
-  least 95% (issue 22).
+  least 95% (issue 22), on each set scored.
 
 ``--no-train`` skips both runs and scores the base model alone on a server of its own. The
 deployment is stopped at the end unless ``--keep``.
@@ -79,6 +83,10 @@ GOAL_DEPLOYED = 0.95
 MAX_TOKENS = 8
 """The longest label (``feature_request``) is 3 SmolLM2 tokens and the end token a fourth: 8
 lets every right answer finish and cuts a chatty one short (it is wrong either way)."""
+
+SETS = {"unseen": "fresh tickets of the training frames, no near-duplicate of a training one",
+        "disjoint": "frames disjoint from training"}
+"""The held-out sets ``--heldout-sets`` names, as the tables title them."""
 
 PHASES = ("ingest", "dataset", "plan", "train", "evals", "deploy")
 """The split of the timed span, in chain order; what no phase covers is ``waits``."""
@@ -342,6 +350,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=500, help="training records to ingest")
     parser.add_argument("--heldout", type=int, default=200, help="held-out tickets to score")
+    parser.add_argument("--heldout-sets", default="unseen,disjoint",
+                        type=lambda v: [x for x in v.split(",") if x],
+                        help="held-out sets to score, comma-separated: unseen (fresh tickets "
+                        "of the training frames), disjoint (frames training never used)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training records "
                         "(the held-out tickets use seed + 1)")
     parser.add_argument("--home", type=Path, default=None,
@@ -425,7 +437,16 @@ def main() -> int:
     from factory.lake import Lake
 
     lake = Lake()
-    heldout = task.generate_heldout(args.heldout, args.seed + 1)
+    def heldout_set(kind: str) -> list[dict[str, Any]]:
+        if kind == "unseen":
+            return task.generate_unseen(args.heldout, args.seed + 2,
+                                        task.generate_conversations(args.records, args.seed))
+        if kind == "disjoint":
+            return task.generate_heldout(args.heldout, args.seed + 1)
+        raise SystemExit(f"--heldout-sets: unknown set {kind!r} (unseen, disjoint)")
+
+    heldouts = {kind: heldout_set(kind) for kind in args.heldout_sets}
+    heldout = heldouts[args.heldout_sets[0]]
     ok_run = False
     server = None
     try:
@@ -451,8 +472,9 @@ def main() -> int:
                                                    recipe=args.recipe)
         if args.skip_base and ok_run:
             models.pop("base")
-        scores = {label: score(base_url, model, heldout, args.concurrency)
-                  for label, model in models.items()}
+        scores = {kind: {label: score(base_url, model, tickets, args.concurrency)
+                         for label, model in models.items()}
+                  for kind, tickets in heldouts.items()}
     finally:
         if server is not None:
             server.stop()
@@ -473,21 +495,6 @@ def main() -> int:
         reference = _reference(args, env, home, lake, heldout)
         report["reference"] = reference
 
-    print()
-    _table(f"{args.heldout} held-out tickets (templates disjoint from training), exact label, "
-           f"through the OpenAI SDK at {base_url}:", scores)
-    for label, s in scores.items():
-        print(f"{label}: answers {json.dumps(s['answers'])}")
-    last = scores.get("deployed") or scores["base"]
-    for miss in last["misses"][:6]:
-        print(f"  miss ({last['model']}): {miss['ticket']!r} -> {miss['answer']!r}; "
-              f"expected {miss['label']}")
-    report["scores"] = {k: {kk: vv for kk, vv in v.items() if kk != "misses"}
-                        for k, v in scores.items()}
-    base = scores["base"]["exact"] if "base" in scores else None
-    goals: dict[str, bool] = ({} if base is None
-                              else {"base_below_20pct": base < GOAL_BASE_BELOW})
-    base_text = "not scored (--skip-base)" if base is None else f"{base:.1%}"
     if "split_s" in report:
         print()
         print(f"ingest -> live endpoint: {report['wall_s']:.0f} s = "
@@ -495,25 +502,47 @@ def main() -> int:
               + " (each second counted once, for the earliest phase running then)")
         print("busy (seconds some run of the phase was running): "
               + ", ".join(f"{k} {v:.0f}" for k, v in report["busy_s"].items()))
+    goals: dict[str, bool] = {}
+    if "split_s" in report:
         goals["wall_at_most_600s"] = report["wall_s"] <= GOAL_WALL_S
-    if "deployed" in scores:
-        dep = scores["deployed"]["exact"]
-        goals["deployed_at_least_95pct"] = dep >= GOAL_DEPLOYED
-        print(f"base {base_text}, deployed {dep:.1%} (issue 22: base < {GOAL_BASE_BELOW:.0%}, "
-              f"deployed >= {GOAL_DEPLOYED:.0%})")
-        if reference is not None and reference.get("best"):
+    report["scores"] = {}
+    for kind, by_model in scores.items():
+        print()
+        _table(f"{args.heldout} held-out tickets ({SETS[kind]}), exact label, through the "
+               f"OpenAI SDK at {base_url}:", by_model)
+        for label, s in by_model.items():
+            print(f"{label}: answers {json.dumps(s['answers'])}")
+        last = by_model.get("deployed") or by_model["base"]
+        for miss in last["misses"][:6]:
+            print(f"  miss ({last['model']}): {miss['ticket']!r} -> {miss['answer']!r}; "
+                  f"expected {miss['label']}")
+        report["scores"][kind] = {k: {kk: vv for kk, vv in v.items() if kk != "misses"}
+                                  for k, v in by_model.items()}
+        base = by_model["base"]["exact"] if "base" in by_model else None
+        if base is not None:
+            goals[f"base_below_20pct_{kind}"] = base < GOAL_BASE_BELOW
+        base_text = "not scored (--skip-base)" if base is None else f"{base:.1%}"
+        if "deployed" in by_model:
+            dep = by_model["deployed"]["exact"]
+            goals[f"deployed_at_least_95pct_{kind}"] = dep >= GOAL_DEPLOYED
+            print(f"{kind}: base {base_text}, deployed {dep:.1%} (issue 22: base < "
+                  f"{GOAL_BASE_BELOW:.0%}, deployed >= {GOAL_DEPLOYED:.0%})")
+        else:
+            print(f"{kind}: base {base_text} (goal below {GOAL_BASE_BELOW:.0%})")
+    first = scores[args.heldout_sets[0]]
+    if "deployed" in first and reference is not None:
+        dep = first["deployed"]["exact"]
+        if reference.get("best"):
             ref = reference["best"]["exact"]
             goals["within_2_points_of_reference"] = dep >= ref - GOAL_GAP
             print(f"reference: {reference['experiment']} best checkpoint "
                   f"{reference['best']['model']} {ref:.1%} of {len(reference['by_step'])} "
                   f"checkpoints ({json.dumps(reference['by_step'])}); the factory's own pick "
                   f"was step {reference.get('factory_pick_step')}")
-            print(f"deployed vs reference: {dep:.1%} vs {ref:.1%} "
+            print(f"deployed vs reference ({args.heldout_sets[0]}): {dep:.1%} vs {ref:.1%} "
                   f"({100 * (dep - ref):+.1f} points; goal within {100 * GOAL_GAP:.0f})")
-        elif args.reference_epochs:
+        else:
             print("reference run failed: no reference accuracy")
-    else:
-        print(f"base {base_text} (goal below {GOAL_BASE_BELOW:.0%})")
     report["goals"] = goals
     print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()))
     report["loadavg_after"] = loadavg()

@@ -21,8 +21,11 @@ assembled from parts:
   all lower case without final punctuation, 3% all upper case, 20% carry a one-letter typo.
 
 Cores, details and asides come in two disjoint sets (``TEMPLATES["train"]`` and
-``TEMPLATES["heldout"]``); greetings and sign-offs are shared. ``generate_heldout`` phrases its
-tickets with the held-out set only, so a model is scored on phrasings it never trained on.
+``TEMPLATES["heldout"]``); greetings and sign-offs are shared. Two held-out sets score a model:
+``generate_heldout`` phrases its tickets with the held-out frames only (phrasings the traffic
+never used: how far the model generalizes), ``generate_unseen`` draws fresh tickets of the
+traffic's own frames and keeps only those that are neither a training ticket nor a
+near-duplicate of one (more traffic of the same kind: what the deployment will be sent).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from factory.curation.text import words
 from factory.tasks.sampling import capitalized, choice, schedule
 
 TAGS = {"project": "ticket-triage"}
@@ -450,6 +454,61 @@ def generate_heldout(n: int, seed: int = 0) -> list[dict[str, Any]]:
     only: ``{"messages"`` (system + user), ``"label"`` (the expected answer), ``"template"``,
     ``"core"``, ``"frames"``, ``"style"``, ``"noise"``\\ ``}``."""
     return _tickets(n, seed, "heldout")
+
+
+NEAR_DUPLICATE = 0.85
+"""Word-3-gram Jaccard of two tickets' texts at or above which ``generate_unseen`` counts them as
+near-duplicates (curation's default ``near_dup_threshold``, measured on the ticket alone)."""
+
+
+def _shingles(text: str) -> frozenset[tuple[str, ...]]:
+    """The lower-cased word 3-grams of ``text`` (its words as one shingle when fewer than 3)."""
+    ws = words(text)
+    return frozenset(zip(ws, ws[1:], ws[2:], strict=False)) or frozenset([tuple(ws)])
+
+
+def _user_text(conv: Mapping[str, Any]) -> str:
+    return next(str(m["content"]) for m in conv["messages"] if m["role"] == "user")
+
+
+def generate_unseen(n: int, seed: int, training: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``n`` held-out tickets in equal label shares, phrased with the training frames
+    (``TEMPLATES["train"]``: fresh slot fills, greetings, details, asides and noise), none of
+    them the text of a ``training`` conversation (as ``generate_conversations`` returns them) or
+    within ``NEAR_DUPLICATE`` of one. Each is a ``generate_heldout`` ticket plus
+    ``"nearest"``: its highest Jaccard with a training ticket."""
+    _check_n(n)
+    seen = [_shingles(_user_text(c)) for c in training]
+    texts = {_user_text(c) for c in training}
+    by_shingle: dict[tuple[str, ...], list[int]] = {}
+    for i, sh in enumerate(seen):
+        for g in sh:
+            by_shingle.setdefault(g, []).append(i)
+
+    def nearest(text: str) -> float:
+        sh = _shingles(text)
+        shared: dict[int, int] = {}
+        for g in sh:
+            for i in by_shingle.get(g, ()):
+                shared[i] = shared.get(i, 0) + 1
+        return max((k / (len(sh) + len(seen[i]) - k) for i, k in shared.items()), default=0.0)
+
+    rng = random.Random(seed)
+    labels = schedule(rng, n, {label: 1 / len(LABELS) for label in LABELS})
+    out = []
+    for label in labels:
+        for _ in range(1000):
+            ticket = _ticket(rng, label, "train")
+            near = nearest(ticket["text"])
+            if ticket["text"] not in texts and near < NEAR_DUPLICATE:
+                break
+        else:
+            raise ValueError(f"no {label} ticket unlike every training ticket in 1000 draws")
+        texts.add(ticket["text"])
+        out.append({"messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                                 {"role": "user", "content": ticket.pop("text")}],
+                    "label": label, **ticket, "nearest": round(near, 3)})
+    return out
 
 
 def exact_label(label: str, answer: str | None) -> bool:

@@ -1,9 +1,11 @@
 """The triage task's generator: deterministic, balanced, varied, ingestible, a held-out set whose
-phrasings the training data never used, and an exact-label scorer."""
+phrasings the training data never used, a held-out set of fresh tickets with none near a
+training one, and an exact-label scorer."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -178,9 +180,46 @@ def test_exact_label() -> None:
     assert not task.exact_label("billing", None)
 
 
+def _grams(text: str) -> set[tuple[str, ...]]:
+    ws = re.findall(r"\w+", text.lower())
+    return set(zip(ws, ws[1:], ws[2:], strict=False)) or {tuple(ws)}
+
+
+def _nearest(text: str, training: list[set[tuple[str, ...]]]) -> float:
+    mine = _grams(text)
+    return max(len(mine & other) / len(mine | other) for other in training)
+
+
+def test_unseen_tickets_are_the_trainings_kind_but_none_is_near_a_training_one() -> None:
+    training = task.generate_conversations(500, seed=0)
+    texts = {c["messages"][1]["content"] for c in training}
+    grams = [_grams(t) for t in texts]
+    unseen = task.generate_unseen(200, 2, training)
+    assert unseen == task.generate_unseen(200, 2, training)
+    assert Counter(c["label"] for c in unseen) == {label: 40 for label in task.LABELS}
+    train_cores = {f for frames in task.TEMPLATES["train"]["core"].values() for f in frames}
+    assert {c["template"] for c in unseen} <= train_cores
+    assert len({c["template"] for c in unseen}) >= 60  # most of the 77 frames, not a few
+    assert [m["role"] for m in unseen[0]["messages"]] == ["system", "user"]
+    for conv in unseen:
+        text = conv["messages"][1]["content"]
+        assert text not in texts
+        near = _nearest(text, grams)
+        assert near < task.NEAR_DUPLICATE, text
+        assert conv["nearest"] == round(near, 3)
+    assert len({c["messages"][1]["content"] for c in unseen}) == 200
+    # The filter is what keeps them apart: plain fresh draws of the same frames hold tickets
+    # within the threshold of a training one.
+    fresh = task.generate_conversations(200, seed=2)
+    assert any(_nearest(c["messages"][1]["content"], grams) >= task.NEAR_DUPLICATE
+               for c in fresh)
+
+
 def test_bad_n() -> None:
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="n: must be"):
             task.generate_conversations(bad)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="n: must be"):
             task.generate_heldout(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="n: must be"):
+            task.generate_unseen(bad, 0, [])  # type: ignore[arg-type]
