@@ -35,7 +35,6 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from factory.curation.text import words
 from factory.tasks.sampling import capitalized, choice, schedule
 
 TAGS = {"project": "ticket-triage"}
@@ -456,17 +455,6 @@ def generate_heldout(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return _tickets(n, seed, "heldout")
 
 
-NEAR_DUPLICATE = 0.85
-"""Word-3-gram Jaccard of two tickets' texts at or above which ``generate_unseen`` counts them as
-near-duplicates (curation's default ``near_dup_threshold``, measured on the ticket alone)."""
-
-
-def _shingles(text: str) -> frozenset[tuple[str, ...]]:
-    """The lower-cased word 3-grams of ``text`` (its words as one shingle when fewer than 3)."""
-    ws = words(text)
-    return frozenset(zip(ws, ws[1:], ws[2:], strict=False)) or frozenset([tuple(ws)])
-
-
 def _user_text(conv: Mapping[str, Any]) -> str:
     return next(str(m["content"]) for m in conv["messages"] if m["role"] == "user")
 
@@ -474,19 +462,28 @@ def _user_text(conv: Mapping[str, Any]) -> str:
 def generate_unseen(n: int, seed: int, training: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``n`` held-out tickets in equal label shares, phrased with the training frames
     (``TEMPLATES["train"]``: fresh slot fills, greetings, details, asides and noise), none of
-    them the text of a ``training`` conversation (as ``generate_conversations`` returns them) or
-    within ``NEAR_DUPLICATE`` of one. Each is a ``generate_heldout`` ticket plus
-    ``"nearest"``: its highest Jaccard with a training ticket."""
+    them a near-duplicate of a ``training`` conversation's ticket (as ``generate_conversations``
+    returns them) by curation's own test (``CurationConfig``'s default ``near_dup_threshold``
+    on word ``shingle_words``-grams, measured on the ticket alone), nor the text of another of
+    the ``n``. Each is a ``generate_heldout`` ticket plus ``"nearest"``: its highest Jaccard
+    with a training ticket."""
+    from factory.curation.config import CurationConfig
+    from factory.curation.neardup import flat_words, ngram_hashes
+
     _check_n(n)
-    seen = [_shingles(_user_text(c)) for c in training]
-    texts = {_user_text(c) for c in training}
-    by_shingle: dict[tuple[str, ...], list[int]] = {}
+    config = CurationConfig()
+
+    def shingles(texts: list[str]) -> list[set[int]]:
+        values, offsets = ngram_hashes(*flat_words(texts), config.shingle_words)
+        return [set(values[offsets[i]:offsets[i + 1]].tolist()) for i in range(len(texts))]
+
+    seen = shingles([_user_text(c) for c in training])
+    by_shingle: dict[int, list[int]] = {}
     for i, sh in enumerate(seen):
         for g in sh:
             by_shingle.setdefault(g, []).append(i)
 
-    def nearest(text: str) -> float:
-        sh = _shingles(text)
+    def nearest(sh: set[int]) -> float:
         shared: dict[int, int] = {}
         for g in sh:
             for i in by_shingle.get(g, ()):
@@ -495,12 +492,13 @@ def generate_unseen(n: int, seed: int, training: list[dict[str, Any]]) -> list[d
 
     rng = random.Random(seed)
     labels = schedule(rng, n, {label: 1 / len(LABELS) for label in LABELS})
+    texts: set[str] = set()
     out = []
     for label in labels:
         for _ in range(1000):
             ticket = _ticket(rng, label, "train")
-            near = nearest(ticket["text"])
-            if ticket["text"] not in texts and near < NEAR_DUPLICATE:
+            near = nearest(shingles([ticket["text"]])[0])
+            if near < config.near_dup_threshold and ticket["text"] not in texts:
                 break
         else:
             raise ValueError(f"no {label} ticket unlike every training ticket in 1000 draws")
