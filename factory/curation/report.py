@@ -55,10 +55,7 @@ def pattern_report(features: pa.Table, decisions: Decisions, config: CurationCon
     fmt = [d for d in drops if d["reason"] == "format"]
     if fmt:
         any_found = True
-        lines.append(f"### format: {len(fmt)} rows break the JSON their peers answer in")
-        for d in fmt[:_EXAMPLES]:
-            lines.append(f"- `{d['sample_id'][:12]}` {_cell(d['detail'] or '')}")
-        lines.append("")
+        format_section(lines, len(fmt), fmt)
     if decisions.flagged_kept:
         lines.append("Flagged but kept by policy: " + ", ".join(
             f"{k} {v}" for k, v in sorted(decisions.flagged_kept.items())))
@@ -82,6 +79,14 @@ def _synthetic_section(decisions: Decisions, synthetic: frozenset[str]) -> list[
         lines += ["| reason | synthetic rows dropped |", "|---|---|"]
         lines += [f"| {r} | {n} |" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
     return lines
+
+
+def format_section(lines: list[str], num_rows: int, examples: list[dict[str, Any]]) -> None:
+    """The report's section on rows whose JSON breaks the shape their peers answer in."""
+    lines.append(f"### format: {num_rows} rows break the JSON their peers answer in")
+    for d in examples[:_EXAMPLES]:
+        lines.append(f"- `{d['sample_id'][:12]}` {_cell(d['detail'] or '')}")
+    lines.append("")
 
 
 def _cell(text: str) -> str:

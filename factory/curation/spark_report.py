@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from factory.curation.config import CurationConfig
 from factory.curation.decide import SYNTHETIC
-from factory.curation.report import _EXAMPLES, _cell, _pattern, clean_lost_lines
+from factory.curation.report import _EXAMPLES, _cell, _pattern, clean_lost_lines, format_section
 from factory.curation.spark_decide import map_arrow, udf
 
 _DROP_ORDER = ("sample_id", "step", "trace_key", "row_rank")
@@ -190,10 +190,7 @@ def report_spark(features: Any, drops: Any, decisions: Any, config: CurationConf
     fmt = [d for d in firsts if d["reason"] == "format"]
     if fmt:
         any_found = True
-        lines.append(f"### format: {fmt[0]['rows']} rows break the JSON their peers answer in")
-        for d in fmt[:_EXAMPLES]:
-            lines.append(f"- `{d['sample_id'][:12]}` {_cell(d['detail'] or '')}")
-        lines.append("")
+        format_section(lines, fmt[0]["rows"], fmt)
     flagged = Counter(decisions.flagged_kept)
     if flagged:
         lines.append("Flagged but kept by policy: " + ", ".join(
