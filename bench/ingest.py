@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/ingest.py --records 200000
     .venv/bin/python bench/ingest.py --records 20000,200000   # memory flat as the file grows?
+    .venv/bin/python bench/ingest.py --rules c,python --rounds 3  # what the C rules save
 
 Generates a JSONL file of mixed realistic records (OpenAI calls with tools and streams,
 Anthropic calls with thinking and tool use, Gemini calls, ShareGPT and fine-tuning lines, a few
@@ -12,6 +13,11 @@ whether the normalizers run compiled (`make native`, `factory.native`), then
 one per size: wall and CPU seconds of both phases and their ratios (ingest CPU counts the worker
 processes), peak RSS of the ingest process and of its largest worker, and the load average
 before and after (other work on the machine inflates wall times, not CPU times or memory).
+
+The ingest phase runs once per ``--rules`` (default ``c,python``): with the C module's mirror of
+the common records' rules, as an ingest runs, and with every rule in Python (C parsing and
+merging streams only), on the same file in the same minutes; a last line gives the CPU the
+second costs over the first.
 """
 
 from __future__ import annotations
@@ -190,6 +196,7 @@ def phase_ingest(path: Path, workers: int | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from factory.ingest import default_workers, ingest_paths
     from factory.lake import Lake
+    from factory.native import fastpath
 
     lake = Lake()
     lake.table("raw_traces"), lake.table("samples"), lake.table("rejected_traces")
@@ -201,7 +208,8 @@ def phase_ingest(path: Path, workers: int | None = None) -> dict[str, Any]:
     # CPU time and peak RSS are in RUSAGE_CHILDREN.
     return {"seconds": seconds, "cpu_seconds": time.process_time() - cpu,
             "workers_cpu_seconds": _children_cpu() - child_cpu,
-            "workers": workers or default_workers(), **summary.as_dict(),
+            "workers": workers or default_workers(), "fast_path": fastpath(),
+            **summary.as_dict(),
             "num_samples": summary.num_samples, "rss_before_mb": base_rss,
             "peak_rss_mb": _peak_rss_mb(),
             "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
@@ -215,8 +223,19 @@ def _loadavg() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
 
 
-def _child(phase: str, path: Path, home: Path, *extra: str) -> dict[str, Any]:
-    env = {**os.environ, "FACTORY_HOME": str(home)}
+RULES = {"c": None, "python": "streams", "off": "off"}
+"""Where the normalizer rules run in the ingest phase (``FACTORY_FASTPATH``): ``c``, as an
+ingest runs (the C module's mirror of the common records' rules, while it is verified against
+the Python ones); ``python``, every rule in Python with C only parsing and merging streams (the
+design without a second implementation of the rules); ``off``, no C module."""
+
+
+def _child(phase: str, path: Path, home: Path, *extra: str,
+           fastpath: str | None = None) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "FACTORY_FASTPATH"}
+    env["FACTORY_HOME"] = str(home)
+    if fastpath is not None:
+        env["FACTORY_FASTPATH"] = fastpath
     out = subprocess.run([sys.executable, __file__, "--phase", phase, "--file", str(path), *extra],
                          env=env, capture_output=True, text=True, check=True)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -231,7 +250,15 @@ def main() -> int:
     parser.add_argument("--file", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=None,
                         help="normalizing processes (default: one per CPU; 1: in process)")
+    parser.add_argument("--rules", default="c,python",
+                        help="where the rules run, a comma list of " + ", ".join(RULES)
+                        + " (see RULES): each ingests the same file, in the order given")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="ingest with every --rules this many times, alternating")
     args = parser.parse_args()
+    modes = args.rules.split(",")
+    if not set(modes) <= set(RULES):
+        parser.error(f"--rules: one or more of {', '.join(RULES)}")
     if args.phase == "parse":
         print(json.dumps(phase_parse(Path(args.file))))
         return 0
@@ -242,45 +269,62 @@ def main() -> int:
     if args.workers is not None:
         extra += ["--workers", str(args.workers)]
     sys.path.insert(0, str(ROOT))
-    from factory.native import status
+    from factory.native import fastpath, status
 
     # compiled (make native) or the Python source: the ingest phase runs whichever this says
     print(json.dumps({"cpus": os.cpu_count(), "loadavg_before": _loadavg(),
-                      "normalizers": status()}))
+                      "normalizers": status(), "fast_path": fastpath()}))
     for size in [int(s) for s in args.records.split(",")]:
         with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
             path = Path(tmp) / "records.jsonl"
             generate(path, size)
-            load_before = _loadavg()
             parse = _child("parse", path, Path(tmp) / "home-parse")
-            ingest = _child("ingest", path, Path(tmp) / "home", *extra)
-            total_cpu = ingest["cpu_seconds"] + ingest["workers_cpu_seconds"]
-            print(json.dumps({
-                "records": size,
-                "file_mb": round(path.stat().st_size / 2**20, 1),
-                "workers": ingest["workers"],
-                "parse_only_s": round(parse["seconds"], 2),
-                "ingest_s": round(ingest["seconds"], 2),
-                "samples_per_s": round(ingest["num_samples"] / ingest["seconds"]),
-                "records_per_s": round(size / ingest["seconds"]),
-                "ratio_to_parse_only": round(ingest["seconds"] / parse["seconds"], 1),
-                # CPU seconds of every thread and worker process: steadier than wall time on a
-                # shared machine (the wall ratio is what the goal asks; this is its floor on one
-                # core, divided by the cores that were free).
-                "parse_only_cpu_s": round(parse["cpu_seconds"], 2),
-                "ingest_cpu_s": round(total_cpu, 2),
-                "ingest_main_cpu_s": round(ingest["cpu_seconds"], 2),
-                "ingest_workers_cpu_s": round(ingest["workers_cpu_seconds"], 2),
-                "cpu_ratio_to_parse_only": round(total_cpu / parse["cpu_seconds"], 1),
-                "peak_rss_mb": round(ingest["peak_rss_mb"]),
-                "worker_peak_rss_mb": round(ingest["worker_peak_rss_mb"]),
-                "rss_before_ingest_mb": round(ingest["rss_before_mb"]),
-                "loadavg_before": load_before,
-                "loadavg_after": _loadavg(),
-                "summary": {k: ingest[k] for k in ("read", "ingested", "rejected",
-                                                   "duplicates", "num_samples")},
-            }))
+            cpu: dict[str, list[float]] = {mode: [] for mode in modes}
+            for run in range(args.rounds * len(modes)):
+                mode = modes[run % len(modes)]
+                load_before = _loadavg()
+                ingest = _child("ingest", path, Path(tmp) / f"home-{run}", *extra,
+                                fastpath=RULES[mode])
+                total_cpu = ingest["cpu_seconds"] + ingest["workers_cpu_seconds"]
+                cpu[mode].append(total_cpu)
+                _report(size, path, mode, parse, ingest, total_cpu, load_before)
+            if "c" in modes and "python" in modes:
+                c, py = min(cpu["c"]), min(cpu["python"])
+                print(json.dumps({"records": size, "rules_in_python_over_c": {
+                    "extra_cpu_s": round(py - c, 2), "cpu_ratio": round(py / c, 2),
+                    "cpu_ratio_to_parse_only": {"c": round(c / parse["cpu_seconds"], 1),
+                                                "python": round(py / parse["cpu_seconds"], 1)},
+                    "of": "the least ingest CPU of each"}}))
     return 0
+
+
+def _report(size: int, path: Path, mode: str, parse: dict[str, Any], ingest: dict[str, Any],
+            total_cpu: float, load_before: list[float]) -> None:
+    print(json.dumps({
+        "records": size, "rules": mode, "fast_path": ingest["fast_path"],
+        "file_mb": round(path.stat().st_size / 2**20, 1),
+        "workers": ingest["workers"],
+        "parse_only_s": round(parse["seconds"], 2),
+        "ingest_s": round(ingest["seconds"], 2),
+        "samples_per_s": round(ingest["num_samples"] / ingest["seconds"]),
+        "records_per_s": round(size / ingest["seconds"]),
+        "ratio_to_parse_only": round(ingest["seconds"] / parse["seconds"], 1),
+        # CPU seconds of every thread and worker process: steadier than wall time on a
+        # shared machine (the wall ratio is what the goal asks; this is its floor on one
+        # core, divided by the cores that were free).
+        "parse_only_cpu_s": round(parse["cpu_seconds"], 2),
+        "ingest_cpu_s": round(total_cpu, 2),
+        "ingest_main_cpu_s": round(ingest["cpu_seconds"], 2),
+        "ingest_workers_cpu_s": round(ingest["workers_cpu_seconds"], 2),
+        "cpu_ratio_to_parse_only": round(total_cpu / parse["cpu_seconds"], 1),
+        "peak_rss_mb": round(ingest["peak_rss_mb"]),
+        "worker_peak_rss_mb": round(ingest["worker_peak_rss_mb"]),
+        "rss_before_ingest_mb": round(ingest["rss_before_mb"]),
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
+        "summary": {k: ingest[k] for k in ("read", "ingested", "rejected",
+                                           "duplicates", "num_samples")},
+    }))
 
 
 if __name__ == "__main__":

@@ -15,10 +15,18 @@ edited source, a missing stamp or ``FACTORY_NATIVE=0`` makes every compiled modu
 all or none: compiled modules call each other directly, so one left compiled would still run
 the old code of the others. ``make native`` rebuilds after an edit.
 
+The rules live in the Python normalizers only; the C module mirrors the common ones for speed,
+and is used only while the Python rules are those it was verified against (``fastpath``):
+``verify`` runs ``tests/ingest/test_fastpath.py`` (every C result held to the Python path's) and
+records the sha256 of the rule sources it passed with. A rule changed in Python alone turns the
+C module off (the ingest runs the Python rules, correct and slower) until the C agrees again;
+``make native`` verifies whenever the record is out of date.
+
 This module is never compiled and imports nothing of the factory.
 
     python -m factory.native build    # compile (needs mypy and a C compiler)
-    python -m factory.native status   # compiled, stale, disabled or not built
+    python -m factory.native status   # compiled, stale, disabled or not built; the fast path
+    python -m factory.native verify   # hold the C module to the Python rules, record the pass
     python -m factory.native clean    # remove the extensions and the stamp
 """
 
@@ -50,6 +58,14 @@ HERE = Path(__file__).resolve().parent / "normalize"
 """Where the modules and their extensions are."""
 STAMP = HERE / "_native.json"
 DISABLE_ENV = "FACTORY_NATIVE"
+RULE_SOURCES = ("canon", "detect", "openai", "anthropic", "gemini", "_fastpath")
+"""The sources the C module's rules must agree with: the normalizers it mirrors, and itself."""
+VERIFIED = HERE / "_fastpath_verified.json"
+"""The sha256 of each of ``RULE_SOURCES`` the last passing ``verify`` ran with (committed)."""
+FASTPATH_ENV = "FACTORY_FASTPATH"
+"""``off``: no C module; ``streams``: only its parse and stream merge, every rule in Python
+(what a design without the mirrored rules costs, for ``bench/ingest.py``); ``verify``: its
+rules whatever the record says (what ``verify`` runs the tests with)."""
 
 log = logging.getLogger(PACKAGE)
 
@@ -122,6 +138,62 @@ def status(directory: Path = HERE) -> str:
         return "stale (" + ", ".join(_source(m, directory).name for m in stale) \
             + " changed since the build)"
     return "compiled"
+
+
+def fastpath(directory: Path = HERE) -> str:
+    """What the C module does in an ingest (given a current build): ``rules`` (it reads the
+    common records and merges streams), ``streams`` (only the merge: ``FACTORY_FASTPATH``) or
+    ``off (why)``: a rule source changed since the last passing ``verify``, or none passed."""
+    wanted = os.environ.get(FASTPATH_ENV, "")
+    if wanted in ("off", "streams"):
+        return wanted if wanted == "streams" else f"off ({FASTPATH_ENV}=off)"
+    return "rules" if wanted == "verify" else verified_state(directory)
+
+
+def verified_state(directory: Path = HERE) -> str:
+    """``rules`` where the rule sources are those of the last passing ``verify``, else
+    ``off (why)``."""
+    try:
+        record = json.loads((directory / VERIFIED.name).read_text())
+    except (OSError, ValueError):
+        return "off (never verified: `python -m factory.native verify`)"
+    verified = record.get("sources") if isinstance(record, dict) else None
+    verified = verified if isinstance(verified, dict) else {}
+    digests = source_digests(directory)
+    changed = [m for m in RULE_SOURCES if verified.get(m) != digests.get(m)]
+    if changed:
+        return "off (" + ", ".join(_source(m, directory).name for m in changed) + \
+            " changed since the C module was verified: `python -m factory.native verify`)"
+    return "rules"
+
+
+def verify(root: Path | None = None) -> bool:
+    """Run ``tests/ingest/test_fastpath.py`` against the current build with the C rules on,
+    and record the rule sources it passed with (``VERIFIED``); False (nothing recorded) where
+    the build is not current or a test fails."""
+    import subprocess
+
+    root = root or HERE.parent.parent
+    directory = root / PACKAGE.replace(".", "/")
+    tests = root / "tests" / "ingest" / "test_fastpath.py"
+    if not tests.exists():
+        print(f"verify needs a checkout: no {tests}", file=sys.stderr)
+        return False
+    digests = source_digests(directory)  # what is verified (read before, not after)
+    if status(directory) != "compiled":
+        print(f"verify needs a current build ({status(directory)}): `make native`",
+              file=sys.stderr)
+        return False
+    print("holding the C fast path to the Python rules (tests/ingest/test_fastpath.py):")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tests)], cwd=root, env={**os.environ, FASTPATH_ENV: "verify"})
+    if done.returncode != 0:
+        print("the C module disagrees with the Python rules: the ingest runs them in Python "
+              "until _fastpath.c agrees (the failures above say where)", file=sys.stderr)
+        return False
+    (directory / VERIFIED.name).write_text(json.dumps(
+        {"sources": {m: digests[m] for m in RULE_SOURCES}}, indent=1, sort_keys=True) + "\n")
+    return True
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder):
@@ -206,13 +278,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m factory.native",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["build", "status", "clean"])
+    parser.add_argument("command", choices=["build", "status", "verify", "clean"])
+    parser.add_argument("--if-needed", action="store_true",
+                        help="verify: only where the record is out of date")
     args = parser.parse_args(argv)
     if args.command == "build":
         build()
     elif args.command == "clean":
         clean()
+    elif args.command == "verify" and not (args.if_needed and verified_state() == "rules"):
+        verify()
     print(status())
+    if args.command in ("status", "verify"):
+        print(f"fast path: {fastpath()}")
     return 0
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from factory import native
 from factory.blobs import BlobStore
 from factory.ingest.dedupe import known_mask
 from factory.normalize.canon import (
@@ -33,6 +35,8 @@ from factory.normalize.otlp import is_otlp_export, split_otlp_json
 
 if TYPE_CHECKING:
     import numpy as np
+
+log = logging.getLogger(__name__)
 
 SampleRow = tuple[Any, ...]
 """(sample_id, provider, model, messages, tools, num_turns, has_images, has_tool_calls,
@@ -122,18 +126,27 @@ def outcome(payload: Any, fmt: str,
     return None, rows
 
 
-def _load_fast() -> Callable[[bytes], tuple[Any, ...] | None] | None:
-    """``factory.normalize._fastpath.fast_record`` (C, built by ``make native``), or None
-    where it is not built or the build is stale (``factory.native``)."""
+def _load_fast() -> tuple[Callable[[bytes], tuple[Any, ...] | None] | None, bool]:
+    """(what of ``factory.normalize._fastpath`` reads a line, whether that applies the rules):
+    ``fast_record`` while the Python rules are those it was verified against, else
+    ``merge_stream`` where ``FACTORY_FASTPATH=streams`` asks for it, else None; None too where
+    the C module is not built or the build is stale (``factory.native``)."""
+    mode = native.fastpath()
+    if mode not in ("rules", "streams"):
+        if native.status() == "compiled":
+            log.warning("the C fast path is not used, %s: the ingest runs every rule in "
+                        "Python (slower)", mode.removeprefix("off "))
+        return None, False
     try:
         module = importlib.import_module("factory.normalize._fastpath")
     except ImportError:
-        return None
-    found: Callable[[bytes], tuple[Any, ...] | None] = module.fast_record
-    return found
+        return None, False
+    if mode == "streams":
+        return module.merge_stream, False
+    return module.fast_record, True
 
 
-_FAST = _load_fast()
+_FAST, _FAST_RULES = _load_fast()
 
 
 def fast_outcome(line: bytes, format_hint: str,
@@ -219,8 +232,9 @@ def process_lines(lines: Sequence[bytes], *, name: str, first_lineno: int, forma
         # The C fast path, for the lines that look like what it reads (a logged call, a
         # fine-tuning line; a cheap test, not a rule: it decides, and other lines would cost
         # it a parse for nothing). Not on a re-ingest, which hashes before it normalizes.
-        if not check and _FAST is not None and (b'"request"' in stripped
-                                                 or stripped.startswith(b'{"messages"')):
+        if not check and _FAST is not None and (
+                (b'"request"' in stripped or stripped.startswith(b'{"messages"'))
+                if _FAST_RULES else b'"stream"' in stripped):
             fast = fast_outcome(stripped, format_hint, blobs)
             if fast is not None:
                 out.append((index, fast[0], None, fast[1], None, fast[2]))

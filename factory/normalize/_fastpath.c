@@ -27,11 +27,15 @@
  * "canonical" is orjson.dumps(orjson.loads(line), option=orjson.OPT_SORT_KEYS), the bytes the
  * record's raw_trace_id hashes (compact, keys sorted by their UTF-8 bytes, strings escaped as
  * orjson escapes them); numbers other than short integers are read and written by orjson
- * itself, one at a time. canonical_bytes(line) gives only that.
+ * itself, one at a time. canonical_bytes(line) gives only that; merge_stream(line) gives only
+ * the "stream" result (the parse, the canonical bytes and the merge, none of the rules).
  *
- * factory.native builds this module with the mypyc-compiled normalizers (``make native``);
+ * The rules are the Python normalizers'; this mirrors them for speed. factory.native builds
+ * this module with the mypyc-compiled normalizers (``make native``) and uses its rules only
+ * while the Python sources are those it was verified against (``factory.native.fastpath``):
  * tests/ingest/test_fastpath.py holds every result to orjson and to the Python path, on
- * variants next to each rule and on mutated records.
+ * variants next to each rule and on mutated records, and a rule changed in Python alone turns
+ * this off until those tests pass again.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1674,10 +1678,9 @@ static PyObject *canonical_bytes(PyObject *module, PyObject *arg) {
 }
 
 /* What the Python side needs of a line (see rows.fast_outcome): None, ("stream", canonical,
- * collapsed) or ("call", canonical, messages JSON, tools JSON, model, created, turns,
- * has_tool_calls). */
-static PyObject *fast_record(PyObject *module, PyObject *arg) {
-    (void)module;
+ * collapsed) or, with ``rules``, ("call", canonical, messages JSON, tools JSON, model, created,
+ * turns, has_tool_calls). */
+static PyObject *read_line(PyObject *arg, int rules) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     State s;
@@ -1689,6 +1692,8 @@ static PyObject *fast_record(PyObject *module, PyObject *arg) {
         if (done == 0) {
             result = Py_BuildValue("(sy#y#)", "stream", (char *)s.out.data, s.out.len,
                                    (char *)s.collapsed.data, s.collapsed.len);
+        } else if (done == 1 && !rules) {
+            result = Py_NewRef(Py_None);
         } else if (done == 1) {
             Call call;
             memset(&call, 0, sizeof(call));
@@ -1721,12 +1726,25 @@ static PyObject *fast_record(PyObject *module, PyObject *arg) {
     return result;
 }
 
+static PyObject *fast_record(PyObject *module, PyObject *arg) {
+    (void)module;
+    return read_line(arg, 1);
+}
+
+static PyObject *merge_stream(PyObject *module, PyObject *arg) {
+    (void)module;
+    return read_line(arg, 0);
+}
+
 static PyMethodDef methods[] = {
     {"canonical_bytes", canonical_bytes, METH_O,
      "canonical_bytes(line, /)\n--\n\n"
      "orjson.dumps(orjson.loads(line), option=OPT_SORT_KEYS), or None where not sure."},
     {"fast_record", fast_record, METH_O,
-     "fast_record(line, /)\n--\n\nA streamed or logged OpenAI call read in C, or None."},
+     "fast_record(line, /)\n--\n\nA streamed or logged call read in C, or None."},
+    {"merge_stream", merge_stream, METH_O,
+     "merge_stream(line, /)\n--\n\nA streamed OpenAI call with its text-only chunks merged, "
+     "or None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,20 @@ from factory import native
 from tests.ingest import conversations as conv
 from tests.ingest.test_fuzz import _mutate, _paths
 
-pytestmark = pytest.mark.skipif(native.status() != "compiled",
-                                reason=f"normalizers {native.status()}: `make native` builds "
-                                "the C module")
+
+def _not_used() -> str | None:
+    """Why the ingest does not use the C module's rules here, or None."""
+    if native.status() != "compiled":
+        return f"normalizers {native.status()}: `make native` builds the C module"
+    if rows._FAST is None or not rows._FAST_RULES:
+        return f"the C fast path is {native.fastpath()}: the ingest runs the Python rules"
+    return None
+
+
+if _not_used() and os.environ.get(native.FASTPATH_ENV) == "verify":
+    # ``python -m factory.native verify`` records a pass: a skip must not read as one
+    raise RuntimeError(f"cannot verify the C fast path: {_not_used()}")
+pytestmark = pytest.mark.skipif(_not_used() is not None, reason=_not_used() or "")
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,14 +186,19 @@ def _variants() -> list[dict[str, Any]]:
     ]
 
 
-def _bench_fastpath(tmp_path: Path, count: int) -> list[bytes]:
+def _bench_lines(tmp_path: Path, count: int, seed: int) -> list[bytes]:
+    """The lines of a ``bench/ingest.py`` file of ``count`` records."""
     spec = importlib.util.spec_from_file_location("bench_ingest", ROOT / "bench" / "ingest.py")
     assert spec and spec.loader
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    path = tmp_path / "bench.jsonl"
-    bench.generate(path, count, seed=11)
-    return [line for line in path.read_bytes().split(b"\n") if b'"stream"' in line]
+    path = tmp_path / f"bench-{seed}.jsonl"
+    bench.generate(path, count, seed=seed)
+    return path.read_bytes().split(b"\n")
+
+
+def _bench_fastpath(tmp_path: Path, count: int) -> list[bytes]:
+    return [line for line in _bench_lines(tmp_path, count, 11) if b'"stream"' in line]
 
 
 def _both(lines: list[bytes], fmt: str = "auto") -> tuple[list[Any], list[Any]]:
@@ -215,6 +232,24 @@ def test_collapsed_streams_give_the_python_path_s_rows(tmp_path: Path) -> None:
         assert fast == slow
     fast, _ = _both(lines)
     assert sum(1 for r in fast if r[4] is None) > len(lines) * 0.6  # most are accepted
+
+
+def test_merging_streams_alone_gives_the_python_path_s_rows(tmp_path: Path) -> None:
+    # FACTORY_FASTPATH=streams: C parses and merges streams, every rule runs in Python
+    lines = _bench_lines(tmp_path, 300, 5)
+    assert sum(1 for line in lines if _module().merge_stream(line)) > 20
+    assert all(_module().merge_stream(line) is None for line in lines if b'"stream"' not in line)
+    saved = rows._FAST, rows._FAST_RULES
+    try:
+        rows._FAST, rows._FAST_RULES = _module().merge_stream, False
+        merged = rows.process_lines(lines, name="t", first_lineno=1, format_hint="auto",
+                                    line_errors=[])
+        rows._FAST = None
+        slow = rows.process_lines(lines, name="t", first_lineno=1, format_hint="auto",
+                                  line_errors=[])
+    finally:
+        rows._FAST, rows._FAST_RULES = saved
+    assert merged == slow and sum(1 for r in slow if r[5]) > 200
 
 
 def test_a_collapsed_stream_keeps_every_chunk_but_text_only_ones() -> None:

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPILED = native.status() == "compiled"
 needs_build = pytest.mark.skipif(not COMPILED, reason=f"normalizers {native.status()}: "
                                  "`make native` compiles them")
+needs_fast_path = pytest.mark.skipif(
+    not COMPILED or native.fastpath() != "rules",
+    reason=f"the C fast path is {native.fastpath()}: the ingest runs the Python rules")
 
 # Runs process_lines over a file's lines and prints every result as JSON (the rows' datetimes
 # as text): in this process the compiled modules, in a FACTORY_NATIVE=0 one the source.
@@ -156,10 +160,11 @@ def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
     checkout = _copy_package(tmp_path)
     code = "import factory.ingest.rows as r; print(r._FAST is not None)"
 
-    def c_module_used() -> bool:
+    def c_module_used() -> bool:  # (its rules whether or not they are verified: see below)
         done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
-                              text=True, check=True, env={**os.environ,
-                                                          "PYTHONPATH": str(checkout)})
+                              text=True, check=True,
+                              env={**os.environ, "PYTHONPATH": str(checkout),
+                                   native.FASTPATH_ENV: "verify"})
         return done.stdout.strip() == "True"
 
     assert c_module_used()
@@ -167,6 +172,99 @@ def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
     source.write_text(source.read_text() + "\n/* edited after the build */\n")
     assert native.status(source.parent) == "stale (_fastpath.c changed since the build)"
     assert not c_module_used()
+
+
+def _compile_c(checkout: Path) -> None:
+    """Rebuild the C module of a checkout alone, and stamp it as ``make native`` would."""
+    directory = checkout / "factory" / "normalize"
+    target = directory / f"_fastpath{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O1",
+                    f"-I{sysconfig.get_paths()['include']}", str(directory / "_fastpath.c"),
+                    "-o", str(target)], check=True)
+    stamp = json.loads((directory / "_native.json").read_text())
+    stamp["sources"]["_fastpath"] = native.source_digests(directory)["_fastpath"]
+    (directory / "_native.json").write_text(json.dumps(stamp))
+
+
+def _fast_path_in(checkout: Path) -> tuple[str, bool]:
+    """(factory.native.fastpath(), whether process_lines applies the C rules) in a checkout."""
+    code = ("import factory.ingest.rows as r, factory.native as n; print(n.fastpath()); "
+            "print(r._FAST is not None and r._FAST_RULES)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(checkout)})
+    mode, used = done.stdout.splitlines()
+    return mode, used == "True"
+
+
+def _verify_in(checkout: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "factory.native", "verify"], cwd=checkout,
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(checkout)})
+
+
+@needs_fast_path
+@pytest.mark.slow
+def test_c_rules_that_disagree_with_the_python_ones_are_never_used(tmp_path: Path) -> None:
+    checkout = _copy_package(tmp_path)
+    shutil.copytree(ROOT / "tests", checkout / "tests",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / "bench").mkdir()
+    shutil.copy(ROOT / "bench" / "ingest.py", checkout / "bench" / "ingest.py")
+    shutil.copy(ROOT / "pyproject.toml", checkout / "pyproject.toml")
+    directory = checkout / "factory" / "normalize"
+    record = (directory / native.VERIFIED.name).read_text()
+    assert _fast_path_in(checkout) == ("rules", True)
+
+    # The C mirror's rule changed alone: a developer message read as a user one.
+    source = directory / "_fastpath.c"
+    text = source.read_text()
+    rule = 'if (str_is(s, r, "system") || str_is(s, r, "developer")) canon = "system";'
+    assert rule in text
+    source.write_text(text.replace(rule, 'if (str_is(s, r, "system")) canon = "system";\n'
+                                         '    else if (str_is(s, r, "developer")) canon = "user";'))
+    _compile_c(checkout)
+    assert native.status(directory) == "compiled"  # a current build, not yet verified
+    mode, used = _fast_path_in(checkout)
+    assert mode.startswith("off (_fastpath.c changed since the C module was verified") and not used
+    done = _verify_in(checkout)
+    assert "disagrees with the Python rules" in done.stderr
+    assert "test_calls_normalized_in_c_give_the_python_path_s_rows" in done.stdout
+    assert (directory / native.VERIFIED.name).read_text() == record  # nothing recorded
+    assert _fast_path_in(checkout)[1] is False
+
+    # A change that keeps the rules: verified, recorded and used.
+    source.write_text(text + "\n/* edited */\n")
+    _compile_c(checkout)
+    assert _fast_path_in(checkout)[1] is False
+    done = _verify_in(checkout)
+    assert done.returncode == 0, done.stderr
+    assert "fast path: rules" in done.stdout
+    recorded = json.loads((directory / native.VERIFIED.name).read_text())["sources"]
+    assert recorded["_fastpath"] == native.source_digests(directory)["_fastpath"]
+    assert _fast_path_in(checkout) == ("rules", True)
+
+
+@needs_fast_path
+def test_a_python_rule_changed_since_the_verified_one_turns_the_c_rules_off(
+        tmp_path: Path) -> None:
+    checkout = _copy_package(tmp_path)
+    directory = checkout / "factory" / "normalize"
+    openai = directory / "openai.py"
+    openai.write_text(openai.read_text() + "\n# a rule changed here\n")
+    # as after ``make native``: the build is current, the verification is not
+    stamp = json.loads((directory / "_native.json").read_text())
+    stamp["sources"]["openai"] = native.source_digests(directory)["openai"]
+    (directory / "_native.json").write_text(json.dumps(stamp))
+    assert native.status(directory) == "compiled"
+    mode, used = _fast_path_in(checkout)
+    assert mode == ("off (openai.py changed since the C module was verified: "
+                    "`python -m factory.native verify`)") and not used
+    # FACTORY_FASTPATH=streams keeps only what needs no rule: the parse and the stream merge
+    code = ("import factory.ingest.rows as r; print(r._FAST.__name__, r._FAST_RULES)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(checkout),
+                                                      native.FASTPATH_ENV: "streams"})
+    assert done.stdout.split() == ["merge_stream", "False"]
 
 
 @needs_build
