@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from factory import native
 from factory.app.cli import main
 from factory.errors import FactoryError, SettingsError, UnmigratedLakeError
 from factory.lake import Lake
@@ -240,6 +241,7 @@ def test_doctor_names_and_checks_the_shared_state(
     assert "catalog    SQL catalog in FACTORY_DATABASE_URL (PostgreSQL)\n           ok:" in out
     assert "ok: PostgresRunStorage, 0 run(s)" in out
     assert f"warehouse  {shared_factory.as_uri()}\n           ok: written, read back" in out
+    assert f"ingest     normalizers {native.status()}; C fast path: " in out
     assert "FAILED" not in out
 
 

@@ -2,7 +2,8 @@
 
 Every line names a piece of state, where it is, and whether it answered: the catalog (listing
 its tables), Dagster's instance storage (counting runs), the warehouse and the shared artifact
-folder (writing and removing a probe file), and the node-local home. Exit status 1 when any
+folder (writing and removing a probe file), and the node-local home; then whether ingest runs
+the compiled normalizers and their C fast path (``factory.native``). Exit status 1 when any
 check failed, with the reason on that line.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from factory import native
 from factory.settings import Settings, get_settings
 
 CONNECT_TIMEOUT_S = 5
@@ -125,6 +127,9 @@ def _doctor(args: argparse.Namespace) -> int:
         ok &= _check("models", str(settings.models_dir),
                      lambda: _writable(settings, settings.models_dir.as_uri()))
     print(f"{'local':<10} {settings.home} (spool, uploads, Dagster home, logs)")
+    built = native.status()
+    print(f"{'ingest':<10} normalizers {built}; C fast path: "
+          f"{native.fastpath() if built == 'compiled' else 'not used'}")
     if settings.database_url and settings.warehouse_uri is None:
         print(f"{'':<10} note: the catalog is shared but table data is under this node's home "
               f"({settings.warehouse}); set FACTORY_WAREHOUSE for other nodes to read it")
