@@ -31,10 +31,11 @@ def _not_used() -> str | None:
     return None
 
 
-if _not_used() and os.environ.get(native.FASTPATH_ENV) == "verify":
+_WHY_NOT = _not_used()
+if _WHY_NOT and os.environ.get(native.FASTPATH_ENV) == "verify":
     # ``python -m factory.native verify`` records a pass: a skip must not read as one
-    raise RuntimeError(f"cannot verify the C fast path: {_not_used()}")
-pytestmark = pytest.mark.skipif(_not_used() is not None, reason=_not_used() or "")
+    raise RuntimeError(f"cannot verify the C fast path: {_WHY_NOT}")
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=_WHY_NOT or "")
 
 ROOT = Path(__file__).resolve().parents[2]
 

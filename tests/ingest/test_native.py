@@ -125,12 +125,19 @@ def _copy_package(tmp_path: Path) -> Path:
     return dest
 
 
+def _python_in(checkout: Path, *args: str, check: bool = True,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` run in ``checkout``, importing its factory package (``env`` added to
+    this process's environment)."""
+    return subprocess.run([sys.executable, *args], cwd=checkout, capture_output=True, text=True,
+                          check=check,
+                          env={**os.environ, "PYTHONPATH": str(checkout), **(env or {})})
+
+
 def _probe(checkout: Path, **env: str) -> tuple[str, str, str]:
     code = ("import factory.normalize.canon as c, factory.native as n; "
             "print(c.__file__); print(n.status())")
-    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
-                          text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": str(checkout), **env})
+    done = _python_in(checkout, "-c", code, env=env)
     loaded, state = done.stdout.splitlines()
     return loaded, state, done.stderr
 
@@ -161,10 +168,7 @@ def test_the_c_module_is_used_only_with_a_current_build(tmp_path: Path) -> None:
     code = "import factory.ingest.rows as r; print(r._FAST is not None)"
 
     def c_module_used() -> bool:  # (its rules whether or not they are verified: see below)
-        done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
-                              text=True, check=True,
-                              env={**os.environ, "PYTHONPATH": str(checkout),
-                                   native.FASTPATH_ENV: "verify"})
+        done = _python_in(checkout, "-c", code, env={native.FASTPATH_ENV: "verify"})
         return done.stdout.strip() == "True"
 
     assert c_module_used()
@@ -190,16 +194,8 @@ def _fast_path_in(checkout: Path) -> tuple[str, bool]:
     """(factory.native.fastpath(), whether process_lines applies the C rules) in a checkout."""
     code = ("import factory.ingest.rows as r, factory.native as n; print(n.fastpath()); "
             "print(r._FAST is not None and r._FAST_RULES)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
-                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(checkout)})
-    mode, used = done.stdout.splitlines()
+    mode, used = _python_in(checkout, "-c", code).stdout.splitlines()
     return mode, used == "True"
-
-
-def _verify_in(checkout: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "factory.native", "verify"], cwd=checkout,
-                          capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(checkout)})
 
 
 @needs_fast_path
@@ -226,7 +222,7 @@ def test_c_rules_that_disagree_with_the_python_ones_are_never_used(tmp_path: Pat
     assert native.status(directory) == "compiled"  # a current build, not yet verified
     mode, used = _fast_path_in(checkout)
     assert mode.startswith("off (_fastpath.c changed since the C module was verified") and not used
-    done = _verify_in(checkout)
+    done = _python_in(checkout, "-m", "factory.native", "verify", check=False)
     assert "disagrees with the Python rules" in done.stderr
     assert "test_calls_normalized_in_c_give_the_python_path_s_rows" in done.stdout
     assert (directory / native.VERIFIED.name).read_text() == record  # nothing recorded
@@ -236,7 +232,7 @@ def test_c_rules_that_disagree_with_the_python_ones_are_never_used(tmp_path: Pat
     source.write_text(text + "\n/* edited */\n")
     _compile_c(checkout)
     assert _fast_path_in(checkout)[1] is False
-    done = _verify_in(checkout)
+    done = _python_in(checkout, "-m", "factory.native", "verify", check=False)
     assert done.returncode == 0, done.stderr
     assert "fast path: rules" in done.stdout
     recorded = json.loads((directory / native.VERIFIED.name).read_text())["sources"]
@@ -261,9 +257,7 @@ def test_a_python_rule_changed_since_the_verified_one_turns_the_c_rules_off(
                     "`python -m factory.native verify`)") and not used
     # FACTORY_FASTPATH=streams keeps only what needs no rule: the parse and the stream merge
     code = ("import factory.ingest.rows as r; print(r._FAST.__name__, r._FAST_RULES)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
-                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(checkout),
-                                                      native.FASTPATH_ENV: "streams"})
+    done = _python_in(checkout, "-c", code, env={native.FASTPATH_ENV: "streams"})
     assert done.stdout.split() == ["merge_stream", "False"]
 
 
