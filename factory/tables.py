@@ -259,6 +259,9 @@ TABLES: dict[str, pa.Schema] = {
         ("share_synthetic", pa.float64()),  # of the train samples
         ("slices", pa.string()),           # JSON [{dimension, value, num_traffic,
                                            # num_synthetic, thin}] (factory.curation.slices)
+        ("eval_split", pa.string()),       # phrasing | recall only (factory.curation.phrasing)
+        ("eval_split_reason", pa.string()),  # how the eval set was held out, with numbers
+        ("num_phrasing_clusters", pa.int64()),
     ]),
     # Evals (factory/evals): one row per rubric version of an experiment.
     "rubrics": pa.schema([

@@ -24,7 +24,13 @@ class CurationConfig:
     """How samples become a train set and an eval set."""
 
     eval_fraction: float = 0.1
-    """Share of split groups held out for eval, decided by a stable hash of the group."""
+    """Share of the traffic held out for eval: whole phrasing clusters in a seeded hash order
+    (``factory.curation.phrasing``), or, where those cannot supply it, whole split groups by a
+    stable hash of the group."""
+    phrasing_threshold: float | None = 0.3
+    """Share of the smaller skeleton's rarity-weighted word bigrams two samples must share to be
+    one phrasing (``phrasing.linked_pairs``; 0.3 measured in ``bench/phrasing_split.py``);
+    None holds out by split group only (scores then measure recall only)."""
     max_tokens: int = 2048
     """Samples longer than this (as ``factory.trainer.chat.encode`` counts them) are dropped."""
     near_dup_threshold: float = 0.85
@@ -76,6 +82,9 @@ class CurationConfig:
                              f"{self.near_dup_threshold}")
         if self.decontam_ngram < 1:
             raise ValueError(f"decontam_ngram must be positive, got {self.decontam_ngram}")
+        if self.phrasing_threshold is not None and not 0 < self.phrasing_threshold <= 1:
+            raise ValueError(f"phrasing_threshold must be in (0, 1] or null, got "
+                             f"{self.phrasing_threshold}")
         for name in ("decontam_threshold", "decontam_paraphrase_threshold"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -107,7 +116,8 @@ class CurationConfig:
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that decide the result (recorded with each dataset version)."""
-        return {"eval_fraction": self.eval_fraction, "max_tokens": self.max_tokens,
+        return {"eval_fraction": self.eval_fraction,
+                "phrasing_threshold": self.phrasing_threshold, "max_tokens": self.max_tokens,
                 "near_dup_threshold": self.near_dup_threshold,
                 "decontam_ngram": self.decontam_ngram,
                 "decontam_threshold": self.decontam_threshold,

@@ -211,6 +211,7 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
            overlaps: dict[str, list[tuple[str, str, float]]], config: CurationConfig,
            judge_scores: Callable[[list[str]], dict[str, float]] | None = None,
            groups: dict[str, str] | None = None,
+           sides: Mapping[str, str] | None = None,
            synthetic: frozenset[str] = frozenset()) -> Decisions:
     """Decide sides and drops.
 
@@ -222,13 +223,18 @@ def decide(*, facts: Sequence[SampleFacts], rows: Sequence[RowFacts],
 
     ``synthetic``: the samples only synthetic rows hold; they are train samples, each its own
     group unless ``groups`` says otherwise, and ``config.synthetic_judge_threshold`` judges them.
+
+    ``sides``: the side of each traffic sample (``factory.curation.phrasing``'s split); without
+    it, ``split_side`` of its group.
     """
     by_id = {f.sample_id: f for f in facts}
     group = groups if groups is not None else split_groups(
         [f for f in facts if f.sample_id not in synthetic],
         [e for e in near_edges if e[0] not in synthetic and e[1] not in synthetic])
     group = {**{s: s for s in synthetic}, **group}
-    side = {sid: TRAIN if sid in synthetic else split_side(g, config) for sid, g in group.items()}
+    side = {sid: TRAIN if sid in synthetic
+            else sides[sid] if sides is not None else split_side(g, config)
+            for sid, g in group.items()}
     rows_of: dict[str, list[RowFacts]] = defaultdict(list)
     for r in sorted(rows, key=lambda r: (r.sample_id, r.rank, r.row_key)):
         rows_of[r.sample_id].append(r)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from factory.curation import detectors, neardup
+from factory.curation import detectors, neardup, phrasing
 from factory.curation.config import CurationConfig
 from factory.curation.text import (
     conversation_text,
@@ -36,6 +36,9 @@ FEATURES_SCHEMA = pa.schema([
     ("prompt_ngrams", pa.list_(pa.int64())),
     ("shingles", pa.list_(pa.int64())),
     ("band_keys", pa.list_(pa.int64())),
+    ("phrasing_key", pa.string()),
+    ("phrasing_ngrams", pa.list_(pa.int64())),
+    ("answer_label", pa.string()),
     ("format_key", pa.string()),
     ("is_json", pa.bool_()),
     ("json_cut", pa.bool_()),
@@ -47,6 +50,9 @@ FEATURES_SCHEMA = pa.schema([
     ("size_bytes", pa.int64()),
 ])
 """Columns of ``sample_features`` (hashes are uint64 values stored as int64)."""
+
+LIST_COLUMNS = ("prompt_ngrams", "shingles", "band_keys", "phrasing_ngrams")
+"""The hash-list columns (everything else is one scalar a sample)."""
 
 
 def _digest(text: str) -> str:
@@ -103,9 +109,11 @@ def sample_features(batch: pa.Table | pa.RecordBatch, config: CurationConfig,
     bands = neardup.band_keys(sig, config.num_bands, config.rows_per_band, empty)
     pflat, poffs = neardup.flat_words(prompts)
     ng_vals, ng_offs = neardup.ngram_hashes(pflat, poffs, config.decontam_ngram)
+    skeletons = [phrasing.skeleton(phrasing.user_text(m)) for m in msgs]
+    ph_vals, ph_offs = phrasing.skeleton_ngrams(skeletons)
 
     rows: dict[str, list[Any]] = {f.name: [] for f in FEATURES_SCHEMA
-                                  if f.name not in ("prompt_ngrams", "shingles", "band_keys")}
+                                  if f.name not in LIST_COLUMNS}
     for i, m in enumerate(msgs):
         firsts = user_texts(m)
         looks, ok, cut = detectors.json_status(m)
@@ -116,6 +124,8 @@ def sample_features(batch: pa.Table | pa.RecordBatch, config: CurationConfig,
         rows["num_tokens"].append(count[0] if count else 0)
         rows["num_prompt_tokens"].append(count[1] if count else 0)
         rows["prefix_key"].append(_digest(normalize(firsts[0])) if firsts else "")
+        rows["phrasing_key"].append(phrasing.phrasing_key(skeletons[i]))
+        rows["answer_label"].append(phrasing.answer_label(m))
         norm_prompt = normalize(prompts[i])
         rows["prompt_key"].append(_digest(norm_prompt) if norm_prompt else "")
         rows["format_key"].append(_digest(normalize(system_text(m))))
@@ -134,6 +144,8 @@ def sample_features(batch: pa.Table | pa.RecordBatch, config: CurationConfig,
             arrays.append(_lists(ng_vals, ng_offs))
         elif f.name == "shingles":
             arrays.append(_lists(sh_vals, sh_offs))
+        elif f.name == "phrasing_ngrams":
+            arrays.append(_lists(ph_vals, ph_offs))
         elif f.name == "band_keys":
             arrays.append(_lists(bands.reshape(-1),
                                  np.arange(0, bands.size + 1, config.num_bands, dtype=np.int64)))

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from factory.curation import neardup
+from factory.curation import neardup, phrasing
 from factory.curation.config import CurationConfig
 from factory.curation.decide import (
     BOILERPLATE_DF,
@@ -38,9 +38,8 @@ from factory.curation.decide import (
     format_flags,
     overlap_share,
     split_groups,
-    split_side,
 )
-from factory.curation.features import sample_features
+from factory.curation.features import LIST_COLUMNS, sample_features
 from factory.curation.profile import build_profile
 from factory.curation.report import pattern_report
 from factory.curation.text import parse_json
@@ -262,7 +261,7 @@ def facts_from(features: pa.Table, rows: pa.Table) -> tuple[list[SampleFacts], l
     """Compact per-sample and per-row facts (format flags included) for ``decide``."""
     # Only the scalar columns: the hash lists as Python ints would cost ~5 KB a sample.
     f = features.select([c for c in features.column_names
-                         if c not in ("prompt_ngrams", "shingles", "band_keys")]).to_pydict()
+                         if c not in LIST_COLUMNS]).to_pydict()
     r = rows.select(["sample_id", "raw_trace_id", "row_rank"]).to_pydict()
     origins = (rows.column("origin").to_pylist() if "origin" in rows.column_names
                else [TRAFFIC] * rows.num_rows)
@@ -378,7 +377,8 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
     synthetic = synthetic_only(row_facts)
     groups = split_groups([f for f in facts if f.sample_id not in synthetic],
                           [e for e in edges if e[0] not in synthetic and e[1] not in synthetic])
-    side = {sid: split_side(g, config) for sid, g in groups.items()}
+    held_out = phrasing.split_features(features, groups, config)
+    side, groups = dict(held_out.side), dict(held_out.group)
     groups.update({s: s for s in synthetic})
     side.update({s: TRAIN for s in synthetic})
     overlaps = eval_overlaps(features, side, config)
@@ -404,9 +404,11 @@ def curate(samples: pa.Table, config: CurationConfig, counter: TokenCounter, *,
 
     decisions = decide(facts=facts, rows=row_facts, near_edges=edges, overlaps=overlaps,
                        config=config, judge_scores=judge_scores, groups=groups,
-                       synthetic=synthetic)
-    return assemble(rows, samples, features, decisions, config, num_selected=samples.num_rows,
-                    synthetic=synthetic)
+                       sides=side, synthetic=synthetic)
+    result = assemble(rows, samples, features, decisions, config,
+                      num_selected=samples.num_rows, synthetic=synthetic)
+    result.profile.update(held_out.profile_fields())
+    return result
 
 
 def synthetic_only(rows: Sequence[RowFacts]) -> frozenset[str]:

@@ -5,7 +5,10 @@ tokenization, MinHash, n-grams, detectors), the LSH bucket self-join with exact 
 train/eval n-gram join, the decisions (``spark_decide``: split groups, cleaning steps, judge
 scores), the profile and report aggregates (``spark_report``), and writes the datasets and the
 drops as Parquet that the lake commits with pyiceberg ``add_files``. What reaches the driver
-is bounded by the number of reasons, detectors and distinct token counts, not by the rows.
+is bounded by the number of reasons, detectors and distinct token counts, not by the rows,
+except for the phrasing split: the driver computes it (``phrasing.split_features``, the
+embedded engine's own function) from each sample's id, split group, skeleton key, label and
+skeleton bigram hashes, about 100 bytes and 8 a bigram per sample (~0.4 GB at 1M tickets).
 Both engines give the same datasets, drops, profile and report (tested).
 
 The master comes from ``FACTORY_SPARK_MASTER`` (``spark_session``). Past ``local``, the
@@ -25,6 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from factory.curation import phrasing
 from factory.curation.config import CurationConfig
 from factory.curation.decide import (
     EVAL,
@@ -166,7 +170,15 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
         .where(F.col("jac") >= config.near_dup_threshold).localCheckpoint()
 
     row_keys = rows.select("sample_id", "raw_trace_id", "row_rank")
-    sides = split_sides(features, row_keys, edges, config).localCheckpoint()
+    groups = split_sides(features, row_keys, edges, config)
+    held_out = phrasing.split_features(
+        features.join(groups.select("sample_id", "split_group"), "sample_id")
+        .select("sample_id", "phrasing_key", "phrasing_ngrams", "answer_label").toArrow(),
+        {r["sample_id"]: r["split_group"] for r in groups.select("sample_id", "split_group")
+         .toArrow().to_pylist()}, config)
+    sides = spark.createDataFrame(
+        [(sid, held_out.group[sid], side) for sid, side in sorted(held_out.side.items())],
+        "sample_id string, split_group string, split string").localCheckpoint()
     with_side = features.select("sample_id", "prompt_key", "prompt_ngrams", "shingles") \
         .join(sides, "sample_id")
     ev, tr = with_side.where(f"split = '{EVAL}'"), with_side.where(f"split = '{TRAIN}'")
@@ -205,6 +217,7 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
     drops = decisions.drops.orderBy("sample_id", "step", F.coalesce("raw_trace_id", F.lit("")),
                                     "row_rank").select(*DROP_COLUMNS)
     profile = profile_spark(spark, train_df, eval_df, drops, num_selected=num_selected)
+    profile.update(held_out.profile_fields())
     report = report_spark(features, decisions.drops, decisions, config,
                           num_selected=num_selected,
                           num_kept=profile["num_train"] + profile["num_eval"])

@@ -14,7 +14,12 @@ from factory.curation.tokens import RenderCounter
 pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
 
 # Tool-calling samples render to ~400-570 tokens (the tools block sits in the system turn).
-CONFIG = CurationConfig(max_tokens=1024)
+# The planted datasets put each contaminated copy in train and its source in eval by the split
+# group's hash (``decide.split_side``): the phrasing split would hold the copy out with its
+# source (same phrasing), leaving decontamination nothing to catch, so these tests of the
+# cleaning steps hold out by split group; tests/curation/test_phrasing.py tests the phrasing
+# split, and test_spark.py both.
+CONFIG = CurationConfig(max_tokens=1024, phrasing_threshold=None)
 
 
 @pytest.fixture(scope="session")

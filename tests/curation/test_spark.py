@@ -70,6 +70,16 @@ def test_spark_matches_embedded_and_commits_with_add_files(
         assert result.report == embedded.report
         assert (result.num_clean, result.clean_lost) == (embedded.num_clean,
                                                          embedded.clean_lost)
+        # held out by phrasing cluster: both engines run phrasing.split_features
+        by_phrasing = replace(config, phrasing_threshold=0.3)
+        mine_p = curate_spark(spark, spark.read.parquet(str(path)), by_phrasing,
+                              str(smollm2_dir), judge=LengthJudge())
+        theirs_p = curate(data.table(), by_phrasing, counter, judge=LengthJudge())
+        assert theirs_p.profile["eval_split"] == "phrasing"
+        assert mine_p.profile == theirs_p.profile
+        assert mine_p.eval.toArrow().column("sample_id").to_pylist() == \
+            theirs_p.eval.column("sample_id").to_pylist()
+        assert mine_p.drops.toArrow().to_pylist() == theirs_p.drops
         lake = Lake()
         session = lake.session(run_id="r1", asset_key="dataset")
         lake.append("dataset_train", embedded.train.append_column(

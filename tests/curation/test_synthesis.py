@@ -606,9 +606,13 @@ def test_synthetic_rows_never_enter_eval_nor_carry_an_eval_sample_into_train(
     system = ticket_triage.SYSTEM_PROMPT
     ev = [_user_and_answer(m) for m in alone.eval.column("messages").to_pylist()]
     tr = [_user_and_answer(m) for m in alone.train.column("messages").to_pylist()]
-    # the last word changed: one 3-word shingle of 30+ differs (Jaccard >= 0.88)
-    long_ev = [(u, a) for u, a in ev if len(u.split()) >= 30]
-    long_tr = [(u, a) for u, a in tr if len(u.split()) >= 30]
+    # the last word changed to "thanks": one 3-word shingle of 30+ differs (Jaccard >= 0.88);
+    # a ticket that already ends in "thanks" would stay the same prompt
+    def long(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [(u, a) for u, a in pairs
+                if len(u.split()) >= 30 and u.split()[-1].strip(".!,").lower() != "thanks"]
+
+    long_ev, long_tr = long(ev), long(tr)
     reworded = long_ev[0][0].rsplit(" ", 1)[0] + " thanks"
     planted = {
         "copy of an eval sample": _synthetic_row(*ev[0], system),

@@ -1,0 +1,158 @@
+"""The phrasing split: skeletons, links, the cluster choice, its fallback, and what it measures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from factory.curation import phrasing
+from factory.curation.config import CurationConfig
+from factory.curation.decide import EVAL, TRAIN, split_side
+from factory.curation.pipeline import curate
+from factory.curation.text import words
+from factory.curation.tokens import RenderCounter
+from factory.tables import TABLES
+from factory.tasks import ticket_triage
+from tests.curation.test_synthesis import _rows
+
+
+def test_skeleton_masks_what_varies_between_fills() -> None:
+    a = phrasing.skeleton("Hi, my order BD-48213 for $129.00 never came, write to maria7@gmail.com")
+    b = phrasing.skeleton("Hi, my order BD-11111 for €9.50 never came, write to tom@proton.me")
+    assert a == b == "hi my order qqnum for qqnum never came write to qqemail"
+    # names inside a sentence, quoted values; the sentence's first word and "I" stay
+    assert phrasing.skeleton("I keep seeing 'Something went wrong' on Safari since Monday") == \
+        "i keep seeing qqquote on qqname since qqname"
+
+
+@pytest.mark.parametrize(("messages", "label"), [
+    ([{"role": "assistant", "content": [{"type": "text", "text": "Billing"}]}], "billing"),
+    ([{"role": "assistant", "content": [{"type": "text", "text": '{"intent": "Refund", "x": 1}'}]}],
+     "intent:refund"),
+    ([{"role": "assistant", "content": [],
+       "tool_calls": [{"name": "b", "arguments": "{}"}, {"name": "a", "arguments": "{}"}]}],
+     "tools:a,b"),
+    ([{"role": "assistant", "content": [{"type": "text", "text": "a long free answer of many words"}]}],
+     None),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], None),
+])
+def test_answer_label(messages: list[dict[str, Any]], label: str | None) -> None:
+    assert phrasing.answer_label(messages) == label
+
+
+def _links(texts: list[str], threshold: float = 0.3) -> set[tuple[int, int]]:
+    v, o = phrasing.skeleton_ngrams([phrasing.skeleton(t) for t in texts])
+    return set(phrasing.linked_pairs(v.view(np.int64), o, threshold))
+
+
+def test_a_phrasing_inside_a_longer_ticket_links_and_a_shared_greeting_does_not() -> None:
+    core = "The invoice for order 123 shows the wrong amount on the total line"
+    texts = [core, f"Hello team, {core.lower()}. Regards, Ann",
+             "Hello team, the desk makes a grinding noise when it goes up. Regards, Ann",
+             "Hello team, please add a dark mode to the planner screen. Regards, Ann"]
+    links = _links(texts)
+    assert (0, 1) in links
+    assert not links & {(1, 2), (1, 3), (2, 3), (0, 2), (0, 3)}
+
+
+def _assign(texts: list[str], labels: list[str | None], **kw: Any) -> phrasing.EvalSplit:
+    ids = [f"{i:04d}" for i in range(len(texts))]
+    config = CurationConfig()
+    v, o = phrasing.skeleton_ngrams([phrasing.skeleton(t) for t in texts])
+    links = [(ids[i], ids[j]) for i, j in phrasing.linked_pairs(v.view(np.int64), o, 0.3)]
+    return phrasing.assign(
+        {s: s for s in ids}, {s: split_side(s, config) for s in ids},
+        keys={s: phrasing.phrasing_key(phrasing.skeleton(t)) for s, t in zip(ids, texts,
+                                                                              strict=True)},
+        links=links, labels=dict(zip(ids, labels, strict=True)),
+        eval_fraction=config.eval_fraction, seed=config.seed, **kw)
+
+
+def test_one_phrasing_falls_back_to_recall_only_and_says_why() -> None:
+    texts = [f"Where is my order {1000 + i}? It was due on day {i % 28 + 1}." for i in range(60)]
+    split = _assign(texts, ["shipping"] * 60)
+    assert split.kind == phrasing.RECALL and split.num_clusters == 1
+    assert "1 phrasing clusters of 60 samples, fewer than the 20" in split.reason
+    assert "recall" in split.reason
+    config = CurationConfig()
+    assert split.side == {f"{i:04d}": split_side(f"{i:04d}", config) for i in range(60)}
+
+
+def test_triage_clusters_hold_out_whole_phrasings_with_every_label() -> None:
+    convs = ticket_triage.generate_conversations(500, 0)
+    texts = [c["messages"][1]["content"] for c in convs]
+    split = _assign(texts, [c["label"] for c in convs])
+    assert split.kind == phrasing.PHRASING
+    ids = [f"{i:04d}" for i in range(len(texts))]
+    ev = [split.side[s] == EVAL for s in ids]
+    assert 45 <= sum(ev) <= 53  # 10% of 500, 5% over allowed
+    assert {c["label"] for c, e in zip(convs, ev, strict=True) if e} == set(ticket_triage.LABELS)
+    # no cluster on both sides
+    sides: dict[str, set[str]] = {}
+    for s in ids:
+        sides.setdefault(split.group[s], set()).add(split.side[s])
+    assert all(len(v) == 1 for v in sides.values())
+    # the frames of the eval set mostly never train: 16-27% of them do in bench/phrasing_split.py
+    # (22% here), against every one with the trace/prefix split
+    train_frames = {c["template"] for c, e in zip(convs, ev, strict=True) if not e}
+    leak = sum(1 for c, e in zip(convs, ev, strict=True) if e and c["template"] in train_frames)
+    assert leak / sum(ev) <= 0.3
+
+
+def _nearest_label(train: list[tuple[set[str], str]], text: str) -> str:
+    w = words(text)
+    f = set(w) | {" ".join(w[i:i + 2]) for i in range(len(w) - 1)}
+    return max(train, key=lambda r: len(f & r[0]) / (len(f | r[0]) or 1))[1]
+
+
+def test_a_memorizer_scores_closer_to_new_phrasings_on_the_phrasing_split() -> None:
+    # A 1-nearest-neighbour classifier (word and bigram Jaccard) recalls every template it has
+    # seen and generalizes little: the recall split scores it 1.0, new phrasings (the held-out
+    # frames) far lower; the phrasing split must close most of that gap. It does not close
+    # all of it (0.69 / 0.80 / 0.77 against 0.54 / 0.55 / 0.59 over seeds 0-2; the frame leak
+    # of 16-27% is what a memorizer exploits), so the test holds half.
+    convs = ticket_triage.generate_conversations(500, 0)
+    texts = [c["messages"][1]["content"] for c in convs]
+    labels = [c["label"] for c in convs]
+    split = _assign(texts, list(labels))
+    config = CurationConfig()
+    ids = [f"{i:04d}" for i in range(len(texts))]
+
+    def score(side: dict[str, str]) -> float:
+        train = []
+        for s, t, lbl in zip(ids, texts, labels, strict=True):
+            if side[s] == TRAIN:
+                w = words(t)
+                train.append((set(w) | {" ".join(w[i:i + 2]) for i in range(len(w) - 1)}, lbl))
+        ev = [(t, lbl) for s, t, lbl in zip(ids, texts, labels, strict=True) if side[s] == EVAL]
+        return sum(_nearest_label(train, t) == lbl for t, lbl in ev) / len(ev)
+
+    recall = score({s: split_side(s, config) for s in ids})
+    by_phrasing = score(split.side)
+    held = ticket_triage.generate_heldout(200, 100)
+    train_all = []
+    for t, lbl in zip(texts, labels, strict=True):
+        w = words(t)
+        train_all.append((set(w) | {" ".join(w[i:i + 2]) for i in range(len(w) - 1)}, lbl))
+    disjoint = sum(_nearest_label(train_all, h["messages"][1]["content"]) == h["label"]
+                   for h in held) / len(held)
+    assert recall == 1.0 and disjoint < 0.7
+    assert by_phrasing - disjoint <= (recall - disjoint) / 2
+
+
+def test_the_pipeline_records_how_the_eval_set_was_held_out(smollm2_dir: Path) -> None:
+    counter = RenderCounter(smollm2_dir)
+    traffic = pa.Table.from_pylist(_rows(300, keep_thin=60), schema=TABLES["samples"])
+    result = curate(traffic, CurationConfig(max_tokens=1024), counter)
+    assert result.profile["eval_split"] == phrasing.PHRASING
+    assert result.profile["num_phrasing_clusters"] > 20
+    assert result.profile["eval_split_reason"].startswith("held out by phrasing:")
+    groups = {g for g in result.eval.column("split_group").to_pylist()}
+    assert not groups & set(result.train.column("split_group").to_pylist())
+    off = curate(traffic, CurationConfig(max_tokens=1024, phrasing_threshold=None), counter)
+    assert off.profile["eval_split"] == phrasing.RECALL
+    assert "phrasing split is off" in off.profile["eval_split_reason"]
