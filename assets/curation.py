@@ -22,6 +22,7 @@ import pyarrow as pa
 from factory.curation import synthesis
 from factory.curation.config import CurationConfig
 from factory.curation.decide import TRAFFIC
+from factory.curation.phrasing import SPLIT_FIELDS
 from factory.curation.pipeline import curate, default_workers
 from factory.curation.profile import build_profile
 from factory.curation.slices import profile_slices
@@ -187,6 +188,7 @@ def dataset(context: dg.AssetExecutionContext, config: DatasetConfig,  # type: i
         "num_train": train.num_rows,
         "num_eval": ev.num_rows,
         "num_synthetic": result.profile["num_synthetic"],
+        **{k: result.profile[k] for k in SPLIT_FIELDS},
         "drops_by_reason": dg.MetadataValue.json(result.drops_by_reason()),
         "clean_loss_by_reason": dg.MetadataValue.json(result.clean_loss_by_reason()),
         "samples_snapshot_id": snapshot,
@@ -276,9 +278,11 @@ def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg
         [parse_json(t) for t in train.column("tools").to_pylist()], seed=config.seed)
     # The samples snapshot the dataset was built from, from the dataset's own lineage.
     reads = session.lake.snapshot_info("dataset_train").get("reads", {})
+    made = _dataset_metadata(context)
+    profile.update({k: made.get(k) for k in SPLIT_FIELDS})
     write_profile(session, experiment.name, profile, config=config, tokenizer=tokenizer,
                   samples_snapshot_id=reads.get("samples"),
-                  engine=_dataset_engine(context))
+                  engine=str(made.get("engine") or "embedded"))
     return dg.MaterializeResult(metadata={
         **{k: v for k, v in profile.items()
            if k not in ("languages", "drops_by_reason", "slices")},
@@ -288,11 +292,11 @@ def dataset_profile(context: dg.AssetExecutionContext, lake: LakeResource) -> dg
     })
 
 
-def _dataset_engine(context: dg.AssetExecutionContext) -> str:
-    """The engine of the partition's latest ``dataset`` materialization (its metadata)."""
+def _dataset_metadata(context: dg.AssetExecutionContext) -> dict[str, Any]:
+    """The metadata values of the partition's latest ``dataset`` materialization: its engine
+    and how its eval set was held out (``SPLIT_FIELDS``)."""
     records = context.instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey("dataset"),
                               asset_partitions=[context.partition_key]), limit=1).records
     mat = records[0].asset_materialization if records else None
-    value = mat.metadata.get("engine") if mat is not None else None
-    return str(value.value) if value is not None else "embedded"
+    return {k: v.value for k, v in mat.metadata.items()} if mat is not None else {}

@@ -55,6 +55,10 @@ PHRASING, RECALL = "phrasing", "recall only"
 """``EvalSplit.kind``: held out by phrasing cluster; or by trace, first user turn and
 near-duplicate group only, whose scores measure recall of the traffic's phrasings."""
 
+SPLIT_FIELDS = ("eval_split", "eval_split_reason", "num_phrasing_clusters")
+"""The ``dataset_profile`` columns (and ``dataset`` metadata) saying how the eval set was held
+out: ``EvalSplit.kind``, ``EvalSplit.reason``, ``EvalSplit.num_clusters``."""
+
 NGRAM = 2
 """Skeleton words per n-gram (see the module docstring for the measurement)."""
 
@@ -201,8 +205,7 @@ class EvalSplit:
 
     def profile_fields(self) -> dict[str, Any]:
         """The ``dataset_profile`` columns this split fills."""
-        return {"eval_split": self.kind, "eval_split_reason": self.reason,
-                "num_phrasing_clusters": self.num_clusters}
+        return dict(zip(SPLIT_FIELDS, (self.kind, self.reason, self.num_clusters), strict=True))
 
 
 def _rank(seed: int, name: str) -> str:

@@ -67,6 +67,10 @@ def test_materialize_writes_versions_and_is_repeatable(
     assert len(profile) == 1 and profile[0]["num_train"] == before[0].num_rows
     assert profile[0]["samples_snapshot_id"] == lake.snapshot_id("samples")
     assert profile[0]["prompt_tokens_p50"] > 0
+    # how the eval set was held out reaches the profile the planner reads, and the UI
+    assert profile[0]["eval_split"] == "phrasing", profile[0]["eval_split_reason"]
+    assert profile[0]["eval_split_reason"] == mat.metadata["eval_split_reason"].value
+    assert profile[0]["num_phrasing_clusters"] > 20
 
 
 def test_blocking_check_stops_the_profile(factory_home: Path, monkeypatch: pytest.MonkeyPatch,
