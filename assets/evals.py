@@ -9,10 +9,12 @@ judged by is the ``rubric`` asset, ``factory.assets.rubric``).
   ``InferenceResource`` fields override it), shown in the metadata with each value's source. The
   train/serve equivalence check runs first, on a few samples, as a blocking asset check: a
   checkpoint that fails it is not scored, so no later ``best_checkpoint`` can pick it. An
-  overfitting or plateau signal (``decide_stop``) goes to ``early_stops``.
-- ``best_checkpoint`` (per experiment): highest mean score with a bootstrap interval; equal
-  means go to the lower held-out loss the trainer measured on the eval split, else to the
-  earlier step; a row in ``best_checkpoints``.
+  overfitting or plateau signal (``decide_stop``) goes to ``early_stops``. Its metadata shows
+  the score as ``format_score`` prints it: mean, 95% interval, sample count, method.
+- ``best_checkpoint`` (per experiment): the checkpoint whose 95% interval has the highest lower
+  bound (``selection.rank``: why, measured); equal bounds go to the lower held-out loss the
+  trainer measured on the eval split, else to the earlier step; a row in ``best_checkpoints``
+  with the interval and its method.
 """
 
 import json
@@ -34,7 +36,7 @@ from factory.evals.runner import (
     items_from_samples,
     score_reference,
 )
-from factory.evals.selection import rank, summarize
+from factory.evals.selection import format_score, rank, summarize
 from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServerError
 from factory.inference.sizing import plan_of_run
@@ -205,8 +207,10 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
     curves, stop = record_early_stop(session, run_id, experiment)
     png = plot_png(curves, get_settings().home / "reports" / run_id / "curve.png")
     yield dg.MaterializeResult(metadata={
+        "score": format_score(summary),
         "run_id": run_id, "step": step, "mean_score": summary.mean,
         "ci_low": summary.ci_low, "ci_high": summary.ci_high,
+        "num_samples": summary.num_samples, "ci_method": summary.method or "",
         "num_failed": summary.num_failed, "judge": judge.name,
         "rubric_version": rubric.version, "early_stop": stop.reason if stop else "",
         "scores_reused_from": dg.MetadataValue.json(borrowed),
@@ -233,11 +237,11 @@ class BestCheckpointConfig(dg.Config):
           dg.AssetDep("training_run", partition_mapping=dg.AllPartitionMapping())],
     group_name="evals",
     kinds={"iceberg", "python"},
-    description="The checkpoint to deploy: highest mean rubric score over the experiment's "
-                "runs (bootstrap interval; equal means to the lower held-out loss, else the "
-                "earlier step), once every checkpoint of "
-                "its finished runs is scored. Table best_checkpoints.",
-    code_version="3",
+    description="The checkpoint to deploy: over the experiment's runs, the one whose 95% "
+                "Wilson interval of the mean rubric score has the highest lower bound; equal "
+                "bounds to the lower held-out loss, else the earlier step; once every "
+                "checkpoint of its finished runs is scored. Table best_checkpoints.",
+    code_version="4",
 )
 def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untyped-def]
                     config: BestCheckpointConfig, lake: LakeResource):
@@ -273,28 +277,30 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
             ref.append(r["score"])
     if not by_run:
         raise dg.Failure(f"experiment {experiment.name!r} has no evaluated checkpoints")
-    # Every checkpoint of every run at once: equal means (an eval split the checkpoints have
-    # saturated) go to the lowest held-out loss the trainer measured on the same split, else to
-    # the earlier step (selection.rank).
+    # Every checkpoint of every run at once, by the lower bound of its interval; equal bounds
+    # (an eval split the checkpoints have saturated) go to the lowest held-out loss the trainer
+    # measured on the same split, else to the earlier step (selection.rank).
     losses = {run_id: read_eval_losses(session, run_id) for run_id in by_run}
     keys = sorted((run_id, step) for run_id, steps in by_run.items() for step in steps)
     cands = [summarize(step, by_run[run_id][step]) for run_id, step in keys]
     pick, decided_by = rank([(c, losses[run_id].get(step))
                              for c, (run_id, step) in zip(cands, keys, strict=True)])
     best_run, best = keys[pick][0], cands[pick]
-    base_mean = summarize(0, base).mean if any(s is not None for s in base) else None
-    ref_mean = summarize(0, ref).mean if any(s is not None for s in ref) else None
+    base_score = summarize(0, base) if any(s is not None for s in base) else None
+    ref_score = summarize(0, ref) if any(s is not None for s in ref) else None
+    base_mean = base_score.mean if base_score else None
+    ref_mean = ref_score.mean if ref_score else None
     session.append("best_checkpoints", [{
         "experiment": experiment.name, "run_id": best_run, "step": best.step,
         "path": paths[(best_run, best.step)], "rubric_version": rubric_version,
         "mean_score": best.mean, "ci_low": best.ci_low, "ci_high": best.ci_high,
-        "num_samples": best.num_samples, "base_score": base_mean, "reference_score": ref_mean,
-        "selected_at": _now()}])
+        "ci_method": best.method, "num_samples": best.num_samples, "base_score": base_mean,
+        "reference_score": ref_mean, "selected_at": _now()}])
     curves = read_curves(session, best_run)
     run_losses = losses[best_run]
-    curve = "| step | mean score | eval loss |\n|---|---|---|\n" + "\n".join(
-        f"| {s} | {v:.3f} | {run_losses[s]:.3g} |" if s in run_losses
-        else f"| {s} | {v:.3f} | - |" for s, v in curves.scores)
+    curve = "| step | score | eval loss |\n|---|---|---|\n" + "\n".join(
+        f"| {s} | {format_score(summarize(s, curves.samples[s]))} | "
+        + (f"{run_losses[s]:.3g} |" if s in run_losses else "- |") for s, _ in curves.scores)
     extra: dict = {}
     if experiment.sweep:
         # By task score: sweep_comparison reads each point's best checkpoint mean from
@@ -303,9 +309,13 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
             comparison_table(sweep_comparison(session.lake, experiment)))
     png = plot_png(curves, get_settings().home / "reports" / best_run / "curve.png")
     return dg.MaterializeResult(metadata={
+        "score": format_score(best),
         "run_id": best_run, "step": best.step, "mean_score": best.mean,
         "decided_by": decided_by,
         "ci": f"[{best.ci_low:.3f}, {best.ci_high:.3f}]",
+        "ci_method": best.method or "", "num_samples": best.num_samples,
+        "base": format_score(base_score) if base_score else "",
+        "reference": format_score(ref_score) if ref_score else "",
         "base_score": base_mean, "reference_score": ref_mean,
         "score_curve": dg.MetadataValue.md(curve), "curve": dg.MetadataValue.path(str(png)),
         **extra, **session.metadata()})

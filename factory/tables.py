@@ -300,12 +300,13 @@ TABLES: dict[str, pa.Schema] = {
         ("path", pa.string()),
         ("rubric_version", pa.string()),
         ("mean_score", pa.float64()),
-        ("ci_low", pa.float64()),
+        ("ci_low", pa.float64()),          # the 95% interval of mean_score
         ("ci_high", pa.float64()),
         ("num_samples", pa.int64()),
         ("base_score", pa.float64()),
         ("reference_score", pa.float64()),
         ("selected_at", _TS),
+        ("ci_method", pa.string()),        # wilson (0/1 scores) | wilson_graded
     ]),
     # Deployments (factory/deploy): append-only, the latest row per (name, version) wins.
     "deployments": pa.schema([

@@ -5,8 +5,9 @@ partition to the instance's run queue (``dagster job launch``, through the run l
 instance is configured with), and then only watch. The daemon launches the run; ``chain_sensor``
 trains every sweep point, ``checkpoint_sensor`` evaluates each checkpoint while it trains, and
 the best checkpoint is selected and deployed per the experiment's ``deploy`` policy. The client
-follows the chain's runs (tag ``factory/chain``) with progress lines and ends with the chain's
-outcome as ``chain_sensor`` recorded it. With no daemon running it starts one for the duration
+follows the chain's runs (tag ``factory/chain``) with progress lines (each scored checkpoint with
+its interval and sample count) and ends with the chain's outcome as ``chain_sensor`` recorded
+it. With no daemon running it starts one for the duration
 (``factory.app.instance.ensure_daemon``).
 
 Ctrl-C cancels the chain's runs that have not ended through the instance's run coordinator
@@ -103,6 +104,17 @@ def chain_runs(inst: Any, start_run: str) -> list[Any]:
     return [r.dagster_run for r in records]
 
 
+def eval_score(meta: dict[str, Any]) -> str | None:
+    """A checkpoint eval's score from its materialization metadata as ``format_score`` prints
+    it (``0.962 [0.921, 0.983] n=200 (Wilson)``); None when it was not scored."""
+    from factory.evals.selection import StepScore, format_score
+
+    if not all(isinstance(meta.get(k), int | float)
+               for k in ("mean_score", "ci_low", "ci_high", "num_samples")):
+        return None
+    return format_score(StepScore.from_row(meta))
+
+
 def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0) -> str:
     """Wait for the chain started by ``start_run`` to end; its outcome (``deployed``, or the
     manual policy's stop after ``best_checkpoint``). Raises ChainFailed with the reason when
@@ -121,10 +133,9 @@ def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0
             statuses[run.run_id] = status
             line = f"  {_label(run)}: {status.lower()}"
             if run.status.value == "SUCCESS" and run.tags.get("factory/step"):
-                meta = materialized(inst, run.run_id, "checkpoint_evals")
-                if isinstance(meta.get("mean_score"), float):
-                    line += f" (step {run.tags['factory/step']}: mean score " \
-                            f"{meta['mean_score']:.3f})"
+                score = eval_score(materialized(inst, run.run_id, "checkpoint_evals"))
+                if score:
+                    line += f" (step {run.tags['factory/step']}: mean score {score})"
             elif run.status in FAILED:
                 line += f": {failure_message(inst, run.run_id)}"
             progress(line)

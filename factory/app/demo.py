@@ -11,7 +11,8 @@
    best checkpoint, deployment;
 4. sends a new request through the gateway to ``factory/<experiment>``, and shows it captured
    (tagged with the deployment version): the data for v2;
-5. prints the summary, and returns its last line's object.
+5. prints the summary (each score with its 95% interval and sample count), and returns its last
+   line's object.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ _PROJECT = re.compile(r"""^\s*tags\['project'\]\s*=\s*'([A-Za-z0-9_.-]+)'\s*$"""
 """The selection a demo experiment must have: one project tag, which the demo's traffic carries
 (``demo-extract``: ``demo``; ``demo-extract-gemma``: ``demo-gemma``, so that neither experiment
 finds samples, and starts, in the other's home)."""
-SUMMARY_KEYS = ("base_score", "best_score", "best_step", "endpoint", "model", "factory_home")
+SUMMARY_KEYS = ("base_score", "best_score", "best_step", "endpoint", "model", "factory_home",
+                "base_score_interval", "best_score_interval")
 
 
 def _wait(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -97,7 +99,8 @@ def _send_traffic(gateway_url: str, records: list[dict[str, Any]], project: str)
 def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, seed: int = 0,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the loop; returns ``{base_score, best_score, best_step, endpoint, model,
-    factory_home}``."""
+    factory_home, base_score_interval, best_score_interval}`` (the ``*_interval`` values: the
+    score as ``format_score`` prints it, with its 95% interval and sample count)."""
     from factory.app.run import run_experiment, terminal_plot
     from factory.app.runner import materialize
     from factory.base_model import embedded_name
@@ -172,11 +175,10 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
         gateway.stop()
         upstream.stop()
 
-    base, best = out["base_score"], out["best_score"]
     say("")
-    say(f"base score  {base:.3f}" if base is not None else "base score  -")
-    say(f"best score  {best:.3f} at step {out['best_step']} (run {out['run_id']})"
-        if best is not None else "best score  -")
+    say(f"base score  {out['base_score_interval'] or '-'}")
+    say(f"best score  {out['best_score_interval']} at step {out['best_step']} "
+        f"(run {out['run_id']})" if out["best_score_interval"] else "best score  -")
     say(terminal_plot(out["curve"], label="mean rubric score by step (step 0 = base model)"))
     if out["curve_png"]:
         say(f"curve: {out['curve_png']}")

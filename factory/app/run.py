@@ -6,7 +6,8 @@ follows it: ``chain_sensor`` plans and trains every sweep point, ``checkpoint_se
 each checkpoint while it trains, the best checkpoint is selected once all are scored, and it is
 deployed (``deploy: auto``, or ``--no-deploy``/``deploy: manual`` to stop at the selection).
 Every run is on the instance, so ``factory ui`` shows the same chain a click would have made.
-``summary`` reads the result back from the lake.
+``summary`` reads the result back from the lake, each score with its 95% interval and sample
+count (``format_score``), and ``run_experiment`` ends its progress with them.
 
 Ctrl-C cancels the chain's runs (the training run cancels its trainer, which checkpoints and
 exits; the run is recorded ``cancelled``) and ``factory run`` exits 130; SIGTERM does the same
@@ -99,15 +100,21 @@ def run_experiment(name: str, *, progress: Progress = _print, deploy: bool = Tru
             raise
     progress(f"[{experiment.name}] {outcome}")
     out = summary(Lake(), experiment.name)
+    if out["best_score_interval"]:
+        progress(f"[{experiment.name}] best checkpoint: step {out['best_step']} of run "
+                 f"{out['run_id']}, score {out['best_score_interval']}; base model "
+                 f"{out['base_score_interval'] or '-'}")
     out["seconds"] = round(time.monotonic() - started, 1)
     out["chain"] = start
     return out
 
 
 def summary(lake: Lake, name: str) -> dict[str, Any]:
-    """Base score, best score and step, the curve PNG, the endpoint, from the lake."""
+    """Base score, best score and step, the curve PNG, the endpoint, from the lake; the two
+    scores also as ``format_score`` prints them (``*_interval``: mean, 95% interval, count)."""
     from factory.deploy.deployer import Deployer, route_model
     from factory.evals.report import plot_png, read_curves
+    from factory.evals.selection import StepScore, format_score, summarize
     from factory.settings import get_settings
 
     settings = get_settings()
@@ -115,14 +122,19 @@ def summary(lake: Lake, name: str) -> dict[str, Any]:
                     "ORDER BY selected_at DESC LIMIT 1", [name]).to_pylist() \
         if lake.exists("best_checkpoints") else []
     out: dict[str, Any] = {"experiment": name, "base_score": None, "best_score": None,
+                           "base_score_interval": None, "best_score_interval": None,
                            "best_step": None, "run_id": None, "curve": [], "curve_png": None,
                            "endpoint": None, "model": route_model(name),
                            "factory_home": str(settings.home)}
     if best:
         row = best[0]
         out.update(base_score=row["base_score"], best_score=row["mean_score"],
+                   best_score_interval=format_score(StepScore.from_row(row)),
                    best_step=row["step"], run_id=row["run_id"])
         curves = read_curves(lake, row["run_id"])
+        if curves.samples.get(0):
+            # The base model's answers, judged in the best run's first eval.
+            out["base_score_interval"] = format_score(summarize(0, curves.samples[0]))
         out["curve"] = [[int(s), float(v)] for s, v in curves.scores]
         if curves.scores:
             png = plot_png(curves, settings.home / "reports" / row["run_id"] / "curve.png")

@@ -1,5 +1,6 @@
-"""Evals: rubrics from the data, judges (LLM and embedded), checkpoint selection by task score,
-overfitting detection, and the train/serve equivalence check."""
+"""Evals: rubrics from the data, judges (LLM and embedded), checkpoint selection by the interval
+of the task score (and the one way a score is printed), overfitting detection, and the
+train/serve equivalence check."""
 
 from factory.evals.equivalence import EquivalenceError, EquivalenceResult, check_equivalence
 from factory.evals.judges import (
@@ -20,17 +21,20 @@ from factory.evals.runner import (
 )
 from factory.evals.selection import (
     EarlyStop,
+    Interval,
     StepScore,
     decide_stop,
     detect_overfitting,
     detect_plateau,
+    format_score,
     select_best,
     summarize,
+    wilson_interval,
 )
 
 __all__ = ["Answer", "Criterion", "EarlyStop", "EmbeddedJudge", "EquivalenceError",
-           "EquivalenceResult", "EvalItem", "Generated", "JudgeOutputError", "LLMJudge",
-           "Rubric", "ScoreRow", "StepScore", "answer_from_message", "build_rubric",
+           "EquivalenceResult", "EvalItem", "Generated", "Interval", "JudgeOutputError",
+           "LLMJudge", "Rubric", "ScoreRow", "StepScore", "answer_from_message", "build_rubric",
            "check_equivalence", "decide_stop", "detect_overfitting", "detect_plateau",
-           "generate_answers", "infer_rubric",
-           "items_from_samples", "score_reference", "select_best", "summarize"]
+           "format_score", "generate_answers", "infer_rubric", "items_from_samples",
+           "score_reference", "select_best", "summarize", "wilson_interval"]

@@ -1,9 +1,10 @@
 """Score-and-loss curves of a run, from the lake: PNG (matplotlib) and a self-contained HTML.
 
-Scores come from ``eval_scores`` (mean per step; the base model at step 0 and the reference
-answers as a horizontal line); the loss curve from the ``trainer_state.json`` of the run's
-newest checkpoint listed in ``checkpoints`` (it holds the whole loss history). The trainer's
-held-out losses per step (``read_eval_losses``) come from ``training_events``.
+Scores come from ``eval_scores`` (mean per step with its 95% interval, ``selection.summarize``;
+the base model at step 0 and the reference answers as a horizontal line); the loss curve from
+the ``trainer_state.json`` of the run's newest checkpoint listed in ``checkpoints`` (it holds
+the whole loss history). The trainer's held-out losses per step (``read_eval_losses``) come
+from ``training_events``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from factory.evals.selection import decide_stop, format_score, summarize
+
 
 @dataclass(kw_only=True)
 class RunCurves:
@@ -25,7 +28,7 @@ class RunCurves:
     scores: list[tuple[int, float]] = field(default_factory=list)
     """(step, mean score) of the base model (step 0) and each checkpoint."""
     samples: dict[int, list[float]] = field(default_factory=dict)
-    """Step -> the sample scores behind that mean (for bootstrap intervals)."""
+    """Step -> the sample scores behind that mean (for their intervals)."""
     reference: float | None = None
     """Mean score of the reference answers."""
     loss: list[tuple[int, float]] = field(default_factory=list)
@@ -37,8 +40,6 @@ def record_early_stop(lake: Any, run_id: str, experiment: str) -> tuple[RunCurve
     (``selection.decide_stop``: the score fell after its peak, or it plateaued), appended to
     ``early_stops`` (the recovery sensor then stops the run). Returns (curves, stop or None)."""
     from datetime import UTC, datetime
-
-    from factory.evals.selection import decide_stop
 
     curves = read_curves(lake, run_id)
     stop = decide_stop(curves.samples)
@@ -109,8 +110,14 @@ def plot_png(curves: RunCurves, dest: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     if curves.scores:
-        ax.plot(*zip(*curves.scores, strict=True), marker="o", color="tab:blue",
-                label="rubric score")
+        steps = [s for s, _ in curves.scores]
+        spans = [summarize(s, curves.samples[s]) for s in steps]
+        ax.errorbar(steps, [c.mean for c in spans],
+                    # max: the interval holds its mean, up to rounding.
+                    yerr=[[max(0.0, c.mean - c.ci_low) for c in spans],
+                          [max(0.0, c.ci_high - c.mean) for c in spans]],
+                    marker="o", color="tab:blue", capsize=3,
+                    label="rubric score (95% interval)")
     if curves.reference is not None:
         ax.axhline(curves.reference, color="tab:green", linestyle="--", label="reference")
     ax.set_xlabel("step")
@@ -132,7 +139,9 @@ def plot_png(curves: RunCurves, dest: Path) -> Path:
 
 def write_html(curves: RunCurves, png: Path, dest: Path) -> Path:
     img = base64.b64encode(png.read_bytes()).decode()
-    rows = "".join(f"<tr><td>{s}</td><td>{v:.3f}</td></tr>" for s, v in curves.scores)
+    rows = "".join(f"<tr><td>{s}</td><td>"
+                   f"{html.escape(format_score(summarize(s, curves.samples[s])))}</td></tr>"
+                   for s, _ in curves.scores)
     ref = f"{curves.reference:.3f}" if curves.reference is not None else "n/a"
     loss = (f"{curves.loss[-1][1]:.4f} at step {curves.loss[-1][0]}" if curves.loss
             else "n/a (no trainer_state.json for the run's newest checkpoint)")
@@ -141,5 +150,5 @@ def write_html(curves: RunCurves, png: Path, dest: Path) -> Path:
         f"{html.escape(curves.run_id)}</title></head><body><h1>run "
         f"{html.escape(curves.run_id)}</h1><img src='data:image/png;base64,{img}'>"
         f"<p>reference answers: {ref}</p><p>final training loss: {loss}</p><table border='1'><tr><th>step</th>"
-        f"<th>mean score</th></tr>{rows}</table></body></html>")
+        f"<th>score</th></tr>{rows}</table></body></html>")
     return dest

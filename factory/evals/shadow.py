@@ -7,7 +7,10 @@ The experiment's rubric scores it, so labels, JSON and tool calls are checked ex
 or tool-call match) scores 1.0 where the rubric has one, else the combined score reaches
 ``FREE_TEXT_PASS`` (or the experiment's ``pass_score``). A candidate that gave no usable answer
 (refused, timed out, answered garbage or an error) scores 0 with the reason.
-**Agreement** is the share of scored pairs that pass.
+**Agreement** is the share of scored pairs that pass, with its 95% Wilson interval. A shadow
+policy promotes on the interval's lower bound, not the share: 20 of 20 pairs passing is 1.000
+but only [0.839, 1.000], which does not show 0.95 agreement; at the default 200 pairs a 0.95
+policy needs 197 of them passing (lower bound 0.957; 196 give 0.9497).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from factory.evals.judges import EvalItem, ScoreRow, answer_from_message
 from factory.evals.rubric import Rubric
 from factory.evals.runner import to_openai_tools
+from factory.evals.selection import WILSON, Interval, format_score, wilson_interval
 
 EXACT_CHECKS = frozenset({"tool_call_match", "json_match", "label_match", "tool_calls"})
 """Criteria that decide a pass on their own: the answer matches the reference exactly or not."""
@@ -115,9 +119,27 @@ class ShadowSummary:
     """Share of scored pairs that pass (None before any is scored)."""
     mean_score: float | None
 
+    @property
+    def agreement_interval(self) -> Interval | None:
+        """The agreement with its 95% Wilson interval (None before any pair is scored)."""
+        if not self.num_scored:
+            return None
+        low, high = wilson_interval(self.num_passed, self.num_scored)
+        return Interval(mean=self.num_passed / self.num_scored, ci_low=low, ci_high=high,
+                        num_samples=self.num_scored, method=WILSON)
+
     def meets(self, agreement: float, min_pairs: int) -> bool:
-        return self.num_scored >= min_pairs and self.agreement is not None \
-            and self.agreement >= agreement
+        """Whether a policy of ``agreement`` over at least ``min_pairs`` scored pairs promotes:
+        the lower bound of the agreement's 95% interval reaches ``agreement``, so a high share
+        of few pairs (4 of 4: [0.510, 1.000]) does not pass for a high agreement."""
+        interval = self.agreement_interval
+        return (self.num_scored >= min_pairs and interval is not None
+                and interval.ci_low >= agreement)
+
+    def describe(self) -> str:
+        """The agreement as people read it: ``0.985 [0.957, 0.995] n=200 (Wilson)``."""
+        interval = self.agreement_interval
+        return "no scored pairs" if interval is None else format_score(interval)
 
 
 LATEST_SCORES = ("(SELECT * FROM shadow_scores WHERE experiment = ? QUALIFY row_number() OVER "

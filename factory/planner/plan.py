@@ -579,23 +579,23 @@ def _plan_mix(plan: Plan, experiment: Experiment, mix: tuple[MixEntry, ...],
                           "at a high weight is memorized; lower its weight or add samples")
 
 
-EVAL_GAP = 0.1
-"""The smallest difference in mean score (0..1) between two checkpoints the eval set should
-resolve: their 95% bootstrap intervals (``factory.evals.selection.summarize``) are disjoint."""
+EVAL_HALF_WIDTH = 0.05
+"""The widest the 95% interval of the selected checkpoint's score (``selection.summarize``) may
+reach to each side, where the eval set and the budget allow: 5 points."""
 
 
-def eval_samples_needed(gap: float = EVAL_GAP) -> int:
-    """Eval samples whose 95% intervals reach at most 0.45 ``gap`` to each side at the widest
-    per-sample spread (scores of 0 or 1, half right: standard deviation 0.5):
-    1.96 * 0.5 / sqrt(n) <= 0.45 * gap. Two checkpoints ``gap`` apart then keep a tenth of the
-    gap between their intervals, which the percentile bootstrap's own noise does not close (at
-    0.5 * gap, 385 samples, the intervals of 0.45 and 0.55 touch). 475 at 0.1."""
-    return math.ceil((1.96 * 0.5 / (0.45 * gap)) ** 2)
+def eval_samples_needed(half_width: float = EVAL_HALF_WIDTH) -> int:
+    """Eval samples whose 95% interval reaches at most ``half_width`` to each side at the widest
+    per-sample spread (0/1 scores, half right, or graded scores at standard deviation 0.5):
+    1.96 * 0.5 / sqrt(n) <= half_width. 385 at 0.05; the Wilson interval of 193 of 385 is
+    [0.452, 0.551], 0.0497 to each side."""
+    return math.ceil((1.96 * 0.5 / half_width) ** 2)
 
 
-def resolvable_gap(num_samples: int) -> float:
-    """The gap ``num_samples`` eval samples resolve (``eval_samples_needed`` inverted)."""
-    return 1.96 * 0.5 / (0.45 * math.sqrt(max(1, num_samples)))
+def interval_half_width(num_samples: int) -> float:
+    """The widest 95% half-width of a mean score over ``num_samples`` eval samples
+    (``eval_samples_needed`` inverted)."""
+    return 1.96 * 0.5 / math.sqrt(max(1, num_samples))
 
 
 def _plan_eval_serving(plan: Plan, dec: _Decider, profile: DatasetProfile, recipe: Recipe,
@@ -720,10 +720,10 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
 
     if ok(wanted, min_evals):
         num, rule = wanted, "eval.resolution"
-        why = (f"{num} of the {available} eval samples: checkpoints "
-               f"{resolvable_gap(num):.2f} apart in mean score get disjoint 95% bootstrap "
-               f"intervals" + (f" ({needed} samples resolve {EVAL_GAP:g})" if num < needed
-                               else "")
+        why = (f"{num} of the {available} eval samples: a score's 95% interval reaches at most "
+               f"±{interval_half_width(num):.3f}"
+               + (f" ({needed} samples bring it to ±{EVAL_HALF_WIDTH:g})" if num < needed
+                  else "")
                + f"; {min_evals} evals of them take ~{duration(cost(num, min_evals))}, within "
                + budget_words)
     else:
@@ -740,20 +740,21 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         else:
             why += (f"; the budget cuts to no fewer than {MIN_EVAL_SAMPLES} (their 95% interval "
                     f"stays within {CLEAR_MARGIN:g} of the mean)")
-        why += f"; they resolve checkpoints {resolvable_gap(num):.2f} apart"
+        why += f"; a score's 95% interval reaches at most ±{interval_half_width(num):.3f}"
     cap = experiment.eval.max_samples
     if cap and cap < num:
         plan.decisions["eval_num_samples"] = Decision(
             value=cap, rule="experiment.eval", overridden=True,
             reason=f"eval.max_samples of the experiment file (the planner would pick {num}: "
-                   f"{why}); {cap} resolve checkpoints {resolvable_gap(cap):.2f} apart")
+                   f"{why}); with {cap} a score's 95% interval reaches at most "
+                   f"±{interval_half_width(cap):.3f}")
     else:
         plan.decisions["eval_num_samples"] = Decision(value=num, rule=rule, reason=why)
     num_eval = plan["eval_num_samples"]
     if num_eval < needed:
-        plan.notes.append(f"{num_eval} eval samples tell checkpoints apart only "
-                          f"{resolvable_gap(num_eval):.2f} or more apart in mean score; "
-                          f"{needed} would resolve {EVAL_GAP:g}"
+        plan.notes.append(f"{num_eval} eval samples give the selected checkpoint's score a 95% "
+                          f"interval of up to ±{interval_half_width(num_eval):.3f}; {needed} "
+                          f"would bring it to ±{EVAL_HALF_WIDTH:g}"
                           + (" (raise data.eval_fraction, eval.max_samples or the traffic)"
                              if num_eval in (available, cap) else
                              " (the eval budget: a longer run affords more)"))
@@ -873,7 +874,7 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         stop = f"the run is {plan['num_steps']} steps long (num_steps)"
     elif num_evals >= MIN_EVALS:
         stop = (f"the plateau stop ends a run whose last {PLATEAU_PATIENCE} evals do not beat "
-                "the best checkpoint before them beyond its bootstrap interval, so later passes "
+                "the best checkpoint before them beyond its 95% interval, so later passes "
                 "run only while they help")
     else:
         stop = (f"with {num_evals} eval{'s' if num_evals > 1 else ''} the plateau stop cannot "

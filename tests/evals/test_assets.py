@@ -11,6 +11,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from factory.evals.selection import StepScore, format_score, summarize
 from factory.lake import Lake
 from factory.tables import TABLES
 from tests.evals.conftest import canonical_rows, make_adapter, write_experiment
@@ -82,6 +83,11 @@ def test_rubric_checkpoint_evals_best_checkpoint(factory_home: Path,
         assert _checks(result) == {"train_serve_equivalence": True}
         meta = result.asset_materializations_for_node("checkpoint_evals")[0].metadata
         assert meta["judge"].value == "embedded:all-MiniLM-L6-v2"
+        # The asset page's score: mean, 95% interval, count and method, never a bare mean.
+        assert meta["score"].value == format_score(StepScore.from_row(
+            {k: meta[k].value for k in ("mean_score", "ci_low", "ci_high", "num_samples",
+                                        "ci_method", "num_failed")}))
+        assert f"n={NUM_EVAL} (Wilson" in meta["score"].value
         assert Path(meta["curve"].value).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         # No plan for this run: the resource's fields are overrides, the rest defaults.
         size = meta["eval_serving"].value
@@ -122,13 +128,20 @@ def test_rubric_checkpoint_evals_best_checkpoint(factory_home: Path,
         return sum(scores) / len(scores)
 
     means = {step: mean("checkpoint", step) for step in STEPS}
-    top = max(means.values())
-    expected = min(s for s, m in means.items() if m >= top - 1e-12)  # ties: the earlier step
+    # The highest lower bound of the 95% interval; ties: the earlier step.
+    lows = {step: summarize(step, [r["score"] for r in by_kind["checkpoint"]
+                                   if r["step"] == step]).ci_low for step in STEPS}
+    expected = min(s for s, low in lows.items() if low >= max(lows.values()) - 1e-12)
     assert (best["run_id"], best["step"]) == (RUN, expected)
     assert best["path"] == str(paths[expected])
     assert best["mean_score"] == pytest.approx(means[expected])
+    assert best["ci_low"] == pytest.approx(lows[expected])
     assert best["ci_low"] <= best["mean_score"] <= best["ci_high"]
     assert best["num_samples"] == NUM_EVAL
+    assert best["ci_method"] in ("wilson", "wilson_graded")
+    best_meta = result.asset_materializations_for_node("best_checkpoint")[0].metadata
+    assert best_meta["score"].value.startswith(f"{best['mean_score']:.3f} [")
+    assert f"n={NUM_EVAL} (Wilson" in best_meta["score"].value
     assert best["base_score"] == pytest.approx(mean("base"))
     assert best["reference_score"] == pytest.approx(1.0, abs=1e-6)
     assert best["rubric_version"] == stored["version"]

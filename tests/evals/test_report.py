@@ -64,7 +64,8 @@ def test_report_writes_png_and_html(factory_home: Path, tmp_path: Path,
     text = page.read_text()
     embedded = re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)", text)
     assert embedded and base64.b64decode(embedded.group(1)) == data
-    assert "<td>10</td><td>0.600</td>" in text and "reference answers: 1.000" in text
+    assert "<td>10</td><td>0.600 [0.202, 0.866] n=2 (Wilson, graded)</td>" in text
+    assert "reference answers: 1.000" in text
     assert "final training loss: 0.1000 at step 20" in text
 
     dest = tmp_path / "elsewhere"

@@ -1,30 +1,116 @@
-"""Best checkpoint by mean score with a bootstrap interval; overfitting -> early stop."""
+"""Scores with their 95% interval (Wilson for pass/fail, its graded form otherwise), the best
+checkpoint by the interval's lower bound, overfitting and plateau -> early stop."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Sequence
+
 import pytest
 
-from factory.evals import detect_overfitting, select_best, summarize
-from factory.evals.selection import rank
+from factory.evals import detect_overfitting, format_score, select_best, summarize
+from factory.evals.selection import StepScore, rank, score_interval, wilson_interval
 
 
 def test_summary_interval_contains_mean_and_ignores_failed() -> None:
     s = summarize(10, [0.2, 0.4, 0.6, 0.8, None])
     assert s.mean == pytest.approx(0.5) and s.num_samples == 4 and s.num_failed == 1
-    assert s.ci_low < s.mean < s.ci_high
-    assert summarize(10, [0.2, 0.4, 0.6, 0.8]) == summarize(10, [0.2, 0.4, 0.6, 0.8])
+    assert s.ci_low < s.mean < s.ci_high and s.method == "wilson_graded"
+    # The interval is a function of the scores, not of their order.
+    assert summarize(10, [0.8, 0.2, 0.6, 0.4]) == summarize(10, [0.2, 0.4, 0.6, 0.8])
     with pytest.raises(ValueError, match="no successfully judged"):
         summarize(3, [None, None])
 
 
-def test_best_is_highest_mean_ties_to_earlier_step() -> None:
+@pytest.mark.parametrize("passed, total, low, high", [
+    (20, 20, 0.839, 1.000), (0, 20, 0.000, 0.161), (15, 20, 0.531, 0.888),
+    (4, 4, 0.510, 1.000), (193, 385, 0.452, 0.551)])
+def test_pass_fail_scores_get_the_wilson_interval(passed: int, total: int, low: float,
+                                                  high: float) -> None:
+    s = summarize(1, [1.0] * passed + [0.0] * (total - passed))
+    assert s.method == "wilson" and s.num_samples == total
+    assert (round(s.ci_low, 3), round(s.ci_high, 3)) == (low, high)
+    assert (s.ci_low, s.ci_high) == wilson_interval(passed, total)
+
+
+def test_every_score_is_printed_with_its_interval_count_and_method() -> None:
+    assert format_score(summarize(1, [1.0] * 20)) == "1.000 [0.839, 1.000] n=20 (Wilson)"
+    assert format_score(summarize(1, [1.0] * 15 + [0.0] * 5 + [None])) == \
+        "0.750 [0.531, 0.888] n=20 +1 judge failure (Wilson)"
+    # Graded scores all alike: the interval stays open (a bootstrap would give [0.9, 0.9]).
+    assert format_score(summarize(1, [0.9] * 12)) == "0.900 [0.682, 0.924] n=12 (Wilson, graded)"
+    row = {"step": 7, "mean_score": 0.5, "ci_low": 0.25, "ci_high": 0.75, "num_samples": 9,
+           "ci_method": None}
+    assert format_score(StepScore.from_row(row)) == "0.500 [0.250, 0.750] n=9"
+    assert StepScore.from_row(row).step == 7
+
+
+def test_graded_intervals_are_narrower_than_pass_fail_ones_at_the_same_mean() -> None:
+    graded = summarize(1, [0.4, 0.6] * 10)           # mean 0.5, variance 0.01
+    pass_fail = summarize(1, [0.0, 1.0] * 10)        # mean 0.5, variance 0.25
+    assert graded.ci_low > pass_fail.ci_low and graded.ci_high < pass_fail.ci_high
+    # A near-perfect graded checkpoint does not outrank a perfect pass/fail one by a narrower
+    # interval: the two forms agree where the variance is the same.
+    perfect, near = summarize(1, [1.0] * 12), summarize(2, [1.0] * 11 + [0.9])
+    assert near.ci_low < perfect.ci_low
+    assert rank([(near, None), (perfect, None)])[0] == 1
+    with pytest.raises(ValueError, match="level"):
+        score_interval(0.5, 0.25, 10, level=1.0)
+    with pytest.raises(ValueError, match="passed of"):
+        wilson_interval(5, 4)
+
+
+def _graded(rng: random.Random, mean: float) -> float:
+    """A graded score of expectation ``mean``: exactly right with probability mean², else
+    Beta-distributed (concentration 3) with the rest of the mean."""
+    exact = mean * mean
+    if rng.random() < exact:
+        return 1.0
+    rest = (mean - exact) / (1 - exact)
+    return rng.betavariate(3 * rest, 3 * (1 - rest))
+
+
+def test_the_graded_interval_keeps_near_its_coverage_up_to_the_ceiling() -> None:
+    """What ``score_interval``'s docstring reports: over 400 draws per cell it holds the true
+    mean at least 0.80 of the time in every cell, 0.92 on average."""
+    covered: dict[tuple[int, float], float] = {}
+    for n in (12, 50, 200):
+        for mean in (0.5, 0.8, 0.95, 0.99):
+            rng = random.Random(1)
+            hits = 0
+            for _ in range(400):
+                s = summarize(1, [_graded(rng, mean) for _ in range(n)])
+                hits += s.ci_low <= mean <= s.ci_high
+            covered[(n, mean)] = hits / 400
+    print(covered)
+    assert min(covered.values()) >= 0.80
+    assert sum(covered.values()) / len(covered) >= 0.91
+
+
+def test_best_is_the_highest_lower_bound_ties_to_earlier_step() -> None:
     best = select_best({0: [0.1, 0.2], 20: [0.7, 0.9], 40: [0.9, 0.7], 60: [0.5, 0.5]})
     assert best.step == 20 and best.mean == pytest.approx(0.8)
     assert select_best({30: [0.3], 10: [0.3]}).step == 10
 
 
-def test_equal_means_go_to_the_lowest_eval_loss_when_each_has_one() -> None:
-    scores = {10: [1.0, 1.0], 20: [1.0, 1.0], 30: [1.0, 1.0], 5: [0.5, 1.0]}
+def test_selection_by_interval_on_a_fixed_score_table() -> None:
+    """Step 20 has the highest mean, on 12 judged samples (38 judge failures); step 10 is
+    0.017 lower on 50: its interval's lower bound (0.786) is far above step 20's (0.646), so
+    step 10 is chosen, and the reason names both bounds."""
+    table: dict[int, Sequence[float | None]] = {
+        10: [1.0] * 45 + [0.0] * 5,
+        20: [1.0] * 11 + [0.0] + [None] * 38,
+        30: [1.0] * 40 + [0.0] * 10}
+    best = select_best(table)
+    assert best.step == 10 and best.mean == pytest.approx(0.9)
+    assert max(summarize(s, v).mean for s, v in table.items()) == pytest.approx(11 / 12)
+    summaries = [summarize(s, v) for s, v in sorted(table.items())]
+    assert rank([(s, None) for s in summaries]) == (
+        0, "the 95% interval's lower bound 0.786, the highest (next 0.670)")
+
+
+def test_equal_bounds_go_to_the_lowest_eval_loss_when_each_has_one() -> None:
+    scores = {10: [1.0, 1.0], 20: [1.0, 1.0], 30: [1.0, 1.0], 5: [0.0, 1.0]}
     assert select_best(scores, {5: 0.001, 10: 0.3, 20: 0.1, 30: 0.2}).step == 20
     assert select_best(scores, {10: 0.3, 30: 0.2}).step == 10  # step 20 has no loss
     assert select_best(scores, {}).step == 10
@@ -34,8 +120,88 @@ def test_equal_means_go_to_the_lowest_eval_loss_when_each_has_one() -> None:
     assert rank([(a, 0.1), (b, 0.2)])[0] == 0
     with pytest.raises(ValueError, match="no candidates"):
         rank([])
-    assert rank([(a, 0.1), (summarize(20, [0.5]), 0.01)]) == (0, "mean score")
-    assert rank([(a, 0.1), (b, 0.2)]) == (0, "eval loss (2 checkpoints tie on the mean score)")
+    assert rank([(a, 0.1)]) == (0, "the only scored checkpoint")
+    assert rank([(a, 0.1), (summarize(20, [0.0]), 0.01)]) == (
+        0, "the 95% interval's lower bound 0.207, the highest (next 0.000)")
+    assert rank([(a, 0.1), (b, 0.2)]) == (
+        0, "eval loss (2 checkpoints tie on the 95% interval's lower bound 0.207)")
+    assert rank([(a, 0.1), (b, None)]) == (
+        1, "earliest step (2 checkpoints tie on the 95% interval's lower bound 0.207, not all "
+           "with an eval loss)")
+
+
+# --- The rule, measured (the figures in selection.rank's docstring) ---
+
+CURVES = {
+    "rising then flat": (0.40, 0.60, 0.75, 0.82, 0.85, 0.86, 0.86, 0.86),
+    "peak then falling": (0.50, 0.70, 0.80, 0.85, 0.83, 0.80, 0.78, 0.75),
+    "saturated": (0.90, 0.95, 0.97, 0.98, 0.98, 0.99, 0.99, 0.99),
+    "still rising": (0.50, 0.60, 0.65, 0.70, 0.74, 0.77, 0.79, 0.81),
+}
+"""True accuracy of eight checkpoints in a row."""
+Rule = Callable[[list[StepScore]], int]
+
+
+def _by_lower_bound(s: list[StepScore]) -> int:
+    return rank([(x, None) for x in s])[0]
+
+
+def _by_mean(s: list[StepScore]) -> int:
+    return max(range(len(s)), key=lambda i: (s[i].mean, -i))
+
+
+def _earliest_within_best_interval(s: list[StepScore]) -> int:
+    top = s[_by_mean(s)]
+    return next(i for i, x in enumerate(s) if x.mean >= top.ci_low)
+
+
+def _earliest_reaching_best_mean(s: list[StepScore]) -> int:
+    top = s[_by_mean(s)]
+    return next(i for i, x in enumerate(s) if x.ci_high >= top.mean)
+
+
+RULES: dict[str, Rule] = {
+    "lower bound": _by_lower_bound, "mean": _by_mean,
+    "earliest within the best's interval": _earliest_within_best_interval,
+    "earliest reaching the best's mean": _earliest_reaching_best_mean}
+
+
+def _measure(sizes: tuple[int, ...], seeds: int = 300) -> dict[str, dict[str, tuple[float,
+                                                                                    float]]]:
+    """curve -> rule -> (share of seeds whose pick is within 2 points of the truly best
+    checkpoint, mean true accuracy of the pick); each checkpoint's 0/1 scores are drawn per
+    seed on a sample count drawn from ``sizes``."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, truth in CURVES.items():
+        near = dict.fromkeys(RULES, 0)
+        acc = dict.fromkeys(RULES, 0.0)
+        for seed in range(seeds):
+            rng = random.Random(seed)
+            scores = []
+            for step, p in enumerate(truth, start=1):
+                n = rng.choice(sizes)
+                scores.append(summarize(step, [float(rng.random() < p) for _ in range(n)]))
+            for rule, pick in RULES.items():
+                chosen = truth[pick(scores)]
+                near[rule] += chosen >= max(truth) - 0.02
+                acc[rule] += chosen
+        out[name] = {r: (near[r] / seeds, acc[r] / seeds) for r in RULES}
+    return out
+
+
+def test_the_lower_bound_rule_measured_against_the_others() -> None:
+    equal = _measure((50,))
+    mixed = _measure((12, 50))
+    for name in CURVES:
+        print(name, "equal", equal[name], "mixed", mixed[name])
+        # On equal sample counts the lower bound picks what the mean picks.
+        assert equal[name]["lower bound"] == equal[name]["mean"]
+        # Earliest-within rules give up accuracy the evals could see.
+        for rule in ("earliest within the best's interval", "earliest reaching the best's mean"):
+            assert equal[name][rule][1] <= equal[name]["lower bound"][1]
+        # On mixed counts a lucky small sample does not win.
+        assert mixed[name]["lower bound"][0] >= mixed[name]["mean"][0]
+    assert mixed["saturated"]["lower bound"][0] - mixed["saturated"]["mean"][0] >= 0.2
 
 
 def test_overfitting() -> None:
@@ -54,18 +220,19 @@ def test_overfitting() -> None:
 def test_plateau_stops_when_no_checkpoint_beats_the_best_by_more_than_its_interval() -> None:
     from factory.evals import decide_stop, detect_plateau
 
-    noisy = [0.5, 0.7, 0.9, 0.6, 0.8, 0.7]          # mean 0.7, interval about +-0.1
-    flat = {0: [0.1] * 6, 4: noisy, 8: [x + 0.02 for x in noisy],
+    noisy = [0.5, 0.7, 0.9, 0.6, 0.8, 0.7] * 4      # mean 0.7, interval about +-0.06
+    flat = {0: [0.1] * 24, 4: noisy, 8: [x + 0.02 for x in noisy],
             12: [x - 0.03 for x in noisy], 16: [x + 0.05 for x in noisy]}
     stop = decide_stop(flat)
     assert stop is not None and stop.rule == "plateau"
     assert (stop.peak_step, stop.last_step) == (16, 16)
-    assert "steps 8, 12, 16" in stop.reason and "bootstrap interval" in stop.reason
+    assert "steps 8, 12, 16" in stop.reason and "95% interval" in stop.reason
+    assert "0.750 [" in stop.reason and "n=24 (Wilson, graded)" in stop.reason
     # One checkpoint fewer: not enough evals to call it.
     assert decide_stop({k: v for k, v in flat.items() if k != 16}) is None
     # A real gain in the window (beyond the best's interval) keeps training.
     rising = dict(flat)
-    rising[12] = [min(1.0, x + 0.3) for x in noisy]
+    rising[12] = [min(1.0, x + 0.2) for x in noisy]
     assert decide_stop(rising) is None
     # The base model (step 0) is not a checkpoint: a run still at the base keeps going.
     summaries = [summarize(s, v) for s, v in sorted(flat.items()) if s <= 8]

@@ -18,7 +18,7 @@ import pytest
 
 from factory.evals.judges import EmbeddedJudge
 from factory.evals.rubric import Criterion, Rubric
-from factory.evals.shadow import score_pairs, summarize
+from factory.evals.shadow import ShadowSummary, score_pairs, summarize
 from factory.gateway import Gateway, ServerThread
 from factory.gateway.routes import load_routes
 from factory.gateway.shadow import ShadowRule, register_shadow
@@ -106,7 +106,9 @@ def _materialize(experiment: str) -> Any:
                                      "deployer": CPUDeployerResource(drain_s=0.0)})
 
 
-@pytest.mark.parametrize("agreement, promoted", [(0.9, True), (None, False)])
+# 4 of 4 pairs pass: agreement 1.000, but its 95% interval is [0.510, 1.000]: a 0.5 policy
+# promotes, a 0.9 one does not (a high share of few pairs), nor does a policy without agreement.
+@pytest.mark.parametrize("agreement, promoted", [(0.5, True), (0.9, False), (None, False)])
 def test_live_pairs_are_scored_and_the_policy_promotes_the_candidate(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, upstream: ServerThread,
         candidate_server: tuple[int, subprocess.Popen[bytes]], agreement: float | None,
@@ -151,6 +153,7 @@ def test_live_pairs_are_scored_and_the_policy_promotes_the_candidate(
     assert result.success
     meta = result.asset_materializations_for_node("shadow_scores")[0].metadata
     assert meta["num_scored_now"].value == 4 and meta["agreement"].value == 1.0
+    assert meta["agreement_interval"].value == "1.000 [0.510, 1.000] n=4 (Wilson)"
     summary = summarize(lake, "triage", "v1")
     assert (summary.num_pairs, summary.num_scored, summary.num_passed) == (4, 4, 4)
     from factory.deploy import Deployer
@@ -168,6 +171,27 @@ def test_live_pairs_are_scored_and_the_policy_promotes_the_candidate(
     again = _materialize("triage")
     assert again.asset_materializations_for_node("shadow_scores")[0] \
         .metadata["num_scored_now"].value == 0
+
+
+def _summary(num_scored: int, num_passed: int) -> ShadowSummary:
+    return ShadowSummary(experiment="triage", version="v1", num_pairs=num_scored,
+                         num_scored=num_scored, num_passed=num_passed, num_failed_calls=0,
+                         agreement=num_passed / num_scored if num_scored else None,
+                         mean_score=None)
+
+
+def test_promotion_asks_the_interval_of_the_agreement_to_clear_the_policy() -> None:
+    """The lower bound of the agreement's 95% Wilson interval must reach the policy's
+    agreement: a high share of few pairs is refused."""
+    every_one = _summary(20, 20)                      # 1.000, but [0.839, 1.000]
+    assert every_one.agreement == 1.0 and not every_one.meets(0.9, 10)
+    assert every_one.meets(0.8, 10)
+    assert every_one.describe() == "1.000 [0.839, 1.000] n=20 (Wilson)"
+    # At the default 200 pairs a 0.95 policy needs 197 passing (lower bound 0.957).
+    assert _summary(200, 197).meets(0.95, 200)
+    assert not _summary(200, 196).meets(0.95, 200)    # 0.980, lower bound 0.9497
+    assert not _summary(199, 199).meets(0.5, 200)     # too few pairs, however many pass
+    assert not _summary(0, 0).meets(0.0, 0) and _summary(0, 0).describe() == "no scored pairs"
 
 
 def test_shadow_sensor_asks_for_scores_when_pairs_arrive(factory_home: Path) -> None:
