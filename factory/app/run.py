@@ -21,6 +21,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from factory.curation.phrasing import RECALL
 from factory.lake import Lake
 
 Progress = Callable[[str], None]
@@ -103,7 +104,11 @@ def run_experiment(name: str, *, progress: Progress = _print, deploy: bool = Tru
     if out["best_score_interval"]:
         progress(f"[{experiment.name}] best checkpoint: step {out['best_step']} of run "
                  f"{out['run_id']}, score {out['best_score_interval']}; base model "
-                 f"{out['base_score_interval'] or '-'}")
+                 f"{out['base_score_interval'] or '-'}"
+                 + (" (RECALL ONLY: the eval set shares the traffic's phrasings)"
+                    if out["eval_split"] == RECALL else ""))
+    if out["eval_split"] == RECALL:
+        progress(f"[{experiment.name}] eval scores measure {out['eval_split_reason']}")
     out["seconds"] = round(time.monotonic() - started, 1)
     out["chain"] = start
     return out
@@ -111,7 +116,8 @@ def run_experiment(name: str, *, progress: Progress = _print, deploy: bool = Tru
 
 def summary(lake: Lake, name: str) -> dict[str, Any]:
     """Base score, best score and step, the curve PNG, the endpoint, from the lake; the two
-    scores also as ``format_score`` prints them (``*_interval``: mean, 95% interval, count)."""
+    scores also as ``format_score`` prints them (``*_interval``: mean, 95% interval, count);
+    how the dataset's eval set was held out (``eval_split``: ``phrasing`` or ``recall only``)."""
     from factory.deploy.deployer import Deployer, route_model
     from factory.evals.report import plot_png, read_curves
     from factory.evals.selection import StepScore, format_score, summarize
@@ -125,7 +131,14 @@ def summary(lake: Lake, name: str) -> dict[str, Any]:
                            "base_score_interval": None, "best_score_interval": None,
                            "best_step": None, "run_id": None, "curve": [], "curve_png": None,
                            "endpoint": None, "model": route_model(name),
-                           "factory_home": str(settings.home)}
+                           "factory_home": str(settings.home), "eval_split": None,
+                           "eval_split_reason": None}
+    if lake.exists("dataset_profile"):
+        profile = lake.sql("SELECT eval_split, eval_split_reason FROM dataset_profile "
+                           "WHERE experiment = ? ORDER BY created_at DESC LIMIT 1",
+                           [name]).to_pylist()
+        if profile:
+            out.update(profile[0])
     if best:
         row = best[0]
         out.update(base_score=row["base_score"], best_score=row["mean_score"],

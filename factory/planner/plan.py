@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from factory.curation.phrasing import RECALL
 from factory.errors import FactoryError
 from factory.evals.selection import CLEAR_MARGIN, PLATEAU_PATIENCE
 from factory.experiments import UNDETERMINED, Experiment, MixEntry, group_of, group_source
@@ -751,6 +752,11 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
     else:
         plan.decisions["eval_num_samples"] = Decision(value=num, rule=rule, reason=why)
     num_eval = plan["eval_num_samples"]
+    if profile.eval_split == RECALL:
+        plan.notes.append(f"eval scores measure recall only: {profile.eval_split_reason} "
+                          "(curation's phrasing split needs more distinct phrasings; "
+                          "a held-out test set of new requests is the only measure of "
+                          "generalization here)")
     if num_eval < needed:
         plan.notes.append(f"{num_eval} eval samples give the selected checkpoint's score a 95% "
                           f"interval of up to ±{interval_half_width(num_eval):.3f}; {needed} "

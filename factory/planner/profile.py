@@ -64,6 +64,11 @@ class DatasetProfile:
     shared_prefix_tokens: int = 0
     """Median tokens that the samples of a micro-batch-sized group (8) all begin with, before
     any trained token (a shared system prompt): what ``share_prefix`` computes once."""
+    eval_split: str | None = None
+    """How curation held out the eval set: ``phrasing`` or ``recall only``
+    (``factory.curation.phrasing``); None for a dataset curated before the column existed."""
+    eval_split_reason: str | None = None
+    """That split's one-sentence account, with its numbers."""
 
     @property
     def length_p50(self) -> int:

@@ -292,3 +292,15 @@ def test_a_shared_system_prompt_is_computed_once_per_micro_batch() -> None:
     # Attention that is not plain causal attention cannot share a prefix exactly.
     vl = make_plan(experiment("qwen2.5-vl-7b-lora"), profile(shared_prefix_tokens=60))
     assert vl["share_prefix"] is False and vl.decisions["share_prefix"].rule == "prefix.attention"
+
+
+def test_a_recall_only_eval_split_is_named_at_plan_time_with_its_numbers() -> None:
+    reason = ("recall only: 3 phrasing clusters of 40 samples, fewer than the 20 an eval set "
+              "of 10% needs; the eval set is held out by trace, first user turn and "
+              "near-duplicate group (4 samples), so its scores measure recall of the "
+              "traffic's own phrasings, not new ones")
+    p = make_plan(experiment(), profile(eval_split="recall only", eval_split_reason=reason))
+    assert any(n.startswith("eval scores measure recall only: " + reason) for n in p.notes)
+    held = make_plan(experiment(), profile(eval_split="phrasing",
+                                           eval_split_reason="held out by phrasing: ..."))
+    assert not any("recall only" in n for n in held.notes)

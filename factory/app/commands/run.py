@@ -30,5 +30,6 @@ def _run(args: argparse.Namespace) -> int:
                                           "model", "factory_home")}
                      | {k: v for k, v in out.items()
                         if k in ("experiment", "chain", "run_id", "version", "curve_png",
-                                 "seconds")}))
+                                 "seconds", "best_score_interval", "base_score_interval",
+                                 "eval_split")}))
     return 0
