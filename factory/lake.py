@@ -123,9 +123,19 @@ class Lineage:
         }
 
 
+class TableNotShownError(Exception):
+    """The catalog does not show a table this lake loaded or created moments before.
+
+    The factory never drops a table, so the table is there and the catalog's answer lags: a
+    ``NoSuchTableError`` for ``shadow_pairs`` right after the gateway's flusher created it has
+    been observed on the SQLite catalog, with the table there on the flusher's retry 0.2 s
+    later. A commit retries it as it retries a conflict (``_is_transient``)."""
+
+
 def _is_transient(exc: BaseException) -> bool:
-    """A commit conflict, or SQLite busy under concurrent writers: both succeed on retry."""
-    if isinstance(exc, CommitFailedException):
+    """A commit conflict, SQLite busy under concurrent writers, or a table the catalog does not
+    show yet (``TableNotShownError``): each succeeds on retry."""
+    if isinstance(exc, CommitFailedException | TableNotShownError):
         return True
     text = str(exc).lower()
     return "database is locked" in text or "database table is locked" in text
@@ -248,8 +258,9 @@ def to_arrow(name: str, data: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Tabl
 class Lake:
     """The factory's tables. Cheap to construct; safe to use from several threads/processes.
 
-    A busy catalog (SQLite locked by another writer) or a commit that lost a race is retried
-    within each call. ``patience_s`` bounds how long one call keeps retrying before it raises;
+    A busy catalog (SQLite locked by another writer), a commit that lost a race, or a table the
+    catalog does not show right after this lake loaded or created it is retried within each
+    call. ``patience_s`` bounds how long one call keeps retrying before it raises;
     None retries up to 60 times, which on a locked SQLite catalog (5 s busy wait a try) is
     minutes. A caller with its own retry loop that must report an outage while it lasts (the
     gateway's flusher) passes a few seconds.
@@ -312,23 +323,31 @@ class Lake:
             have = set(tbl.schema().column_names)
             if any(f.name not in have for f in schema):
                 def evolve() -> None:
-                    fresh = self.catalog.load_table(ident)
-                    with fresh.update_schema() as update:
+                    with self._load(name).update_schema() as update:
                         update.union_by_name(schema)
                 self._retry(evolve)
-                tbl = self.catalog.load_table(ident)
+                tbl = self._retry(self._load, name)
             # Declared properties a table lacks (made by older code) are added; a value set
             # on purpose (an operator's own codec) is left alone.
             wanted = {k: v for k, v in TABLE_PROPERTIES.get(name, {}).items()
                       if k not in tbl.properties}
             if wanted:
                 def set_properties() -> None:
-                    with self.catalog.load_table(ident).transaction() as tx:
+                    with self._load(name).transaction() as tx:
                         tx.set_properties(wanted)
                 self._retry(set_properties)
-                tbl = self.catalog.load_table(ident)
+                tbl = self._retry(self._load, name)
             self._ready.add(name)
         return tbl
+
+    def _load(self, name: str) -> Table:
+        """``name`` as the catalog holds it now, for a commit to a table ``table`` has just
+        loaded or created: ``TableNotShownError`` (retried) where the catalog does not show it."""
+        try:
+            return self.catalog.load_table((NAMESPACE, name))
+        except NoSuchTableError as exc:
+            raise TableNotShownError(f"table {name!r} is not in the catalog, though this lake "
+                                     f"loaded or created it moments ago") from exc
 
     def exists(self, name: str) -> bool:
         return bool(self.catalog.table_exists((NAMESPACE, name)))
@@ -377,7 +396,7 @@ class Lake:
         props = lineage.snapshot_properties() if lineage else {}
 
         def commit() -> int:
-            tbl = self.catalog.load_table((NAMESPACE, name))
+            tbl = self._load(name)
             tbl.append(arrow, snapshot_properties=props)
             snap = tbl.current_snapshot()
             assert snap is not None
@@ -429,7 +448,7 @@ class Lake:
                  else describe_data_files(tbl, locations))
 
         def commit() -> int:
-            fresh = self.catalog.load_table((NAMESPACE, name))
+            fresh = self._load(name)
             with fresh.transaction() as tx, tx.update_snapshot(
                     snapshot_properties=props).fast_append() as append:
                 for data_file in files:
@@ -465,7 +484,7 @@ class Lake:
         props = lineage.snapshot_properties() if lineage else {}
 
         def commit() -> int | None:
-            tbl = self.catalog.load_table((NAMESPACE, name))
+            tbl = self._load(name)
             with warnings.catch_warnings():
                 # An overwrite whose filter matches nothing (the first version of a partition)
                 # is normal here, not a mistake worth a warning.
@@ -579,7 +598,7 @@ class Lake:
                 continue
 
             def expire(name: str = name, old: list[int] = old) -> int:
-                fresh = self.catalog.load_table((NAMESPACE, name))
+                fresh = self._load(name)
                 present = {s.snapshot_id for s in fresh.snapshots()}
                 gone = [i for i in old if i in present]  # another process may have expired some
                 if gone:

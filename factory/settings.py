@@ -24,6 +24,11 @@ a Spark Connect server (``sc://host:port``). Past ``local``, executors open the 
 (under ``FACTORY_MODELS_DIR``) and write the staging Parquet (under the warehouse) by the same
 paths as the driver, so both must be on the shared filesystem.
 
+``FACTORY_GATEWAY_URL`` (default ``http://127.0.0.1:8787``) is where the factory's own clients
+reach the gateway (the comparison page's vibe check, synthesis teachers behind it), and
+``FACTORY_GATEWAY_KEY`` the factory key they send it in ``X-Factory-Key``: once any key exists
+(``factory keys create``) the gateway refuses calls without one, its own clients' included.
+
 ``FACTORY_CATALOG`` (a catalog pyiceberg configures itself) and ``FACTORY_DATABASE_URL`` both
 name where the catalog lives: together they are an error, as is ``FACTORY_WAREHOUSE`` with
 ``FACTORY_CATALOG`` (that catalog's own ``warehouse`` property places its data).
@@ -34,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -52,10 +57,13 @@ POSTGRES_SCHEMES = ("postgresql", "postgresql+psycopg2")
 which pyiceberg's SQL catalog and dagster-postgres both use (SQLAlchemy 2 refuses the
 ``postgres://`` alias, and Dagster reads the variable as it is)."""
 
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8787"
+"""Where ``factory serve`` listens by default."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """Paths and locations of the factory's state."""
+    """Paths and locations of the factory's state, and where its own clients reach its gateway."""
 
     home: Path
     """Root of the node-local state (``$FACTORY_HOME``)."""
@@ -78,6 +86,12 @@ class Settings:
     """Master of the Spark curation engine (``$FACTORY_SPARK_MASTER``): ``local[N]``,
     ``spark://``, ``k8s://`` or Spark Connect ``sc://``; None for ``local`` on this machine's
     cores."""
+    gateway_url: str = DEFAULT_GATEWAY_URL
+    """The gateway the factory's own clients call (``$FACTORY_GATEWAY_URL``), no ``/v1``."""
+    gateway_key: str | None = field(default=None, repr=False)
+    """The factory key those clients send the gateway in ``X-Factory-Key``
+    (``$FACTORY_GATEWAY_KEY``); None while the gateway has no keys (it then serves 127.0.0.1
+    only). Left out of ``repr``: settings get logged."""
 
     def __post_init__(self) -> None:
         if self.catalog_name and self.database_url:
@@ -206,7 +220,10 @@ def get_settings() -> Settings:
                         catalog_name=env.get("FACTORY_CATALOG") or None,
                         warehouse_uri=env.get("FACTORY_WAREHOUSE") or None,
                         shared_dir=shared_dir,
-                        spark_master=env.get("FACTORY_SPARK_MASTER") or None)
+                        spark_master=env.get("FACTORY_SPARK_MASTER") or None,
+                        gateway_url=(env.get("FACTORY_GATEWAY_URL")
+                                     or DEFAULT_GATEWAY_URL).rstrip("/"),
+                        gateway_key=env.get("FACTORY_GATEWAY_KEY") or None)
     models = Path(env.get("FACTORY_MODELS_DIR") or settings.shared / "models").absolute()
     return replace(settings, models_dir=models)
 

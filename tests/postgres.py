@@ -4,6 +4,10 @@
 (``/usr/lib/postgresql/<v>/bin``). ``initdb`` and ``pg_ctl`` refuse to run as root, so as root
 the cluster runs as the ``postgres`` user in a folder owned by it. It listens on 127.0.0.1 on a
 free port, trusts local connections, and is removed when stopped.
+
+PostgreSQL cannot bind port 0 and report the port, so the server gets a port free now and, when
+another process bound that port first (``could not bind IPv4 address``), is started again on a
+fresh one (``factory.inference.launcher.on_free_port``).
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
 
 
 def server_bin() -> Path | None:
@@ -27,12 +33,6 @@ def server_bin() -> Path | None:
         return Path(found[-1]).parent
     on_path = shutil.which("initdb")
     return Path(on_path).parent if on_path else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -49,9 +49,10 @@ class Cluster:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
 
     @classmethod
-    def start(cls, *, durable: bool = False) -> Cluster:
+    def start(cls, *, durable: bool = False, ports: Iterable[int] | None = None) -> Cluster:
         """Create and start a cluster. ``durable=False`` turns fsync off: tests check what the
-        factory does, not the disk; a benchmark passes True to measure real commits."""
+        factory does, not the disk; a benchmark passes True to measure real commits.
+        ``ports``: the ports to try in turn (default: fresh free ones)."""
         binary = server_bin()
         if binary is None:
             raise FileNotFoundError("no PostgreSQL server binaries (initdb): run `make sysdeps`")
@@ -59,14 +60,32 @@ class Cluster:
         root = Path(tempfile.mkdtemp(prefix="factory-pg-"))
         if as_postgres:
             shutil.chown(root, "postgres", "postgres")
-        cluster = cls(bin=binary, root=root, port=_free_port(), as_postgres=as_postgres)
-        cluster._run(str(binary / "initdb"), "-D", str(root / "data"), "-A", "trust",
-                     "-U", "postgres", "--no-sync", "-E", "UTF8")
-        options = (f"-p {cluster.port} -k {root} -c listen_addresses=127.0.0.1 "
-                   f"-c max_connections=200" + ("" if durable else " -c fsync=off"))
-        cluster._run(str(binary / "pg_ctl"), "-D", str(root / "data"), "-o", options,
-                     "-l", str(root / "server.log"), "-w", "start")
+        cluster = cls(bin=binary, root=root, port=0, as_postgres=as_postgres)
+        try:
+            cluster._run(str(binary / "initdb"), "-D", str(root / "data"), "-A", "trust",
+                         "-U", "postgres", "--no-sync", "-E", "UTF8")
+            on_free_port(lambda port: cluster._serve(port, durable=durable), ports=ports)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
         return cluster
+
+    def _serve(self, port: int, *, durable: bool) -> None:
+        """Start the server on ``port``; ``PortInUseError`` when another process holds it."""
+        log = self.root / "server.log"
+        offset = log.stat().st_size if log.exists() else 0
+        options = (f"-p {port} -k {self.root} -c listen_addresses=127.0.0.1 "
+                   f"-c max_connections=200" + ("" if durable else " -c fsync=off"))
+        try:
+            self._run(str(self.bin / "pg_ctl"), "-D", str(self.root / "data"), "-o", options,
+                      "-l", str(log), "-w", "start")
+        except subprocess.CalledProcessError:
+            with open(log, "rb") as f:
+                f.seek(offset)
+                if bind_failed(f.read().decode("utf-8", "replace")):
+                    raise PortInUseError(f"PostgreSQL could not bind 127.0.0.1:{port}") from None
+            raise
+        self.port = port
 
     def stop(self) -> None:
         try:

@@ -3,7 +3,8 @@ model on the live traffic shadow mode paired them on (``shadow_pairs``, ``shadow
 
 Per experiment it shows agreement and mean judge score over time (inline SVG), latency p50/p95
 and an estimated cost per 1,000 requests for both sides, the worst-scored pairs side by side,
-a vibe check (one prompt sent to both models at once) and a promote action that moves
+a vibe check (one prompt sent to both models at once; the frontier through the gateway with the
+factory key of the settings, ``$FACTORY_GATEWAY_KEY``) and a promote action that moves
 ``factory/<experiment>`` to the candidate after a confirmation. Pages are rendered on the
 server with ``html.escape``; there is no script and nothing is fetched from elsewhere.
 
@@ -37,11 +38,11 @@ from starlette.routing import Route
 from factory.deploy import DeployConfig, Deployer, Deployment, DeploymentError, route_model
 from factory.deploy.deployer import CANDIDATE
 from factory.evals.shadow import LATEST_SCORES, ShadowSummary, summarize
+from factory.gateway.keys import client_headers
 from factory.gateway.shadow import ShadowRule, load_shadows
 from factory.lake import Lake
 
 PRICES_FILE = "compare-prices.json"
-DEFAULT_GATEWAY = "http://127.0.0.1:8787"
 NUM_WORST = 10
 VIBE_TAGS = "source=compare-vibe-check"
 """``X-Factory-Tags`` of the vibe check's frontier call: the gateway captures it like any call,
@@ -341,8 +342,9 @@ def _rule(lake: Lake, experiment: str) -> ShadowRule | None:
 
 def vibe_targets(lake: Lake, experiment: str, gateway_url: str
                  ) -> tuple[Target | str, Target | str]:
-    """The frontier (through the gateway, by the shadowed model name) and the candidate (its
-    server directly, by its adapter name); for a side that cannot be asked, why not."""
+    """The frontier (through the gateway, by the shadowed model name, with the factory key of
+    ``lake``'s settings) and the candidate (its server directly, by its adapter name, with no
+    key: a factory key is for the gateway alone); for a side that cannot be asked, why not."""
     rule = _rule(lake, experiment)
     route = rule.route if rule else None
     if route is None and lake.exists("shadow_pairs"):
@@ -351,7 +353,7 @@ def vibe_targets(lake: Lake, experiment: str, gateway_url: str
         route = newest[0]["route"] if newest else None
     frontier: Target | str = "no frontier model: no shadow rule or pair names the model it shadows"
     if route:
-        headers = {"X-Factory-Tags": VIBE_TAGS}
+        headers = {"X-Factory-Tags": VIBE_TAGS, **client_headers(lake.settings)}
         if os.environ.get("OPENAI_API_KEY"):
             headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
         frontier = Target(label=f"Frontier: {route} via the gateway",
@@ -624,13 +626,14 @@ def reply_html(css: str, target: Target | str, reply: Reply | str) -> str:
 
 
 class Compare:
-    """The Starlette app and what its pages read: the lake, the gateway's URL, the deployer's
-    config (``drain_s`` of a promotion)."""
+    """The Starlette app and what its pages read: the lake, the gateway's URL (default: the
+    lake's settings', ``$FACTORY_GATEWAY_URL``), the deployer's config (``drain_s`` of a
+    promotion)."""
 
     def __init__(self, lake: Lake | None = None, *, gateway_url: str | None = None,
                  deploy_config: DeployConfig | None = None) -> None:
         self.lake = lake or Lake()
-        self.gateway_url = gateway_url or os.environ.get("FACTORY_GATEWAY_URL") or DEFAULT_GATEWAY
+        self.gateway_url = gateway_url or self.lake.settings.gateway_url
         self.deploy_config = deploy_config
         self.app = Starlette(routes=[
             Route("/", self.index),

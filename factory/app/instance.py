@@ -14,23 +14,29 @@ is an error, not rewritten: the runs it recorded would vanish from view.
 for the instance (``factory ui``'s, or a deployment's ``dagster-daemon``) is used as it is;
 with none, one is started for the block and stopped when it ends. It is two processes: a code
 server for the factory's code location (``dagster api grpc -m factory.definitions`` on a free
-local port) and ``dagster-daemon run`` on a workspace file
+local port, ``code_server``) and ``dagster-daemon run`` on a workspace file
 (``$FACTORY_HOME/daemon-workspace.yaml``) whose ``grpc_server`` entry points at it. A daemon given the module itself starts its own code
 server and replaces it at every workspace refresh (every 60 s), re-importing the definitions
 each time (~8 CPU-s on a 2-core machine, taken from the training run); with a ``grpc_server``
 entry a refresh only fetches the snapshot again. The daemon launches runs through that server
 (``DefaultRunLauncher``), so each ``factory run`` runs the code as it is when it starts.
+
+``dagster api grpc`` cannot bind port 0 and report the port (``--port 0`` is refused), so it gets
+a port free now and is started again on a fresh one when another process took that port first:
+its bind fails (``Failed to bind to address``), or, since gRPC servers set ``SO_REUSEPORT``,
+another gRPC server listens on the same port beside it and would answer half of the daemon's
+calls, which ``/proc/net`` shows (``listening_sockets``). Dagster starts its own code servers the
+same way (``_open_server_process_on_dynamic_port``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,13 +180,6 @@ def daemon_command(workspace: Path) -> list[str]:
     return [sys.executable, "-m", "dagster._daemon", "run", "-w", str(workspace)]
 
 
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | None]:
     """A daemon for ``inst`` while the block runs: yields None when one was already running,
@@ -193,16 +192,11 @@ def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | N
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DAGSTER_HOME": str(dagster_home()), "FACTORY_HOME": str(settings.home)}
     server_log, daemon_log = logs / "code-server.log", logs / "daemon.log"
-    port = free_port()
     if progress:
         progress(f"  starting the Dagster daemon (logs {daemon_log}, {server_log})")
     with ExitStack() as stack:
         # Stopped in reverse: the daemon first (no run is launched through a stopped server).
-        server = stack.enter_context(_process(code_server_command(port), server_log, env))
-        deadline = time.monotonic() + DAEMON_START_S
-        while not _serving(port):
-            _check_started(server, "code server", server_log, deadline)
-            time.sleep(0.5)
+        server, port = stack.enter_context(code_server(server_log, env))
         workspace = settings.home / WORKSPACE_FILE
         workspace.write_text(workspace_yaml(port))
         daemon = stack.enter_context(_process(daemon_command(workspace), daemon_log, env))
@@ -213,6 +207,57 @@ def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | N
             time.sleep(0.5)
         yield StartedDaemon(pid=daemon.pid, code_server_pid=server.pid, port=port,
                             workspace=workspace)
+
+
+@contextmanager
+def code_server(log: Path, env: dict[str, str], *, ports: Iterable[int] | None = None
+                ) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """The code server answering on a port of its own while the block runs: (process, port).
+    A start whose port another process holds is stopped and made again on a fresh port
+    (``on_free_port``; ``ports``: the ports to try, default fresh free ones)."""
+    from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
+
+    with ExitStack() as outer:
+        def start(port: int) -> tuple[subprocess.Popen[bytes], int]:
+            offset = log.stat().st_size if log.exists() else 0
+            with ExitStack() as attempt:
+                proc = attempt.enter_context(_process(code_server_command(port), log, env))
+                deadline = time.monotonic() + DAEMON_START_S
+                while True:
+                    if (listening_sockets(port) or 0) > 1:
+                        raise PortInUseError(f"another server listens on 127.0.0.1:{port} "
+                                             "beside the code server (SO_REUSEPORT)")
+                    if _serving(port):
+                        break
+                    if proc.poll() is not None:
+                        with open(log, "rb") as f:
+                            f.seek(offset)
+                            if bind_failed(f.read().decode("utf-8", "replace")):
+                                raise PortInUseError(f"the code server could not bind "
+                                                     f"127.0.0.1:{port}")
+                    _check_started(proc, "code server", log, deadline)
+                    time.sleep(0.5)
+                outer.enter_context(attempt.pop_all())
+                return proc, port
+
+        yield on_free_port(start, ports=ports)
+
+
+def listening_sockets(port: int) -> int | None:
+    """How many sockets listen on TCP ``port`` of this machine's network namespace (IPv4 and
+    IPv6, from ``/proc/net``); None where ``/proc`` cannot say."""
+    count, read = 0, False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                count += 1
+    return count if read else None
 
 
 @contextmanager

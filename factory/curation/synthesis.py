@@ -73,11 +73,13 @@ from factory.curation.tokens import TokenCounter
 from factory.errors import FactoryError
 from factory.evals.rubric import Rubric
 from factory.evals.shadow import FREE_TEXT_PASS
+from factory.gateway.keys import client_headers
 from factory.inference.client import InferenceClient, InferenceClientError
 from factory.inference.protocol import wire_messages, wire_tools
 from factory.lake import LakeSession
 from factory.normalize.canon import NormalizeError
 from factory.normalize.openai import normalize_call
+from factory.settings import Settings, get_settings
 from factory.tables import TABLES
 
 NUM_SEEDS = 3
@@ -264,11 +266,15 @@ class Teacher:
 
     def __init__(self, *, base_url: str, model: str, api_key: str | None = None,
                  timeout_s: float = 60.0, max_tokens: int = 512, experiment: str = "",
-                 min_confidence: float | None = None) -> None:
+                 min_confidence: float | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        """``headers``: sent with every call besides the tag (the factory key of a teacher
+        behind the gateway, ``teacher_for``)."""
         self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
         self.min_confidence = min_confidence
         """Least probability of its own answer the teacher must give (None: not asked)."""
         self.client = InferenceClient(base_url, api_key=api_key, timeout_s=timeout_s)
+        self.client.http.headers.update(headers or {})
         self.client.http.headers["X-Factory-Tags"] = f"{TEACHER_TAG}={experiment}"
 
     def close(self) -> None:
@@ -502,15 +508,15 @@ def synthesize(attempts: Sequence[Attempt], teacher: Teacher, labeler: Labeler |
 
 # -- the lake side: what an experiment already has, one synthesis run -------------------------
 
-DEFAULT_GATEWAY = "http://127.0.0.1:8787"
-
-
-def teacher_for(spec: Any, experiment: str) -> Teacher:
+def teacher_for(spec: Any, experiment: str, settings: Settings | None = None) -> Teacher:
     """The ``Teacher`` of ``data.synthesize`` (``factory.experiments.SynthesizeSpec``) for
-    ``experiment``: its endpoint, or the gateway's; the key from the environment variable it
-    names."""
-    base_url = spec.base_url or (
-        (os.environ.get("FACTORY_GATEWAY_URL") or DEFAULT_GATEWAY).rstrip("/") + "/v1")
+    ``experiment``: its endpoint, or the gateway's (``settings.gateway_url``); the API key from
+    the environment variable it names, and, when the teacher is the gateway, the factory key of
+    ``settings`` (default: read from the environment), which no other endpoint is sent."""
+    settings = settings or get_settings()
+    gateway = settings.gateway_url.rstrip("/") + "/v1"
+    base_url = spec.base_url or gateway
+    headers = client_headers(settings) if base_url.rstrip("/") == gateway else {}
     key = None
     if spec.api_key_env:
         key = os.environ.get(spec.api_key_env)
@@ -518,7 +524,7 @@ def teacher_for(spec: Any, experiment: str) -> Teacher:
             raise FactoryError(f"data.synthesize.api_key_env: environment variable "
                                f"{spec.api_key_env} is not set")
     return Teacher(base_url=base_url, model=spec.teacher, api_key=key, timeout_s=spec.timeout_s,
-                   experiment=experiment, min_confidence=spec.min_confidence)
+                   experiment=experiment, min_confidence=spec.min_confidence, headers=headers)
 
 
 def read_synthetic(session: LakeSession, experiment: str) -> pa.Table:

@@ -4,6 +4,9 @@ A key is shown once, at creation; only its SHA-256 is stored, in ``$FACTORY_HOME
 keys.json`` (mode 0600). Keys are 256 random bits, so a plain hash is safe against guessing and
 cheap enough to check on every request. The gateway re-reads the file when it changes, so
 ``factory keys create|revoke`` take effect without a restart.
+
+The factory's own clients of the gateway send the key of its settings (``$FACTORY_GATEWAY_KEY``,
+``client_headers``), so they keep working once keys exist.
 """
 
 from __future__ import annotations
@@ -24,11 +27,20 @@ from factory.errors import FactoryError
 from factory.settings import Settings, get_settings
 
 KEY_PREFIX = "fk-"
+KEY_HEADER = "X-Factory-Key"
 
 
 def hash_key(key: str | bytes) -> str:
     raw = key.encode() if isinstance(key, str) else key
     return hashlib.sha256(raw).hexdigest()
+
+
+def client_headers(settings: Settings | None = None) -> dict[str, str]:
+    """The headers a client of the factory's gateway sends: its factory key from the settings
+    (``$FACTORY_GATEWAY_KEY``), none without one. Sent to the gateway only, never to another
+    endpoint: a factory key is for the factory's gateway alone."""
+    key = (settings or get_settings()).gateway_key
+    return {KEY_HEADER: key} if key else {}
 
 
 def keys_path(settings: Settings | None = None) -> Path:

@@ -1,9 +1,33 @@
-"""``python -m factory.inference MODEL [options]``: the factory's CPU server (flags like vLLM's)."""
+"""``python -m factory.inference MODEL [options]``: the factory's CPU server (flags like vLLM's).
+
+The port is bound first, before torch is imported and the model loaded (seconds to minutes), and
+with ``--port-fd`` reported at once: a launcher asking for port 0 learns the port without probing
+one that another process could bind in the meantime, and a port already taken fails the start
+in a fraction of a second.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port the kernel picks), not listening yet:
+    the port is this server's from now on, and a client connecting while the model loads is
+    refused at once rather than left in a backlog nobody accepts from (uvicorn listens)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # A restarted deployment binds its port again while its old connections sit in
+        # TIME_WAIT, as uvicorn's own bind allows.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -11,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description="OpenAI-compatible CPU inference server.")
     parser.add_argument("model", help="base model directory (Hugging Face format)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    parser.add_argument("--port-fd", type=int, default=None, metavar="FD",
+                        help="write the bound port and a newline to this inherited file "
+                             "descriptor (a pipe from the launcher), then close it")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH")
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -22,11 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
 
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    if args.port_fd is not None:
+        with os.fdopen(args.port_fd, "w") as report:
+            report.write(f"{sock.getsockname()[1]}\n")
+
     import torch
-    import uvicorn
 
     from factory.inference.engine import Engine, EngineError
-    from factory.inference.server import create_app
+    from factory.inference.server import create_app, serve
     from factory.trainer.cores import CoreShare
 
     if args.threads:
@@ -52,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--lora-modules: {e}", file=sys.stderr)
             return 2
     app = create_app(engine, max_batch_size=args.max_num_seqs, cores=cores)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(app, sock)
     return 0
 
 

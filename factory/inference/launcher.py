@@ -1,9 +1,16 @@
 """Start an inference server (the CPU server or vLLM) as a subprocess and wait until it is healthy.
 
-One code path for evals and deploys: ``InferenceServer(...).start()`` picks a free port on
-127.0.0.1 (unless given one), runs the server, polls ``GET /health`` and returns once it answers
-200; a server that exits or stays unhealthy past ``startup_timeout_s`` raises
+One code path for evals and deploys: ``InferenceServer(...).start()`` runs the server on
+127.0.0.1 (on the port it is given, else on a free one), polls ``GET /health`` and returns once
+it answers 200; a server that exits or stays unhealthy past ``startup_timeout_s`` raises
 ``InferenceServerError`` with the tail of its log, and is stopped.
+
+Without a port, the CPU server binds port 0 and reports the port the kernel gave it through a
+pipe (``--port-fd``), before it loads the model: no other process can take the port between the
+choice and the bind. ``vllm serve`` cannot report a port it picked, so it gets one that is free
+now (``free_port``) and, when it exits because another process bound that port first
+(``PortInUseError``), is started again on a fresh one (``on_free_port``, which other programs
+that cannot bind port 0 use too: the Dagster code server, PostgreSQL in the tests).
 
 Both servers render prompts with the trainer's chat template of the base model's chat format
 (``factory.trainer.chat.chat_format`` of its tokenizer): the CPU server by default, vLLM through
@@ -17,17 +24,19 @@ time it is built and a deployment spawned detached from it keeps a template to r
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import httpx
 
@@ -37,24 +46,68 @@ from factory.inference.vllm import VLLM_ENV, ServeSizing, vllm_serve_command
 BACKENDS = ("transformers", "vllm")
 
 
+BIND_ATTEMPTS = 5
+"""Starts ``on_free_port`` tries: each loses its port only to a process binding that very port
+within the moment between the probe and the program's own bind."""
+
+_BIND_FAILURES = ("address already in use", "failed to bind to address", "could not bind")
+"""How programs say they could not bind their port, lower-cased: Python's and gRPC's
+``EADDRINUSE`` text, gRPC's ``Failed to bind to address`` (the Dagster code server), PostgreSQL's
+``could not bind IPv4 address``."""
+
+T = TypeVar("T")
+
+
 class InferenceServerError(FactoryError):
     """The server did not come up (or died)."""
 
 
+class PortInUseError(InferenceServerError):
+    """A server could not bind the port it was given: another process holds it."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to on ``host`` now. Another process may bind it before the
+    caller's program does: start that program with ``on_free_port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
+def bind_failed(output: str) -> bool:
+    """Whether a program's output says it could not bind its port (``_BIND_FAILURES``)."""
+    text = output.lower()
+    return any(failure in text for failure in _BIND_FAILURES)
+
+
+def on_free_port(start: Callable[[int], T], *, host: str = "127.0.0.1",
+                 ports: Iterable[int] | None = None, attempts: int = BIND_ATTEMPTS) -> T:
+    """``start(port)`` for a program that cannot bind port 0 and report the port: on a port
+    free now, and again on a fresh one each time ``start`` raises ``PortInUseError`` (another
+    process bound the port first), ``attempts`` times at most; the last ``PortInUseError`` is
+    raised. ``ports``: the ports to try, in order (default: a fresh ``free_port`` each time)."""
+    candidates = iter(ports) if ports is not None else (free_port(host) for _ in range(attempts))
+    error: PortInUseError | None = None
+    for port in itertools.islice(candidates, attempts):
+        try:
+            return start(port)
+        except PortInUseError as exc:
+            error = exc
+    raise error or PortInUseError(f"no port to try on {host}")
+
+
 def cpu_serve_command(model: str, adapters: Mapping[str, str] | None = None, *,
                       served_model_name: str | None = None, host: str = "127.0.0.1",
                       port: int = 8000, max_model_len: int = 4096, max_num_seqs: int = 8,
-                      dtype: str = "float32", threads: int | None = None) -> list[str]:
-    """argv of the factory's CPU server (same flag names as ``vllm serve``)."""
+                      dtype: str = "float32", threads: int | None = None,
+                      port_fd: int | None = None) -> list[str]:
+    """argv of the factory's CPU server (same flag names as ``vllm serve``); ``port_fd``: an
+    inherited descriptor the server writes its bound port to (with ``port`` 0)."""
     cmd = [sys.executable, "-m", "factory.inference", model, "--host", host, "--port", str(port),
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
            "--dtype", dtype]
+    if port_fd is not None:
+        cmd += ["--port-fd", str(port_fd)]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if threads:
@@ -126,6 +179,8 @@ class InferenceServer:
         self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
+        self._log_start = 0
+        """Size of the log when the current start began: what it wrote comes after."""
 
     @property
     def url(self) -> str:
@@ -139,18 +194,20 @@ class InferenceServer:
         """The OpenAI base URL, ``http://host:port/v1``."""
         return self.url + "/v1"
 
-    def command(self) -> list[str]:
-        assert self.port is not None
+    def command(self, *, port_fd: int | None = None) -> list[str]:
+        """The server's argv on its port (0 before a port is known: any free one);
+        ``port_fd``: where the CPU server reports the port it bound."""
+        port = 0 if self.port is None else self.port
         if self.backend == "vllm":
             return vllm_serve_command(self.sizing, self.model, self.adapters,
                                       served_model_name=self.served_model_name, host=self.host,
-                                      port=self.port, chat_template=str(self.chat_template_file()))
+                                      port=port, chat_template=str(self.chat_template_file()))
         return cpu_serve_command(self.model, self.adapters,
                                  served_model_name=self.served_model_name, host=self.host,
-                                 port=self.port, max_model_len=self.sizing.max_model_len,
+                                 port=port, max_model_len=self.sizing.max_model_len,
                                  max_num_seqs=self.max_batch_size
                                  or min(self.sizing.max_num_seqs, 16),
-                                 threads=self.threads)
+                                 threads=self.threads, port_fd=port_fd)
 
     def chat_template_file(self) -> Path:
         """The file holding the trainer's chat template of the model's format (written if
@@ -160,45 +217,101 @@ class InferenceServer:
     def start(self) -> InferenceServer:
         if self.proc is not None:
             raise InferenceServerError("server already started")
-        if self.port is None:
-            self.port = free_port(self.host)
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="inference-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
+        if self.port is not None:
+            self._start_on(self.port)
+        elif self.backend == "transformers":
+            self._start_reporting()
+        else:
+            # vllm serve binds the port it is told and cannot report one it picked.
+            on_free_port(self._start_on, host=self.host)
+        return self
+
+    def _start_on(self, port: int) -> None:
+        """Start on ``port`` and wait until healthy; ``PortInUseError`` when it was taken."""
+        self.port = port
+        self._spawn(self.command())
+        self._wait_healthy(time.monotonic() + self.startup_timeout_s)
+
+    def _start_reporting(self) -> None:
+        """Start the CPU server on port 0; it reports the port it bound through a pipe."""
+        read_fd, write_fd = os.pipe()
+        try:
+            self._spawn(self.command(port_fd=write_fd), pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)  # the server holds the only write end: EOF once it exits
+        deadline = time.monotonic() + self.startup_timeout_s
+        assert self.proc is not None
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            report = b""
+            while not report.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([pipe], [], [], left)[0]:
+                    self._fail_unhealthy()
+                chunk = pipe.read(16)
+                if not chunk:  # the server closed the pipe without a port: it is exiting
+                    try:
+                        self.proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+                    except subprocess.TimeoutExpired:
+                        self._fail_unhealthy()
+                    self._fail_exited()
+                report += chunk
+        self.port = int(report)
+        self._wait_healthy(deadline)
+
+    def _spawn(self, argv: list[str], pass_fds: tuple[int, ...] = ()) -> None:
+        assert self.log_path is not None
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the server
         env = {**os.environ, **(VLLM_ENV if self.backend == "vllm" else {}), **self.env}
         try:
-            self.proc = subprocess.Popen(self.command(), stdout=self._log_file,
+            self.proc = subprocess.Popen(argv, stdout=self._log_file,
                                          stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, pass_fds=pass_fds)
         except FileNotFoundError as e:
             self._log_file.close()
+            self._log_file = None
             raise InferenceServerError(f"cannot start the {self.backend} server: {e}") from None
-        self._wait_healthy()
-        return self
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+    def _wait_healthy(self, deadline: float) -> None:
         while True:
             assert self.proc is not None
-            code = self.proc.poll()
-            if code is not None:
-                tail = self.log_tail()
-                self.stop()
-                raise InferenceServerError(f"the {self.backend} server exited with code {code}"
-                                           f" before it was healthy; log tail:\n{tail}")
+            if self.proc.poll() is not None:
+                self._fail_exited()
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                tail = self.log_tail()
-                self.stop()
-                raise InferenceServerError(f"the {self.backend} server was not healthy after "
-                                           f"{self.startup_timeout_s:.0f} s; log tail:\n{tail}")
+                self._fail_unhealthy()
             time.sleep(0.25)
+
+    def _fail_exited(self) -> NoReturn:
+        """Raise for a server that exited before it was healthy: ``PortInUseError`` when its
+        output of this start says its port was taken."""
+        assert self.proc is not None
+        code = self.proc.returncode
+        tail = self.log_tail()
+        self.stop()
+        assert self.log_path is not None
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            this_start = f.read().decode("utf-8", "replace")
+        if bind_failed(this_start):
+            raise PortInUseError(f"the {self.backend} server could not bind {self.host}:"
+                                 f"{self.port}; log tail:\n{tail}")
+        raise InferenceServerError(f"the {self.backend} server exited with code {code}"
+                                   f" before it was healthy; log tail:\n{tail}")
+
+    def _fail_unhealthy(self) -> NoReturn:
+        tail = self.log_tail()
+        self.stop()
+        raise InferenceServerError(f"the {self.backend} server was not healthy after "
+                                   f"{self.startup_timeout_s:.0f} s; log tail:\n{tail}")
 
     def log_tail(self, num_bytes: int = 4000) -> str:
         if self.log_path is None or not self.log_path.exists():

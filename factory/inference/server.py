@@ -32,6 +32,9 @@ server against them.
   plain-text success replies.
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "code"}}``.
+
+``serve`` runs the app on a socket ``python -m factory.inference`` bound before loading the model
+(port 0: one the kernel picks, which the launcher is told through ``--port-fd``).
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ import asyncio
 import contextlib
 import json
 import math
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -459,3 +464,9 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def serve(app: Starlette, sock: socket.socket, *, log_level: str = "warning") -> None:
+    """Serve ``app`` on ``sock``, a bound TCP socket, until SIGINT/SIGTERM; uvicorn starts
+    listening on it here."""
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])

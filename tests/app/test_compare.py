@@ -197,26 +197,68 @@ def test_vibe_check_asks_both_models_at_once(lake: Lake, page: Any) -> None:
         expect(answers.locator(".frontier .answer")).to_have_text("echo: Is ticket 7 urgent?")
 
 
+def test_vibe_check_sends_the_settings_key_to_a_keyed_gateway(
+        lake: Lake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a factory key exists the gateway refuses calls without one (401): the vibe check
+    sends the key of the factory's settings, so its frontier side still answers."""
+    from factory.gateway.keys import KeyStore, keys_path
+
+    seed(lake)
+    _, key = KeyStore(keys_path(lake.settings)).create("compare")
+    monkeypatch.setenv("FACTORY_GATEWAY_KEY", key)
+    keyed = Lake()  # the page's lake, its settings read with the key set
+    prompt = "Is ticket 7 urgent?"
+    with ServerThread(StandIn()) as upstream, ServerThread(StandIn()) as candidate, \
+            ServerThread(Gateway(make_config(upstream), lake_factory=lambda: None,
+                                 ingest=Captures())) as gateway, \
+            serve(keyed, gateway.url) as srv:
+        lake.append("deployments", [deployment("v2", "candidate",
+                                               endpoint=candidate.url + "/v1")])
+        unkeyed = httpx.post(f"{gateway.url}/v1/chat/completions", json={
+            "model": ROUTE, "messages": [{"role": "user", "content": prompt}]})
+        assert unkeyed.status_code == 401  # the gateway is keyed
+        page = httpx.post(f"{srv.url}/e/{EXP}/vibe", data={"prompt": prompt}, timeout=60)
+    assert page.status_code == 200
+    answers = re.findall(r"<pre class=answer>(.*?)</pre>", page.text)
+    assert answers == [f"echo: {prompt}"] * 2, page.text
+    assert upstream.app.num_requests == 1
+
+
 @pytest.fixture()
 def candidate_server(tmp_path: Path) -> Iterator[tuple[int, int]]:
     """A real server process whose command line holds ``--port N`` (what ``Deployment.alive``
-    checks): the stand-in upstream; (pid, port)."""
-    with ServerThread(StandIn()) as probe:  # a free port, released before the child binds it
-        port = probe.port
-    proc = subprocess.Popen([sys.executable, "-m", "factory.gateway.standin", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ})
+    checks): the stand-in upstream, started again on a fresh port when another process took
+    the first; (pid, port)."""
+    from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
 
-    def listening() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"stand-in exited with {proc.returncode}")
+    log = tmp_path / "candidate.log"
+
+    def start(port: int) -> tuple[subprocess.Popen[bytes], int]:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "factory.gateway.standin",
+                                     "--port", str(port)], stdout=out, stderr=out,
+                                    env={**os.environ})
+
+        def listening() -> bool:
+            if proc.poll() is not None:
+                if bind_failed(log.read_text()):
+                    raise PortInUseError(f"port {port} was taken first")
+                raise RuntimeError(f"stand-in exited with {proc.returncode}: {log.read_text()}")
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).is_success
+            except httpx.HTTPError:
+                return False
+
         try:
-            return httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).is_success
-        except httpx.HTTPError:
-            return False
+            wait_until(listening, 30, "the candidate server")
+        except BaseException:
+            proc.kill()
+            proc.wait(timeout=30)
+            raise
+        return proc, port
 
+    proc, port = on_free_port(start)
     try:
-        wait_until(listening, 30, "the candidate server")
         yield proc.pid, port
     finally:
         proc.terminate()

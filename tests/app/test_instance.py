@@ -1,17 +1,28 @@
 """``ensure_daemon``: the daemon it starts reads a workspace whose one ``grpc_server`` entry is
 the code server started beside it (so a workspace refresh never starts a code server of its own),
 the control sensors tick through it, an already running daemon is reused, and both processes
-are gone once the block ends, also when it ends with an error."""
+are gone once the block ends, also when it ends with an error. The code server, which cannot
+bind port 0, is started again on a fresh port when another process holds its port."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+from concurrent import futures
 from pathlib import Path
 
 import pytest
 import yaml
 
-from factory.app.instance import CODE_LOCATION, code_server_command, ensure_daemon, instance
+from factory.app.instance import (
+    CODE_LOCATION,
+    code_server,
+    code_server_command,
+    ensure_daemon,
+    instance,
+    listening_sockets,
+)
 from factory.deploy.process import is_alive
 from factory.runs import SENSOR_STALE_S, sensors_ticking
 from tests.waiting import wait_until
@@ -68,3 +79,33 @@ def test_the_started_daemon_works_on_the_code_server_started_beside_it(
     logs = factory_home / "logs"
     assert "rollover_sensor" in (logs / "daemon.log").read_text()
     assert (logs / "code-server.log").exists()
+
+
+def test_the_code_server_moves_to_a_fresh_port_when_its_port_is_held(factory_home: Path) -> None:
+    """Two holders of the first ports tried: a plain listening socket (the code server's bind
+    fails) and another gRPC server (the bind succeeds beside it through SO_REUSEPORT, and the
+    two would share the daemon's calls); the code server ends on the third port, alone."""
+    import grpc
+
+    from factory.inference import free_port
+
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    plain.listen()
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    shared = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    log = factory_home / "code-server.log"
+    env = dict(os.environ)  # DAGSTER_HOME and FACTORY_HOME of the test's home
+    try:
+        held, free = plain.getsockname()[1], free_port()
+        with code_server(log, env, ports=[held, shared, free]) as (proc, port):
+            assert port == free and proc.poll() is None
+            assert _argv(proc.pid) == code_server_command(free)
+            assert listening_sockets(free) == 1
+            assert listening_sockets(shared) == 1  # the other gRPC server's alone again
+        assert not is_alive(proc.pid)
+    finally:
+        other.stop(grace=None)
+        plain.close()
+    assert "Failed to bind to address 127.0.0.1:" + str(held) in log.read_text()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from starlette.routing import Route
 from factory.evals import check_equivalence
 from factory.evals.equivalence import trainer_view
 from factory.evals.runner import to_openai_messages
-from factory.inference import InferenceClient, InferenceClientError, free_port
+from factory.inference import InferenceClient, InferenceClientError
 from factory.inference.contract import ContractError, check
 from factory.tasks import generate_conversations
 from factory.trainer.chat import IGNORE_INDEX
@@ -144,11 +145,13 @@ class VllmStandIn:
 
 @contextlib.contextmanager
 def serving(app: Any) -> Iterator[str]:
-    """``app`` on 127.0.0.1 in a thread; yields its OpenAI base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    """``app`` on 127.0.0.1 in a thread, on a port bound here (port 0) before it serves;
+    yields its OpenAI base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
         while not server.started:  # bound and listening
@@ -158,6 +161,7 @@ def serving(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()
 
 
 def _canonical(conv: dict[str, Any]) -> dict[str, Any]:
