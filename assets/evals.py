@@ -10,7 +10,8 @@ judged by is the ``rubric`` asset, ``factory.assets.rubric``).
   train/serve equivalence check runs first, on a few samples, as a blocking asset check: a
   checkpoint that fails it is not scored, so no later ``best_checkpoint`` can pick it. An
   overfitting or plateau signal (``decide_stop``) goes to ``early_stops``. Its metadata shows
-  the score as ``format_score`` prints it: mean, 95% interval, sample count, method.
+  the score as ``format_score`` prints it (mean, 95% interval, sample count, method) and the
+  lowest-scored answers beside their references (``runner.worst_answers``).
 - ``best_checkpoint`` (per experiment): the checkpoint whose 95% interval has the highest lower
   bound (``selection.rank``: why, measured); equal bounds go to the lower held-out loss the
   trainer measured on the eval split, else to the earlier step; a row in ``best_checkpoints``
@@ -35,6 +36,7 @@ from factory.evals.runner import (
     generate_answers,
     items_from_samples,
     score_reference,
+    worst_answers,
 )
 from factory.evals.selection import format_score, rank, summarize
 from factory.experiments import EvalSpec, load_experiment
@@ -164,6 +166,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
             "eval_serving": dg.MetadataValue.json(size.metadata())}) from None
     serve_command = server.command()
     scores: list[float | None] | None = None
+    worst = ""
     try:
         client = server.client()
         sample_rows = [{"messages": r["messages"], "tools": r["tools"]}
@@ -181,8 +184,9 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
                                                          [a.answer for a in answers]))
         if equivalence.passed:
             answers = generate_answers(client, adapter, items, **gen)
-            scores = record("checkpoint", step, ckpt["path"], answers,
-                            judge.score(rubric, items, [a.answer for a in answers]))
+            judged = judge.score(rubric, items, [a.answer for a in answers])
+            scores = record("checkpoint", step, ckpt["path"], answers, judged)
+            worst = worst_answers(items, [a.answer for a in answers], judged)
     finally:
         server.stop()
     if "reference" not in done and borrow("reference") is None:
@@ -208,6 +212,7 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
     png = plot_png(curves, get_settings().home / "reports" / run_id / "curve.png")
     yield dg.MaterializeResult(metadata={
         "score": format_score(summary),
+        "worst_answers": dg.MetadataValue.md(worst),
         "run_id": run_id, "step": step, "mean_score": summary.mean,
         "ci_low": summary.ci_low, "ci_high": summary.ci_high,
         "num_samples": summary.num_samples, "ci_method": summary.method or "",

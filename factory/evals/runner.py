@@ -110,3 +110,40 @@ def generate_answers(client: Any, model: str, items: Sequence[EvalItem], *,
 def score_reference(judge: Any, rubric: Rubric, items: Sequence[EvalItem]) -> list[ScoreRow]:
     """The reference answers judged against their own rubric: the bar a checkpoint must beat."""
     return list(judge.score(rubric, items, [i.reference for i in items]))
+
+
+def answer_text(answer: Answer) -> str:
+    """An answer as one line of text: its text, then each tool call as ``name(arguments)``."""
+    calls = [f"{name}({args})" for name, args in answer.tool_calls]
+    return " ".join(p for p in [answer.text.strip(), *calls] if p)
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    """``text`` for a Markdown table cell: one line, pipes escaped, at most ``limit`` chars."""
+    one = " ".join(text.split()).replace("|", "\\|")
+    return one if len(one) <= limit else one[:limit - 1] + "…"
+
+
+def _content_text(content: Any) -> str:
+    """A message's content (a string, or canonical/OpenAI parts) as text."""
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
+def worst_answers(items: Sequence[EvalItem], answers: Sequence[Answer],
+                  scored: Sequence[ScoreRow], *, k: int = 5) -> str:
+    """The ``k`` lowest-scored answers as a Markdown table (request, reference, the model's
+    answer, score, the judge's assessment): what a person deciding on a checkpoint reads next
+    to its score. Failed judgements (score None) come first: nobody knows how good they are."""
+    rows = sorted(zip(items, answers, scored, strict=True),
+                  key=lambda r: (r[2].score is not None, r[2].score or 0.0, r[0].sample_id))
+    lines = ["| request | reference | answer | score | judge |", "|---|---|---|---|---|"]
+    for item, answer, row in rows[:k]:
+        request = next((_content_text(m.get("content")) for m in reversed(item.messages)
+                        if m.get("role") == "user"), "")
+        score = "failed" if row.score is None else f"{row.score:.2f}"
+        lines.append(f"| {_cell(request)} | {_cell(answer_text(item.reference))} | "
+                     f"{_cell(answer_text(answer))} | {score} | "
+                     f"{_cell(row.error or row.assessment, 200)} |")
+    return "\n".join(lines)

@@ -88,6 +88,10 @@ def test_rubric_checkpoint_evals_best_checkpoint(factory_home: Path,
             {k: meta[k].value for k in ("mean_score", "ci_low", "ci_high", "num_samples",
                                         "ci_method", "num_failed")}))
         assert f"n={NUM_EVAL} (Wilson" in meta["score"].value
+        # Beside the score, the answers it is lowest on, each with the reference it missed.
+        worst = meta["worst_answers"].value.splitlines()
+        assert worst[0] == "| request | reference | answer | score | judge |"
+        assert len(worst) == 2 + min(5, NUM_EVAL)
         assert Path(meta["curve"].value).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         # No plan for this run: the resource's fields are overrides, the rest defaults.
         size = meta["eval_serving"].value
