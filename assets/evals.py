@@ -27,6 +27,8 @@ from typing import Any
 import dagster as dg
 
 from factory.assets.rubric import eval_rows
+from factory.curation.phrasing import RECALL
+from factory.curation.store import read_eval_split
 from factory.evals.equivalence import check_equivalence
 from factory.evals.progress import unscored_checkpoints
 from factory.evals.report import plot_png, read_curves, read_eval_losses, record_early_stop
@@ -208,10 +210,13 @@ def _judge_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-unty
         yield check
         return
     summary = summarize(step, scores)
+    split = read_eval_split(session.lake, experiment)
     curves, stop = record_early_stop(session, run_id, experiment)
     png = plot_png(curves, get_settings().home / "reports" / run_id / "curve.png")
     yield dg.MaterializeResult(metadata={
-        "score": format_score(summary),
+        "score": format_score(summary) + (" (recall only)" if split["eval_split"] == RECALL
+                                          else ""),
+        "eval_split": split["eval_split_reason"] or "",
         "worst_answers": dg.MetadataValue.md(worst),
         "run_id": run_id, "step": step, "mean_score": summary.mean,
         "ci_low": summary.ci_low, "ci_high": summary.ci_high,
@@ -313,8 +318,11 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
         extra["sweep_comparison"] = dg.MetadataValue.md(
             comparison_table(sweep_comparison(session.lake, experiment)))
     png = plot_png(curves, get_settings().home / "reports" / best_run / "curve.png")
+    split = read_eval_split(session.lake, experiment.name)
     return dg.MaterializeResult(metadata={
-        "score": format_score(best),
+        "score": format_score(best) + (" (recall only)" if split["eval_split"] == RECALL
+                                       else ""),
+        "eval_split": split["eval_split_reason"] or "",
         "run_id": best_run, "step": best.step, "mean_score": best.mean,
         "decided_by": decided_by,
         "ci": f"[{best.ci_low:.3f}, {best.ci_high:.3f}]",

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from factory.curation.phrasing import RECALL
 from factory.errors import FactoryError
 from factory.lake import Lake
 from factory.settings import get_settings
@@ -179,6 +180,8 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
     say(f"base score  {out['base_score_interval'] or '-'}")
     say(f"best score  {out['best_score_interval']} at step {out['best_step']} "
         f"(run {out['run_id']})" if out["best_score_interval"] else "best score  -")
+    if out["eval_split"] == RECALL:
+        say(f"  the eval set measures {out['eval_split_reason']}")
     say(terminal_plot(out["curve"], label="mean rubric score by step (step 0 = base model)"))
     if out["curve_png"]:
         say(f"curve: {out['curve_png']}")

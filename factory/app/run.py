@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from factory.curation.phrasing import RECALL
+from factory.curation.store import read_eval_split
 from factory.lake import Lake
 
 Progress = Callable[[str], None]
@@ -131,14 +132,7 @@ def summary(lake: Lake, name: str) -> dict[str, Any]:
                            "base_score_interval": None, "best_score_interval": None,
                            "best_step": None, "run_id": None, "curve": [], "curve_png": None,
                            "endpoint": None, "model": route_model(name),
-                           "factory_home": str(settings.home), "eval_split": None,
-                           "eval_split_reason": None}
-    if lake.exists("dataset_profile"):
-        profile = lake.sql("SELECT eval_split, eval_split_reason FROM dataset_profile "
-                           "WHERE experiment = ? ORDER BY created_at DESC LIMIT 1",
-                           [name]).to_pylist()
-        if profile:
-            out.update(profile[0])
+                           "factory_home": str(settings.home), **read_eval_split(lake, name)}
     if best:
         row = best[0]
         out.update(base_score=row["base_score"], best_score=row["mean_score"],

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from factory.curation.config import CurationConfig, check_experiment_name
 from factory.errors import FactoryError
-from factory.lake import LakeSession
+from factory.lake import Lake, LakeSession
 from factory.tables import TABLES
 
 DATASET_TABLES = ("dataset_train", "dataset_eval")
@@ -97,6 +97,20 @@ def write_profile(session: LakeSession, experiment: str, profile: dict[str, Any]
            "tokenizer": tokenizer, "samples_snapshot_id": samples_snapshot_id,
            "config": json.dumps(config.fingerprint(), sort_keys=True), **profile}
     return session.overwrite("dataset_profile", [row], where=experiment_filter(experiment))
+
+
+def read_eval_split(lake: Lake, experiment: str) -> dict[str, str | None]:
+    """How the experiment's newest dataset held out its eval set: ``{"eval_split": phrasing |
+    recall only | None, "eval_split_reason": ...}`` (None before any profile, or for a
+    profile written before the columns existed)."""
+    out: dict[str, str | None] = {"eval_split": None, "eval_split_reason": None}
+    if lake.exists("dataset_profile"):
+        rows = lake.sql("SELECT eval_split, eval_split_reason FROM dataset_profile "
+                        "WHERE experiment = ? ORDER BY created_at DESC LIMIT 1",
+                        [experiment]).to_pylist()
+        if rows:
+            out.update(rows[0])
+    return out
 
 
 # -- checks (pure; the asset reports them as blocking asset checks) ----------------------------

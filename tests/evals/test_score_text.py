@@ -39,6 +39,14 @@ def test_the_run_summary_prints_both_scores_with_their_intervals(factory_home: P
     # Never a bare 1.000: the 20 samples behind it bound it at 0.839.
     assert out["best_score_interval"] == "1.000 [0.839, 1.000] n=20 (Wilson)"
     assert out["base_score_interval"] == "0.100 [0.028, 0.301] n=20 (Wilson)"
+    assert out["eval_split"] is None  # no dataset profile: nothing to say
+    # A dataset held out by split group only: the summary says its scores are recall only.
+    reason = "recall only: 3 phrasing clusters of 40 samples, fewer than the 20 ..."
+    lake.append("dataset_profile", [{"experiment": "support", "created_at": T0,
+                                     "num_train": 36, "num_eval": 4, "eval_split": "recall only",
+                                     "eval_split_reason": reason}])
+    out = summary(lake, "support")
+    assert (out["eval_split"], out["eval_split_reason"]) == ("recall only", reason)
 
 
 def test_the_progress_line_score_comes_from_the_eval_metadata() -> None:
