@@ -41,6 +41,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import splits  # noqa: E402
+
 EXPERIMENT = "agent-orders"
 GOAL_EXACT = 0.90
 GOAL_RUN_S = 15 * 60
@@ -197,7 +199,11 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=600, help="training records to ingest")
     parser.add_argument("--heldout", type=int, default=200, help="held-out requests to score")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training records "
-                        "(the held-out requests use seed + 1)")
+                        "(the held-out requests use seed + 1 on the test split)")
+    parser.add_argument("--split", choices=splits.SPLITS, default="dev",
+                        help="held-out requests of the dev split (choose configurations on it) "
+                             "or the test split (once per configuration chosen on dev; the "
+                             "score goes to bench/test_ledger.jsonl): bench/splits.py")
     parser.add_argument("--home", type=Path, default=None,
                         help="FACTORY_HOME to use (default: a new temp folder); must be fresh")
     # One at a time: 8 in flight took 143.6 s for 8 requests vs 8.9 s for one alone (the CPU
@@ -224,7 +230,8 @@ def main() -> int:
 
     from factory.tasks import agent_orders as task
 
-    report: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": loadavg(),
+    report: dict[str, Any] = {"split": args.split, "cpus": os.cpu_count(),
+                              "loadavg_before": loadavg(),
                               "factory_home": str(home), "records": args.records,
                               "heldout": args.heldout}
     print(json.dumps(report), flush=True)
@@ -260,7 +267,7 @@ def main() -> int:
     from factory.lake import Lake
 
     lake = Lake()
-    heldout = task.generate_heldout(args.heldout, args.seed + 1)
+    heldout = task.generate_heldout(args.heldout, splits.heldout_seed(args.seed + 1, args.split))
     run: dict[str, Any] = {}
     ok_run = False
     if not args.no_train:
@@ -330,6 +337,12 @@ def main() -> int:
               f"{json.dumps(miss['expected'], ensure_ascii=False)}")
     report["scores"] = {k: {kk: vv for kk, vv in v.items() if kk != "misses"}
                         for k, v in scores.items()}
+    if "deployed" in scores and args.split == "test":
+        splits.record(bench="agent", task="agent-orders", heldout="disjoint", seed=args.seed,
+                      num=args.heldout, deployed=scores["deployed"]["exact"],
+                      base=scores["base"]["exact"] if "base" in scores else None,
+                      config={"records": args.records,
+                              "experiment": str(args.experiments / f"{EXPERIMENT}.yaml")})
     if "deployed" in scores:
         base, dep = scores["base"]["exact"], scores["deployed"]["exact"]
         report["ratio_deployed_to_base"] = round(dep / base, 2) if base else None

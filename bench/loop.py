@@ -72,6 +72,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import splits  # noqa: E402
 from bench.agent import last_json, loadavg, models_to_score, run_cli  # noqa: E402
 
 EXPERIMENT = "ticket-triage"
@@ -355,7 +356,11 @@ def main() -> int:
                         help="held-out sets to score, comma-separated: unseen (fresh tickets "
                         "of the training frames), disjoint (frames training never used)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training records "
-                        "(the held-out tickets use seed + 1)")
+                        "(the held-out tickets use seed + 1 and + 2 on the test split)")
+    parser.add_argument("--split", choices=splits.SPLITS, default="dev",
+                        help="held-out tickets of the dev split (choose configurations on it) "
+                             "or the test split (once per configuration chosen on dev; the "
+                             "score goes to bench/test_ledger.jsonl): bench/splits.py")
     parser.add_argument("--home", type=Path, default=None,
                         help="FACTORY_HOME to use (default: a new temp folder); must be fresh")
     parser.add_argument("--overrides", type=json.loads, default={},
@@ -403,8 +408,8 @@ def main() -> int:
 
     report: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": loadavg(),
                               "factory_home": str(home), "records": args.records,
-                              "heldout": args.heldout, "overrides": args.overrides,
-                              "recipe": args.recipe}
+                              "heldout": args.heldout, "split": args.split,
+                              "overrides": args.overrides, "recipe": args.recipe}
     print(json.dumps(report), flush=True)
 
     from factory.base_model import embedded_name
@@ -439,10 +444,12 @@ def main() -> int:
     lake = Lake()
     def heldout_set(kind: str) -> list[dict[str, Any]]:
         if kind == "unseen":
-            return task.generate_unseen(args.heldout, args.seed + 2,
+            return task.generate_unseen(args.heldout, splits.heldout_seed(args.seed + 2,
+                                                                          args.split),
                                         task.generate_conversations(args.records, args.seed))
         if kind == "disjoint":
-            return task.generate_heldout(args.heldout, args.seed + 1)
+            return task.generate_heldout(args.heldout, splits.heldout_seed(args.seed + 1,
+                                                                           args.split))
         raise SystemExit(f"--heldout-sets: unknown set {kind!r} (unseen, disjoint)")
 
     heldouts = {kind: heldout_set(kind) for kind in args.heldout_sets}
@@ -518,6 +525,11 @@ def main() -> int:
         report["scores"][kind] = {k: {kk: vv for kk, vv in v.items() if kk != "misses"}
                                   for k, v in by_model.items()}
         base = by_model["base"]["exact"] if "base" in by_model else None
+        if args.split == "test" and "deployed" in by_model:
+            splits.record(bench="loop", task="triage", heldout=kind, seed=args.seed,
+                          num=args.heldout, deployed=by_model["deployed"]["exact"], base=base,
+                          config={"recipe": args.recipe, "records": args.records,
+                                  "overrides": args.overrides})
         if base is not None:
             goals[f"base_below_20pct_{kind}"] = base < GOAL_BASE_BELOW
         base_text = "not scored (--skip-base)" if base is None else f"{base:.1%}"
