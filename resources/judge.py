@@ -12,6 +12,8 @@ from abc import abstractmethod
 import dagster as dg
 
 from factory.evals.judges import EmbeddedJudge, LLMJudge
+from factory.gateway.keys import client_headers
+from factory.settings import get_settings
 
 
 class JudgeResource(dg.ConfigurableResource):  # type: ignore[type-arg]
@@ -31,7 +33,10 @@ class EmbeddedJudgeResource(JudgeResource):
 
 class LLMJudgeResource(JudgeResource):
     """A judge model behind ``base_url``; the API key is read from the environment variable
-    named by ``api_key_env`` (never stored in config)."""
+    named by ``api_key_env`` (never stored in config). A judge behind the factory's gateway
+    (``base_url`` is the settings' ``$FACTORY_GATEWAY_URL`` + ``/v1``) also sends the factory
+    key of the settings (``$FACTORY_GATEWAY_KEY``), which a keyed gateway requires; no other
+    endpoint is sent it."""
 
     base_url: str
     """OpenAI base URL of the endpoint (``http://host:port/v1``)."""
@@ -51,6 +56,9 @@ class LLMJudgeResource(JudgeResource):
             if not key:
                 raise ValueError(f"judge.api_key_env: environment variable "
                                  f"{self.api_key_env} is not set")
+        settings = get_settings()
+        gateway = settings.gateway_url.rstrip("/") + "/v1"
+        headers = client_headers(settings) if self.base_url.rstrip("/") == gateway else {}
         return LLMJudge(base_url=self.base_url, model=self.model, api_key=key,
                         max_retries=self.max_retries, timeout_s=self.timeout_s,
-                        concurrency=self.concurrency)
+                        concurrency=self.concurrency, headers=headers)

@@ -79,11 +79,12 @@ def factory_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     home = tmp_path / "factory-home"
     home.mkdir()
     monkeypatch.setenv("FACTORY_HOME", str(home))
-    # the embedded default and the composition root's default resources unless a test says
-    # (a developer's shell may set any of them)
+    # the embedded default, the composition root's default resources and the default gateway
+    # with no key for the factory's own clients, unless a test says (a developer's shell may set
+    # any of them)
     for name in ("FACTORY_DATABASE_URL", "FACTORY_WAREHOUSE", "FACTORY_SHARED_DIR",
                  "FACTORY_CATALOG", "FACTORY_DEPLOYER", "FACTORY_JUDGE", "FACTORY_PROVIDERS",
-                 "FACTORY_SPARK_MASTER"):
+                 "FACTORY_SPARK_MASTER", "FACTORY_GATEWAY_URL", "FACTORY_GATEWAY_KEY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FACTORY_MODELS_DIR", str(_models_cache()))
     monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))

@@ -29,6 +29,8 @@ from factory.lake import Lake
 from factory.settings import get_settings
 
 if TYPE_CHECKING:
+    import openai
+
     from factory.experiments import Experiment
 
 EXPERIMENT = "demo-extract"
@@ -78,11 +80,20 @@ def demo_project(experiment: Experiment) -> str:
     return match.group(1)
 
 
-def _send_traffic(gateway_url: str, records: list[dict[str, Any]], project: str) -> None:
+def _gateway_client(gateway_url: str, tags: str) -> openai.OpenAI:
+    """An OpenAI client of the demo's gateway, sending ``tags`` (``X-Factory-Tags``) and the
+    factory key of the settings (``$FACTORY_GATEWAY_KEY``): the gateway checks the keys of the
+    home it serves, and once one exists refuses calls without one."""
     import openai
 
-    client = openai.OpenAI(base_url=gateway_url + "/v1", api_key="demo", max_retries=0,
-                           default_headers={"X-Factory-Tags": f"project={project}"})
+    from factory.gateway.keys import client_headers
+
+    return openai.OpenAI(base_url=gateway_url + "/v1", api_key="demo", max_retries=0,
+                         default_headers={"X-Factory-Tags": tags, **client_headers()})
+
+
+def _send_traffic(gateway_url: str, records: list[dict[str, Any]], project: str) -> None:
+    client = _gateway_client(gateway_url, f"project={project}")
     for i, record in enumerate(records):
         request = record["request"]
         if i % 4 == 3:  # some streamed, like real clients
@@ -153,13 +164,9 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
         _wait(lambda: (r := gateway.app.routes.get(model)) is not None
               and r.version == out["version"], 30, f"the gateway route of {model}")
         fresh = generate_records(1, seed + 1_000_003)[0]["request"]
-        import openai
-
-        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="demo", max_retries=0,
-                               # Tagged like the demo's traffic: the experiment selects it
-                               # for the next version's dataset.
-                               default_headers={"X-Factory-Tags":
-                                                f"project={project},source=demo-check"})
+        # Tagged like the demo's traffic: the experiment selects it for the next version's
+        # dataset.
+        client = _gateway_client(gateway.url, f"project={project},source=demo-check")
         answer = client.chat.completions.create(model=model, messages=fresh["messages"],
                                                 max_tokens=96, temperature=0)
         say(f"  user: {_one_line(fresh['messages'][-1]['content'])}")

@@ -7,6 +7,14 @@ runs it as a detached process on this machine (the embedded default);
 ``factory.deploy.kubernetes.KubernetesHost`` runs it as a Kubernetes Deployment and Service.
 Each version's row names where it runs (``placement_of``), so a version is always stopped by a
 host of its own kind.
+
+``ProcessHost`` never probes a free port for a server to bind later, when another process could
+take it first. The factory's CPU server binds port 0 and reports the port the kernel gave it
+through a pipe (``--port-fd``), before it loads anything. ``vllm serve`` can only bind the port
+it is told: it gets one free now, and ``start`` waits until it holds it (it binds after its
+imports, before it loads the model); when another process took the port first (its bind fails,
+or another server listens there, beside which vLLM's ``SO_REUSEPORT`` bind would succeed and
+share the port), it is stopped and started again on a fresh port (``on_free_port``).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -21,9 +30,20 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from factory.deploy.process import ProcessError, is_alive, spawn_detached, stop_group
+from factory.deploy.process import (
+    LISTEN,
+    ProcessError,
+    is_alive,
+    port_sockets,
+    port_taken,
+    read_report,
+    socket_inodes,
+    spawn_detached,
+    stop_group,
+)
 from factory.errors import FactoryError
-from factory.inference import InferenceServer, ServeSizing, free_port
+from factory.inference import InferenceServer, ServeSizing
+from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
 from factory.inference.vllm import VLLM_ENV
 
 if TYPE_CHECKING:
@@ -107,7 +127,8 @@ class ServerHost(ABC):
 
     @abstractmethod
     def start(self, spec: ServerSpec) -> Placement:
-        """Start ``spec``'s server and return at once; ``HostError`` if it cannot start."""
+        """Start ``spec``'s server and return once its place is known, before it is ready;
+        ``HostError`` if it cannot start."""
 
     @abstractmethod
     def wait_ready(self, dep: Deployment, timeout_s: float) -> None:
@@ -125,30 +146,122 @@ class ServerHost(ABC):
 
 
 class ProcessHost(ServerHost):
-    """Servers as detached processes on this machine, listening on ``listen`` at a free port;
-    each one's output in ``<log_root>/<name>/<version>-<time>-<port>.log``."""
+    """Servers as detached processes on this machine, listening on ``listen`` at a port of
+    their own; each one's output in ``<log_root>/<name>/<version>-<time>.log`` (a vLLM start
+    that lost its port to another process and was made again: each attempt's, in turn)."""
 
     kind = PROCESS
 
-    def __init__(self, *, listen: str = "127.0.0.1", log_root: Path,
-                 poll_s: float = 0.25) -> None:
+    def __init__(self, *, listen: str = "127.0.0.1", log_root: Path, poll_s: float = 0.25,
+                 report_timeout_s: float = 60.0, bind_timeout_s: float = 300.0,
+                 ports: Iterable[int] | None = None) -> None:
+        """``report_timeout_s``: longest wait for the CPU server's port (it reports it before
+        importing torch: 0.2-0.3 s here, so only a hung start waits this long).
+        ``bind_timeout_s``: longest wait for vLLM to bind its port, which it does after its
+        imports and before it loads the model; past it, ``wait_ready`` watches the server and
+        a bind failure is no longer retried. ``ports``: the ports a vLLM start tries, in order
+        (default: a fresh free one each time)."""
         self.listen = listen
         self.log_root = log_root
         self.poll_s = poll_s
+        self.report_timeout_s = report_timeout_s
+        self.bind_timeout_s = bind_timeout_s
+        self.ports = ports
 
     def start(self, spec: ServerSpec) -> Placement:
-        port = free_port(self.listen)
-        server = spec.server(host=self.listen, port=port)
         stamp = spec.started_at.strftime("%Y%m%dT%H%M%S")
-        log = self.log_root / spec.name / f"{spec.version}-{stamp}-{port}.log"
+        log = self.log_root / spec.name / f"{spec.version}-{stamp}.log"
+        if spec.backend != "vllm":
+            return self._start_reporting(spec, log)
         try:
-            pid = spawn_detached(server.command(), log_path=log,
-                                 env={**os.environ, **spec.env()})
+            return on_free_port(lambda port: self._start_binding(spec, log, port),
+                                host=self.listen, ports=self.ports)
+        except PortInUseError as exc:
+            raise HostError(str(exc)) from None
+
+    def _spawn(self, spec: ServerSpec, argv: list[str], log: Path,
+               pass_fds: tuple[int, ...] = ()) -> int:
+        try:
+            return spawn_detached(argv, log_path=log, env={**os.environ, **spec.env()},
+                                  pass_fds=pass_fds)
         except ProcessError as exc:
             hint = " (is vLLM installed on this machine?)" if spec.backend == "vllm" else ""
             raise HostError(f"{exc}{hint}") from None
+
+    def _placement(self, port: int, log: Path, pid: int) -> Placement:
         return Placement(endpoint=f"http://{self.listen}:{port}/v1", port=port,
                          log_path=str(log), pid=pid)
+
+    def _start_reporting(self, spec: ServerSpec, log: Path) -> Placement:
+        """The CPU server on port 0: it writes the port it bound to a pipe."""
+        read_fd, write_fd = os.pipe()
+        try:
+            argv = spec.server(host=self.listen, port=0).command(port_fd=write_fd)
+            pid = self._spawn(spec, argv, log, pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # the server holds the only write end left: EOF once it exits
+        try:
+            report = read_report(read_fd, self.report_timeout_s)
+        except TimeoutError:
+            stop_group(pid, timeout_s=10)
+            raise HostError(f"the {spec.backend} server for {spec.name} {spec.version} did not "
+                            f"report its port within {self.report_timeout_s:.0f} s; log tail:\n"
+                            f"{_tail(str(log))}") from None
+        if report is None or not report.isdigit():
+            stop_group(pid, timeout_s=10)
+            said = "exited before it bound a port" if report is None \
+                else f"reported {report!r}, not a port"
+            raise HostError(f"the {spec.backend} server for {spec.name} {spec.version} {said};"
+                            f" log tail:\n{_tail(str(log))}")
+        return self._placement(int(report), log, pid)
+
+    def _start_binding(self, spec: ServerSpec, log: Path, port: int) -> Placement:
+        """vLLM on ``port``, placed once it holds the port; ``PortInUseError`` (the server
+        stopped) when another process has it. A server that exits for another reason is placed
+        too: ``wait_ready`` says why it failed, and the deployer records it."""
+        offset = log.stat().st_size if log.exists() else 0
+        pid = self._spawn(spec, spec.server(host=self.listen, port=port).command(), log)
+        deadline = time.monotonic() + self.bind_timeout_s
+        while True:
+            if not is_alive(pid):
+                with open(log, "rb") as f:
+                    f.seek(offset)
+                    output = f.read().decode("utf-8", "replace")
+                if bind_failed(output):
+                    raise PortInUseError(f"the {spec.backend} server for {spec.name} "
+                                         f"{spec.version} could not bind {self.listen}:{port}")
+                return self._placement(port, log, pid)
+            try:
+                held = self._holds(pid, port)
+            except PortInUseError:
+                stop_group(pid, timeout_s=10)
+                raise
+            if held or time.monotonic() > deadline:
+                return self._placement(port, log, pid)
+            time.sleep(self.poll_s)
+
+    def _holds(self, pid: int, port: int) -> bool:
+        """Whether server ``pid`` holds ``port``; ``PortInUseError`` when another server
+        listens on it, which the server's bind would fail on or, both setting ``SO_REUSEPORT``
+        as vLLM does, share the port's connections with."""
+        sockets = port_sockets(port)
+        if sockets is None:  # no /proc: the server's own bind is all there is to go on
+            return True
+        mine = socket_inodes(pid)
+        if any(state == LISTEN and inode not in mine for state, inode in sockets):
+            raise PortInUseError(f"another server listens on {self.listen}:{port}")
+        if any(inode in mine for _, inode in sockets):
+            return True  # it listens (or has connections) on the port
+        # vLLM binds before it loads the model and listens after, and /proc/net does not show
+        # a socket that is only bound. With nothing else on the port, a port taken by a socket
+        # that set SO_REUSEPORT is vLLM's; one that did not is another process's, on which
+        # vLLM's bind fails (it exits, and is started again). A server binding without
+        # SO_REUSEPORT is placed once it listens, or after ``bind_timeout_s``.
+        return (not sockets and port_taken(self.listen, port)
+                and not port_taken(self.listen, port, reuse_port=True))
 
     def wait_ready(self, dep: Deployment, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

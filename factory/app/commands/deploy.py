@@ -83,7 +83,8 @@ def register(sub: Any) -> None:
         p.add_argument("--system", default=None, help="system prompt")
         p.add_argument("--gateway", default=None,
                        help="gateway URL (default $FACTORY_GATEWAY_URL or "
-                            "http://127.0.0.1:8787)")
+                            "http://127.0.0.1:8787); it is sent the factory key "
+                            "$FACTORY_GATEWAY_KEY")
         p.add_argument("--direct", action="store_true",
                        help="bypass the gateway: call the live deployment's server itself "
                             "(not captured)")
@@ -237,20 +238,29 @@ def _alive(host: Any, dep: Any) -> bool | None:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    """A conversation through the gateway (with the factory key of the settings, which a keyed
+    gateway requires), or with ``--direct`` with the live deployment's server (never sent the
+    key: a factory key is for the gateway alone)."""
     import openai
 
-    if args.direct:
-        from factory.deploy import Deployer
+    from factory.gateway.keys import client_headers
+    from factory.settings import get_settings
 
-        live = Deployer().live(args.model)
+    headers: dict[str, str] = {}
+    if args.direct:
+        from factory.deploy import Deployer, check_name
+
+        live = Deployer().live(check_name(args.model))  # factory/NAME or NAME
         if live is None:
             raise FactoryError(f"{args.model!r} has no live deployment")
         base_url, model = live.endpoint, live.adapter
     else:
-        gateway = args.gateway or os.environ.get("FACTORY_GATEWAY_URL") or "http://127.0.0.1:8787"
+        settings = get_settings()
+        gateway = args.gateway or settings.gateway_url
         base_url, model = gateway.rstrip("/") + "/v1", args.model
+        headers = client_headers(settings)
     client = openai.OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "factory"),
-                           max_retries=0)
+                           max_retries=0, default_headers=headers)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -284,7 +294,12 @@ def _chat(args: argparse.Namespace) -> int:
             raise FactoryError(f"cannot reach {base_url}; start the gateway with `factory "
                                "serve` (or pass --gateway URL / --direct)") from None
         except openai.APIStatusError as e:
-            raise FactoryError(f"{base_url} answered {e.status_code}: {e.message}") from None
+            hint = ""
+            if e.status_code == 401 and not headers and not args.direct:
+                hint = ("; set FACTORY_GATEWAY_KEY to a factory key (`factory keys create`) "
+                        "for the factory's own clients")
+            raise FactoryError(f"{base_url} answered {e.status_code}: "
+                               f"{e.message}{hint}") from None
         messages.append({"role": "assistant", "content": "".join(parts)})
         if not interactive:
             return 0

@@ -1,4 +1,9 @@
-"""``factory keys create|list|revoke``: the keys clients send to the gateway (X-Factory-Key)."""
+"""``factory keys create|list|revoke``: the keys clients send to the gateway (X-Factory-Key).
+
+Once a key exists the gateway refuses calls without one, the factory's own clients' too (``factory
+chat``, an LLM judge or synthesis teacher behind the gateway, the comparison page's vibe check,
+the demo's traffic): they send the key of ``$FACTORY_GATEWAY_KEY``, which ``create`` says.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ def _create(args: argparse.Namespace) -> int:
         print(key)
         print(f"key id {info.key_id}: shown once, only its hash is stored; send it as "
               f"X-Factory-Key")
+        print("the gateway now refuses calls without a key, the factory's own included "
+              "(factory chat, LLM judges and synthesis teachers behind the gateway, the vibe "
+              "check, the demo): where they run, export FACTORY_GATEWAY_KEY=<a key>")
     return 0
 
 
