@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 
 import dagster as dg
 
+from factory.evals import judging
 from factory.evals.rubric import Rubric
 from factory.evals.runner import build_rubric, items_from_samples
 from factory.experiments import EvalSpec, load_experiment
@@ -16,21 +17,13 @@ from factory.resources.judge import JudgeResource
 from factory.resources.lake import LakeResource
 
 
-def eval_rows(session, experiment: str, spec: EvalSpec,  # type: ignore[no-untyped-def]
-              plan: dict | None = None):
-    """The experiment's eval samples (``dataset_eval``), at most ``spec.max_samples`` and, for
-    a planned run, at most the plan's ``eval_num_samples`` (sized for its time budget)."""
-    rows = session.sql("SELECT sample_id, messages, tools FROM dataset_eval "
-                       "WHERE experiment = ? ORDER BY sample_id", [experiment]).to_pylist()
-    if spec.max_samples:
-        rows = rows[:spec.max_samples]
-    planned = ((plan or {}).get("values") or {}).get("eval_num_samples")
-    if planned:
-        rows = rows[:int(planned)]
-    if not rows:
-        raise dg.Failure(f"experiment {experiment!r} has no eval samples; materialize "
-                         "its dataset first")
-    return rows
+def eval_rows(session, experiment: str, spec: EvalSpec):  # type: ignore[no-untyped-def]
+    """The experiment's eval samples the rubric is inferred from (``judging.eval_rows``, at
+    most ``spec.max_samples``); the step fails when there are none."""
+    try:
+        return judging.eval_rows(session, experiment, spec)
+    except judging.EvalError as exc:
+        raise dg.Failure(str(exc)) from None
 
 
 @dg.asset(

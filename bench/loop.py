@@ -182,7 +182,7 @@ def chain_phases(name: str) -> tuple[dict[str, list[tuple[float, float]]], list[
             phases["train"].append((float(split), end))
         elif run.job_name == "deploy_model_job" or assets == ["deployment"]:
             phases["deploy"].append((start, end))
-        else:  # checkpoint_evals runs and select_checkpoint_job (best_checkpoint)
+        else:  # checkpoint_evals runs and select_checkpoint_job (final_evals, best_checkpoint)
             phases["evals"].append((start, end))
     return phases, rows
 

@@ -12,10 +12,13 @@ twice) and a ``factory/reason`` tag saying why:
    experiment file says when the chain starts (a file edited since its start supersedes the
    chain: the experiments sensor starts a new one). The plan reads the profile the start run
    wrote, so no plan is requested before its profile exists.
-2. ``select_checkpoint_job`` (``best_checkpoint``) once every training run of the chain
-   succeeded and each of their verified checkpoints is scored in ``eval_scores`` or its
-   ``checkpoint_evals`` run ended (the ``checkpoint_sensor`` requests those while the runs
-   train). A failed training run stops the chain: nothing of it is selected or deployed.
+2. ``select_checkpoint_job`` (``final_evals``, then ``best_checkpoint``, in one run) once every
+   training run of the chain succeeded and each of their verified checkpoints is scored in
+   ``eval_scores`` or its ``checkpoint_evals`` run ended (the ``checkpoint_sensor`` requests
+   those while the runs train): the leading checkpoints are judged on the whole eval set where
+   the plans judged a subset, then the best is chosen. Its run carries the evals' queue tag,
+   since its final evals boot an inference server too. A failed training run stops the chain:
+   nothing of it is selected or deployed.
 3. ``deploy_model_job`` (``deployment``) once the best checkpoint is selected, when the
    experiment's ``deploy`` policy is ``auto``.
 
@@ -46,6 +49,9 @@ from factory.runs import (
 REASON_TAG = "factory/reason"
 SHA_TAG = "factory/experiment-sha"
 DEPLOY_TAG = "factory/deploy"
+EVAL_TAG = "factory/eval"
+"""The tag the instance's run queue runs one at a time (``factory.app.instance``): the
+checkpoint evals' (``checkpoint_sensor``) and the selection's, each booting an inference server."""
 PARTITION_TAG = "dagster/partition"
 MIN_INTERVAL_S = 5
 """Seconds between ticks: each step of a chain waits at most this long for the next."""
@@ -66,8 +72,10 @@ train_run_job = dg.define_asset_job(
     description="Plans one run of an experiment (a sweep point) from its dataset profile and "
                 "trains it to the end.")
 select_checkpoint_job = dg.define_asset_job(
-    "select_checkpoint_job", selection=dg.AssetSelection.assets("best_checkpoint"),
-    description="Picks the experiment's best checkpoint by task score.")
+    "select_checkpoint_job",
+    selection=dg.AssetSelection.assets("final_evals", "best_checkpoint"),
+    description="Judges the leading checkpoints on the whole eval set (where mid-training evals "
+                "judged a subset), then picks the experiment's best checkpoint by task score.")
 deploy_model_job = dg.define_asset_job(
     "deploy_model_job", selection=dg.AssetSelection.assets("deployment"),
     description="Serves the experiment's best checkpoint behind factory/<experiment>.")
@@ -137,13 +145,14 @@ def advance(view: ChainView, chain: str, info: dict[str, Any]) -> Step:
         return Step(waiting=f"{len(pending)} checkpoint(s) not scored yet: {', '.join(pending)}")
     if num_scored == 0:
         return Step(ended="no checkpoint of the chain's runs was scored: nothing to select")
+    runs = {"config": {"runs": sorted(r for r in trainer_runs if r)}}
     step = _once(view, chain, dg.RunRequest(
         run_key=f"select:{chain}", job_name=select_checkpoint_job.name, partition_key=exp,
-        run_config={"ops": {"best_checkpoint": {"config": {
-            "runs": sorted(r for r in trainer_runs if r)}}}},
-        tags={**tags, REASON_TAG: f"every checkpoint of {len(keys)} finished run(s) is "
-                                  f"scored ({num_scored})"}),
-        doing="selecting the best checkpoint", what="best_checkpoint")
+        run_config={"ops": {"final_evals": runs, "best_checkpoint": runs}},
+        tags={**tags, EVAL_TAG: "1", REASON_TAG: f"every checkpoint of {len(keys)} finished "
+                                                 f"run(s) is scored ({num_scored})"}),
+        doing="judging the leading checkpoints on the whole eval set, then selecting the best",
+        what="the selection (final_evals, best_checkpoint)")
     if step is not None:
         return step
     # 3. deployment, per the experiment's policy
@@ -234,9 +243,10 @@ def evaluate(instance: dg.DagsterInstance, lake: Any, cursor: str | None
            jobs=[train_run_job, select_checkpoint_job, deploy_model_job],
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="Moves each experiment chain forward: trains every sweep point once the "
-                       "dataset is profiled, selects the best checkpoint once every checkpoint "
-                       "of the finished runs is scored, deploys it when the experiment's "
-                       "deploy policy is auto. A failed training run stops its chain.")
+                       "dataset is profiled, judges the leading checkpoints on the whole eval "
+                       "set and selects the best once every checkpoint of the finished runs is "
+                       "scored, deploys it when the experiment's deploy policy is auto. A "
+                       "failed training run stops its chain.")
 def chain_sensor(context: dg.SensorEvaluationContext, lake: LakeResource) -> dg.SensorResult:
     requests, partitions, report, cursor = evaluate(context.instance, lake.lake(),
                                                     context.cursor)

@@ -25,15 +25,12 @@ from factory.lake import Lake
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
 from factory.runs import RECOVERY_SENSOR, ROLLOVER_SENSOR
-from factory.sensors.chains import start_experiment_job
+from factory.sensors.chains import EVAL_TAG, start_experiment_job
 
 CHECKPOINT_EVALS = dg.AssetKey("checkpoint_evals")
 CHECKPOINTS = dg.AssetKey("checkpoints")
 DATASET_ASSETS = [dg.AssetKey("synthetic_samples"), dg.AssetKey("dataset"),
                   dg.AssetKey("dataset_profile")]
-EVAL_TAG = "factory/eval"
-"""Tag of checkpoint_evals runs: the instance's run queue runs one at a time (each boots an
-inference server; two at once on 2 cores only slow each other and the training run)."""
 
 
 def _ts(value: datetime) -> str:

@@ -75,7 +75,8 @@ def loop_outcome(inst: Any, chain: str) -> str | None:
 
 JOB_ASSETS = {"start_experiment_job": "synthetic_samples, dataset, dataset_profile, rubric",
               "train_run_job": "training_plan, training_run",
-              "select_checkpoint_job": "best_checkpoint", "deploy_model_job": "deployment"}
+              "select_checkpoint_job": "final_evals, best_checkpoint",
+              "deploy_model_job": "deployment"}
 """What each of the chain's jobs materializes, for progress lines."""
 
 

@@ -1,4 +1,5 @@
-"""Which checkpoints still wait for their evaluation: the gate before ``best_checkpoint``.
+"""Which checkpoints still wait for their evaluation: the gate before the final choice
+(``final_evals`` and ``best_checkpoint``), and which runs it waits for.
 
 A checkpoint is done when ``eval_scores`` holds its scores, or when its ``checkpoint_evals``
 run (partition ``<run_id>:<step>``) has ended without them (failed, cancelled, or refused by the
@@ -8,6 +9,7 @@ come, and must not run while one is still to come.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
@@ -40,3 +42,15 @@ def unscored_checkpoints(instance: dg.DagsterInstance, lake: Any,
         if not ended:
             pending.append(key)
     return sorted(pending), len(scored)
+
+
+def runs_to_wait_for(lake: Any, experiment: str, runs: Sequence[str]) -> list[str]:
+    """The trainer runs whose checkpoints must all be scored before a choice: ``runs`` (a
+    chain's, as ``chain_sensor`` passes them), else every finished run of ``experiment``."""
+    if runs:
+        return sorted(set(runs))
+    if not lake.exists("training_runs"):
+        return []
+    return sorted({r["run_id"] for r in lake.sql(
+        "SELECT run_id FROM training_runs WHERE experiment = ? AND status = 'finished'",
+        [experiment]).to_pylist()})

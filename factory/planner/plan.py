@@ -2,8 +2,8 @@
 
 ``make_plan`` walks the decisions in dependency order (hardware, precision, sequence length,
 packing, batch, memory fit, schedule, LoRA, eval serving size, then the time model's: eval
-sample count and cadence within the eval budget, checkpoints, the predicted wall time in
-``Plan.estimates``). Each value is a
+sample count and cadence within the eval budget, the final evals' sample count, checkpoints,
+the predicted wall time in ``Plan.estimates``). Each value is a
 ``Decision`` carrying the rule that produced it and a reason in words; a value the experiment
 overrides (or a sweep point sets) wins and is marked ``overridden``, with what the planner would
 have picked kept in the reason. Validation (``validate``) runs last and refuses the plan with a
@@ -19,7 +19,7 @@ from typing import Any
 
 from factory.curation.phrasing import RECALL
 from factory.errors import FactoryError
-from factory.evals.selection import CLEAR_MARGIN, PLATEAU_PATIENCE
+from factory.evals.selection import CLEAR_MARGIN, FINAL_CANDIDATES, PLATEAU_PATIENCE
 from factory.experiments import UNDETERMINED, Experiment, MixEntry, group_of, group_source
 from factory.planner.hardware import Hardware, get_hardware
 from factory.planner.memory import GIB, MemoryEstimate, estimate_memory
@@ -33,6 +33,7 @@ from factory.planner.timing import (
     eval_budget,
     eval_cost,
     eval_seconds,
+    final_eval_seconds,
     fits,
     forward_flops_per_token,
     run_time,
@@ -104,7 +105,9 @@ class Plan:
     estimates: dict[str, float] = field(default_factory=dict)
     """The time model's prediction (``factory.planner.timing``): ``step_seconds``, ``steps``,
     ``tokens_per_step``, ``train_seconds``, ``num_evals``, ``first_eval_seconds``,
-    ``eval_seconds`` (each later eval), ``evals_seconds`` (the wall they add),
+    ``eval_seconds`` (each later eval), ``final_evals_seconds`` (the leaders judged on the
+    rest of the final eval set after the last eval; 0: none), ``evals_seconds`` (the wall
+    they all add),
     ``wall_seconds`` and ``hours`` (the whole run), ``eval_share`` (of the run's wall on CPU,
     of its device time on GPUs), ``eval_wall_share`` and ``eval_budget_share``."""
     notes: list[str] = field(default_factory=list)
@@ -688,15 +691,28 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         return (eval_seconds(c, arch, shape(n), first=True),
                 eval_seconds(c, arch, shape(n), first=False))
 
-    def ok(n: int, k: int) -> bool:
+    def final_s(n: int, k: int, final: int | None = None) -> float:
+        """The final evals after ``k`` evals of ``n`` samples: the ``FINAL_CANDIDATES`` leaders
+        on the rest of the final set (``final`` samples; default: the plan's so far). None
+        where ``k`` is no more than the leaders: judging them all again would cost what judging
+        each on the final set does."""
+        final = final_num if final is None else final
+        if n >= final or k <= FINAL_CANDIDATES:
+            return 0.0
+        rest = replace(shape(n), num_samples=final - n, batch=min(shape(n).batch, final - n))
+        return final_eval_seconds(c, arch, rest, num_candidates=FINAL_CANDIDATES)
+
+    def ok(n: int, k: int, final: int | None = None) -> bool:
         first, later = times(n)
         return fits(hw, c, first_s=first, eval_s=later, num_evals=k, train_s=budget_train_s,
-                    num_devices=devices, eval_devices=eval_devices)
+                    num_devices=devices, eval_devices=eval_devices,
+                    final_s=final_s(n, k, final))
 
-    def cost(n: int, k: int) -> float:
+    def cost(n: int, k: int, final: int | None = None) -> float:
         first, later = times(n)
         return eval_cost(hw, c, first_s=first, eval_s=later, num_evals=k,
-                         train_s=budget_train_s, eval_devices=eval_devices)
+                         train_s=budget_train_s, eval_devices=eval_devices,
+                         final_s=final_s(n, k, final))
 
     budget_words = (f"{EVAL_SHARE:.0%} of the run's {cost_kind} ({duration(budget)} for "
                     f"~{duration(budget_train_s)} of training)")
@@ -704,19 +720,27 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         budget_words += f", and the wall they add within {EVAL_SHARE:.0%} of the run's"
 
     # --- eval sample count and cadence within the budget. What gives way, in order: samples
-    # down to MIN_EVAL_SAMPLES (keeping MIN_EVALS evals), then evals down to one (the final
-    # checkpoint must be judged); evals beyond MIN_EVALS only with budget to spare.
+    # down to MIN_EVAL_SAMPLES (keeping MIN_EVALS evals; the leaders are then judged on the
+    # whole final set, counted in the budget), then the final evals (every checkpoint on the
+    # most samples that fit), then evals down to one (the final checkpoint must be judged);
+    # evals beyond MIN_EVALS only with budget to spare.
     needed = eval_samples_needed()
     min_evals = min(MIN_EVALS, total)
     wanted = min(available, needed)
     floor = min(wanted, MIN_EVAL_SAMPLES)
+    cap = experiment.eval.max_samples
+    whole = min(wanted, cap) if cap else wanted
+    final_num = 0  # no final evals unless chosen below
 
-    def most_samples(k: int) -> int:
-        """The most samples (at least ``floor``) with which ``k`` evals fit."""
-        lo, hi = floor, wanted  # the cost grows with the sample count
+    def most_samples(k: int, final: int = 0) -> int:
+        """The most samples (at least ``floor``) with which ``k`` evals fit, and the final
+        evals on ``final`` samples (0: none)."""
+        # The cost grows with the sample count below the final set (k > FINAL_CANDIDATES:
+        # each sample more for every checkpoint is one less for the leaders).
+        lo, hi = floor, max(floor, final - 1) if final else wanted
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if ok(mid, k) else (lo, mid - 1)
+            lo, hi = (mid, hi) if ok(mid, k, final) else (lo, mid - 1)
         return lo
 
     if ok(wanted, min_evals):
@@ -742,7 +766,20 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
             why += (f"; the budget cuts to no fewer than {MIN_EVAL_SAMPLES} (their 95% interval "
                     f"stays within {CLEAR_MARGIN:g} of the mean)")
         why += f"; a score's 95% interval reaches at most ±{interval_half_width(num):.3f}"
-    cap = experiment.eval.max_samples
+        if keep > FINAL_CANDIDATES and whole > num and ok(floor, keep, whole):
+            # The final evals: every checkpoint judged on fewer samples, the leaders on the
+            # whole final set; only where that fits whole (a partial final set would trade the
+            # mid-training evals' resolution for a few points of the choice's).
+            final_num, plain = whole, num
+            num = most_samples(keep, whole)
+            why = (f"{num} of the {available} eval samples for every checkpoint: {min_evals} "
+                   f"evals of {wanted} would take ~{duration(cost(wanted, min_evals))}, over "
+                   f"{budget_words}; the {FINAL_CANDIDATES} leading checkpoints are then "
+                   f"judged on all {whole} (eval_final_num_samples) where every checkpoint "
+                   f"could be judged on {plain}: {keep} evals of {num} and the final evals "
+                   f"take ~{duration(cost(num, keep))}; a score's 95% interval reaches at most "
+                   f"±{interval_half_width(num):.3f} mid-training, "
+                   f"±{interval_half_width(whole):.3f} for the choice")
     if cap and cap < num:
         plan.decisions["eval_num_samples"] = Decision(
             value=cap, rule="experiment.eval", overridden=True,
@@ -757,12 +794,13 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
                           "(curation's phrasing split needs more distinct phrasings; "
                           "a held-out test set of new requests is the only measure of "
                           "generalization here)")
-    if num_eval < needed:
-        plan.notes.append(f"{num_eval} eval samples give the selected checkpoint's score a 95% "
-                          f"interval of up to ±{interval_half_width(num_eval):.3f}; {needed} "
+    chosen_on = max(num_eval, final_num)
+    if chosen_on < needed:
+        plan.notes.append(f"{chosen_on} eval samples give the selected checkpoint's score a 95% "
+                          f"interval of up to ±{interval_half_width(chosen_on):.3f}; {needed} "
                           f"would bring it to ±{EVAL_HALF_WIDTH:g}"
                           + (" (raise data.eval_fraction, eval.max_samples or the traffic)"
-                             if num_eval in (available, cap) else
+                             if chosen_on in (available, cap) else
                              " (the eval budget: a longer run affords more)"))
     batch = min(plan["eval_max_num_seqs"], num_eval)
     dec.set("eval_batch_size", batch, "eval.batch",
@@ -834,21 +872,48 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
                 f"{budget_words}; a stop by SIGTERM still checkpoints, a hard kill loses at "
                 f"most {lost}")
 
-    # --- the prediction: every checkpoint is judged (checkpoint_sensor), the final one too ---
+    # --- the prediction: every checkpoint is judged (checkpoint_sensor), the final one too,
+    # then the leaders on the rest of the final eval set ---
     ckpt_every = int(plan["checkpoint_every_steps"])
     num_evals = math.ceil(total / ckpt_every)
+    final_eval_s = final_s(num_eval, num_evals)
+    if final_eval_s > 0:
+        plan.decisions["eval_final_num_samples"] = Decision(
+            value=final_num, rule="eval.final",
+            reason=f"the {FINAL_CANDIDATES} leading of the {num_evals} judged checkpoints (by "
+                   f"the lower bound of their interval on {num_eval} samples, "
+                   f"±{interval_half_width(num_eval):.3f}) are judged on {final_num} of the "
+                   f"{available} eval samples before the choice "
+                   f"(±{interval_half_width(final_num):.3f}): ~{duration(final_eval_s)} after "
+                   "the last eval, counted in the eval budget")
+    elif num_eval >= whole:
+        plan.decisions["eval_final_num_samples"] = Decision(
+            value=num_eval, rule="eval.final_whole",
+            reason=f"no final evals: every checkpoint is judged on the whole final eval set "
+                   f"({num_eval} samples)")
+    else:
+        why = (f"{num_evals} judged checkpoint{'s' if num_evals > 1 else ''}, no more than the "
+               f"{FINAL_CANDIDATES} leaders the final evals take: judging them all again would "
+               "cost what judging each on more samples does"
+               if num_evals <= FINAL_CANDIDATES else
+               f"the budget cannot also judge the {FINAL_CANDIDATES} leading ones on all "
+               f"{whole} samples of the final set")
+        plan.decisions["eval_final_num_samples"] = Decision(
+            value=num_eval, rule="eval.final_none",
+            reason=f"no final evals: {why}; the choice is made on those {num_eval} samples")
     loss_span = min(profile.length_p50, seq_len)
     loss_pass_s = available * loss_span * forward_flops_per_token(arch, span=loss_span) \
         / (c.forward_tflops * 1e12 * devices)
     rt = run_time(hw, c, step_s=step_s, num_steps=total, loss_passes=total // eval_every,
                   loss_pass_s=loss_pass_s, first_eval_s=first_s, eval_s=eval_s,
-                  num_evals=num_evals, num_devices=devices, eval_devices=eval_devices)
+                  num_evals=num_evals, num_devices=devices, eval_devices=eval_devices,
+                  final_eval_s=final_eval_s)
     plan.estimates = {
         "step_seconds": round(step_s, 3), "steps": float(total),
         "tokens_per_step": round(tokens_per_step),
         "train_seconds": round(rt.train_s, 1), "num_evals": float(num_evals),
         "first_eval_seconds": round(first_s, 1), "eval_seconds": round(eval_s, 1),
-        "evals_seconds": round(rt.evals_s, 1), "wall_seconds": round(rt.wall_s, 1),
+        "final_evals_seconds": round(rt.final_eval_s, 1), "evals_seconds": round(rt.evals_s, 1), "wall_seconds": round(rt.wall_s, 1),
         "hours": round(rt.wall_s / 3600, 3), "eval_share": round(rt.share, 3),
         "eval_wall_share": round(rt.wall_share, 3), "eval_budget_share": EVAL_SHARE}
     extra = ckpt_every < eval_every and num_evals > math.ceil(total / eval_every)

@@ -20,10 +20,16 @@ What the model counts (BENCHMARKS.md, "Planner time model", compares it with rea
   longest answer; early checkpoints and the base often reach the budget), then the judge per
   answer. The run's first eval also answers with the base model and judges the references
   (counted: whether another run's scores can be reused is only known when the eval runs);
+- the final evals (``final_evals``), where mid-training evals judge a subset of the final eval
+  set: after the last eval, one server boot (``eval_fixed_s``) with the leading checkpoints'
+  adapters, each answering the final set's samples the subset left out, then the judge per
+  answer (no equivalence check, no base model: each leader was judged before);
 - where evals run: on CPU they share the training cores, so each eval during training adds its
   seconds times ``overlap_factor`` to the wall (the two processes slow each other), and the last
   one, after the final step, adds its own; on GPUs they run on their own devices (vLLM) beside
   training and lengthen the run only by the last eval (and by any queue if they fall behind).
+  The final evals wait for every checkpoint's score, so they add their seconds to the wall on
+  both, and to the device time on GPUs.
 """
 
 from __future__ import annotations
@@ -265,6 +271,17 @@ def eval_seconds(c: TimeConstants, arch: Architecture, shape: EvalShape, *,
     return c.eval_fixed_s + check + answers * answer + judged * c.judge_s
 
 
+def final_eval_seconds(c: TimeConstants, arch: Architecture, shape: EvalShape, *,
+                       num_candidates: int) -> float:
+    """Seconds of the final evals: ``num_candidates`` checkpoints each answering
+    ``shape.num_samples`` more samples on one server (0 when there is nothing to judge)."""
+    if num_candidates <= 0 or shape.num_samples <= 0:
+        return 0.0
+    answer = generation_seconds(c, arch, num_samples=shape.num_samples, batch=shape.batch,
+                                prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens)
+    return c.eval_fixed_s + num_candidates * (answer + shape.num_samples * c.judge_s)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunTime:
     """Predicted seconds of one run."""
@@ -279,8 +296,10 @@ class RunTime:
     """Each later eval, alone."""
     num_evals: int
     """Evals of the run (judged checkpoints)."""
+    final_eval_s: float
+    """The final evals, alone (0: none)."""
     evals_s: float
-    """Wall seconds the evals add to the run."""
+    """Wall seconds the evals add to the run, the final evals' included."""
     eval_cost_s: float
     """What the budget counts: the evals' wall seconds where they share the devices, their
     device-seconds where they have their own."""
@@ -304,30 +323,32 @@ class RunTime:
 
 
 def evals_wall(hw: Hardware, c: TimeConstants, *, first_s: float, eval_s: float,
-               num_evals: int, train_s: float) -> float:
-    """Wall seconds ``num_evals`` evals add to a run of ``train_s`` seconds of training."""
+               num_evals: int, train_s: float, final_s: float = 0.0) -> float:
+    """Wall seconds ``num_evals`` evals and the final evals (``final_s``, after them) add to a
+    run of ``train_s`` seconds of training."""
     if num_evals <= 0:
         return 0.0
     if hw.evals_share_devices:
         # All but the last run beside the trainer; the last judges the final checkpoint.
         last = eval_s if num_evals > 1 else first_s
         during = (first_s + (num_evals - 2) * eval_s) if num_evals > 1 else 0.0
-        return during * c.overlap_factor + last
+        return during * c.overlap_factor + last + final_s
     # Own devices: only the last eval lengthens the run, and any backlog past the training.
     total = first_s + (num_evals - 1) * eval_s
     last = eval_s if num_evals > 1 else first_s
-    return last + max(0.0, total - last - train_s)
+    return last + max(0.0, total - last - train_s) + final_s
 
 
 def eval_cost(hw: Hardware, c: TimeConstants, *, first_s: float, eval_s: float,
-              num_evals: int, train_s: float, eval_devices: int) -> float:
-    """The evals' cost as ``EVAL_SHARE`` counts it (``RunTime.eval_cost_s``)."""
+              num_evals: int, train_s: float, eval_devices: int, final_s: float = 0.0) -> float:
+    """The evals' cost as ``EVAL_SHARE`` counts it (``RunTime.eval_cost_s``), the final
+    evals' (``final_s``) included."""
     if hw.evals_share_devices:
         return evals_wall(hw, c, first_s=first_s, eval_s=eval_s, num_evals=num_evals,
-                          train_s=train_s)
+                          train_s=train_s, final_s=final_s)
     if num_evals <= 0:
         return 0.0
-    return (first_s + (num_evals - 1) * eval_s) * eval_devices
+    return (first_s + (num_evals - 1) * eval_s + final_s) * eval_devices
 
 
 def eval_budget(hw: Hardware, *, train_s: float, num_devices: int) -> float:
@@ -337,29 +358,32 @@ def eval_budget(hw: Hardware, *, train_s: float, num_devices: int) -> float:
 
 
 def fits(hw: Hardware, c: TimeConstants, *, first_s: float, eval_s: float, num_evals: int,
-         train_s: float, num_devices: int, eval_devices: int) -> bool:
-    """Whether ``num_evals`` evals stay within the budget (on their own devices: their device
-    time, and the wall they add, the last eval's and any backlog's, each within the share)."""
+         train_s: float, num_devices: int, eval_devices: int, final_s: float = 0.0) -> bool:
+    """Whether ``num_evals`` evals and the final evals (``final_s``) stay within the budget (on
+    their own devices: their device time, and the wall they add, the last eval's, any
+    backlog's and the final evals', each within the share)."""
     cost = eval_cost(hw, c, first_s=first_s, eval_s=eval_s, num_evals=num_evals,
-                     train_s=train_s, eval_devices=eval_devices)
+                     train_s=train_s, eval_devices=eval_devices, final_s=final_s)
     if cost > eval_budget(hw, train_s=train_s, num_devices=num_devices) + 1e-9:
         return False
     if not hw.evals_share_devices:
         walls = evals_wall(hw, c, first_s=first_s, eval_s=eval_s, num_evals=num_evals,
-                           train_s=train_s)
+                           train_s=train_s, final_s=final_s)
         return walls <= EVAL_SHARE / (1 - EVAL_SHARE) * train_s + 1e-9
     return True
 
 
 def run_time(hw: Hardware, c: TimeConstants, *, step_s: float, num_steps: int,
              loss_passes: int, loss_pass_s: float, first_eval_s: float, eval_s: float,
-             num_evals: int, num_devices: int, eval_devices: int) -> RunTime:
+             num_evals: int, num_devices: int, eval_devices: int,
+             final_eval_s: float = 0.0) -> RunTime:
     """The run's predicted seconds from its parts."""
     train_s = c.train_fixed_s + num_steps * step_s + loss_passes * loss_pass_s
     walls = evals_wall(hw, c, first_s=first_eval_s, eval_s=eval_s, num_evals=num_evals,
-                       train_s=train_s)
+                       train_s=train_s, final_s=final_eval_s)
     cost = eval_cost(hw, c, first_s=first_eval_s, eval_s=eval_s, num_evals=num_evals,
-                     train_s=train_s, eval_devices=eval_devices)
+                     train_s=train_s, eval_devices=eval_devices, final_s=final_eval_s)
     return RunTime(step_s=step_s, train_s=train_s, first_eval_s=first_eval_s, eval_s=eval_s,
-                   num_evals=num_evals, evals_s=walls, eval_cost_s=cost,
+                   num_evals=num_evals, final_eval_s=final_eval_s, evals_s=walls,
+                   eval_cost_s=cost,
                    train_cost_s=train_s if hw.evals_share_devices else train_s * num_devices)

@@ -13,7 +13,7 @@ import pytest
 
 from factory.lake import Lake
 from factory.runs import CHAIN_TAG, TRAINER_RUN_TAG
-from factory.sensors.chains import evaluate
+from factory.sensors.chains import EVAL_TAG, evaluate
 
 EXP = """\
 name: sup
@@ -92,6 +92,10 @@ def test_a_chain_goes_from_profile_to_deployment(exp_dir: Path) -> None:
         [select] = requests
         assert select.job_name == "select_checkpoint_job" and select.partition_key == "sup"
         assert "scored (2)" in select.tags["factory/reason"]
+        # final_evals and best_checkpoint choose among the chain's runs, in the evals' queue
+        chosen = {"config": {"runs": ["run-a", "run-b"]}}
+        assert select.run_config == {"ops": {"final_evals": chosen, "best_checkpoint": chosen}}
+        assert select.tags[EVAL_TAG] == "1"
         # 3. selected: deploy: auto promotes it
         _run(instance, "select_checkpoint_job", S.SUCCESS, **chain)
         [deploy] = tick(cursor)[0]
@@ -170,3 +174,60 @@ def test_a_shadow_policy_deploys_a_candidate(exp_dir: Path) -> None:
         requests, _, report, cursor = tick(cursor)
         assert requests == [] and list(report.values()) == [
             "deployed as a candidate, shadowing live traffic"]
+
+
+SELECTING = "judging the leading checkpoints on the whole eval set, then selecting the best"
+
+
+@pytest.mark.parametrize(("evals", "select", "outcome"), [
+    # every checkpoint scored: the selection is requested (final evals, then the choice)
+    ({"run-a:2": "scored", "run-b:2": "scored"}, None, ("request", SELECTING)),
+    # an evaluation still to come holds it back; one that ended without scores does not
+    ({"run-a:2": "scored", "run-b:2": S.STARTED}, None,
+     ("waiting", "1 checkpoint(s) not scored yet: run-b:2")),
+    ({"run-a:2": "scored", "run-b:2": S.FAILURE}, None, ("request", SELECTING)),
+    # nothing scored at all: nothing to select
+    ({"run-a:2": S.FAILURE, "run-b:2": S.FAILURE}, None,
+     ("ended", "no checkpoint of the chain's runs was scored: nothing to select")),
+    # the selection's run starting (out of the evals' queue) or running: the chain waits
+    ({"run-a:2": "scored", "run-b:2": "scored"}, S.STARTING, ("waiting", SELECTING)),
+    ({"run-a:2": "scored", "run-b:2": "scored"}, S.STARTED, ("waiting", SELECTING)),
+    # its final evals or the choice failed: the chain ends with the run's message
+    ({"run-a:2": "scored", "run-b:2": "scored"}, S.FAILURE,
+     ("ended", "the selection (final_evals, best_checkpoint) failed: run ")),
+    # selected: deploy: auto deploys
+    ({"run-a:2": "scored", "run-b:2": "scored"}, S.SUCCESS, ("deploy", "deploying")),
+])
+def test_the_selection_step_on_a_table_of_states(
+        exp_dir: Path, evals: dict[str, Any], select: dg.DagsterRunStatus | None,
+        outcome: tuple[str, str]) -> None:
+    """The step between the scored checkpoints and the deployment, one tick per state: what
+    the chain requests, waits for, or how it ends."""
+    lake = Lake()
+    lake.append("checkpoints", [_ckpt(key.split(":")[0], 2) for key in evals])
+    scored = [_score(key.split(":")[0], 2) for key, state in evals.items() if state == "scored"]
+    if scored:
+        lake.append("eval_scores", scored)
+    with dg.instance_for_test() as instance:
+        start = _run(instance, "start_experiment_job", S.SUCCESS, **{"dagster/partition": "sup"})
+        chain = {CHAIN_TAG: start}
+        for key, run in zip(KEYS, ("run-a", "run-b"), strict=True):
+            _run(instance, "train_run_job", S.SUCCESS,
+                 **{**chain, "dagster/partition": key, TRAINER_RUN_TAG: run})
+        for key, state in evals.items():
+            if state != "scored":
+                _run(instance, "__ASSET_JOB", state, **{"dagster/partition": key})
+        if select is not None:
+            _run(instance, "select_checkpoint_job", select, **chain)
+        requests, _, report, cursor = evaluate(instance, lake, None)
+        kind, text = outcome
+        [said] = report.values()
+        assert said.startswith(text), said
+        ended = json.loads(cursor)["done"].get(start)
+        assert (ended is not None) == (kind == "ended")
+        jobs = [r.job_name for r in requests]
+        assert jobs == {"request": ["select_checkpoint_job"],
+                        "deploy": ["deploy_model_job"]}.get(kind, [])
+        if kind == "request":
+            assert requests[0].tags[EVAL_TAG] == "1"
+            assert requests[0].run_key == f"select:{start}"

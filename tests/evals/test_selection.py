@@ -9,7 +9,15 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from factory.evals import detect_overfitting, format_score, select_best, summarize
-from factory.evals.selection import StepScore, rank, score_interval, wilson_interval
+from factory.evals.selection import (
+    FINAL_CANDIDATES,
+    StepScore,
+    leaders,
+    rank,
+    rank_final,
+    score_interval,
+    wilson_interval,
+)
 
 
 def test_summary_interval_contains_mean_and_ignores_failed() -> None:
@@ -202,6 +210,80 @@ def test_the_lower_bound_rule_measured_against_the_others() -> None:
         # On mixed counts a lucky small sample does not win.
         assert mixed[name]["lower bound"][0] >= mixed[name]["mean"][0]
     assert mixed["saturated"]["lower bound"][0] - mixed["saturated"]["mean"][0] >= 0.2
+
+
+# --- The final choice: the leaders judged on the whole eval set ---
+
+def _passing(step: int, passed: int, total: int) -> StepScore:
+    return summarize(step, [1.0] * passed + [0.0] * (total - passed))
+
+
+def test_the_leaders_are_rank_s_order_and_the_choice_is_among_the_most_judged() -> None:
+    """A fixed table: six checkpoints judged on 43 samples; the three leaders by lower bound
+    are judged on 385, and the choice is among those three alone."""
+    subset = {10: 30, 20: 36, 30: 38, 40: 37, 50: 33, 60: 38}  # passed of 43
+    cands = [(_passing(step, k, 43), None) for step, k in subset.items()]
+    # Steps 30 and 60 tie on the bound (earlier first), then step 40.
+    assert leaders(cands, 3) == [2, 5, 3]
+    assert leaders(cands, 0) == [] and leaders(cands, 10) == [2, 5, 3, 1, 4, 0]
+    with pytest.raises(ValueError, match="k: must be >= 0"):
+        leaders(cands, -1)
+    # On the whole set step 40 is the best of the three.
+    whole = {30: 318, 40: 331, 60: 322}  # passed of 385
+    table = [(_passing(step, whole[step], 385) if step in whole else c, None)
+             for (c, _), step in zip(cands, subset, strict=True)]
+    counts = [385 if step in whole else 43 for step in subset]
+    pick, why = rank_final(table, counts)
+    assert list(subset)[pick] == 40
+    assert why.startswith("the 95% interval's lower bound 0.821, the highest (next 0.796)")
+    assert why.endswith("; among the 3 of 6 checkpoints judged on the final eval set (385 "
+                        "samples), the others on fewer")
+    # A checkpoint left out on 43 samples does not win by a luckier subset: 43 of 43 right.
+    lucky = [(_passing(20, 43, 43), None) if step == 20 else cand
+             for cand, step in zip(table, subset, strict=True)]
+    assert lucky[1][0].ci_low > table[pick][0].ci_low  # 43 of 43: [0.918, 1.000]
+    assert rank_final(lucky, counts)[0] == pick
+    # Equal counts (no final evals): rank's choice and words, unchanged.
+    assert rank_final(cands, [43] * 6) == rank(cands)
+    with pytest.raises(ValueError, match="no candidates"):
+        rank_final([], [])
+    with pytest.raises(ValueError, match="1 candidates, 2 counts"):
+        rank_final(cands[:1], [43, 43])
+
+
+def _measure_leaders(ks: tuple[int, ...], *, subset: int = 43, whole: int = 385,
+                     seeds: int = 300) -> dict[str, dict[int, float]]:
+    """curve -> number of leaders -> share of seeds whose pick is within 2 points of the truly
+    best checkpoint, every checkpoint judged on ``subset`` samples and the leaders on
+    ``whole`` (0 leaders: the pick on the subset alone)."""
+    out: dict[str, dict[int, float]] = {}
+    for name, truth in CURVES.items():
+        near = dict.fromkeys(ks, 0)
+        for seed in range(seeds):
+            rng = random.Random(seed)
+            draws = [[float(rng.random() < p) for _ in range(whole)] for p in truth]
+            cands = [(summarize(i, d[:subset]), None) for i, d in enumerate(draws)]
+            for k in ks:
+                order = leaders(cands, max(k, 1))
+                final = [(summarize(i, draws[i]), None) for i in order[:k]]
+                pick = order[rank(final)[0]] if k else order[0]
+                near[k] += truth[pick] >= max(truth) - 0.02
+        out[name] = {k: near[k] / seeds for k in ks}
+    return out
+
+
+def test_the_number_of_leaders_measured() -> None:
+    """The figures in ``FINAL_CANDIDATES``' docstring."""
+    # In percent of the seeds, rounded.
+    near = {name: {k: round(100 * v) for k, v in by_k.items()}
+            for name, by_k in _measure_leaders((0, 1, 2, 3, 4, 8)).items()}
+    for name, by_k in near.items():
+        print(name, by_k)
+        assert by_k[1] == by_k[0]  # one leader is the subset's own pick
+        assert by_k[FINAL_CANDIDATES] >= 94 and by_k[FINAL_CANDIDATES] - by_k[0] >= 9
+        assert by_k[4] - by_k[FINAL_CANDIDATES] <= 1
+    # The subset alone misses on some curve 4 times in 10; two leaders still 1 in 6.
+    assert min(b[0] for b in near.values()) <= 60 and min(b[2] for b in near.values()) <= 84
 
 
 def test_overfitting() -> None:

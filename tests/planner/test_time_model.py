@@ -15,7 +15,9 @@ from factory.planner.timing import (
     MEASURED,
     MIN_EVAL_SAMPLES,
     MIN_EVALS,
+    EvalShape,
     default_constants,
+    final_eval_seconds,
     time_constants,
 )
 from factory.recipes import list_recipe_names, load_recipe
@@ -203,11 +205,62 @@ def test_defaults_are_slower_than_what_was_measured() -> None:
         assert getattr(default, cost) >= getattr(measured, cost), cost
 
 
-def test_the_equivalence_check_size_is_the_assets() -> None:
-    from factory.assets.evals import NUM_EQUIVALENCE_SAMPLES
+def test_the_equivalence_check_size_is_the_evals() -> None:
+    from factory.evals.judging import NUM_EQUIVALENCE_SAMPLES
     from factory.planner.timing import EQUIVALENCE_SAMPLES
 
     assert EQUIVALENCE_SAMPLES == NUM_EQUIVALENCE_SAMPLES
+
+
+def test_the_leaders_are_judged_on_the_whole_set_where_the_budget_affords_it() -> None:
+    """24,000 samples on CPU: four evals of 385 are over budget, four of fewer plus the three
+    leaders on the rest of the 385 fit: the plan says so and its prediction counts them, after
+    the last eval, on the wall."""
+    p = make_plan(experiment(), replace(CPU_RUN, num_samples=24_000))
+    e, n, final = p.estimates, p["eval_num_samples"], p.decisions["eval_final_num_samples"]
+    assert MIN_EVAL_SAMPLES <= n < 385 and (final.value, final.rule) == (385, "eval.final")
+    assert e["num_evals"] >= MIN_EVALS
+    assert f"the 3 leading of the {e['num_evals']:.0f} judged checkpoints" in final.reason
+    assert f"on {n} samples" in final.reason and "judged on 385 of the" in final.reason
+    assert "3 leading checkpoints are then judged on all 385" in \
+        p.decisions["eval_num_samples"].reason
+    # One boot, then three leaders each answering and judged on the 385 - n samples left.
+    c = MEASURED[("smollm2-135m-lora", "CPU")]
+    arch = load_recipe("smollm2-135m-lora").architecture
+    rest = EvalShape(num_samples=385 - n, batch=p["eval_batch_size"],
+                     prompt_tokens=CPU_RUN.prompt_tokens_p99, new_tokens=p["eval_max_new_tokens"],
+                     sample_tokens=CPU_RUN.length_p99)
+    assert e["final_evals_seconds"] == pytest.approx(
+        final_eval_seconds(c, arch, rest, num_candidates=3), abs=0.1)
+    assert e["final_evals_seconds"] > c.eval_fixed_s + 3 * (385 - n) * c.judge_s
+    # On the wall after the last eval, at no overlap, within the budget with the other evals.
+    during = (e["first_eval_seconds"] + (e["num_evals"] - 2) * e["eval_seconds"]) \
+        * c.overlap_factor
+    assert e["evals_seconds"] == pytest.approx(
+        during + e["eval_seconds"] + e["final_evals_seconds"], abs=0.3)
+    assert e["eval_share"] <= EVAL_SHARE
+    # Without them the evals of every checkpoint would take the whole budget on fewer samples.
+    assert "final evals" in p.decisions["eval_num_samples"].reason
+
+
+@pytest.mark.parametrize(("num_samples", "why"), [
+    # Four evals fit, the leaders on the rest of the 385 beside them do not.
+    (8000, "the budget cannot also judge the 3 leading ones on all 385 samples"),
+    # Two evals: judging both again costs what judging each on more samples does.
+    (2000, "2 judged checkpoints, no more than the 3 leaders the final evals take"),
+])
+def test_no_final_evals_where_the_budget_or_the_eval_count_leaves_no_choice(
+        num_samples: int, why: str) -> None:
+    p = make_plan(experiment(), replace(CPU_RUN, num_samples=num_samples))
+    final = p.decisions["eval_final_num_samples"]
+    assert (final.value, final.rule) == (p["eval_num_samples"], "eval.final_none")
+    assert final.reason.startswith(f"no final evals: {why}")
+    assert p.estimates["final_evals_seconds"] == 0.0
+    # The whole set for every checkpoint, or the experiment file's cap: nothing to add either.
+    whole = make_plan(experiment(), DatasetProfile.from_row(DEMO_PROFILE))
+    assert whole.decisions["eval_final_num_samples"].rule == "eval.final_whole"
+    capped = make_plan(experiment(**DEMO), DatasetProfile.from_row(DEMO_PROFILE))
+    assert capped["eval_final_num_samples"] == capped["eval_num_samples"] == 12
 
 
 def test_plan_shows_the_predicted_wall_time(factory_home: Path, tmp_path: Path,
