@@ -12,8 +12,7 @@ from abc import abstractmethod
 import dagster as dg
 
 from factory.evals.judges import EmbeddedJudge, LLMJudge
-from factory.gateway.keys import client_headers
-from factory.settings import get_settings
+from factory.gateway.keys import headers_for
 
 
 class JudgeResource(dg.ConfigurableResource):  # type: ignore[type-arg]
@@ -56,9 +55,7 @@ class LLMJudgeResource(JudgeResource):
             if not key:
                 raise ValueError(f"judge.api_key_env: environment variable "
                                  f"{self.api_key_env} is not set")
-        settings = get_settings()
-        gateway = settings.gateway_url.rstrip("/") + "/v1"
-        headers = client_headers(settings) if self.base_url.rstrip("/") == gateway else {}
+        headers = headers_for(self.base_url)
         return LLMJudge(base_url=self.base_url, model=self.model, api_key=key,
                         max_retries=self.max_retries, timeout_s=self.timeout_s,
                         concurrency=self.concurrency, headers=headers)

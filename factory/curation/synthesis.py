@@ -73,7 +73,7 @@ from factory.curation.tokens import TokenCounter
 from factory.errors import FactoryError
 from factory.evals.rubric import Rubric
 from factory.evals.shadow import FREE_TEXT_PASS
-from factory.gateway.keys import client_headers
+from factory.gateway.keys import gateway_api_url, headers_for
 from factory.inference.client import InferenceClient, InferenceClientError
 from factory.inference.protocol import wire_messages, wire_tools
 from factory.lake import LakeSession
@@ -514,9 +514,8 @@ def teacher_for(spec: Any, experiment: str, settings: Settings | None = None) ->
     the environment variable it names, and, when the teacher is the gateway, the factory key of
     ``settings`` (default: read from the environment), which no other endpoint is sent."""
     settings = settings or get_settings()
-    gateway = settings.gateway_url.rstrip("/") + "/v1"
-    base_url = spec.base_url or gateway
-    headers = client_headers(settings) if base_url.rstrip("/") == gateway else {}
+    base_url = spec.base_url or gateway_api_url(settings)
+    headers = headers_for(base_url, settings)
     key = None
     if spec.api_key_env:
         key = os.environ.get(spec.api_key_env)

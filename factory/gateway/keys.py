@@ -43,6 +43,19 @@ def client_headers(settings: Settings | None = None) -> dict[str, str]:
     return {KEY_HEADER: key} if key else {}
 
 
+def gateway_api_url(settings: Settings | None = None) -> str:
+    """The gateway's OpenAI base URL (``settings.gateway_url`` + ``/v1``)."""
+    return (settings or get_settings()).gateway_url.rstrip("/") + "/v1"
+
+
+def headers_for(base_url: str, settings: Settings | None = None) -> dict[str, str]:
+    """``client_headers`` when ``base_url`` is the factory's gateway (``gateway_api_url``),
+    nothing for any other endpoint: the one rule every internal client (judge, synthesis
+    teacher) applies before it sends the factory key."""
+    settings = settings or get_settings()
+    return client_headers(settings) if base_url.rstrip("/") == gateway_api_url(settings) else {}
+
+
 def keys_path(settings: Settings | None = None) -> Path:
     return (settings or get_settings()).home / "gateway" / "keys.json"
 
