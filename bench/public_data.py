@@ -49,6 +49,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+from factory.tasks.sampling import completion
+
 DATA = Path(__file__).resolve().parent / "data"
 """The committed datasets, one folder each."""
 
@@ -222,16 +224,9 @@ def records(name: str, examples: Iterable[Mapping[str, Any]], seed: int = 0
         content = gold_answer(name, example)
         digest = hashlib.sha256(f"{name}:{seed}:{i}:{example['text']}".encode()).hexdigest()[:24]
         # Token counts at ~4 characters a token: plausible usage, not a tokenizer's.
-        usage = {"prompt_tokens": sum(len(m["content"]) for m in prompt) // 4 + 8,
-                 "completion_tokens": len(content) // 4 + 1}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        response = {
-            "id": f"chatcmpl-{digest}", "object": "chat.completion",
-            "created": 1_760_000_000 + i, "model": REFERENCE_MODEL,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "finish_reason": "stop"}],
-            "usage": usage,
-        }
+        response = completion(content, model=REFERENCE_MODEL, index=i, digest=digest,
+                              prompt_tokens=sum(len(m["content"]) for m in prompt) // 4 + 8,
+                              completion_tokens=len(content) // 4 + 1)
         out.append({"request": request, "response": response})
     return out
 

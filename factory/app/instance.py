@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from factory.deploy.process import LISTEN, tcp_sockets
 from factory.errors import FactoryError
 from factory.settings import Settings, get_settings
 
@@ -246,18 +247,10 @@ def code_server(log: Path, env: dict[str, str], *, ports: Iterable[int] | None =
 def listening_sockets(port: int) -> int | None:
     """How many sockets listen on TCP ``port`` of this machine's network namespace (IPv4 and
     IPv6, from ``/proc/net``); None where ``/proc`` cannot say."""
-    count, read = 0, False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        read = True
-        for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                count += 1
-    return count if read else None
+    sockets = tcp_sockets()
+    if sockets is None:
+        return None
+    return sum(1 for local, state, _ in sockets if state == LISTEN and local == port)
 
 
 @contextmanager

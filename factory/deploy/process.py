@@ -83,7 +83,7 @@ def read_report(fd: int, timeout_s: float) -> str | None:
     return data.split(b"\n", 1)[0].decode("utf-8", "replace")
 
 
-def _tcp_sockets() -> list[tuple[int, str, str]] | None:
+def tcp_sockets() -> list[tuple[int, str, str]] | None:
     """``(local port, state, inode)`` of every TCP socket of this machine's network namespace
     (IPv4 and IPv6) that ``/proc/net`` lists; None where ``/proc`` cannot say."""
     found: list[tuple[int, str, str]] = []
@@ -106,7 +106,7 @@ def port_sockets(port: int) -> list[tuple[str, str]] | None:
     connections, and connections in TIME_WAIT (inode ``0``, owned by no process); None where
     ``/proc`` cannot say. A socket bound but not listening yet is not shown (the kernel lists
     only its listening and connection tables): ``port_taken`` finds it."""
-    sockets = _tcp_sockets()
+    sockets = tcp_sockets()
     if sockets is None:
         return None
     return [(state, inode) for local, state, inode in sockets if local == port]
@@ -182,7 +182,7 @@ def holds_port(pid: int, port: int) -> bool:
     listens nowhere yet (a server binds before it loads its model, and ``/proc/net`` does not
     show a socket that is only bound), the port is taken."""
     mine = socket_inodes(pid)
-    listening = {local for local, state, inode in _tcp_sockets() or []
+    listening = {local for local, state, inode in tcp_sockets() or []
                  if state == LISTEN and inode in mine}
     if listening:
         return port in listening

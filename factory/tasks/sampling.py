@@ -29,3 +29,18 @@ def schedule(rng: random.Random, n: int, shares: Mapping[str, float]) -> list[st
 def capitalized(text: str) -> str:
     """``text`` with its first letter upper-cased and the rest as it is."""
     return text[:1].upper() + text[1:]
+
+
+def completion(content: str, *, model: str, index: int, digest: str, prompt_tokens: int,
+               completion_tokens: int) -> dict[str, Any]:
+    """An OpenAI chat-completion response answering ``content``, as a logged frontier call
+    records it: id ``chatcmpl-<digest>``, created ``1_760_000_000 + index`` (a fixed clock, so
+    records are a pure function of their inputs), one ``stop`` choice, the usage counts."""
+    return {
+        "id": f"chatcmpl-{digest}", "object": "chat.completion",
+        "created": 1_760_000_000 + index, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }

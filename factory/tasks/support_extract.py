@@ -17,7 +17,7 @@ import json
 import random
 from typing import Any
 
-from factory.tasks.sampling import choice
+from factory.tasks.sampling import choice, completion
 
 INTENTS = ("refund", "bug_report", "billing_question", "cancel_subscription",
            "feature_request", "account_access", "shipping_status")
@@ -187,16 +187,9 @@ def generate_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
         content = conv["messages"][2]["content"]
         digest = hashlib.sha256(f"{seed}:{i}:{content}".encode()).hexdigest()[:24]
         prompt_words = sum(len(m["content"].split()) for m in request["messages"])
-        usage = {"prompt_tokens": int(prompt_words * 1.3) + 8,
-                 "completion_tokens": len(content) // 3 + 1}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        response = {
-            "id": f"chatcmpl-{digest}", "object": "chat.completion",
-            "created": 1_760_000_000 + i, "model": REFERENCE_MODEL,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "finish_reason": "stop"}],
-            "usage": usage,
-        }
+        response = completion(content, model=REFERENCE_MODEL, index=i, digest=digest,
+                              prompt_tokens=int(prompt_words * 1.3) + 8,
+                              completion_tokens=len(content) // 3 + 1)
         records.append({"request": request, "response": response})
     return records
 

@@ -35,7 +35,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from factory.tasks.sampling import capitalized, choice, schedule
+from factory.tasks.sampling import capitalized, choice, completion, schedule
 
 TAGS = {"project": "ticket-triage"}
 """Tags the bench ingests the records with."""
@@ -434,16 +434,8 @@ def generate_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
                    "max_tokens": 8}
         digest = hashlib.sha256(f"{seed}:{i}:{reply['content']}".encode()).hexdigest()[:24]
         prompt_chars = sum(len(m["content"]) for m in prompt)
-        usage = {"prompt_tokens": prompt_chars // 4 + 8, "completion_tokens": 2}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        response = {
-            "id": f"chatcmpl-{digest}", "object": "chat.completion",
-            "created": 1_760_000_000 + i, "model": REFERENCE_MODEL,
-            "choices": [{"index": 0, "message": {"role": "assistant",
-                                                 "content": reply["content"]},
-                         "finish_reason": "stop"}],
-            "usage": usage,
-        }
+        response = completion(reply["content"], model=REFERENCE_MODEL, index=i, digest=digest,
+                              prompt_tokens=prompt_chars // 4 + 8, completion_tokens=2)
         records.append({"request": request, "response": response})
     return records
 
