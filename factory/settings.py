@@ -92,6 +92,11 @@ class Settings:
     """The factory key those clients send the gateway in ``X-Factory-Key``
     (``$FACTORY_GATEWAY_KEY``); None while the gateway has no keys (it then serves 127.0.0.1
     only). Left out of ``repr``: settings get logged."""
+    vllm_python: Path | None = None
+    """The Python of the environment vLLM is installed in (``$FACTORY_VLLM_PYTHON``), which the
+    ``vllm`` backend starts as ``python -m vllm.entrypoints.openai.api_server``; None: the
+    ``vllm`` on ``PATH``, else the checkout's ``.venv-vllm`` (``make vllm``), as
+    ``factory.inference.vllm.local_vllm`` finds them."""
 
     def __post_init__(self) -> None:
         if self.catalog_name and self.database_url:
@@ -223,7 +228,9 @@ def get_settings() -> Settings:
                         spark_master=env.get("FACTORY_SPARK_MASTER") or None,
                         gateway_url=(env.get("FACTORY_GATEWAY_URL")
                                      or DEFAULT_GATEWAY_URL).rstrip("/"),
-                        gateway_key=env.get("FACTORY_GATEWAY_KEY") or None)
+                        gateway_key=env.get("FACTORY_GATEWAY_KEY") or None,
+                        vllm_python=(Path(env["FACTORY_VLLM_PYTHON"]).expanduser()
+                                     if env.get("FACTORY_VLLM_PYTHON") else None))
     models = Path(env.get("FACTORY_MODELS_DIR") or settings.shared / "models").absolute()
     return replace(settings, models_dir=models)
 

@@ -44,7 +44,7 @@ from factory.deploy.process import (
 from factory.errors import FactoryError
 from factory.inference import InferenceServer, ServeSizing
 from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
-from factory.inference.vllm import VLLM_ENV
+from factory.inference.vllm import VLLM_ENV, install_problem
 
 if TYPE_CHECKING:
     from factory.deploy.deployer import Deployment
@@ -173,6 +173,9 @@ class ProcessHost(ServerHost):
         log = self.log_root / spec.name / f"{spec.version}-{stamp}.log"
         if spec.backend != "vllm":
             return self._start_reporting(spec, log)
+        problem = install_problem(spec.server(host=self.listen, port=0).vllm)
+        if problem:
+            raise HostError(f"cannot start the vllm server: {problem}")
         try:
             return on_free_port(lambda port: self._start_binding(spec, log, port),
                                 host=self.listen, ports=self.ports)

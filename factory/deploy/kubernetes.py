@@ -40,6 +40,7 @@ from factory.deploy.hosts import (
     ServerHost,
     ServerSpec,
 )
+from factory.inference.vllm import IMAGE
 from factory.settings import env_json_object, get_settings
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ class KubernetesHost(ServerHost):
         labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": obj,
                   "factory/deployment": _label_value(spec.name), "factory/version": spec.version}
         server = spec.server(host="0.0.0.0", port=self.port)  # noqa: S104 - the pod's interface
-        argv = server.command()
+        argv = server.command(vllm=IMAGE)  # the pod runs a vLLM image, not this machine's venv
         env = [*secret_env(self.secrets), *(k.V1EnvVar(name=key, value=value)
                                             for key, value in sorted(spec.env().items()))]
         gpus = ({self.gpu_resource: str(spec.sizing.tensor_parallel_size)}

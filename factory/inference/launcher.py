@@ -7,10 +7,16 @@ it answers 200; a server that exits or stays unhealthy past ``startup_timeout_s`
 
 Without a port, the CPU server binds port 0 and reports the port the kernel gave it through a
 pipe (``--port-fd``), before it loads the model: no other process can take the port between the
-choice and the bind. ``vllm serve`` cannot report a port it picked, so it gets one that is free
+choice and the bind. vLLM cannot report a port it picked, so it gets one that is free
 now (``free_port``) and, when it exits because another process bound that port first
 (``PortInUseError``), is started again on a fresh one (``on_free_port``, which other programs
 that cannot bind port 0 use too: the Dagster code server, PostgreSQL in the tests).
+
+vLLM is this machine's (``factory.inference.vllm.local_vllm``: ``$FACTORY_VLLM_PYTHON``, a
+``vllm`` on ``PATH``, or the checkout's ``.venv-vllm`` that ``make vllm`` builds); without one, or
+with one that is not built from the current pins, ``start`` raises at once, naming the fix.
+vLLM answers ``/health`` before its first forward pass, so once healthy it is asked for one
+token: an engine that cannot run the model dies there, and ``start`` raises with its error.
 
 Both servers render prompts with the trainer's chat template of the base model's chat format
 (``factory.trainer.chat.chat_format`` of its tokenizer): the CPU server by default, vLLM through
@@ -26,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import re
 import select
 import signal
 import socket
@@ -41,7 +48,16 @@ from typing import Any, NoReturn, TypeVar
 import httpx
 
 from factory.errors import FactoryError
-from factory.inference.vllm import VLLM_ENV, ServeSizing, vllm_serve_command
+from factory.inference.vllm import (
+    BUILD_HINT,
+    IMAGE,
+    VLLM_ENV,
+    ServeSizing,
+    VLLMInstall,
+    install_problem,
+    local_vllm,
+    vllm_serve_command,
+)
 
 BACKENDS = ("transformers", "vllm")
 
@@ -64,6 +80,23 @@ class InferenceServerError(FactoryError):
 
 class PortInUseError(InferenceServerError):
     """A server could not bind the port it was given: another process holds it."""
+
+
+_ERROR_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\) ERROR [^]]*\] )?([\w.]*\w(?:Error|Exception)): (.+)$", re.M)
+"""The last line of a traceback in a log, alone or as vLLM logs it (``(Worker pid=N) ERROR
+<time> [file:line] RuntimeError: ...``)."""
+
+
+_MODULE_MISSING = re.compile(r"\((ModuleNotFoundError|ImportError): ([^)\n]+)\)")
+"""How ``python -m MODULE`` reports a module it cannot import (``Error while finding module
+specification for 'MODULE' (ModuleNotFoundError: No module named 'vllm')``)."""
+
+
+def _first_error(output: str) -> str | None:
+    """The first exception a program's output reports (``RuntimeError: ...``), or None."""
+    match = _ERROR_LINE.search(output)
+    return f"{match[1]}: {match[2].strip()}" if match else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -162,7 +195,9 @@ class InferenceServer:
                  log_path: str | os.PathLike[str] | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         """``max_batch_size``: the CPU server's largest batch (default: ``sizing.max_num_seqs``,
-        at most 16); vLLM schedules by ``sizing.max_num_seqs`` instead."""
+        at most 16); vLLM schedules by ``sizing.max_num_seqs`` instead. ``threads``: the CPU
+        server's torch threads; vLLM's CPU build runs that many OpenMP threads, unbound, instead
+        of one bound to each core."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.model = str(model)
@@ -177,6 +212,8 @@ class InferenceServer:
         self.max_batch_size = max_batch_size
         self.log_path = Path(log_path) if log_path else None
         self.env = dict(env or {})
+        self.vllm: VLLMInstall | None = local_vllm() if backend == "vllm" else None
+        """The vLLM install that runs (``backend`` vllm), None when this machine has none."""
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self._log_start = 0
@@ -194,14 +231,19 @@ class InferenceServer:
         """The OpenAI base URL, ``http://host:port/v1``."""
         return self.url + "/v1"
 
-    def command(self, *, port_fd: int | None = None) -> list[str]:
+    def command(self, *, port_fd: int | None = None,
+                vllm: VLLMInstall | None = None) -> list[str]:
         """The server's argv on its port (0 before a port is known: any free one);
-        ``port_fd``: where the CPU server reports the port it bound."""
+        ``port_fd``: where the CPU server reports the port it bound; ``vllm``: the vLLM install
+        it is for (default ``self.vllm``, this machine's; ``factory.inference.vllm.IMAGE`` for
+        ``vllm serve`` in a vLLM image)."""
         port = 0 if self.port is None else self.port
         if self.backend == "vllm":
+            install = vllm or self.vllm
             return vllm_serve_command(self.sizing, self.model, self.adapters,
                                       served_model_name=self.served_model_name, host=self.host,
-                                      port=port, chat_template=str(self.chat_template_file()))
+                                      port=port, chat_template=str(self.chat_template_file()),
+                                      install=install or IMAGE)
         return cpu_serve_command(self.model, self.adapters,
                                  served_model_name=self.served_model_name, host=self.host,
                                  port=port, max_model_len=self.sizing.max_model_len,
@@ -214,9 +256,26 @@ class InferenceServer:
         missing)."""
         return chat_template_file(model_chat_template(self.model))
 
+    def environment(self) -> dict[str, str]:
+        """What the server's process gets on top of this one's environment: for vLLM,
+        ``VLLM_ENV``, ``HF_HUB_OFFLINE`` for a model in a folder (nothing is fetched while it
+        serves) and ``threads`` unbound OpenMP threads on its CPU build; then ``env``."""
+        extra: dict[str, str] = {}
+        if self.backend == "vllm":
+            extra.update(VLLM_ENV)
+            if Path(self.model).is_dir():
+                extra["HF_HUB_OFFLINE"] = "1"
+            if self.threads and self.vllm is not None and self.vllm.cpu:
+                extra.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(self.threads))
+        return {**extra, **self.env}
+
     def start(self) -> InferenceServer:
         if self.proc is not None:
             raise InferenceServerError("server already started")
+        if self.backend == "vllm":
+            problem = install_problem(self.vllm)
+            if problem:
+                raise InferenceServerError(f"cannot start the vllm server: {problem}")
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="inference-", suffix=".log")
             os.close(fd)
@@ -234,7 +293,32 @@ class InferenceServer:
         """Start on ``port`` and wait until healthy; ``PortInUseError`` when it was taken."""
         self.port = port
         self._spawn(self.command())
-        self._wait_healthy(time.monotonic() + self.startup_timeout_s)
+        deadline = time.monotonic() + self.startup_timeout_s
+        self._wait_healthy(deadline)
+        if self.backend == "vllm":
+            self._check_generates(deadline)
+
+    def _check_generates(self, deadline: float) -> None:
+        """Ask the healthy vLLM for one token: an engine that cannot run the model (its CPU
+        attention has no kernel for a head size of 16, the tiny test model's) dies on its first
+        request, after ``/health`` said 200."""
+        try:
+            r = httpx.post(self.base_url + "/completions",
+                           json={"model": self.served_model_name, "prompt": "Hello",
+                                 "max_tokens": 1},
+                           timeout=max(deadline - time.monotonic(), 10.0))
+            if r.status_code == 200:
+                return
+            answer = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            answer = str(exc) or type(exc).__name__
+        cause = _first_error(self._this_start())
+        tail = self.log_tail()
+        self.stop()
+        raise InferenceServerError(
+            f"the vllm server started but cannot serve {self.model} ({answer} to its first "
+            f"request{': ' + cause if cause else ''}); serve it with the transformers backend; "
+            f"log tail:\n{tail}")
 
     def _start_reporting(self) -> None:
         """Start the CPU server on port 0; it reports the port it bound through a pipe."""
@@ -266,15 +350,17 @@ class InferenceServer:
         assert self.log_path is not None
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the server
-        env = {**os.environ, **(VLLM_ENV if self.backend == "vllm" else {}), **self.env}
+        env = {**os.environ, **self.environment()}
         try:
             self.proc = subprocess.Popen(argv, stdout=self._log_file,
                                          stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, pass_fds=pass_fds)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, PermissionError) as e:
             self._log_file.close()
             self._log_file = None
-            raise InferenceServerError(f"cannot start the {self.backend} server: {e}") from None
+            hint = f" ({BUILD_HINT})" if self.backend == "vllm" else ""
+            raise InferenceServerError(f"cannot start the {self.backend} server: {e}{hint}"
+                                       ) from None
 
     def _wait_healthy(self, deadline: float) -> None:
         while True:
@@ -297,15 +383,29 @@ class InferenceServer:
         code = self.proc.returncode
         tail = self.log_tail()
         self.stop()
-        assert self.log_path is not None
-        with open(self.log_path, "rb") as f:
-            f.seek(self._log_start)
-            this_start = f.read().decode("utf-8", "replace")
+        this_start = self._this_start()
         if bind_failed(this_start):
             raise PortInUseError(f"the {self.backend} server could not bind {self.host}:"
                                  f"{self.port}; log tail:\n{tail}")
+        why = ""
+        if self.backend == "vllm":
+            # ``python -m`` of a module it cannot find says so mid-line, in parentheses.
+            missing = _MODULE_MISSING.search(this_start)
+            cause = _first_error(this_start) or (f"{missing[1]}: {missing[2]}" if missing else None)
+            if cause and cause.startswith(("ModuleNotFoundError", "ImportError")):
+                why = f" ({cause}: vLLM does not import; {BUILD_HINT})"
+            elif cause:
+                why = f" ({cause})"
         raise InferenceServerError(f"the {self.backend} server exited with code {code}"
-                                   f" before it was healthy; log tail:\n{tail}")
+                                   f" before it was healthy{why}; log tail:\n{tail}")
+
+    def _this_start(self) -> str:
+        """What the server wrote to its log since the current start began."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            return f.read().decode("utf-8", "replace")
 
     def _fail_unhealthy(self) -> NoReturn:
         tail = self.log_tail()

@@ -65,14 +65,17 @@ def test_checkpoint_choices_are_checked(factory_home: Path, tmp_path: Path,
 
 
 def test_a_server_that_cannot_start_is_a_clear_error(factory_home: Path, tmp_path: Path,
-                                                     tiny_model_dir: Path) -> None:
+                                                     tiny_model_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(
         json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
-    # No vLLM on this machine: the vllm backend fails to start, before anything is recorded.
+    # A vLLM that is not there (a Python that does not exist): the vllm backend refuses to
+    # start, naming the fix, before anything is recorded.
+    monkeypatch.setenv("FACTORY_VLLM_PYTHON", str(tmp_path / "no-such-venv" / "bin" / "python"))
     deployer = Deployer(config=DeployConfig(backend="vllm"))
-    with pytest.raises(DeploymentError, match="cannot start 'vllm'"):
+    with pytest.raises(DeploymentError, match="cannot start the vllm server: .*`make vllm`"):
         deployer.deploy("exp", str(adapter))
     _nothing_changed()
 
