@@ -1,0 +1,117 @@
+"""The calibration bench's pure parts (``bench/calibration.py``): experiment files with planner
+defaults, test sets apart from the training data, accuracies with the evals' intervals, and the
+tables' gap, interval check and goal on fixed rows. The runs themselves are the bench's."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import calibration as cal
+from bench import public_data as pd
+from factory.experiments import parse_experiment
+
+
+@pytest.mark.parametrize("task", list(cal.TASKS))
+def test_experiment_file_has_planner_defaults_and_the_seed(task: str) -> None:
+    spec = cal.TASKS[task]
+    exp = parse_experiment(cal.experiment_yaml(spec, 2, {}), Path(f"{spec.experiment}.yaml"))
+    assert exp.name == spec.experiment and exp.overrides == {} and exp.deploy == "auto"
+    assert exp.data.seed == 2 and exp.data.where == f"tags['project'] = '{spec.project}'"
+    assert exp.eval.every_steps is None and exp.eval.max_samples is None
+    plumbing = parse_experiment(cal.experiment_yaml(spec, 0, cal.PLUMBING_OVERRIDES),
+                                Path("p.yaml"))
+    assert plumbing.overrides == cal.PLUMBING_OVERRIDES
+
+
+def test_clinc_test_set_has_every_intent_and_no_training_query() -> None:
+    training = cal.training_examples("clinc150", 0, 0, 10)
+    assert len(training) == 1500
+    test = cal.clinc_test(300, 1, training)
+    by_label = Counter(r["label"] for r in test)
+    assert len(test) == 300 and set(by_label) == set(pd.labels("clinc150"))
+    assert set(by_label.values()) == {2}
+    train_texts = {e["text"].lower() for e in training}
+    assert not {r["messages"][-1]["content"].lower() for r in test} & train_texts
+    assert test == cal.clinc_test(300, 1, training)
+    assert test != cal.clinc_test(300, 2, training)
+    assert len(cal.clinc_test(200, 1, training)) == 200
+
+
+def test_fresh_extractions_are_unlike_every_training_message() -> None:
+    training = cal.training_examples("extraction", 200, 0, 0)
+    fresh = cal.fresh_extractions(50, 1, training)
+    texts = [r["messages"][-1]["content"] for r in fresh]
+    assert len(fresh) == 50 and len(set(texts)) == 50
+    assert not set(texts) & {c["messages"][1]["content"] for c in training}
+    assert fresh == cal.fresh_extractions(50, 1, training)
+    assert all(r["messages"][0]["role"] == "system" and r["reference"].startswith("{")
+               for r in fresh)
+
+
+def test_test_sets_put_the_primary_first_and_draw_apart_from_training() -> None:
+    training = cal.training_examples("triage", 40, 0, 0)
+    sets = cal.test_sets("triage", 10, 0, training)
+    assert list(sets)[0] == cal.PRIMARY["triage"] and set(sets) == {"disjoint", "unseen"}
+    train_texts = {c["messages"][1]["content"] for c in training}
+    assert all(r["messages"][1]["content"] not in train_texts for s in sets.values() for r in s)
+    assert len(cal.training_records("triage", 40, 0, 0)) == 40
+
+
+def test_accuracy_uses_the_evals_intervals() -> None:
+    rate = cal.accuracy({"exact": 1.0, "num": 20})
+    assert rate["mean"] == 1.0 and rate["high"] == pytest.approx(1.0)
+    assert rate["low"] == pytest.approx(0.839, abs=1e-3)  # Wilson, 20 of 20
+    graded = cal.accuracy({"exact": 0.5, "num": 4, "scores": [1.0, 1.0, 0.75, 0.5]})
+    assert graded["mean"] == pytest.approx(0.8125) and graded["exact"] == 0.5
+    assert graded["low"] < 0.8125 < graded["high"]
+
+
+def _row(task: str, seed: int, eval_mean: float, low: float, high: float,
+         test: float) -> dict[str, Any]:
+    acc = {"mean": test, "low": test - 0.05, "high": test + 0.05, "num": 200, "exact": test}
+    return {"task": task, "seed": seed, "ok": True, "commit": "abc1234", "run_s": 600.0,
+            "loadavg_before": [1.0, 1.0, 1.0],
+            "eval": {"mean": eval_mean, "low": low, "high": high, "num": 50, "step": 40,
+                     "base": 0.1, "eval_split": "phrasing"},
+            "test": {cal.PRIMARY[task]: {"deployed": acc, "base": {**acc, "mean": 0.1}}}}
+
+
+def test_tables_give_gap_spread_and_goal() -> None:
+    rows = [_row("triage", 0, 0.90, 0.80, 0.96, 0.88),
+            _row("triage", 1, 0.92, 0.82, 0.97, 0.90),
+            _row("agent", 0, 1.00, 0.93, 1.00, 0.80)]
+    assert cal.gap(rows[0], "disjoint") == pytest.approx(0.02)
+    assert cal.inside(rows[0], "disjoint") and not cal.inside(rows[2], "disjoint")
+    lines, goals = cal.task_table(rows)
+    assert goals == {"triage": True, "agent": False}
+    triage = next(line for line in lines if line.startswith("| triage"))
+    assert "| 91.0 ± 1.4 | 89.0 ± 1.4 | 10.0 ± 0.0 | 2.0 ± 0.0 | 2.0 |" in triage
+    assert "2 of 2" in triage
+    failed = {"task": "agent", "seed": 1, "ok": False, "error": "factory run failed (exit 1)"}
+    assert any("FAILED" in line for line in cal.runs_table([*rows, failed]))
+
+
+def test_dev_split_draws_other_requests_and_clinc_uses_its_validation_split() -> None:
+    training = cal.training_examples("triage", 40, 0, 0)
+    test = cal.test_sets("triage", 10, 0, training, "test")
+    dev = cal.test_sets("triage", 10, 0, training, "dev")
+    for kind in test:
+        assert not ({r["messages"][1]["content"] for r in test[kind]}
+                    & {r["messages"][1]["content"] for r in dev[kind]})
+    clinc = cal.training_examples("clinc150", 0, 0, 1)
+    dev_texts = {e["text"] for e in pd.load("clinc150", "dev")}
+    assert all(r["messages"][1]["content"] in dev_texts
+               for r in cal.test_sets("clinc150", 150, 0, clinc, "dev")["test"])
+
+
+@pytest.mark.parametrize("argv", [["--plumbing", "--split", "test"],
+                                  ["--overrides", '{"num_steps": 4}'],
+                                  ["--tasks", "triage,nope"]])
+def test_refuses_a_plumbing_test_score_overrides_and_unknown_tasks(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cal.main(argv)
+    assert exc.value.code == 2
