@@ -19,7 +19,13 @@ from factory.gateway.flusher import (
     parse_sse,
 )
 from factory.gateway.routes import RoutingTable, load_routes
-from factory.gateway.spool import SpoolWriter, encode, read_segment, sealed_segments
+from factory.gateway.spool import (
+    SpoolWriter,
+    encode,
+    oldest_pending_age_s,
+    read_segment,
+    sealed_segments,
+)
 from factory.lake import Lake
 from tests.gateway.conftest import Collected, make_config
 from tests.waiting import wait_until
@@ -242,3 +248,12 @@ def test_routing_table_in_the_lake_sends_a_model_elsewhere(factory_home: Path,
     table = RoutingTable()
     assert table.refresh(lake) and not table.refresh(lake)  # unchanged snapshot: no re-read
     assert os.environ["FACTORY_HOME"] == str(factory_home)
+
+
+def test_a_segment_removed_while_listed_is_not_pending(tmp_path: Path) -> None:
+    # The flusher removes a committed segment at any time; one gone between the listing and
+    # its stat (a dangling link stands for it: listed, then not there) must not fail /metrics.
+    opened = time.time_ns() - 5_000_000_000
+    (tmp_path / f"{opened}-1-000001.seg").write_bytes(b"x")
+    (tmp_path / f"{opened - 10**12}-1-000000.seg").symlink_to(tmp_path / "committed-and-gone")
+    assert 4.0 <= oldest_pending_age_s(tmp_path) < 60.0
