@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -169,37 +170,25 @@ def experiment_yaml(task: Task, seed: int, overrides: dict[str, Any]) -> str:
     return head + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
 
 
+GENERATED = {"triage": "ticket_triage", "agent": "agent_orders", "extraction": "support_extract"}
+"""The generated tasks' modules in ``factory.tasks`` (the rest is CLINC150)."""
+
+
+def _generator(task: str) -> Any:
+    return importlib.import_module(f"factory.tasks.{GENERATED[task]}")
+
+
 def training_examples(task: str, n: int, seed: int, per_class: int) -> list[dict[str, Any]]:
     """The training data's conversations (generated tasks) or examples (CLINC150)."""
-    if task == "triage":
-        from factory.tasks import ticket_triage
-
-        return ticket_triage.generate_conversations(n, seed)
-    if task == "agent":
-        from factory.tasks import agent_orders
-
-        return agent_orders.generate_conversations(n, seed)
-    if task == "extraction":
-        from factory.tasks import support_extract
-
-        return support_extract.generate_conversations(n, seed)
+    if task in GENERATED:
+        return _generator(task).generate_conversations(n, seed)  # type: ignore[no-any-return]
     return public_data.sample_per_class(public_data.load("clinc150", "train"), per_class, seed)
 
 
 def training_records(task: str, n: int, seed: int, per_class: int) -> list[dict[str, Any]]:
     """The logged calls to ingest (OpenAI ``{"request", "response"}`` records)."""
-    if task == "triage":
-        from factory.tasks import ticket_triage
-
-        return ticket_triage.generate_records(n, seed)
-    if task == "agent":
-        from factory.tasks import agent_orders
-
-        return agent_orders.generate_records(n, seed)
-    if task == "extraction":
-        from factory.tasks import support_extract
-
-        return support_extract.generate_records(n, seed)
+    if task in GENERATED:
+        return _generator(task).generate_records(n, seed)  # type: ignore[no-any-return]
     return public_data.records("clinc150", training_examples(task, n, seed, per_class), seed)
 
 
