@@ -110,8 +110,9 @@ def test_dev_split_draws_other_requests_and_clinc_uses_its_validation_split() ->
 
 @pytest.mark.parametrize("argv", [["--plumbing", "--split", "test"],
                                   ["--overrides", '{"num_steps": 4}'],
-                                  ["--tasks", "triage,nope"]])
-def test_refuses_a_plumbing_test_score_overrides_and_unknown_tasks(argv: list[str]) -> None:
+                                  ["--tasks", "triage,nope"],
+                                  ["--sets", "disjoint,nope"]])
+def test_refuses_a_plumbing_test_score_overrides_and_unknown_tasks_or_sets(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cal.main(argv)
     assert exc.value.code == 2
