@@ -75,7 +75,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +88,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import public_data, splits  # noqa: E402
 from bench.agent import last_json, loadavg, models_to_score, run_cli  # noqa: E402
+from bench.loop import ask_all  # noqa: E402
 
 RECIPE = "smollm2-135m-lora"
 GOAL_GAP = 0.05
@@ -295,31 +295,13 @@ answer finish and cuts a rambling one short (it is wrong either way). Triage and
 bench/loop.py's 8 and bench/agent.py's 96."""
 
 
-def _ask_all(base_url: str, model: str, requests: list[Request], max_tokens: int,
-             concurrency: int) -> tuple[list[str], float]:
-    """Each request's answer (temperature 0) through the OpenAI SDK, and the seconds taken."""
-    import openai
-
-    client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=900)
-
-    def one(request: Request) -> str:
-        reply = client.chat.completions.create(model=model, messages=request["messages"],
-                                               temperature=0, max_tokens=max_tokens)
-        return reply.choices[0].message.content or ""
-
-    started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        answers = list(pool.map(one, requests))
-    return answers, time.monotonic() - started
-
-
 def score_extraction(base_url: str, model: str, requests: list[Request],
                      concurrency: int) -> dict[str, Any]:
     """Share of the four fields right per request (``field_accuracy``), its mean, and the share
     with all four right."""
     from factory.tasks.support_extract import field_accuracy
 
-    answers, secs = _ask_all(base_url, model, requests, MAX_TOKENS["extraction"], concurrency)
+    answers, secs = ask_all(base_url, model, requests, MAX_TOKENS["extraction"], concurrency)
     scores = [field_accuracy(a, r["reference"]) for a, r in zip(answers, requests, strict=True)]
     return {"model": model, "scores": scores, "exact": sum(s == 1.0 for s in scores) / len(scores),
             "num": len(scores), "seconds": round(secs, 1)}
@@ -328,7 +310,7 @@ def score_extraction(base_url: str, model: str, requests: list[Request],
 def score_clinc(base_url: str, model: str, requests: list[Request],
                 concurrency: int) -> dict[str, Any]:
     """Exact label (``public_data.score``) per request."""
-    answers, secs = _ask_all(base_url, model, requests, MAX_TOKENS["clinc150"], concurrency)
+    answers, secs = ask_all(base_url, model, requests, MAX_TOKENS["clinc150"], concurrency)
     scores = [float(public_data.score("clinc150", {"label": r["label"]}, a))
               for a, r in zip(answers, requests, strict=True)]
     return {"model": model, "scores": scores, "exact": sum(scores) / len(scores),

@@ -201,23 +201,31 @@ def _record_times(report: dict[str, Any], began: float, ingested: float,
 # ---------------------------------------------------------------------------------------------
 # Scoring through the OpenAI SDK.
 
-def score(base_url: str, model: str, requests: list[dict[str, Any]],
-          concurrency: int) -> dict[str, Any]:
-    """Send every held-out ticket to ``model``; the exact-label rate overall and per label."""
+def ask_all(base_url: str, model: str, requests: list[dict[str, Any]], max_tokens: int,
+            concurrency: int) -> tuple[list[str], float]:
+    """Each request's answer (temperature 0) through the OpenAI SDK, ``concurrency`` in
+    flight, and the seconds taken."""
     import openai
-
-    from factory.tasks.ticket_triage import exact_label
 
     client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=900)
 
     def one(request: dict[str, Any]) -> str:
         reply = client.chat.completions.create(model=model, messages=request["messages"],
-                                               temperature=0, max_tokens=MAX_TOKENS)
+                                               temperature=0, max_tokens=max_tokens)
         return reply.choices[0].message.content or ""
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         answers = list(pool.map(one, requests))
+    return answers, time.monotonic() - started
+
+
+def score(base_url: str, model: str, requests: list[dict[str, Any]],
+          concurrency: int) -> dict[str, Any]:
+    """Send every held-out ticket to ``model``; the exact-label rate overall and per label."""
+    from factory.tasks.ticket_triage import exact_label
+
+    answers, seconds = ask_all(base_url, model, requests, MAX_TOKENS, concurrency)
     hits: Counter[str] = Counter()
     sizes: Counter[str] = Counter()
     said: Counter[str] = Counter()
@@ -234,7 +242,7 @@ def score(base_url: str, model: str, requests: list[dict[str, Any]],
     return {"model": model, "exact": hits["all"] / sizes["all"], "num": sizes["all"],
             "by": {k: round(hits[k] / sizes[k], 3) for k in sizes if k != "all"},
             "answers": dict(said.most_common(6)),
-            "seconds": round(time.monotonic() - started, 1), "misses": misses}
+            "seconds": round(seconds, 1), "misses": misses}
 
 
 def _row(label: str, s: dict[str, Any]) -> str:
