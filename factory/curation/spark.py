@@ -170,12 +170,12 @@ def curate_spark(spark: Any, samples: Any, config: CurationConfig, tokenizer_dir
         .where(F.col("jac") >= config.near_dup_threshold).localCheckpoint()
 
     row_keys = rows.select("sample_id", "raw_trace_id", "row_rank")
-    groups = split_sides(features, row_keys, edges, config)
+    # one row per feature row: the split groups are computed once and read once
+    groups = split_sides(features, row_keys, edges, config).select("sample_id", "split_group")
     held_out = phrasing.split_features(
-        features.join(groups.select("sample_id", "split_group"), "sample_id")
-        .select("sample_id", "phrasing_key", "phrasing_ngrams", "answer_label").toArrow(),
-        {r["sample_id"]: r["split_group"] for r in groups.select("sample_id", "split_group")
-         .toArrow().to_pylist()}, config)
+        features.select("sample_id", "phrasing_key", "phrasing_ngrams", "answer_label")
+        .toArrow(),
+        {r["sample_id"]: r["split_group"] for r in groups.toArrow().to_pylist()}, config)
     sides = spark.createDataFrame(
         [(sid, held_out.group[sid], side) for sid, side in sorted(held_out.side.items())],
         "sample_id string, split_group string, split string").localCheckpoint()
