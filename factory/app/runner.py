@@ -1,7 +1,7 @@
 """Materializing assets from the CLI in this process, on the persistent instance.
 
 For the commands that build one thing and print it (``factory base-model``, ``factory
-dataset``, ``factory deploy``): the run lands in ``$FACTORY_HOME/dagster`` like a click in the
+dataset``): the run lands in ``$FACTORY_HOME/dagster`` like a click in the
 UI would, so ``factory ui`` shows it with its metadata and lineage. The loop itself
 (``factory run``) is not run this way: it is submitted to the instance (``factory.app.client``).
 """
