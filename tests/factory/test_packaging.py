@@ -46,7 +46,7 @@ def test_the_wheel_has_one_top_level_name_and_the_package_data(tmp_path: Path) -
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"factory"}
     for path in ("factory/assets/evals.py", "factory/resources/lake.py",
                  "factory/sensors/chains.py", "factory/trainer/__main__.py",
-                 "factory/kernels/patcher.py"):
+                 "factory/kernels/patcher.py", "factory/app/templates/compare_base.html"):
         assert path in names
     recipes = {p.name for p in (ROOT / "factory" / "recipes").glob("*.yaml")}
     assert recipes and {n.removeprefix("factory/recipes/") for n in names
