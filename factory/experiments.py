@@ -24,22 +24,42 @@ An experiment is one YAML file in ``settings.experiments_dir`` (``$FACTORY_EXPER
 Loading validates every field and raises ``ExperimentError`` naming the file, the line, the
 field and what is allowed; unknown keys are errors with a did-you-mean, because a misspelt
 ``learnig_rate`` silently ignored would train the wrong model.
+
+The file is checked against a JSON Schema (``experiment_schema``) by ``jsonschema``: each
+error's instance path is the YAML path whose line the composed node marks, with no
+union-branch labels in it (pydantic's error locations carry those); every leaf of the schema
+carries our words for what is allowed. The keys ``overrides`` and ``sweep`` take are derived from
+the trainer's ``TrainConfig`` (``train_settings``): its field names, types, metadata (choices,
+bounds) and docstrings are the one declaration of a training setting. Cron strings are checked
+and stepped by ``croniter`` (standard cron: a restricted day of month and day of week fire on
+either).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import difflib
+import functools
+import inspect
 import re
-from collections.abc import Callable, Mapping
+import sys
+import textwrap
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import yaml
+from croniter import croniter
 
 from factory.errors import FactoryError
 from factory.settings import get_settings
+from factory.trainer.config import TrainConfig
 
 
 class ExperimentError(FactoryError):
@@ -254,89 +274,366 @@ class Experiment:
 
 
 # ---------------------------------------------------------------------------------------------
-# Plan keys that ``overrides`` and ``sweep`` may set, with their value checks. The planner owns
-# the meaning of each; it is declared here so that a file is validated without planning it.
+# Plan keys that ``overrides`` and ``sweep`` may set. The training settings are the trainer's
+# ``TrainConfig`` fields, read from its one declaration (type, metadata, docstring); the planner
+# owns the few keys beyond them.
 
-def _pos_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _nonneg_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+NOT_PLANNED: tuple[str, ...] = ("base_model", "log_every_steps", "deterministic")
+"""``TrainConfig`` fields no plan sets: the recipe names the base model; the logging cadence and
+deterministic kernels are the job's."""
 
 
-def _pos_float(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """One plan key: what ``overrides`` and ``sweep`` accept for it, and what it means."""
+
+    name: str
+    """The key (a ``TrainConfig`` field name for a training setting)."""
+    schema: dict[str, Any]
+    """JSON Schema of one value, ``x-allowed`` saying in words what is allowed."""
+    doc: str
+    """What it means: the field's docstring."""
 
 
-def _unit_float(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1
+def _or_list(values: Sequence[str]) -> str:
+    items = [str(v) for v in values]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
-def _bool(v: Any) -> bool:
-    return isinstance(v, bool)
+def _number_schema(kind: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """``integer`` or ``number`` with the bounds ``ge``/``gt``/``le``/``lt`` of ``meta``."""
+    noun = "integer" if kind == "integer" else "number"
+    schema: dict[str, Any] = {"type": kind}
+    ge, gt, le, lt = (meta.get(k) for k in ("ge", "gt", "le", "lt"))
+    if ge is not None:
+        schema["minimum"] = ge
+    if gt is not None:
+        schema["exclusiveMinimum"] = gt
+    if le is not None:
+        schema["maximum"] = le
+    if lt is not None:
+        schema["exclusiveMaximum"] = lt
+    low = ("[", ge) if ge is not None else ("(", gt) if gt is not None else None
+    high = ("]", le) if le is not None else (")", lt) if lt is not None else None
+    if low and high:
+        text = f"a {noun} in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    elif (ge == 1 and noun == "integer") or (gt == 0 and ge is None):
+        text = f"a positive {noun}"
+    elif ge == 0:
+        text = f"a non-negative {noun}"
+    elif low:
+        text = f"a{'n' if noun == 'integer' else ''} {noun} {'>=' if low[0] == '[' else '>'} " \
+               f"{low[1]}"
+    else:
+        text = f"a{'n' if noun == 'integer' else ''} {noun}"
+    schema["x-allowed"] = text
+    return schema
 
 
-def _str_list(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(x, str) and x for x in v)
+def value_schema(tp: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON Schema of a plan value of Python type ``tp`` (None left out: a plan value is
+    never null) under the field metadata ``meta`` (``choices``, bounds, ``min_len``, ``hint``)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]
+    if "choices" in meta:
+        choices = list(meta["choices"])
+        schema: dict[str, Any] = {"enum": choices, "x-allowed": _or_list(choices)}
+    elif tp is bool:
+        schema = {"type": "boolean", "x-allowed": "true or false"}
+    elif tp is int:
+        schema = _number_schema("integer", meta)
+    elif tp is float:
+        schema = _number_schema("number", meta)
+    elif tp is str:
+        schema = {"type": "string", "minLength": 1, "x-allowed": "a non-empty string"}
+    elif typing.get_origin(tp) is list and typing.get_args(tp) == (str,):
+        least = int(meta.get("min_len", 0))
+        schema = {"type": "array", "items": {"type": "string", "minLength": 1},
+                  "minItems": least,
+                  "x-allowed": "a non-empty list of strings" if least else "a list of strings"}
+    else:
+        raise TypeError(f"a plan value of type {tp!r} has no schema; give the field a bool, "
+                        "int, float, str or list[str] type")
+    if meta.get("hint"):
+        schema["x-allowed"] += f" ({meta['hint']})"
+    return schema
 
 
-def _str_list_or_empty(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) and x for x in v)
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of the dataclass ``cls`` and its bases, joined on one
+    line (Python keeps no attribute docstrings at run time: they are read from the source)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # no source (a class built at run time): no docs
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for stmt, after in zip(body, body[1:], strict=False):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) \
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) \
+                    and isinstance(after.value.value, str):
+                docs[stmt.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
-def _one_of(*allowed: str) -> Callable[[Any], bool]:
-    def check(v: Any) -> bool:
-        return v in allowed
-    return check
+def train_settings(config: type = TrainConfig) -> dict[str, Setting]:
+    """The training settings a plan sets, in ``config``'s field order: every field of the
+    trainer's config dataclass but ``NOT_PLANNED``, its schema from its type and metadata."""
+    return {s.name: s for s in _train_settings(config)}
+
+
+@functools.cache
+def _train_settings(config: type) -> tuple[Setting, ...]:
+    hints = typing.get_type_hints(config)
+    docs = field_docs(config)
+    return tuple(Setting(name=f.name, schema=value_schema(hints[f.name], f.metadata),
+                         doc=docs.get(f.name, ""))
+                 for f in dataclasses.fields(config) if f.name not in NOT_PLANNED)
+
+
+def train_keys(config: type = TrainConfig) -> tuple[str, ...]:
+    """The plan keys that are ``config`` fields (``factory.planner.plan.Plan.train_config``)."""
+    return tuple(train_settings(config))
 
 
 CURATION_ENGINES: tuple[str, ...] = ("embedded", "spark")
 
 GPU_TYPES: tuple[str, ...] = ("H100", "H200", "A100-80G", "L40S", "L4", "CPU")
 
-PLAN_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    # hardware
-    "gpu": (_one_of(*GPU_TYPES), "one of " + ", ".join(GPU_TYPES)),
-    "num_devices": (_pos_int, "a positive integer (accelerators for training)"),
-    # the trainer's TrainConfig fields (same names)
-    "max_seq_len": (_pos_int, "a positive integer (tokens)"),
-    "packing": (_bool, "true or false"),
-    "share_prefix": (_bool, "true or false"),
-    "micro_batch_size": (_pos_int, "a positive integer"),
-    "grad_accum_steps": (_pos_int, "a positive integer"),
-    "learning_rate": (_pos_float, "a positive number such as 2.0e-4"),
-    "lr_schedule": (_one_of("cosine", "linear", "constant"), "cosine, linear or constant"),
-    "warmup_steps": (_nonneg_int, "a non-negative integer"),
-    "num_steps": (_pos_int, "a positive integer (optimizer steps)"),
-    "num_epochs": (_pos_float, "a positive number"),
-    "weight_decay": (lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v >= 0,
-                     "a non-negative number"),
-    "max_grad_norm": (lambda v: isinstance(v, int | float) and not isinstance(v, bool)
-                      and v >= 0, "a non-negative number (0 disables clipping)"),
-    "lora_rank": (_pos_int, "a positive integer"),
-    "lora_alpha": (_pos_float, "a positive number"),
-    "lora_dropout": (_unit_float, "a number in [0, 1)"),
-    "lora_target_modules": (_str_list, "a non-empty list of module names"),
-    "precision": (_one_of("fp32", "bf16-autocast", "bf16"), "fp32, bf16-autocast or bf16"),
-    "gradient_checkpointing": (_bool, "true or false"),
-    "frozen_modules": (_str_list_or_empty, "a list of module names"),
-    "checkpoint_every_steps": (_pos_int, "a positive integer"),
-    "eval_every_steps": (_pos_int, "a positive integer"),
-    "seed": (_nonneg_int, "a non-negative integer"),
-    "use_kernels": (_bool, "true or false"),
-    "parallelism": (_one_of("single", "fsdp2"), "single or fsdp2"),
-    # planner-only values
-    "effective_batch_size": (_pos_int, "a positive integer (rows per optimizer step)"),
-    "eval_devices": (_pos_int, "a positive integer"),
-    "eval_gpu_memory_utilization": (lambda v: isinstance(v, int | float)
-                                    and not isinstance(v, bool) and 0 < v <= 1,
-                                    "a number in (0, 1]"),
-    "eval_max_num_seqs": (_pos_int, "a positive integer"),
-    "eval_batch_size": (_pos_int, "a positive integer"),
-    "eval_max_new_tokens": (_pos_int, "a positive integer"),
+PLANNER_SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting(name="gpu", schema={"enum": list(GPU_TYPES),
+                                "x-allowed": "one of " + ", ".join(GPU_TYPES)},
+            doc="The accelerator type the run trains on."),
+    Setting(name="effective_batch_size",
+            schema=value_schema(int, {"ge": 1, "hint": "rows per optimizer step"}),
+            doc="Rows per optimizer step over all devices and accumulation steps."),
+    Setting(name="eval_devices", schema=value_schema(int, {"ge": 1}),
+            doc="Devices of the eval server."),
+    Setting(name="eval_gpu_memory_utilization", schema=value_schema(float, {"gt": 0, "le": 1}),
+            doc="Share of a device's memory the eval server may take."),
+    Setting(name="eval_max_num_seqs", schema=value_schema(int, {"ge": 1}),
+            doc="Sequences the eval server batches at once."),
+    Setting(name="eval_batch_size", schema=value_schema(int, {"ge": 1}),
+            doc="Eval prompts sent per request batch."),
+    Setting(name="eval_max_new_tokens", schema=value_schema(int, {"ge": 1}),
+            doc="Longest completion an eval generates."),
+)}
+"""Plan keys beyond the trainer's config: hardware and the eval server's size."""
+
+
+def plan_settings(config: type = TrainConfig) -> dict[str, Setting]:
+    """Every key ``overrides`` and ``sweep`` accept: the training settings of ``config``, then
+    the planner's own."""
+    return {**train_settings(config), **PLANNER_SETTINGS}
+
+
+PLAN_KEYS: dict[str, Setting] = plan_settings()
+"""Keys ``overrides`` and ``sweep`` accept -> their setting."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The file's schema (JSON Schema, checked by ``jsonschema``). Every leaf carries ``x-allowed``
+# (the message is "got <value>; allowed: <x-allowed>") or ``x-message`` (the whole message, its
+# ``{value!r}`` and ``{hint}``, a did-you-mean over the schema's ``enum``, filled in). Checks a
+# schema cannot say (the recipe exists, the cron string, a mix source's file exists, values
+# that depend on each other) are made in code after it.
+
+_FINITE = sys.float_info.max
+
+
+def _spec(cls: type, properties: dict[str, dict[str, Any]], *, nullable: bool = True,
+          required: Sequence[str] = (), message: str | None = None,
+          allowed: str | None = None) -> dict[str, Any]:
+    """The schema of the mapping that builds the dataclass ``cls``: one property per field,
+    in its order; ``message`` or ``allowed`` words what a value of another type gets."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    assert set(properties) == set(fields), (cls, set(properties) ^ set(fields))
+    schema: dict[str, Any] = {"type": ["object", "null"] if nullable else "object",
+                              "properties": {n: properties[n] for n in fields},
+                              "additionalProperties": False, "required": list(required)}
+    if message is not None:
+        schema["x-message"] = message
+    if allowed is not None:
+        schema["x-allowed"] = allowed
+    return schema
+
+
+def _num(lo: str, lo_value: float, hi: str | None = None, hi_value: float = _FINITE,
+         kind: str = "number", *, null: bool = False, allowed: str) -> dict[str, Any]:
+    """A number (``kind``: or an integer) bounded by the JSON Schema keywords ``lo`` and ``hi``
+    (``hi`` left out: finite)."""
+    return {"type": [kind, "null"] if null else kind, lo: lo_value, hi or "maximum": hi_value,
+            "x-allowed": allowed}
+
+
+def _text(allowed: str, *, null: bool = False, pattern: str = r"\S") -> dict[str, Any]:
+    return {"type": ["string", "null"] if null else "string", "pattern": pattern,
+            "x-allowed": allowed}
+
+
+_SYNTHESIZE = _spec(SynthesizeSpec, {
+    "teacher": _text("the teacher's model name, such as gpt-4o or factory/<experiment>"),
+    "base_url": _text("an http(s) URL such as http://127.0.0.1:8787/v1", null=True,
+                      pattern=r"^https?://"),
+    "api_key_env": _text("a non-empty string", null=True),
+    "max_per_slice": _num("minimum", 1, kind="integer", allowed="a positive integer"),
+    "attempts_per_sample": _num("minimum", 1, allowed="a number >= 1 (attempts per sample a "
+                                                      "slice lacks)"),
+    "timeout_s": _num("exclusiveMinimum", 0, allowed="a positive number"),
+    "judge_threshold": _num("minimum", -_FINITE, null=True,
+                            allowed="a number, or null for the default"),
+    "min_confidence": _num("exclusiveMinimum", 0, "maximum", 1, null=True,
+                           allowed="a probability in (0, 1], or null"),
+}, required=["teacher"], message="must be a mapping such as {teacher: gpt-4o, api_key_env: "
+                                  "OPENAI_API_KEY}")
+
+_BALANCE_EXAMPLE = "a column such as language, or {by: language, alpha: 0.5}"
+_BALANCE = {
+    "if": {"type": "string"},
+    "then": {"enum": list(BALANCE_BY), "x-allowed": ", ".join(BALANCE_BY)},
+    "else": _spec(BalanceSpec, {
+        "by": {"enum": list(BALANCE_BY), "x-allowed": ", ".join(BALANCE_BY)},
+        "alpha": _num("minimum", 0, "maximum", 1, allowed="a number in [0, 1] (1 keeps the "
+                      "traffic's shares, 0 draws every group equally)"),
+    }, allowed=_BALANCE_EXAMPLE),
 }
-"""Keys ``overrides`` and ``sweep`` accept -> (value check, what is allowed)."""
+
+_DATA = _spec(DataSpec, {
+    "where": _text("a non-empty SQL predicate over samples columns and tags, such as "
+                   "\"tags['project'] = 'x'\""),
+    "eval_fraction": _num("exclusiveMinimum", 0, "exclusiveMaximum", 1,
+                          allowed="a number in (0, 1)"),
+    "max_tokens": _num("minimum", 16, "maximum", 1_048_576, kind="integer",
+                       allowed="an integer from 16 to 1048576"),
+    "near_dup_threshold": _num("exclusiveMinimum", 0, "maximum", 1,
+                               allowed="a number in (0, 1]"),
+    "decontam_ngram": _num("minimum", 1, kind="integer", allowed="a positive integer"),
+    "drop": {"type": "array", "x-allowed": f"a list of detectors from {', '.join(DETECTORS)}",
+             "items": {"enum": list(DETECTORS), "x-message": "unknown detector {value!r}; "
+                       "{hint}allowed: " + ", ".join(DETECTORS)}},
+    "judge_threshold": _num("minimum", -_FINITE, null=True,
+                            allowed="a number, or null to disable"),
+    "min_new_samples": _num("minimum", 0, kind="integer", allowed="a non-negative integer"),
+    "seed": {"type": "integer", "x-allowed": "an integer"},
+    "engine": {"enum": list(CURATION_ENGINES), "x-allowed": " or ".join(CURATION_ENGINES)},
+    "mix": {"type": "object", "minProperties": 1,
+            "additionalProperties": _num("exclusiveMinimum", 0, allowed="a positive number (a "
+                                         "relative weight)"),
+            "x-allowed": "a mapping of sources to weights, such as {traffic: 0.8, "
+                         "\"file:general.jsonl\": 0.2}"},
+    "synthesize": _SYNTHESIZE,
+    "balance": _BALANCE,
+}, message="must be a mapping such as {where: \"true\", eval_fraction: 0.1}")
+
+_EVAL = _spec(EvalSpec, {
+    "every_steps": _num("exclusiveMinimum", 0, kind="integer", null=True,
+                        allowed="a positive integer, or null for the planner"),
+    "judge": _text("'embedded' or a model name"),
+    "rubric": {"type": ["string", "object"], "minLength": 1,
+               "x-allowed": "'auto', a rubric name or a mapping"},
+    "max_samples": _num("exclusiveMinimum", 0, kind="integer", null=True,
+                        allowed="a positive integer, or null for all"),
+}, message="must be a mapping such as {every_steps: 20, judge: embedded}")
+
+_SHADOW = _spec(ShadowPolicy, {
+    "route": _text("the model name clients send, e.g. gpt-4o-mini"),
+    "share": _num("exclusiveMinimum", 0, "maximum", 1, null=True, allowed="a number in (0, 1]"),
+    "agreement": _num("minimum", 0, "maximum", 1, null=True, allowed="a number in [0, 1]"),
+    "min_pairs": _num("minimum", 1, kind="integer", allowed="a whole number >= 1"),
+    "pass_score": _num("minimum", 0, "maximum", 1, null=True, allowed="a number in [0, 1]"),
+}, nullable=False, required=["route"],
+    message="must be a mapping with at least 'route' (the model name whose calls the candidate "
+            "shadows)")
+
+DEPLOY_POLICIES: tuple[str, ...] = ("auto", "manual")
+"""Values of ``deploy``: what happens once a finished run's checkpoints are all scored."""
+
+_DEPLOY = {
+    "if": {"type": "object"},
+    "then": {"type": "object", "properties": {"shadow": _SHADOW}, "required": ["shadow"],
+             "additionalProperties": False},
+    "else": {"enum": list(DEPLOY_POLICIES),
+             "x-allowed": "auto (deploy the best checkpoint once every checkpoint is scored), "
+                          "manual, or {shadow: {route: MODEL, ...}}"},
+}
+
+_NAME = {"type": "string", "pattern": NAME_RE.pattern,
+         "x-allowed": "lowercase letters, digits, '-' and '_', starting with a letter or digit, "
+                      "at most 64 characters"}
+
+
+def experiment_schema(config: type = TrainConfig) -> dict[str, Any]:
+    """The JSON Schema of an experiment file whose plan keys are those of ``config``."""
+    keys = plan_settings(config)
+    names = sorted(keys)
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "x-message": "an experiment file must be a mapping with at least 'recipe' (and usually "
+                     "'name', 'data')",
+        "additionalProperties": False,
+        "properties": {
+            "name": _NAME,
+            "description": {"type": "string", "x-message": "must be text"},
+            "data": _DATA,
+            "recipe": {},  # checked in code: the recipes are known only when loading
+            "overrides": {"type": ["object", "null"], "additionalProperties": False,
+                          "properties": {k: keys[k].schema for k in names},
+                          "x-message": "must be a mapping of plan keys to values, such as "
+                                       "{learning_rate: 2.0e-4}"},
+            "eval": _EVAL,
+            "sweep": {"type": ["object", "null"], "additionalProperties": False,
+                      "properties": {k: {"type": "array", "minItems": 1,
+                                         "items": keys[k].schema,
+                                         "x-allowed": "a non-empty list of values"}
+                                     for k in names},
+                      "x-message": "must be a mapping of plan keys to lists of values, such as "
+                                   "{learning_rate: [1.0e-4, 2.0e-4]}"},
+            "schedule": {"type": ["string", "null"],
+                         "x-allowed": "a cron string such as \"0 3 * * *\", or null"},
+            "retrain_on_new_samples": {"type": "boolean", "x-allowed": "true or false"},
+            "deploy": _DEPLOY,
+        },
+    }
+
+
+TOP_KEYS = list(experiment_schema()["properties"])
+
+
+def _strict_integer(checker: Any, instance: Any) -> bool:
+    """An integer is an ``int`` (JSON Schema's would take ``2.0``, YAML's ``2.0`` is a float)."""
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer",
+                                                                       _strict_integer))
+
+
+@functools.cache
+def _validator(config: type) -> Any:
+    return _Validator(experiment_schema(config))
+
+
+def _value_problem(value: Any, schema: Mapping[str, Any]) -> str:
+    """Today's message for a value its schema refuses."""
+    if "x-message" in schema:
+        close = difflib.get_close_matches(str(value), [str(v) for v in schema.get("enum", ())],
+                                          n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return str(schema["x-message"]).replace("{value!r}", repr(value)).replace("{hint}", hint)
+    return f"got {value!r}; allowed: {schema['x-allowed']}"
+
+
+def check_plan_value(key: str, value: Any, config: type = TrainConfig) -> str | None:
+    """Why ``value`` is not allowed for plan key ``key``, or None if it is."""
+    schema = plan_settings(config)[key].schema
+    return None if _Validator(schema).is_valid(value) else _value_problem(value, schema)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,13 +659,15 @@ class _Ctx:
         self.path = path
         self.lines = lines
 
-    def error(self, fieldpath: tuple[str, ...], message: str) -> ExperimentError:
+    def line(self, fieldpath: tuple[str, ...]) -> int:
         probe = fieldpath
         while probe and probe not in self.lines:
             probe = probe[:-1]
-        line = self.lines.get(probe, 1)
+        return self.lines.get(probe, 1)
+
+    def error(self, fieldpath: tuple[str, ...], message: str) -> ExperimentError:
         name = ".".join(fieldpath) or "(top level)"
-        return ExperimentError(f"{self.path}:{line}: {name}: {message}")
+        return ExperimentError(f"{self.path}:{self.line(fieldpath)}: {name}: {message}")
 
     def unknown(self, fieldpath: tuple[str, ...], key: str, allowed: list[str]) -> ExperimentError:
         close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
@@ -377,271 +676,114 @@ class _Ctx:
                           f"unknown key {key!r}; {hint}allowed: {', '.join(allowed)}")
 
 
-def _check_keys(ctx: _Ctx, where: tuple[str, ...], mapping: Mapping[str, Any],
-                allowed: list[str]) -> None:
-    for key in mapping:
-        if not isinstance(key, str):
-            raise ctx.error(where, f"keys must be strings, got {key!r}")
-        if key not in allowed:
-            raise ctx.unknown(where, key, allowed)
+def _schema_error(ctx: _Ctx, error: jsonschema.ValidationError) -> tuple[tuple[str, ...], str]:
+    """The field path and message of one schema error, in the words of ``x-allowed``."""
+    where = tuple(str(p) for p in error.absolute_path)
+    schema, instance = error.schema, error.instance
+    if error.validator == "additionalProperties":
+        allowed = list(schema.get("properties", {}))
+        extra = next(k for k in instance if k not in allowed)
+        if not isinstance(extra, str):
+            return where, f"keys must be strings, got {extra!r}"
+        close = difflib.get_close_matches(extra, allowed, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return (*where, extra), f"unknown key {extra!r}; {hint}allowed: {', '.join(allowed)}"
+    if error.validator == "required":
+        missing = next(k for k in error.validator_value if k not in instance)
+        return (*where, missing), _value_problem(None, schema["properties"][missing])
+    return where, _value_problem(instance, schema)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _check_schema(ctx: _Ctx, raw: Any, config: type) -> None:
+    """Raise the first (by line) of the errors the schema finds in ``raw``."""
+    found = [_schema_error(ctx, e) for e in _validator(config).iter_errors(raw)]
+    if found:
+        where, message = min(found, key=lambda f: (ctx.line(f[0]), -len(f[0])))
+        raise ctx.error(where, message)
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
+# ---------------------------------------------------------------------------------------------
+# Cron strings, checked and stepped by ``croniter``
 
 _CRON_FIELDS = (("minute", 0, 59), ("hour", 0, 23), ("day of month", 1, 31), ("month", 1, 12),
                 ("day of week", 0, 7))
+"""The five fields, for messages that name the bad one (croniter's name only the string)."""
 _CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0",
                  "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *"}
 
 
 def cron_problem(expr: str) -> str | None:
     """Why ``expr`` is not a 5-field cron string, or None if it is one."""
-    expr = _CRON_ALIASES.get(expr.strip(), expr)
-    parts = expr.split()
-    if len(parts) != 5:
+    parts = _CRON_ALIASES.get(expr.strip(), expr).split()
+    if len(parts) != 5:  # croniter also takes 6 and 7 fields (seconds, years)
         return f"expected 5 fields (minute hour day month weekday), got {len(parts)}"
-    for text, (label, lo, hi) in zip(parts, _CRON_FIELDS, strict=True):
+    if croniter.is_valid(" ".join(parts)):
+        return None
+    for i, (text, (label, lo, hi)) in enumerate(zip(parts, _CRON_FIELDS, strict=True)):
+        if croniter.is_valid(" ".join(text if j == i else "*" for j in range(5))):
+            continue
         for item in text.split(","):
             base, _, step = item.partition("/")
             if step and not (step.isdigit() and int(step) > 0):
                 return f"bad step {step!r} in the {label} field"
-            if base == "*":
-                continue
-            bounds = base.split("-")
-            if len(bounds) > 2 or not all(b.isdigit() for b in bounds):
-                return f"bad {label} {item!r}"
-            for b in bounds:
-                if not lo <= int(b) <= hi:
-                    return f"{label} {b} outside {lo}-{hi}"
-    return None
-
-
-def _cron_field_matches(text: str, value: int, lo: int, hi: int) -> bool:
-    for item in text.split(","):
-        base, _, step_text = item.partition("/")
-        step = int(step_text) if step_text else 1
-        if base == "*":
-            start, end = lo, hi
-        elif "-" in base:
-            a, b = base.split("-")
-            start, end = int(a), int(b)
-        else:
-            start = int(base)
-            end = hi if step_text else start
-        if start <= value <= end and (value - start) % step == 0:
-            return True
-    return False
+            outside = [n for n in re.findall(r"\d+", base) if not lo <= int(n) <= hi]
+            if outside:
+                return f"{label} {outside[0]} outside {lo}-{hi}"
+        return f"bad {label} {text!r}"
+    return f"not a cron string {expr!r}"
 
 
 def cron_matches(expr: str, when: datetime) -> bool:
     """Whether the 5-field cron ``expr`` fires at the minute ``when`` (UTC)."""
-    parts = _CRON_ALIASES.get(expr.strip(), expr).split()
-    weekday = (when.weekday() + 1) % 7  # cron: 0 (or 7) is Sunday
-    values = (when.minute, when.hour, when.day, when.month, weekday)
-    for text, value, (_, lo, hi) in zip(parts, values, _CRON_FIELDS, strict=True):
-        if text.strip() in ("7", "0") and _ == "day of week":
-            if weekday != 0:
-                return False
-            continue
-        if not _cron_field_matches(text, value, lo, hi):
-            return False
-    return True
+    return bool(croniter.match(expr, when.replace(second=0, microsecond=0)))
 
 
 def last_cron_tick(expr: str, now: datetime, *, lookback_days: int = 8) -> datetime | None:
     """The latest minute at or before ``now`` at which ``expr`` fires (None within lookback)."""
-    when = now.replace(second=0, microsecond=0)
-    for _ in range(lookback_days * 24 * 60):
-        if cron_matches(expr, when):
-            return when
-        when -= timedelta(minutes=1)
-    return None
-
-
-def check_plan_value(key: str, value: Any) -> str | None:
-    """Why ``value`` is not allowed for plan key ``key``, or None if it is."""
-    check, allowed = PLAN_KEYS[key]
-    return None if check(value) else f"got {value!r}; allowed: {allowed}"
+    after = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    tick: datetime = croniter(expr, after).get_prev(datetime)
+    return tick if tick > after - timedelta(days=lookback_days) else None
 
 
 # ---------------------------------------------------------------------------------------------
-# Parsing
+# Parsing: the schema first, then what it cannot say
 
-def _parse_data(ctx: _Ctx, raw: Any) -> DataSpec:
+def _floats(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw``'s values with the integers of ``float`` fields as floats (YAML ``1`` is an int)."""
+    types_ = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    return {k: float(v) if types_[k].startswith("float") and isinstance(v, int) else v
+            for k, v in raw.items()}
+
+
+def _parse_data(ctx: _Ctx, raw: Mapping[str, Any] | None) -> DataSpec:
     where = ("data",)
     if raw is None:
         return DataSpec()
-    if not isinstance(raw, Mapping):
-        raise ctx.error(where, "must be a mapping such as {where: \"true\", eval_fraction: 0.1}")
-    allowed = list(DataSpec.__dataclass_fields__)
-    _check_keys(ctx, where, raw, allowed)
-    kw: dict[str, Any] = {}
-    if "where" in raw:
-        v = raw["where"]
-        if not isinstance(v, str) or not v.strip():
-            raise ctx.error((*where, "where"), f"got {v!r}; allowed: a non-empty SQL predicate "
-                            "over samples columns and tags, such as \"tags['project'] = 'x'\"")
-        if ";" in v:
-            raise ctx.error((*where, "where"), "must be one predicate, without ';'")
-        kw["where"] = v
-    if "eval_fraction" in raw:
-        v = raw["eval_fraction"]
-        if not (_is_num(v) and 0 < v < 1):
-            raise ctx.error((*where, "eval_fraction"), f"got {v!r}; allowed: a number in (0, 1)")
-        kw["eval_fraction"] = float(v)
-    if "max_tokens" in raw:
-        v = raw["max_tokens"]
-        if not (_is_int(v) and 16 <= v <= 1_048_576):
-            raise ctx.error((*where, "max_tokens"), f"got {v!r}; allowed: an integer "
-                            "from 16 to 1048576")
-        kw["max_tokens"] = v
-    if "near_dup_threshold" in raw:
-        v = raw["near_dup_threshold"]
-        if not (_is_num(v) and 0 < v <= 1):
-            raise ctx.error((*where, "near_dup_threshold"),
-                            f"got {v!r}; allowed: a number in (0, 1]")
-        kw["near_dup_threshold"] = float(v)
-    if "decontam_ngram" in raw:
-        v = raw["decontam_ngram"]
-        if not (_is_int(v) and v >= 1):
-            raise ctx.error((*where, "decontam_ngram"), f"got {v!r}; allowed: a positive integer")
-        kw["decontam_ngram"] = v
-    if "drop" in raw:
-        v = raw["drop"]
-        if not isinstance(v, list):
-            raise ctx.error((*where, "drop"), f"got {v!r}; allowed: a list of detectors "
-                            f"from {', '.join(DETECTORS)}")
-        for i, item in enumerate(v):
-            if item not in DETECTORS:
-                close = difflib.get_close_matches(str(item), DETECTORS, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                raise ctx.error((*where, "drop", str(i)), f"unknown detector {item!r}; {hint}"
-                                f"allowed: {', '.join(DETECTORS)}")
-        kw["drop"] = tuple(dict.fromkeys(v))
-    if "judge_threshold" in raw:
-        v = raw["judge_threshold"]
-        if v is not None and not _is_num(v):
-            raise ctx.error((*where, "judge_threshold"),
-                            f"got {v!r}; allowed: a number, or null to disable")
-        kw["judge_threshold"] = None if v is None else float(v)
-    if "min_new_samples" in raw:
-        v = raw["min_new_samples"]
-        if not (_is_int(v) and v >= 0):
-            raise ctx.error((*where, "min_new_samples"),
-                            f"got {v!r}; allowed: a non-negative integer")
-        kw["min_new_samples"] = v
-    if "seed" in raw:
-        v = raw["seed"]
-        if not _is_int(v):
-            raise ctx.error((*where, "seed"), f"got {v!r}; allowed: an integer")
-        kw["seed"] = v
-    if "engine" in raw:
-        v = raw["engine"]
-        if v not in CURATION_ENGINES:
-            raise ctx.error((*where, "engine"),
-                            f"got {v!r}; allowed: {' or '.join(CURATION_ENGINES)}")
-        kw["engine"] = v
+    kw = _floats(DataSpec, {k: v for k, v in raw.items()
+                            if k not in ("mix", "balance", "synthesize")})
+    if ";" in kw.get("where", ""):
+        raise ctx.error((*where, "where"), "must be one predicate, without ';'")
+    if "drop" in kw:
+        kw["drop"] = tuple(dict.fromkeys(kw["drop"]))
     if "mix" in raw:
         kw["mix"] = _parse_mix(ctx, raw["mix"])
     if raw.get("balance") is not None:
-        kw["balance"] = _parse_balance(ctx, raw["balance"])
+        balance = raw["balance"]
+        kw["balance"] = BalanceSpec(**_floats(BalanceSpec, {"by": balance}
+                                              if isinstance(balance, str) else balance))
         if kw.get("mix") and "traffic" not in {m.source for m in kw["mix"]}:
             raise ctx.error((*where, "balance"), "balance splits the traffic into groups, and "
                             "data.mix does not name traffic; add it or remove balance")
     if raw.get("synthesize") is not None:
-        kw["synthesize"] = _parse_synthesize(ctx, raw["synthesize"])
+        kw["synthesize"] = SynthesizeSpec(**_floats(SynthesizeSpec, raw["synthesize"]))
         if kw.get("engine") == "spark":
             raise ctx.error((*where, "synthesize"), "the spark engine does not curate "
                             "synthetic samples; use engine: embedded")
     return DataSpec(**kw)
 
 
-def _parse_balance(ctx: _Ctx, raw: Any) -> BalanceSpec:
-    where = ("data", "balance")
-    if isinstance(raw, str):
-        raw = {"by": raw}
-    if not isinstance(raw, Mapping):
-        raise ctx.error(where, f"got {raw!r}; allowed: a column such as language, or "
-                        "{by: language, alpha: 0.5}")
-    _check_keys(ctx, where, raw, list(BalanceSpec.__dataclass_fields__))
-    kw: dict[str, Any] = {}
-    if "by" in raw:
-        if raw["by"] not in BALANCE_BY:
-            raise ctx.error((*where, "by"), f"got {raw['by']!r}; allowed: "
-                            f"{', '.join(BALANCE_BY)}")
-        kw["by"] = raw["by"]
-    if "alpha" in raw:
-        v = raw["alpha"]
-        if not (_is_num(v) and 0 <= v <= 1):
-            raise ctx.error((*where, "alpha"), f"got {v!r}; allowed: a number in [0, 1] (1 keeps "
-                            "the traffic's shares, 0 draws every group equally)")
-        kw["alpha"] = float(v)
-    return BalanceSpec(**kw)
-
-
-def _parse_synthesize(ctx: _Ctx, raw: Any) -> SynthesizeSpec:
-    where = ("data", "synthesize")
-    if not isinstance(raw, Mapping):
-        raise ctx.error(where, "must be a mapping such as {teacher: gpt-4o, "
-                        "api_key_env: OPENAI_API_KEY}")
-    _check_keys(ctx, where, raw, list(SynthesizeSpec.__dataclass_fields__))
-    teacher = raw.get("teacher")
-    if not isinstance(teacher, str) or not teacher.strip():
-        raise ctx.error((*where, "teacher"), f"got {teacher!r}; allowed: the teacher's model "
-                        "name, such as gpt-4o or factory/<experiment>")
-    kw: dict[str, Any] = {"teacher": teacher}
-    for key in ("base_url", "api_key_env"):
-        v = raw.get(key)
-        if v is not None and (not isinstance(v, str) or not v.strip()):
-            raise ctx.error((*where, key), f"got {v!r}; allowed: a non-empty string")
-        kw[key] = v
-    if kw["base_url"] is not None and not kw["base_url"].startswith(("http://", "https://")):
-        raise ctx.error((*where, "base_url"), f"got {kw['base_url']!r}; allowed: an http(s) "
-                        "URL such as http://127.0.0.1:8787/v1")
-    if "max_per_slice" in raw:
-        v = raw["max_per_slice"]
-        if not (_is_int(v) and v >= 1):
-            raise ctx.error((*where, "max_per_slice"), f"got {v!r}; allowed: a positive integer")
-        kw["max_per_slice"] = v
-    if "attempts_per_sample" in raw:
-        v = raw["attempts_per_sample"]
-        if not (_is_num(v) and 1 <= v < float("inf")):
-            raise ctx.error((*where, "attempts_per_sample"),
-                            f"got {v!r}; allowed: a number >= 1 (attempts per sample a slice "
-                            "lacks)")
-        kw["attempts_per_sample"] = float(v)
-    if "timeout_s" in raw:
-        v = raw["timeout_s"]
-        if not (_is_num(v) and v > 0):
-            raise ctx.error((*where, "timeout_s"), f"got {v!r}; allowed: a positive number")
-        kw["timeout_s"] = float(v)
-    if raw.get("judge_threshold") is not None:
-        v = raw["judge_threshold"]
-        if not _is_num(v):
-            raise ctx.error((*where, "judge_threshold"),
-                            f"got {v!r}; allowed: a number, or null for the default")
-        kw["judge_threshold"] = float(v)
-    if raw.get("min_confidence") is not None:
-        v = raw["min_confidence"]
-        if not (_is_num(v) and 0 < v <= 1):
-            raise ctx.error((*where, "min_confidence"),
-                            f"got {v!r}; allowed: a probability in (0, 1], or null")
-        kw["min_confidence"] = float(v)
-    return SynthesizeSpec(**kw)
-
-
-def _parse_mix(ctx: _Ctx, raw: Any) -> tuple[MixEntry, ...]:
+def _parse_mix(ctx: _Ctx, raw: Mapping[str, Any]) -> tuple[MixEntry, ...]:
     where = ("data", "mix")
-    example = ("a mapping of sources to weights, such as {traffic: 0.8, "
-               "\"file:general.jsonl\": 0.2}")
-    if not isinstance(raw, Mapping) or not raw:
-        raise ctx.error(where, f"got {raw!r}; allowed: {example}")
     entries = []
     for key, weight in raw.items():
         at = (*where, str(key))
@@ -668,80 +810,23 @@ def _parse_mix(ctx: _Ctx, raw: Any) -> tuple[MixEntry, ...]:
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ctx.error(at, f"unknown source {key!r}; {hint}allowed: "
                             f"{', '.join(MIX_KINDS)}")
-        if not (_is_num(weight) and 0 < weight < float("inf")):
-            raise ctx.error(at, f"got {weight!r}; allowed: a positive number (a relative "
-                            "weight)")
         entries.append(MixEntry(source=source, weight=float(weight)))
     entries.sort(key=lambda e: e.source != "traffic")  # the primary source first
     return tuple(entries)
 
 
-def _parse_eval(ctx: _Ctx, raw: Any) -> EvalSpec:
-    where = ("eval",)
+def _parse_eval(raw: Mapping[str, Any] | None) -> EvalSpec:
     if raw is None:
         return EvalSpec()
-    if not isinstance(raw, Mapping):
-        raise ctx.error(where, "must be a mapping such as {every_steps: 20, judge: embedded}")
-    _check_keys(ctx, where, raw, list(EvalSpec.__dataclass_fields__))
-    kw: dict[str, Any] = {}
-    if "every_steps" in raw:
-        v = raw["every_steps"]
-        if v is not None and not (_is_int(v) and v > 0):
-            raise ctx.error((*where, "every_steps"),
-                            f"got {v!r}; allowed: a positive integer, or null for the planner")
-        kw["every_steps"] = v
-    if "judge" in raw:
-        v = raw["judge"]
-        if not isinstance(v, str) or not v:
-            raise ctx.error((*where, "judge"), f"got {v!r}; allowed: 'embedded' or a model name")
-        kw["judge"] = v
-    if "rubric" in raw:
-        v = raw["rubric"]
-        if not ((isinstance(v, str) and v) or isinstance(v, Mapping)):
-            raise ctx.error((*where, "rubric"),
-                            f"got {v!r}; allowed: 'auto', a rubric name or a mapping")
-        kw["rubric"] = dict(v) if isinstance(v, Mapping) else v
-    if "max_samples" in raw:
-        v = raw["max_samples"]
-        if v is not None and not (_is_int(v) and v > 0):
-            raise ctx.error((*where, "max_samples"),
-                            f"got {v!r}; allowed: a positive integer, or null for all")
-        kw["max_samples"] = v
+    kw: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
     return EvalSpec(**kw)
 
 
-def _parse_overrides(ctx: _Ctx, raw: Any) -> dict[str, Any]:
-    where = ("overrides",)
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ctx.error(where, "must be a mapping of plan keys to values, such as "
-                        "{learning_rate: 2.0e-4}")
-    _check_keys(ctx, where, raw, sorted(PLAN_KEYS))
-    for key, value in raw.items():
-        problem = check_plan_value(key, value)
-        if problem:
-            raise ctx.error((*where, key), problem)
-    return dict(raw)
-
-
-def _parse_sweep(ctx: _Ctx, raw: Any) -> dict[str, list[Any]]:
+def _parse_sweep(ctx: _Ctx, raw: Mapping[str, Any] | None) -> dict[str, list[Any]]:
     where = ("sweep",)
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ctx.error(where, "must be a mapping of plan keys to lists of values, such as "
-                        "{learning_rate: [1.0e-4, 2.0e-4]}")
-    _check_keys(ctx, where, raw, sorted(PLAN_KEYS))
     out: dict[str, list[Any]] = {}
     num_points = 1
-    for key, values in raw.items():
-        if not isinstance(values, list) or not values:
-            raise ctx.error((*where, key), f"got {values!r}; allowed: a non-empty list of values")
-        for i, value in enumerate(values):
-            problem = check_plan_value(key, value)
-            if problem:
-                raise ctx.error((*where, key, str(i)), problem)
+    for key, values in (raw or {}).items():
         if len({repr(v) for v in values}) != len(values):
             raise ctx.error((*where, key), "lists a value twice; each point must be distinct")
         out[key] = list(values)
@@ -752,15 +837,9 @@ def _parse_sweep(ctx: _Ctx, raw: Any) -> dict[str, list[Any]]:
     return out
 
 
-TOP_KEYS = ["name", "description", "data", "recipe", "overrides", "eval", "sweep", "schedule",
-            "retrain_on_new_samples", "deploy"]
-
-DEPLOY_POLICIES: tuple[str, ...] = ("auto", "manual")
-"""Values of ``deploy``: what happens once a finished run's checkpoints are all scored."""
-
-
-def parse_experiment(text: str, path: Path) -> Experiment:
-    """Validate the YAML ``text`` of the experiment file at ``path``."""
+def parse_experiment(text: str, path: Path, *, config: type = TrainConfig) -> Experiment:
+    """Validate the YAML ``text`` of the experiment file at ``path``; ``overrides`` and
+    ``sweep`` take the training settings of ``config`` (the trainer's ``TrainConfig``)."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         raw = yaml.safe_load(text)
@@ -773,18 +852,11 @@ def parse_experiment(text: str, path: Path) -> Experiment:
     if node is not None:
         _lines(node, (), lines)
     ctx = _Ctx(path, lines)
-    if not isinstance(raw, Mapping):
-        raise ctx.error((), "an experiment file must be a mapping with at least "
-                        "'recipe' (and usually 'name', 'data')")
-    _check_keys(ctx, (), raw, TOP_KEYS)
+    _check_schema(ctx, raw, config)
 
     name = raw.get("name", path.stem)
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ctx.error(("name",), f"got {name!r}; allowed: lowercase letters, digits, '-' and "
-                        "'_', starting with a letter or digit, at most 64 characters")
-    if "description" in raw and not isinstance(raw["description"], str):
-        raise ctx.error(("description",), "must be text")
-
+    if not NAME_RE.match(name):  # the file's stem, when it has no name
+        raise ctx.error(("name",), _value_problem(name, _NAME))
     if "recipe" not in raw:
         raise ctx.error((), "missing 'recipe'; name one of: " + ", ".join(_recipe_names()))
     recipe = raw["recipe"]
@@ -797,20 +869,13 @@ def parse_experiment(text: str, path: Path) -> Experiment:
 
     schedule = raw.get("schedule")
     if schedule is not None:
-        if not isinstance(schedule, str):
-            raise ctx.error(("schedule",), f"got {schedule!r}; allowed: a cron string such as "
-                            "\"0 3 * * *\", or null")
         problem = cron_problem(schedule)
         if problem:
             raise ctx.error(("schedule",), f"{problem}; allowed: a cron string such as "
                             "\"0 3 * * *\" (minute hour day month weekday)")
         schedule = _CRON_ALIASES.get(schedule.strip(), schedule.strip())
 
-    retrain = raw.get("retrain_on_new_samples", False)
-    if not isinstance(retrain, bool):
-        raise ctx.error(("retrain_on_new_samples",), f"got {retrain!r}; allowed: true or false")
-
-    overrides = _parse_overrides(ctx, raw.get("overrides"))
+    overrides = dict(raw.get("overrides") or {})
     sweep = _parse_sweep(ctx, raw.get("sweep"))
     both = sorted(set(overrides) & set(sweep))
     if both:
@@ -819,59 +884,24 @@ def parse_experiment(text: str, path: Path) -> Experiment:
     deploy = raw.get("deploy", "manual" if sweep else "auto")
     shadow = None
     if isinstance(deploy, Mapping):
-        shadow = _parse_shadow(ctx, deploy)
+        shadow = _parse_shadow(deploy["shadow"])
         deploy = "shadow"
-    elif deploy not in DEPLOY_POLICIES:
-        raise ctx.error(("deploy",), f"got {deploy!r}; allowed: auto (deploy the best "
-                        "checkpoint once every checkpoint is scored), manual, or "
-                        "{shadow: {route: MODEL, ...}}")
     data = _parse_data(ctx, raw.get("data"))
     if f"experiment:{name}" in {m.source for m in data.mix}:
         raise ctx.error(("data", "mix", f"experiment:{name}"), "an experiment cannot mix in "
                         "its own training set; name it 'traffic'")
     return Experiment(
         name=name, path=path, data=data, recipe=recipe,
-        overrides=overrides, eval=_parse_eval(ctx, raw.get("eval")), sweep=sweep,
-        schedule=schedule, retrain_on_new_samples=retrain, deploy=deploy, raw=dict(raw),
-        shadow=shadow,
+        overrides=overrides, eval=_parse_eval(raw.get("eval")), sweep=sweep,
+        schedule=schedule, retrain_on_new_samples=raw.get("retrain_on_new_samples", False),
+        deploy=deploy, raw=dict(raw), shadow=shadow,
     )
 
 
-SHADOW_KEYS = ["route", "share", "agreement", "min_pairs", "pass_score"]
-
-
-def _parse_shadow(ctx: _Ctx, deploy: Mapping[str, Any]) -> ShadowPolicy:
-    _check_keys(ctx, ("deploy",), deploy, ["shadow"])
-    raw = deploy.get("shadow")
-    where = ("deploy", "shadow")
-    if not isinstance(raw, Mapping):
-        raise ctx.error(where, "must be a mapping with at least 'route' (the model name whose "
-                        "calls the candidate shadows)")
-    _check_keys(ctx, where, raw, SHADOW_KEYS)
-    route = raw.get("route")
-    if not isinstance(route, str) or not route.strip():
-        raise ctx.error((*where, "route"), f"got {route!r}; allowed: the model name clients "
-                        "send, e.g. gpt-4o-mini")
-
-    def share_like(key: str, value: Any, low_open: bool) -> float | None:
-        if value is None:
-            return None
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and (
-            0 < value <= 1 if low_open else 0 <= value <= 1)
-        if not ok:
-            raise ctx.error((*where, key), f"got {value!r}; allowed: a number in "
-                            f"{'(0, 1]' if low_open else '[0, 1]'}")
-        return float(value)
-
-    min_pairs = raw.get("min_pairs", 200)
-    if not isinstance(min_pairs, int) or isinstance(min_pairs, bool) or min_pairs < 1:
-        raise ctx.error((*where, "min_pairs"), f"got {min_pairs!r}; allowed: a whole number "
-                        ">= 1")
-    return ShadowPolicy(route=route.strip(), share=share_like("share", raw.get("share", 1.0),
-                                                              True) or 1.0,
-                        agreement=share_like("agreement", raw.get("agreement"), False),
-                        min_pairs=min_pairs,
-                        pass_score=share_like("pass_score", raw.get("pass_score"), False))
+def _parse_shadow(raw: Mapping[str, Any]) -> ShadowPolicy:
+    kw = _floats(ShadowPolicy, {k: v for k, v in raw.items() if v is not None})
+    kw["route"] = kw["route"].strip()
+    return ShadowPolicy(**kw)
 
 
 def _recipe_names() -> list[str]:

@@ -34,11 +34,18 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """What to train and how: the training part of a plan (the planner fills it)."""
+    """What to train and how: the training part of a plan (the planner fills it).
+
+    A field's ``metadata`` states the values a plan may give it, read by the factory's
+    experiment schema and planner (``factory.experiments.train_settings``) so that a setting is
+    declared once, here: ``choices`` (the allowed values), ``ge``/``gt``/``lt`` (bounds of a
+    number), ``min_len`` (of a list) and ``hint`` (the unit or an example, in words). Its
+    docstring is its documentation there too.
+    """
 
     base_model: str
     """A local Hugging Face directory, or a hub id where a hub is reachable."""
-    max_seq_len: int
+    max_seq_len: int = field(metadata={"ge": 16, "hint": "tokens"})
     """Longest sample (and packed row) in tokens; a longer sample is dropped whole
     (``too_long_for_plan``), never cut."""
     packing: bool = True
@@ -48,55 +55,57 @@ class TrainConfig:
     once: the micro-batch becomes one row, the prefix and then each sample's rest, each rest
     attending to the prefix and to itself (``trainer.data.collate_shared``). The same loss and
     gradient as separate rows, for fewer tokens. Needs a plain-attention model."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = field(default=1, metadata={"ge": 1})
     """Rows per forward pass on one device."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = field(default=1, metadata={"ge": 1})
     """Micro-batches per optimizer step on one device."""
-    learning_rate: float
+    learning_rate: float = field(metadata={"gt": 0, "hint": "such as 2.0e-4"})
     """Peak learning rate of AdamW."""
-    lr_schedule: str = "cosine"
+    lr_schedule: str = field(default="cosine", metadata={"choices": LR_SCHEDULES})
     """``cosine``, ``linear`` (both decay to zero after warmup) or ``constant``."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata={"ge": 0})
     """Optimizer steps of linear warmup from zero."""
-    num_steps: int | None = None
+    num_steps: int | None = field(default=None, metadata={"ge": 1, "hint": "optimizer steps"})
     """Optimizer steps to run; exactly one of ``num_steps`` and ``num_epochs``."""
-    num_epochs: float | None = None
+    num_epochs: float | None = field(default=None, metadata={"gt": 0})
     """Passes over the data (fractions allowed); converted to steps once the data is packed."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata={"ge": 0})
     """AdamW weight decay on the adapter weights."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata={"ge": 0,
+                                                        "hint": "0 disables clipping"})
     """Gradient clipping norm; 0 disables clipping (the norm is still measured and guarded)."""
-    lora_rank: int = 8
+    lora_rank: int = field(default=8, metadata={"ge": 1})
     """LoRA rank r."""
-    lora_alpha: float = 16.0
+    lora_alpha: float = field(default=16.0, metadata={"gt": 0})
     """LoRA alpha (scale alpha / r)."""
-    lora_dropout: float = 0.0
+    lora_dropout: float = field(default=0.0, metadata={"ge": 0, "lt": 1})
     """Dropout on the LoRA input."""
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"],
+                                           metadata={"min_len": 1, "hint": "module names"})
     """Module names to adapt (``q_proj``...), or ``["all-linear"]``."""
-    precision: str = "fp32"
+    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     """``fp32``; ``bf16-autocast`` (bf16 compute, fp32 weights except frozen linear ones, kept
     in bf16 as autocast would cast them: same results); ``bf16`` (bf16 frozen base weights,
     fp32 adapters, bf16 compute: the GPU default, half the weight memory)."""
     gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in backward (less memory, ~30% more compute)."""
-    frozen_modules: list[str] = field(default_factory=list)
+    frozen_modules: list[str] = field(default_factory=list, metadata={"hint": "module names"})
     """Module-name prefixes that get no adapter (e.g. a vision tower); checked after wrapping."""
-    checkpoint_every_steps: int = 100
+    checkpoint_every_steps: int = field(default=100, metadata={"ge": 1})
     """Write a resumable checkpoint every N optimizer steps (and at the end, and on SIGTERM)."""
-    eval_every_steps: int | None = None
+    eval_every_steps: int | None = field(default=None, metadata={"ge": 1})
     """Compute held-out loss on ``Job.eval_data_files`` every N steps (None: never)."""
-    log_every_steps: int = 1
+    log_every_steps: int = field(default=1, metadata={"ge": 1})
     """Send a ``progress`` event every N steps."""
-    seed: int = 0
+    seed: int = field(default=0, metadata={"ge": 0})
     """Seeds data order, adapter init and dropout."""
     deterministic: bool = False
     """Deterministic kernels: bitwise-reproducible runs and resumes (slower on GPU)."""
     use_kernels: bool = False
     """Patch the model with our Triton kernels (``kernels.patcher.apply_kernels``)."""
-    num_devices: int = 1
+    num_devices: int = field(default=1, metadata={"ge": 1, "hint": "accelerators for training"})
     """Processes (one per accelerator) to train with."""
-    parallelism: str = "single"
+    parallelism: str = field(default="single", metadata={"choices": PARALLELISMS})
     """``single`` (one device) or ``fsdp2`` (``fully_shard``, one process per device)."""
 
     def validate(self) -> None:
@@ -240,6 +249,10 @@ class Job:
     """Name of the environment variable holding the webhook secret."""
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """Metrics backend."""
+    owner: str | None = None
+    """The process that follows this run (``host:pid:start``, ``trainer.pids.owner_token``):
+    the Dagster step of its ``training_run``. When it dies, the trainer checkpoints the step it
+    is at and exits ``OWNER_GONE``, which the control plane does not retry. None: no owner."""
     debug: Debug = field(default_factory=Debug)
     """Fault injection (tests only)."""
 

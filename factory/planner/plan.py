@@ -20,7 +20,14 @@ from typing import Any
 from factory.curation.phrasing import RECALL
 from factory.errors import FactoryError
 from factory.evals.selection import CLEAR_MARGIN, FINAL_CANDIDATES, PLATEAU_PATIENCE
-from factory.experiments import UNDETERMINED, Experiment, MixEntry, group_of, group_source
+from factory.experiments import (
+    UNDETERMINED,
+    Experiment,
+    MixEntry,
+    group_of,
+    group_source,
+    train_keys,
+)
 from factory.planner.hardware import Hardware, get_hardware
 from factory.planner.memory import GIB, MemoryEstimate, estimate_memory
 from factory.planner.profile import DatasetProfile
@@ -42,7 +49,7 @@ from factory.planner.timing import (
 )
 from factory.recipes import Recipe, load_recipe
 from factory.settings import Settings
-from factory.trainer.config import MIN_SHARED_PREFIX, PLAIN_ATTENTION_MODELS
+from factory.trainer.config import MIN_SHARED_PREFIX, PLAIN_ATTENTION_MODELS, TrainConfig
 
 MEMORY_HEADROOM = 0.90
 """Share of a device's memory a plan may use (the rest: fragmentation, CUDA context)."""
@@ -56,12 +63,19 @@ MAX_WALL_HOURS = 24.0
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
-TRAIN_KEYS = ("max_seq_len", "packing", "share_prefix", "micro_batch_size", "grad_accum_steps", "learning_rate",
-              "lr_schedule", "warmup_steps", "num_steps", "num_epochs", "weight_decay",
-              "max_grad_norm", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
-              "precision", "gradient_checkpointing", "frozen_modules", "checkpoint_every_steps",
-              "eval_every_steps", "seed", "use_kernels", "num_devices", "parallelism")
-"""The decisions that are ``TrainConfig`` fields (``Plan.train_config``), in its order."""
+TRAIN_KEYS = train_keys(TrainConfig)
+"""The decisions that are ``TrainConfig`` fields (``Plan.train_config``), in its order: every
+field but ``factory.experiments.NOT_PLANNED``. A field added to ``TrainConfig`` is one here, and
+``make_plan`` refuses to plan until a rule decides it (``STANDING_RULES`` for a constant)."""
+
+STANDING_RULES: tuple[tuple[str, Any, str, str], ...] = (
+    ("lr_schedule", "cosine", "schedule.cosine", "cosine decay to zero after warmup"),
+    ("weight_decay", 0.0, "lora.no_decay", "LoRA adapters start at zero; no decay"),
+    ("max_grad_norm", 1.0, "clip.default", "clip gradients at norm 1"),
+    ("use_kernels", False, "kernels.opt_in",
+     "Triton kernels are opt-in (set use_kernels: true to use them)"),
+)
+"""Settings the planner does not derive: (key, value, rule, reason), each overridable."""
 
 
 class PlanError(FactoryError):
@@ -439,9 +453,10 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
         dec.set("num_devices", devices, "devices.shard_to_fit",
                 f"base weights ({weights_one / GIB:.1f} GiB) plus a micro-batch do not fit one "
                 f"{hw.name} ({budget / GIB:.0f} GiB usable): FSDP2 over {devices}")
-    dec.set("parallelism", "single" if devices == 1 else "fsdp2",
-            "parallel.single" if devices == 1 else f"parallel.fsdp{recipe.fsdp_version}",
-            "one device" if devices == 1 else
+    sharded = parallelism_for(devices) != "single"
+    dec.set("parallelism", parallelism_for(devices),
+            f"parallel.fsdp{recipe.fsdp_version}" if sharded else "parallel.single",
+            "one device" if not sharded else
             f"FSDP{recipe.fsdp_version} (fully_shard) shards the frozen base weights over "
             f"{devices} devices")
     gc_reason = (f"without it only micro-batch {largest_mb(False, devices, mb) or 0} fits; "
@@ -490,17 +505,18 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     warm = math.ceil(0.03 * total) if total >= 10 else 0
     dec.set("warmup_steps", warm, "warmup.3pct",
             f"3% of ~{total} steps" if warm else f"only ~{total} steps: no warmup")
-    dec.set("lr_schedule", "cosine", "schedule.cosine", "cosine decay to zero after warmup")
-    dec.set("weight_decay", 0.0, "lora.no_decay", "LoRA adapters start at zero; no decay")
-    dec.set("max_grad_norm", 1.0, "clip.default", "clip gradients at norm 1")
     dec.set("seed", data.seed, "seed.data", "data.seed of the experiment")
-    dec.set("use_kernels", False, "kernels.opt_in",
-            "Triton kernels are opt-in (set use_kernels: true to use them)")
+    for key, value, rule, reason in STANDING_RULES:
+        dec.set(key, value, rule, reason)
 
     # --- time, eval serving, eval budget and cadence, checkpoints ---------------------------
     _plan_eval_serving(plan, dec, profile, recipe, hw)
     _plan_time(plan, dec, experiment, profile, recipe, hw, steps_per_epoch=steps_per_epoch,
                total=total, real_batch=real_batch)
+    undecided = [key for key in TRAIN_KEYS if key not in plan.decisions]
+    if undecided:
+        raise PlanError(f"no planner rule decides {', '.join(undecided)}: add one to "
+                        "factory/planner/plan.py (STANDING_RULES for a constant)")
     _validate_plan(plan, recipe, hw)
     return plan
 
@@ -955,6 +971,23 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         f"{hw.name}; {stop}"))
 
 
+def parallelism_for(devices: int) -> str:
+    """The rule: one device trains ``single``, more shard with ``fsdp2``."""
+    return "single" if devices == 1 else "fsdp2"
+
+
+def parallelism_problem(parallelism: str, devices: int) -> str | None:
+    """Why ``parallelism`` cannot run on ``devices`` devices (the rule ``parallelism_for``
+    broken by overrides), saying what to set; None when they agree."""
+    if parallelism == parallelism_for(devices):
+        return None
+    if parallelism == "single":
+        return (f"parallelism single runs on one device, num_devices is {devices}; set "
+                "parallelism: fsdp2 or num_devices: 1")
+    return (f"parallelism {parallelism} needs at least 2 devices, num_devices is {devices}; "
+            "set num_devices: 2 (or more) or parallelism: single")
+
+
 def _validate_inputs(experiment: Experiment, profile: DatasetProfile, recipe: Recipe,
                      dec: _Decider) -> None:
     arch = recipe.architecture
@@ -982,14 +1015,11 @@ def _validate_inputs(experiment: Experiment, profile: DatasetProfile, recipe: Re
         raise PlanError(f"{where}: {profile.share_with_images:.0%} of samples have images but "
                         f"{recipe.base_model_id} reads no images; use recipe qwen2.5-vl-7b-lora "
                         "or exclude them with data.where (\"... AND NOT has_images\")")
-    parallelism = {**dec.overrides, **dec.point}.get("parallelism")
-    devices = {**dec.overrides, **dec.point}.get("num_devices")
-    if parallelism == "single" and devices not in (None, 1):
-        raise PlanError(f"{where}: parallelism single runs on one device, num_devices is "
-                        f"{devices}; set parallelism: fsdp2 or num_devices: 1")
-    if parallelism == "fsdp2" and devices == 1:
-        raise PlanError(f"{where}: parallelism fsdp2 needs at least 2 devices; set "
-                        "num_devices: 2 (or more) or parallelism: single")
+    forced = {**dec.overrides, **dec.point}
+    if "parallelism" in forced and "num_devices" in forced:
+        problem = parallelism_problem(forced["parallelism"], forced["num_devices"])
+        if problem:
+            raise PlanError(f"{where}: {problem}")
 
 
 def _validate_plan(plan: Plan, recipe: Recipe, hw: Hardware) -> None:
@@ -1007,11 +1037,9 @@ def _validate_plan(plan: Plan, recipe: Recipe, hw: Hardware) -> None:
         raise PlanError(f"{plan.run_key}: needs {need:.1f} GiB per device, {hw.name} has "
                         f"{have:.1f} GiB usable ({plan.memory.as_gib()}); try "
                         + ", or ".join(hints))
-    if plan["parallelism"] == "fsdp2" and plan["num_devices"] < 2:
-        raise PlanError(f"{plan.run_key}: parallelism fsdp2 needs num_devices >= 2")
-    if plan["parallelism"] == "single" and plan["num_devices"] != 1:
-        raise PlanError(f"{plan.run_key}: num_devices {plan['num_devices']} needs "
-                        "parallelism: fsdp2")
+    problem = parallelism_problem(plan["parallelism"], plan["num_devices"])
+    if problem:
+        raise PlanError(f"{plan.run_key}: {problem}")
     if plan["num_devices"] > hw.max_devices:
         raise PlanError(f"{plan.run_key}: {hw.name} nodes have at most {hw.max_devices} "
                         f"devices; lower num_devices to {hw.max_devices}")

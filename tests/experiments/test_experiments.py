@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from factory.experiments import (
     BalanceSpec,
     ExperimentError,
     cron_problem,
+    last_cron_tick,
     list_experiments,
     load_experiment,
     run_id,
@@ -87,6 +89,19 @@ def test_load_by_name_from_experiments_dir(tmp_path: Path, monkeypatch: pytest.M
     (GOOD + "deploy: {shadow: {route: gpt-4o-mini, min_pair: 20}}\n",
      r"deploy.shadow.min_pair: unknown key 'min_pair'; did you mean 'min_pairs'\?"),
     (GOOD + "deploy: sometimes\n", r"deploy: got 'sometimes'; allowed: auto"),
+    (GOOD.replace("learning_rate: 2.0e-4", "parallelism: fsdp3"),
+     r":4: overrides.parallelism: got 'fsdp3'; allowed: single or fsdp2$"),
+    (GOOD.replace("learning_rate: 2.0e-4", "num_steps: 2.0"),
+     r":4: overrides.num_steps: got 2.0; allowed: a positive integer \(optimizer steps\)$"),
+    (GOOD.replace("lora_rank: [8, 16]", "lora_rank: 8"),
+     r":6: sweep.lora_rank: got 8; allowed: a non-empty list of values$"),
+    (GOOD.replace("max_tokens: 2048}", "max_tokens: 2048, drop: [refusl]}"),
+     r":2: data.drop.0: unknown detector 'refusl'; did you mean 'refusal'\? allowed: refusal"),
+    (GOOD.replace("judge: embedded", "judge: embedded, colour: 1"),
+     r":5: eval.colour: unknown key 'colour'; allowed: every_steps, judge, rubric, max_samples$"),
+    (GOOD + "deploy: {}\n", r":8: deploy.shadow: must be a mapping with at least 'route'"),
+    (GOOD.replace("name: support-extractor", "name: Support!"),
+     r":1: name: got 'Support!'; allowed: lowercase letters"),
     ("name: x\nrecipe: [unclosed\n", r"not valid YAML"),
     ("- a\n- b\n", r":1: \(top level\): an experiment file must be a mapping"),
 ])
@@ -112,6 +127,20 @@ def test_run_keys_stable_and_order_independent(tmp_path: Path) -> None:
 def test_cron() -> None:
     assert cron_problem("0 3 * * *") is None and cron_problem("*/15 9-17 * * 1-5") is None
     assert cron_problem("0 3 * *") == "expected 5 fields (minute hour day month weekday), got 4"
+    assert cron_problem("0 0 * * * *") == ("expected 5 fields (minute hour day month weekday), "
+                                           "got 6")  # croniter's seconds field is not ours
+    assert cron_problem("*/0 * * * *") == "bad step '0' in the minute field"
+    assert cron_problem("0 3 * * 8") == "day of week 8 outside 0-7"
+    assert cron_problem("0 x * * *") == "bad hour 'x'"
+    assert cron_problem("@daily") is None and cron_problem("0 3 * * mon-fri") is None
+
+
+def test_last_cron_tick_is_the_latest_minute_at_or_before_now() -> None:
+    now = datetime(2026, 12, 5, 3, 7, 30, tzinfo=UTC)  # a Saturday
+    assert last_cron_tick("0 3 * * *", now) == datetime(2026, 12, 5, 3, 0, tzinfo=UTC)
+    assert last_cron_tick("7 3 * * *", now) == datetime(2026, 12, 5, 3, 7, tzinfo=UTC)
+    assert last_cron_tick("0 9 * * 7", now) == datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
+    assert last_cron_tick("0 3 29 2 *", now) is None  # beyond the 8-day lookback
 
 
 def test_shipped_demo_experiment_is_valid() -> None:
