@@ -226,7 +226,11 @@ class ProcessHost(ServerHost):
         stopped) when another process has it. A server that exits for another reason is placed
         too: ``wait_ready`` says why it failed, and the deployer records it."""
         offset = log.stat().st_size if log.exists() else 0
-        pid = self._spawn(spec, spec.server(host=self.listen, port=port).command(), log)
+        server = spec.server(host=self.listen, port=port)
+        pid = self._spawn(spec, server.command(), log)
+        # vLLM cannot claim cores per request itself: a claim that counts while its /metrics
+        # report requests (the CPU server claims while it has requests in flight).
+        server.claim_cores(pid)
         deadline = time.monotonic() + self.bind_timeout_s
         while True:
             if not is_alive(pid):

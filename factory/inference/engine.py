@@ -466,7 +466,13 @@ class BatchScheduler:
     A caller gets a ``concurrent.futures.Future``. The worker takes the oldest waiting request,
     and every other waiting request for the same model up to ``max_batch_size``; requests that
     arrive while a batch runs wait for the next one (static batching: simple, and on 2 CPU
-    cores the batch is compute-bound anyway).
+    cores the batch is compute-bound anyway). ``call`` runs other model work (a prompt's
+    log-probs) on the same thread, alone, in turn with the batches.
+
+    With ``cores``, the server claims its share of the machine's cores while it has work: from
+    the moment a request is submitted to an idle scheduler until the last one in flight is
+    done, released before that one's caller is answered (``factory.trainer.cores``). An idle
+    server holds no claim, so a trainer beside it keeps every core.
     """
 
     def __init__(self, engine: Engine, *, max_batch_size: int = 8,
@@ -474,21 +480,37 @@ class BatchScheduler:
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.cores = cores
-        """This server's share of the machine's cores, adjusted before every batch."""
-        self._pending: list[tuple[GenerationRequest, Any]] = []
+        """This server's share of the machine's cores: claimed while requests are in flight,
+        adjusted before every batch."""
+        self._pending: list[tuple[GenerationRequest | Callable[[], Any], Any]] = []
+        self._in_flight = 0
+        """Submitted and not yet answered (waiting or running)."""
         self._cv = threading.Condition()
         self._closed = False
+        if cores is not None:
+            cores.release()  # no work yet
         self._thread = threading.Thread(target=self._run, name="batch-scheduler", daemon=True)
         self._thread.start()
 
     def submit(self, request: GenerationRequest) -> Any:
+        """Queue ``request``; a future of its ``GenerationResult``."""
+        return self._queue(request)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Queue ``fn(*args)`` (model work that is not a generation); a future of its result."""
+        return self._queue(lambda: fn(*args))
+
+    def _queue(self, item: GenerationRequest | Callable[[], Any]) -> Any:
         from concurrent.futures import Future
 
-        fut: Future[GenerationResult] = Future()
+        fut: Future[Any] = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("scheduler is closed")
-            self._pending.append((request, fut))
+            if self._in_flight == 0 and self.cores is not None:
+                self.cores.join()  # the first request in flight: the server works from now
+            self._pending.append((item, fut))
+            self._in_flight += 1
             self._cv.notify()
         return fut
 
@@ -500,6 +522,19 @@ class BatchScheduler:
         if self.cores is not None:  # the server is going: its cores are free for the others
             self.cores.leave()
 
+    def _next(self) -> list[tuple[GenerationRequest | Callable[[], Any], Any]]:
+        """The next work to run (the caller holds ``_cv``): a call alone, or a batch of the
+        oldest request's model."""
+        first = self._pending[0][0]
+        if not isinstance(first, GenerationRequest):
+            batch = [self._pending[0]]
+        else:
+            batch = [p for p in self._pending if isinstance(p[0], GenerationRequest)
+                     and p[0].model == first.model][:self.max_batch_size]
+        for p in batch:
+            self._pending.remove(p)
+        return batch
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -507,17 +542,26 @@ class BatchScheduler:
                     self._cv.wait()
                 if self._closed and not self._pending:
                     return
-                model = self._pending[0][0].model
-                batch = [p for p in self._pending if p[0].model == model][:self.max_batch_size]
-                for p in batch:
-                    self._pending.remove(p)
+                batch = self._next()
+            outcome: list[Any] | Exception
             try:
                 if self.cores is not None:
                     self.cores.adjust()
-                results = self.engine.generate([r for r, _ in batch])
+                first = batch[0][0]
+                if isinstance(first, GenerationRequest):
+                    outcome = list(self.engine.generate(
+                        [r for r, _ in batch if isinstance(r, GenerationRequest)]))
+                else:
+                    outcome = [first()]
             except Exception as e:  # delivered to every caller of the batch, which reports it
-                for _, fut in batch:
-                    fut.set_exception(e)
-                continue
-            for (_, fut), res in zip(batch, results, strict=True):
-                fut.set_result(res)
+                outcome = e
+            with self._cv:
+                self._in_flight -= len(batch)
+                if self._in_flight == 0 and self.cores is not None:
+                    # Released before the callers hear back: one answered finds the cores free.
+                    self.cores.release()
+            for i, (_, fut) in enumerate(batch):
+                if isinstance(outcome, Exception):
+                    fut.set_exception(outcome)
+                else:
+                    fut.set_result(outcome[i])

@@ -232,7 +232,8 @@ def _request_error(e: ValueError) -> JSONResponse:
 
 def create_app(engine: Engine, *, max_batch_size: int = 8,
                cores: CoreShare | None = None) -> Starlette:
-    """The ASGI app serving ``engine``."""
+    """The ASGI app serving ``engine``; ``cores``: this server's claim on the machine's cores,
+    held while it has requests in flight (``BatchScheduler``)."""
     scheduler = BatchScheduler(engine, max_batch_size=max_batch_size, cores=cores)
     created = int(time.time())
 
@@ -315,8 +316,8 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
             choice["token_ids"] = result.token_ids
             out["prompt_token_ids"] = req.prompt_ids
         if prompt_lps is not None:
-            entries = await asyncio.to_thread(engine.prompt_logprobs, model, req.prompt_ids,
-                                              prompt_lps, req.images)
+            entries = await asyncio.wrap_future(scheduler.call(
+                engine.prompt_logprobs, model, req.prompt_ids, prompt_lps, req.images))
             out["prompt_logprobs"] = _prompt_logprobs(tok, entries)
         return JSONResponse(out)
 
@@ -352,8 +353,8 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
         prompt_k = prompt_lps if prompt_lps is not None else logprobs if echo else None
         prompt_entries: list[TokenLogprob | None] = []
         if prompt_k is not None:
-            prompt_entries = await asyncio.to_thread(engine.prompt_logprobs, model, ids,
-                                                     prompt_k)
+            prompt_entries = await asyncio.wrap_future(scheduler.call(
+                engine.prompt_logprobs, model, ids, prompt_k))
         gen_ids: list[int] = []
         gen_entries: list[TokenLogprob] = []
         text, finish = "", "length"

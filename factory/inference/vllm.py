@@ -28,6 +28,7 @@ renders every adapter with that file: an adapter's own tokenizer and template ar
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -73,6 +74,22 @@ class VLLMInstall:
 
 IMAGE = VLLMInstall(python=None)
 """vLLM with ``vllm`` on ``PATH``: a GPU machine's install, or a vLLM image's."""
+
+ENGINE_OVERHEAD_THREADS = 1
+"""Cores a busy vLLM CPU server takes beyond its OpenMP threads: its engine's scheduling loop and
+the API server's tokenizing and streaming. Measured on SmolLM2-135M with one unbound OpenMP
+thread: 1.64 CPU-seconds a second while it decoded, 0.03-0.07 idle (dev-cpu, 2026-12-05)."""
+
+
+def busy_threads(install: VLLMInstall | None, threads: int | None) -> int | None:
+    """The cores a vLLM server on ``install`` takes from the machine's CPU torch processes
+    while it has requests (``factory.trainer.cores``): ``threads`` OpenMP threads (default one
+    bound to each core) plus ``ENGINE_OVERHEAD_THREADS``, never more than the machine's cores;
+    None for a GPU build, which computes on the GPU."""
+    if install is None or not install.cpu:
+        return None
+    cpus = os.cpu_count() or 1
+    return min(cpus, threads + ENGINE_OVERHEAD_THREADS) if threads else cpus
 
 
 def _is_cpu_build(python: Path) -> bool:

@@ -8,6 +8,8 @@ SmolLM2-135M-Instruct with a LoRA adapter trained on a tool call.
   run time, and vLLM's ``prompt_logprobs`` of a rendered conversation are the trainer's;
 - an engine started with the chat template SmolLM2 ships (what vLLM renders with when not given
   ``--chat-template``) fails the gate, on the one sample it renders differently from the trainer;
+- the claim the launcher makes for it on the machine's cores (``factory.trainer.cores``) pins
+  its threads while its metrics report requests and counts for nothing while it is idle;
 - a model the engine cannot run, a missing vLLM and a Python without vLLM are refused at start,
   each with an error that says why.
 
@@ -21,12 +23,15 @@ with the error that names ``make vllm``.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from openai import OpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -38,9 +43,10 @@ from factory.gateway.routes import Route, RoutingTable
 from factory.inference import InferenceServer, InferenceServerError, ServeSizing
 from factory.inference.contract import check
 from factory.inference.protocol import canonical_request
-from factory.inference.vllm import VLLM_SERVER_MODULE, local_vllm
+from factory.inference.vllm import ENGINE_OVERHEAD_THREADS, VLLM_SERVER_MODULE, local_vllm
 from factory.tasks import generate_conversations
 from factory.trainer.chat import IGNORE_INDEX
+from factory.trainer.cores import ENV_FOLDER, CoreShare, folder_of
 from tests.conftest import _models_cache
 from tests.gateway.conftest import Collected
 from tests.inference.conftest import make_adapter, train_adapter
@@ -105,10 +111,48 @@ def vllm_server(smollm2_dir: Path, caller: Path, tmp_path_factory: pytest.TempPa
                 ) -> Iterator[InferenceServer]:
     """vLLM on SmolLM2 with the trained adapter as ``caller`` from the start."""
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    cores = tmp_path_factory.mktemp("cores")  # this module's claims folder, no other process's
     with InferenceServer(smollm2_dir, adapters={"caller": str(caller)}, served_model_name="base",
                          backend="vllm", sizing=SIZING, threads=THREADS,
-                         startup_timeout_s=600, log_path=log) as server:
+                         startup_timeout_s=600, log_path=log,
+                         env={ENV_FOLDER: str(cores)}) as server:
         yield server
+
+
+def _until(done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Wait for ``done`` (a change vLLM's metrics make at its next engine step)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(0.05)
+
+
+def test_vllm_claims_its_threads_only_while_it_has_requests(vllm_server: InferenceServer
+                                                              ) -> None:
+    """vLLM's threads are accounted for: the launcher's claim for it pins its OpenMP threads
+    and its engine's loop, and counts while its metrics report requests; a trainer beside it
+    idle keeps every core."""
+    assert vllm_server.proc is not None and vllm_server.vllm is not None
+    if not vllm_server.vllm.cpu:
+        pytest.skip("a GPU build computes on the GPU and claims no core")
+    folder = folder_of({**os.environ, **vllm_server.environment()})
+    assert folder is not None
+    claim = folder / str(vllm_server.proc.pid)
+    busy = THREADS + ENGINE_OVERHEAD_THREADS
+    assert claim.read_text() == f"{busy}\n{vllm_server.url}/metrics\n"
+    with CoreShare(folder=folder, cores=4) as trainer:
+        _until(lambda: trainer.share() == 4, "an idle vLLM leaves every core")
+        body = {"model": "base", "prompt": "Once upon a time", "max_tokens": 48,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", vllm_server.base_url + "/completions", json=body,
+                          timeout=300) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: ")  # generating
+            _until(lambda: trainer.share() == 4 - busy, "a busy vLLM takes its threads")
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        _until(lambda: trainer.share() == 4, "an answered vLLM gives them back")
 
 
 def _atol(server: InferenceServer) -> float:
