@@ -4,6 +4,8 @@ Assets and checks are collected from the modules of the ``factory.assets`` packa
 and schedules from the ``SENSORS``/``JOBS``/``SCHEDULES`` lists of the modules of
 ``factory.sensors``.
 ``workspace.yaml`` loads ``defs`` from here, so ``dagster dev`` / ``factory ui`` show the graph.
+Loaded as a code location it pins the factory's code (``factory.codepin``): every run it creates
+runs on that code, or its steps refuse to start.
 
 Resources are picked per deployment, named by ``$FACTORY_DEPLOYMENT``:
 
@@ -32,7 +34,7 @@ from typing import Any
 
 import dagster as dg
 
-from factory import assets, sensors
+from factory import assets, codepin, sensors
 from factory.resources.deployer import (
     CPUDeployerResource,
     DeployerResource,
@@ -119,4 +121,8 @@ def build_definitions() -> dg.Definitions:
     )
 
 
+CODE = codepin.pin()
+"""The fingerprint of the factory's code this code location loaded, or in a run worker the one
+its run started with (None when imported as a plain module); runs pin their code through it
+(``factory.codepin``)."""
 defs = build_definitions()

@@ -1,10 +1,16 @@
-"""``LakeResource`` (key ``lake``): the Iceberg lake, bound to the current run and asset."""
+"""``LakeResource`` (key ``lake``): the Iceberg lake, bound to the current run and asset.
+
+Every asset opens the lake first, so this is where a step of a run checks that it runs on the
+code its run started with (``factory.codepin``): a step of a run whose code changed on disk
+fails here, before it does any work, with the changed files and the fix.
+"""
 
 
 from typing import Any
 
 import dagster as dg
 
+from factory.codepin import CodeChangedError, check_run
 from factory.lake import Lake, LakeSession
 from factory.settings import get_settings
 
@@ -15,6 +21,12 @@ class LakeResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     home: str | None = None
 
     def lake(self) -> Lake:
+        try:
+            check_run()
+        except CodeChangedError as exc:
+            # A Failure: the step's message is the reason alone, and a retry would meet the
+            # same tree.
+            raise dg.Failure(str(exc), allow_retries=False) from None
         settings = get_settings()
         if self.home:
             from dataclasses import replace
