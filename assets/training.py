@@ -15,6 +15,7 @@ bitwise the same in deterministic mode) and what tokenizing kept and dropped, by
 fails the step with the run's reason.
 """
 
+import dataclasses
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from factory.resources.providers import ProviderResource
 from factory.runs import TRAINER_RUN_TAG, sensors_ticking
 from factory.trainer.config import Job
 from factory.trainer.data import DROP_REASONS, check_job_data
+from factory.trainer.pids import owner_token
 from factory.trainer.webhooks import read_events
 
 checkpoints = dg.AssetsDefinition(specs=[dg.AssetSpec(
@@ -89,6 +91,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         checked = check_job_data(job)
     except (ValueError, FactoryError) as e:
         raise dg.Failure(f"training_run: {e}", allow_retries=False) from None
+    # This step follows the run: should it die (its run worker killed), the trainer stops at
+    # its next step with a checkpoint and the plane fails the run instead of resuming it.
+    job = dataclasses.replace(job, owner=owner_token())
     plane = provider.plane(session.lake)
     plane.submit(job, experiment=experiment, lineage=session.lineage)
     # Who follows this Dagster run (chain_sensor, factory run) finds the trainer run here.

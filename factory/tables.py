@@ -186,6 +186,7 @@ TABLES: dict[str, pa.Schema] = {
         ("verified", pa.bool_()),
         ("received_at", _TS),
         ("event_id", pa.string()),
+        ("superseded_by", pa.string()),   # event_id of the checkpoint now in its directory
     ]),
     "scheduler_assignments": pa.schema([
         ("job_id", pa.string()),

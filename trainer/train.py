@@ -9,8 +9,9 @@ Exit codes (``ExitCode``): 0 finished, 1 failed (a crash: retrying may heal it),
 (nothing loaded), 3 stopped on a non-finite loss or gradient (no checkpoint of the bad step;
 resume from the last good one), 65 data or configuration error (``DataError``: the job's data,
 base model or settings cannot train, and running it again cannot heal that), 75 preempted
-(SIGTERM/SIGINT: a checkpoint of the last completed step was written; resume it). The control
-plane never retries 2 or 65.
+(SIGTERM/SIGINT: a checkpoint of the last completed step was written; resume it), 69 owner gone
+(the process following the run, ``Job.owner``, died: a checkpoint of the last completed step
+was written and the run ends). The control plane never retries 2, 65 or 69.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from . import checkpoint as ckpt
 from .config import Job, TrainConfig
 from .cores import CoreShare
+from .pids import owner_alive
 from .precision import effective_precision
 from .tracking import NullTracker, Tracker, make_tracker
 from .webhooks import EventLog, WebhookSender
@@ -52,6 +54,7 @@ class ExitCode(enum.IntEnum):
     INVALID_JOB = 2
     NAN = 3
     DATA_ERROR = 65  # EX_DATAERR: the input is wrong; never retried
+    OWNER_GONE = 69  # EX_UNAVAILABLE: the process following the run died; never retried
     PREEMPTED = 75  # EX_TEMPFAIL: "try again later", i.e. resume
 
 
@@ -72,6 +75,8 @@ class StopFlag:
     signal: int | None = None
     at: float = 0.0
     event: threading.Event = field(default_factory=threading.Event)
+    owner_gone: bool = False
+    """Set instead of a signal when the job's owner (``Job.owner``) no longer runs."""
 
     def set(self, signum: int) -> None:
         self.signal, self.at = signum, time.time()
@@ -499,6 +504,9 @@ class Trainer:
         window_t = time.perf_counter()
         window_tokens = window_computed = 0.0
         while self.step < self.num_steps:
+            if job.owner and not self.stop.event.is_set() and owner_alive(job.owner) is False:
+                self.stop.owner_gone, self.stop.at = True, time.time()
+                self.stop.event.set()
             if self._agree_stop():
                 raise Preempted
             step = self.step + 1
@@ -626,8 +634,20 @@ def run_job(job: Job, *, stop: StopFlag | None = None) -> ExitCode:
         code = trainer.run(reporter)
         status = {ExitCode.FINISHED: "finished", ExitCode.NAN: "nan"}[code]
     except Preempted:
-        trainer.preempt(reporter)
-        code, status = ExitCode.PREEMPTED, "preempted"
+        if trainer.stop.owner_gone:
+            # Nobody follows the run any more: keep what it learned, and end it for good
+            # (a preemption would be resumed by the control plane).
+            info = trainer._checkpoint(reporter) if trainer.step > 0 else None
+            reporter.emit("failed", step=trainer.step, owner_gone=True, data_error=False,
+                          checkpoint=info.path if info else None,
+                          error=f"its owner {job.owner} is gone: stopped after step "
+                                f"{trainer.step}" + (f", checkpoint {info.path}" if info
+                                                     else ""))
+            print(f"trainer: owner {job.owner} is gone; stopped", file=sys.stderr)
+            code, status = ExitCode.OWNER_GONE, "failed"
+        else:
+            trainer.preempt(reporter)
+            code, status = ExitCode.PREEMPTED, "preempted"
     except DataError as e:
         stats = getattr(trainer, "data_stats", None)
         reporter.emit("failed", step=trainer.step, error=str(e), data_error=True,

@@ -116,17 +116,30 @@ def eval_score(meta: dict[str, Any]) -> str | None:
     return format_score(StepScore.from_row(meta))
 
 
+DAEMON_CHECK_S = 10.0
+"""Seconds between checks, while a chain is followed, that a daemon still runs it."""
+
+
 def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0) -> str:
     """Wait for the chain started by ``start_run`` to end; its outcome (``deployed``, or the
     manual policy's stop after ``best_checkpoint``). Raises ChainFailed with the reason when
-    the chain stops short (a failed run: its step's message)."""
+    the chain stops short (a failed run: its step's message), or when no daemon moves it on
+    any more (``factory ui``'s, say, stopped: its heartbeats older than ``DAEMON_STALE_S``)."""
+    from factory.app.instance import DAEMON_STALE_S, daemon_running
     from factory.runs import FAILED, failure_message, materialized
 
     statuses: dict[str, str] = {}
+    checked = time.monotonic()
     while True:
         start = inst.get_run_by_id(start_run)
         if start is None:
             raise ChainFailed(f"run {start_run} is not on the instance")
+        if time.monotonic() - checked >= DAEMON_CHECK_S:
+            checked = time.monotonic()
+            if not daemon_running(inst):
+                raise ChainFailed(f"no Dagster daemon runs the chain any more (no heartbeat "
+                                  f"for {DAEMON_STALE_S:.0f} s): start `factory ui` or run "
+                                  f"`factory run` again")
         for run in chain_runs(inst, start_run):
             status = run.status.value
             if statuses.get(run.run_id) == status:

@@ -44,6 +44,7 @@ from typing import Any
 
 from factory.deploy.process import LISTEN, tcp_sockets
 from factory.errors import FactoryError
+from factory.lifeline import guard, on_death, release
 from factory.settings import Settings, get_settings
 
 CODE_LOCATION = "factory.definitions"
@@ -55,6 +56,8 @@ DAEMON_START_S = 180.0
 answer (it imports the definitions first: ~8 s on an idle 2-core machine)."""
 STOP_GRACE_S = 30.0
 """How long a stopped process gets after SIGINT before its process group is killed."""
+RECONCILE = [sys.executable, "-m", "factory.app.reconcile"]
+"""What the lifeline of ``factory run`` or ``factory ui`` runs once it stopped their processes."""
 WORKSPACE_FILE = "daemon-workspace.yaml"
 """In ``$FACTORY_HOME``: the workspace of the daemon ``ensure_daemon`` starts."""
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,12 +198,39 @@ def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | N
     server_log, daemon_log = logs / "code-server.log", logs / "daemon.log"
     if progress:
         progress(f"  starting the Dagster daemon (logs {daemon_log}, {server_log})")
+    try:
+        with _daemon(inst, env, server_log, daemon_log) as started:
+            yield started
+    finally:
+        # The stopped daemon's sensors no longer observe the control plane: a run whose step
+        # died under it (its trainer ends it, or is stopped here) is ended now, not when some
+        # later daemon looks.
+        _end_ownerless_runs()
+
+
+def _end_ownerless_runs() -> None:
+    from factory.app.reconcile import ownerless_runs, reconcile_lake
+
+    try:
+        if ownerless_runs():
+            reconcile_lake()
+    except Exception as exc:  # noqa: BLE001 - the block's own outcome must stand
+        print(f"factory: ending ownerless training runs failed: {exc}", file=sys.stderr)
+
+
+@contextmanager
+def _daemon(inst: Any, env: dict[str, str], server_log: Path,
+            daemon_log: Path) -> Iterator[StartedDaemon]:
+    settings = get_settings().ensure()
     with ExitStack() as stack:
         # Stopped in reverse: the daemon first (no run is launched through a stopped server).
         server, port = stack.enter_context(code_server(server_log, env))
         workspace = settings.home / WORKSPACE_FILE
         workspace.write_text(workspace_yaml(port))
         daemon = stack.enter_context(_process(daemon_command(workspace), daemon_log, env))
+        # Killed outright, this process leaves both to its lifeline, and what they were running
+        # to the reconcile after it.
+        on_death(RECONCILE)
         deadline = time.monotonic() + DAEMON_START_S
         while not daemon_running(inst):
             _check_started(daemon, "daemon", daemon_log, deadline)
@@ -256,16 +286,19 @@ def listening_sockets(port: int) -> int | None:
 @contextmanager
 def _process(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
     """``cmd`` running in a session of its own, output appended to ``log``, while the block runs;
-    stopped with its whole process group when it ends."""
+    stopped with its whole process group when it ends, or by this process's lifeline when it
+    dies first (``factory.lifeline``)."""
     with open(log, "ab") as out:
         # Its own session: Ctrl-C in the terminal reaches the caller, which stops it in order.
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                 cwd=ROOT)
+    guard(proc.pid)
     try:
         yield proc
     finally:
         stop_group(proc)
+        release(proc.pid)
 
 
 def _serving(port: int) -> bool:

@@ -43,6 +43,7 @@ from factory.control.base import Handle, Provider
 from factory.lake import RUN_ID, Lake, Lineage
 from factory.trainer import checkpoint as ckpt
 from factory.trainer.config import Job
+from factory.trainer.pids import owner_alive
 from factory.trainer.train import ExitCode
 from factory.trainer.webhooks import read_events
 
@@ -51,7 +52,8 @@ TERMINAL_EVENTS = ("finished", "failed", "nan", "preempted")
 RUN_ACTIVE = ("queued", "running")
 # End reasons that are our own doing or the sandbox's normal end, not faults.
 NOT_A_FAULT = ("finished", "rollover", "stopped", "superseded")
-NOT_RETRIED = {ExitCode.DATA_ERROR: "data_error", ExitCode.INVALID_JOB: "invalid_job"}
+NOT_RETRIED = {ExitCode.DATA_ERROR: "data_error", ExitCode.INVALID_JOB: "invalid_job",
+               ExitCode.OWNER_GONE: "owner_gone"}
 """End reasons of segments that no retry can heal, by the trainer's exit code."""
 FINISH_SLACK = 1.5
 """A segment near its sandbox's deadline is left to finish the run on its own (no continuation)
@@ -403,6 +405,8 @@ class ControlPlane:
                     reason = "rollover"
                 elif reason == "failed" and json.loads(terminal["payload"]).get("data_error"):
                     reason = NOT_RETRIED[ExitCode.DATA_ERROR]
+                elif reason == "failed" and json.loads(terminal["payload"]).get("owner_gone"):
+                    reason = NOT_RETRIED[ExitCode.OWNER_GONE]
             else:
                 provider = self.by_name.get(seg.provider)
                 if states is not None and seg.segment_id in states:
@@ -452,7 +456,23 @@ class ControlPlane:
             if newest is not None and newest.end_reason in NOT_RETRIED.values():
                 self._stop_live(mine, now)
                 self._fail_unhealable(run, newest, by_seg.get(newest.segment_id, []))
+                continue
+            self._fail_ownerless(run, mine, now)
+        for run in runs.values():
+            if run.status == "queued":
+                self._fail_ownerless(run, [], now)
         return changed
+
+    def _fail_ownerless(self, run: Run, segs: list[Segment], now: float) -> None:
+        """Fail ``run`` when the process following it (``Job.owner``, on this host) is gone: its
+        live segments are stopped (a trainer checkpoints the step it is at on SIGTERM) and it
+        is never resumed. Its trainer, when it notices first, ends ``owner_gone`` itself."""
+        if owner_alive(run.job.owner) is not False:
+            return
+        self._stop_live(segs, now)
+        self._write_run(replace(run, status="failed", not_before=None,
+                                reason=f"owner gone: the process following the run "
+                                       f"({run.job.owner}, its training_run step) died"))
 
     def _one_finisher(self, changed: list[Segment],
                       by_seg: dict[str, list[dict[str, Any]]]) -> list[Segment]:
@@ -491,8 +511,8 @@ class ControlPlane:
         message = str(failed[-1].get("error") or "") if failed else ""
         if not message:
             message = _trainer_log_line(seg.handle) or "no message; see the trainer's log"
-        what = "invalid job" if seg.end_reason == "invalid_job" \
-            else "data or configuration error"
+        what = {"invalid_job": "invalid job", "owner_gone": "owner gone"}.get(
+            seg.end_reason or "", "data or configuration error")
         reason = f"{what} in {seg.segment_id} (not retried): {' '.join(message.split())}"
         self._write_run(replace(run, status="failed", not_before=None, reason=reason))
 
@@ -917,9 +937,34 @@ def _store_run_events(lake: Lake, run_id: str, rows: list[dict[str, Any]]) -> No
     events_snap = lake.append("training_events", rows, lineage=Lineage(
         run_id=writer, asset_key="training_run", reads=reads))
     if ckpt_rows:
+        superseded = _superseded(lake, run_id, ckpt_rows)
         lake.append("checkpoints", ckpt_rows, lineage=Lineage(
             run_id=writer, asset_key="checkpoints",
             reads={"training_events": events_snap} if events_snap is not None else {}))
+        if superseded:
+            ids = ", ".join(f"'{r['event_id']}'" for r in superseded)
+            lake.overwrite("checkpoints", superseded, where=f"event_id IN ({ids})",
+                           lineage=Lineage(run_id=writer, asset_key="checkpoints"))
+
+
+def _superseded(lake: Lake, run_id: str, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stored verified checkpoints of ``run_id`` whose directory now holds one of ``new``
+    (a later segment wrote the same step: a continuation racing the sandbox it replaced, or a
+    resume from an earlier checkpoint), rewritten unverified with ``superseded_by`` naming the
+    checkpoint event now on disk. Never selected, scored or deployed again: every reader takes
+    verified rows only. A rewrite of the same bytes (a deterministic redo) supersedes nothing."""
+    on_disk = {r["path"]: r for r in new if r["verified"] and r["path"]}
+    if not on_disk or not lake.exists("checkpoints"):
+        return []
+    out = []
+    for row in lake.sql("SELECT * FROM checkpoints WHERE run_id = ? AND verified",
+                        [run_id]).to_pylist():
+        now = on_disk.get(row["path"])
+        if now is None or row["event_id"] == now["event_id"] \
+                or row["manifest_sha256"] == now["manifest_sha256"]:
+            continue
+        out.append({**row, "verified": False, "superseded_by": now["event_id"]})
+    return out
 
 
 def loss_curve(events: Iterable[dict[str, Any]]) -> list[tuple[int, float]]:

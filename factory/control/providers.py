@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import factory
+from factory import codepin
 from factory.control.base import Handle, ProviderStatus
 from factory.deploy.process import is_alive, runs_command, stop_group
 from factory.settings import get_settings
@@ -158,6 +159,7 @@ class _ProcessProvider:
         job_path = d / "job.json"
         job_path.write_text(json.dumps(job.to_dict(), indent=1, sort_keys=True))
         log_path = d / "trainer.log"
+        codepin.check()  # the trainer imports the factory: the run's code, or a refusal
         env = {k: str(v) for k, v in self.env.items()}
         root = str(Path(factory.__file__).resolve().parent.parent)  # the folder above factory/
         if self.warm_start:

@@ -47,6 +47,7 @@ from typing import Any, NoReturn, TypeVar
 
 import httpx
 
+from factory import codepin
 from factory.errors import FactoryError
 from factory.inference.vllm import (
     BUILD_HINT,
@@ -54,10 +55,12 @@ from factory.inference.vllm import (
     VLLM_ENV,
     ServeSizing,
     VLLMInstall,
+    busy_threads,
     install_problem,
     local_vllm,
     vllm_serve_command,
 )
+from factory.lifeline import guard, release
 
 BACKENDS = ("transformers", "vllm")
 
@@ -272,6 +275,7 @@ class InferenceServer:
     def start(self) -> InferenceServer:
         if self.proc is not None:
             raise InferenceServerError("server already started")
+        codepin.check()  # the server imports the factory: the run's code, or a refusal
         if self.backend == "vllm":
             problem = install_problem(self.vllm)
             if problem:
@@ -287,7 +291,24 @@ class InferenceServer:
         else:
             # vllm serve binds the port it is told and cannot report one it picked.
             on_free_port(self._start_on, host=self.host)
+        self.claim_cores()
         return self
+
+    def claim_cores(self, pid: int | None = None) -> Path | None:
+        """For a vLLM server on the CPU build, the busy-while claim on the machine's cores
+        (``factory.trainer.cores.claim_for``) of process ``pid`` (default this server's): its
+        ``busy_threads`` while its ``/metrics`` report requests; the claims folder is the
+        server's (its environment's ``FACTORY_CORE_SHARES``). None, and nothing written, for
+        the CPU server (it claims while it has requests itself), a GPU build, or sharing off.
+        The claim goes when the process exits."""
+        from factory.trainer.cores import claim_for, folder_of
+
+        pid = pid if pid is not None else self.proc.pid if self.proc is not None else None
+        threads = busy_threads(self.vllm, self.threads) if self.backend == "vllm" else None
+        folder = folder_of({**os.environ, **self.environment()})
+        if pid is None or threads is None or folder is None:
+            return None
+        return claim_for(pid, pinned=threads, busy_url=self.url + "/metrics", folder=folder)
 
     def _start_on(self, port: int) -> None:
         """Start on ``port`` and wait until healthy; ``PortInUseError`` when it was taken."""
@@ -355,6 +376,8 @@ class InferenceServer:
             self.proc = subprocess.Popen(argv, stdout=self._log_file,
                                          stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, pass_fds=pass_fds)
+            # Stopped by ``stop``, or by this process's lifeline should it die first.
+            guard(self.proc.pid, signal.SIGTERM)
         except (FileNotFoundError, PermissionError) as e:
             self._log_file.close()
             self._log_file = None
@@ -432,6 +455,8 @@ class InferenceServer:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=timeout_s)
+        if proc is not None:
+            release(proc.pid)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -78,7 +78,8 @@ heap keeps after it is freed, which peak RSS counts. Activation tensors are most
 glibc's dynamic mmap threshold (up to 32 MiB), so they come from the heap, which fragments and
 grows instead of returning memory; with gradient checkpointing every layer's forward still
 allocates and frees its full set around the one tensor it keeps. Fitted to SmolLM2-135M runs
-(0.31-0.45 with and without checkpointing, bf16 autocast; fp32 0.69): see BENCHMARKS.md. With
+(0.31-0.45 with and without checkpointing, bf16 autocast; fp32 0.69), measured by
+``bench/memory_model.py``. With
 ``MALLOC_MMAP_THRESHOLD_=131072`` in the trainer's environment the checkpointed 2 x 1024 run
 peaks at 1.37 GiB instead of 3.2 GiB, close to the live-memory estimate without this term."""
 

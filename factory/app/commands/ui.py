@@ -16,7 +16,11 @@ import subprocess
 import sys
 from typing import Any
 
+from factory.lifeline import guard, on_death, release
 from factory.settings import get_settings
+
+STOP_S = 60.0
+"""How long ``dagster dev`` gets to stop after SIGINT before its group is killed."""
 
 
 def register(sub: Any) -> None:
@@ -39,7 +43,7 @@ def webserver_command(host: str, port: int) -> list[str]:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from factory.app.instance import daemon_running, dagster_home, instance
+    from factory.app.instance import RECONCILE, daemon_running, dagster_home, instance
 
     settings = get_settings().ensure()
     env = dict(os.environ)
@@ -53,11 +57,27 @@ def _ui(args: argparse.Namespace) -> int:
     print(f"Dagster UI on http://{args.host}:{args.port} (state in {settings.home}{note})",
           flush=True)
     # dagster dev inherits an ignored SIGINT when started in the background; reset it so
-    # Ctrl-C and `kill -INT <pid>` stop it.
-    proc = subprocess.Popen(command, env=env,
+    # Ctrl-C and `kill -INT <pid>` stop it. It runs in a session of its own, stopped from here
+    # (Ctrl-C, SIGTERM) or by this process's lifeline should this process be killed outright.
+    proc = subprocess.Popen(command, env=env, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    guard(proc.pid)
+    on_death(RECONCILE)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        return proc.wait()
+        # dagster dev and its webserver, daemon and code servers (run workers included) stop
+        # on SIGINT, as on a Ctrl-C in its own terminal.
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+    finally:
+        release(proc.pid)
