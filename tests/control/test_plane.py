@@ -172,6 +172,15 @@ def test_of_two_segments_that_finish_together_one_finished_the_run(
     assert run.status == "finished" and run.reason == "finished in r-s000"
     plane.tick()
     assert [s.end_reason for s in plane.segments("r")] == ["finished", "superseded"]
+    # The superseded segment's checkpoint of step 10 is no longer in its directory: its row
+    # is rewritten unverified, naming the checkpoint there now; the one on disk stays verified.
+    events = {r["segment_id"]: r["event_id"] for r in lake.read("training_events").to_pylist()
+              if r["type"] == "checkpoint"}
+    rows = {r["event_id"]: r for r in lake.read("checkpoints").to_pylist()}
+    assert len(rows) == 2
+    loser, winner = rows[events["r-s001"]], rows[events["r-s000"]]
+    assert (loser["verified"], loser["superseded_by"]) == (False, events["r-s000"])
+    assert (winner["verified"], winner["superseded_by"]) == (True, None)
 
 
 def test_submit_is_idempotent_and_bad_jobs_are_refused(factory_home, make_job) -> None:
