@@ -172,28 +172,6 @@ def test_sigkill_of_the_run_worker_ends_its_trainer_for_good(
     assert "checkpoint" in types  # it kept what it had learned
 
 
-@pytest.mark.timeout(600)
-def test_sigkill_of_factory_ui_leaves_nothing(home: Path,
-                                              started: list[subprocess.Popen[bytes]]) -> None:
-    """``factory ui``'s daemon runs what ``factory run`` submits; killing the UI stops its
-    ``dagster dev`` (webserver, daemon, code server, run worker), and the run with it."""
-    from factory.app.instance import daemon_running, instance
-
-    lake = Lake()
-    ui = subprocess.Popen([FACTORY, "ui", "--port", str(free_port())], cwd=ROOT,
-                          env=dict(os.environ), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, start_new_session=True)
-    started.append(ui)
-    wait_until(lambda: daemon_running(instance()), timeout_s=240, what="the UI's daemon")
-    proc = _factory_run(home, started)
-    run_id, trainer = _trainer_started(lake, proc, home)
-    ui.kill()
-    ui.wait()
-    wait_until(lambda: proc.poll() is not None, timeout_s=120, what="factory run to exit")
-    _nothing_left(home)
-    _no_run_running(lake)
-
-
 @pytest.mark.timeout(300)
 def test_sigkill_of_factory_serve_leaves_nothing(home: Path,
                                                  started: list[subprocess.Popen[bytes]]) -> None:
