@@ -9,17 +9,16 @@ rollback`` act on it later.
 
 With ``deploy: {shadow: ...}`` in the experiment (or ``candidate`` in the config) the new version
 is a candidate instead: served beside the live one, the route untouched; the shadow rule sends a
-share of the named route's calls to it, and ``shadow_scores`` promotes it.
+share of the named route's calls to it, and ``shadow_scores`` promotes it. The work is
+``factory.deploy.experiment.deploy_experiment``'s.
 """
-
-from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
-from factory.deploy import Deployer, Deployment, DeploymentError
-from factory.experiments import ExperimentError, load_experiment
-from factory.gateway.shadow import ShadowRule, register_shadow
+from factory.deploy import DeploymentError
+from factory.deploy.experiment import deploy_experiment
+from factory.evals.judging import serving_constraint
 from factory.partitions import EXPERIMENTS
 from factory.resources.deployer import DeployerResource
 from factory.resources.lake import LakeResource
@@ -53,20 +52,16 @@ class DeploymentConfig(dg.Config):
 def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
                lake: LakeResource, deployer: DeployerResource) -> dg.MaterializeResult:
     session = lake.session(context)
+    target = deployer.deployer(session)
     try:
-        policy = load_experiment(context.partition_key).shadow
-    except ExperimentError:
-        policy = None  # deploying a checkpoint by hand needs no experiment file
-    candidate = config.candidate if config.candidate is not None else policy is not None
-    dep, sizing = _deploy(deployer.deployer(session), context.partition_key,
-                          config.checkpoint or None, candidate=candidate)
-    shadowing = ""
-    if candidate and policy is not None:
-        register_shadow(ShadowRule(route=policy.route, experiment=dep.name, version=dep.version,
-                                   base_url=dep.endpoint, deployment=dep.adapter,
-                                   share=policy.share),
-                        lake=session.lake, lineage=session.lineage)
-        shadowing = policy.route
+        served = deploy_experiment(target, context.partition_key, config.checkpoint or None,
+                                   candidate=config.candidate,
+                                   structured_outputs=serving_constraint(
+                                       session, context.partition_key))
+    except (DeploymentError, ValueError) as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    dep, policy = served.deployment, served.policy
+    if served.shadows and policy is not None:
         context.log.info(f"candidate {dep.version} ({dep.endpoint}) shadows {policy.route} "
                          f"(share {policy.share:g})")
     else:
@@ -75,7 +70,7 @@ def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
         "model": dep.route_model,
         "version": dep.version,
         "status": dep.status,
-        "shadows": shadowing,
+        "shadows": served.shadows,
         "endpoint": dep.endpoint,
         "checkpoint": dg.MetadataValue.path(dep.checkpoint),
         "run_id": dep.run_id or "",
@@ -83,16 +78,7 @@ def deployment(context: dg.AssetExecutionContext, config: DeploymentConfig,
         "backend": dep.backend,
         "pid": dep.pid or 0,
         "log": dg.MetadataValue.path(dep.log_path),
-        "serve_sizing": dg.MetadataValue.json(sizing),
+        "serve_sizing": dg.MetadataValue.json(served.sizing),
+        "structured_outputs": dep.structured_outputs or "",
         **session.metadata(),
     })
-
-
-def _deploy(deployer: Deployer, experiment: str, checkpoint: str | None, *,
-            candidate: bool = False) -> tuple[Deployment, dict[str, Any]]:
-    """The new version, and how its server was sized (with each value's source)."""
-    try:
-        dep = deployer.deploy(experiment, checkpoint, candidate=candidate)
-    except (DeploymentError, ValueError) as exc:
-        raise dg.Failure(description=str(exc), allow_retries=False) from None
-    return dep, deployer.serving_size.metadata() if deployer.serving_size else {}

@@ -1,7 +1,7 @@
 """``checkpoint_evals``, ``final_evals`` and ``best_checkpoint``: the model judged on its task
 (the rubric it is judged by is the ``rubric`` asset, ``factory.assets.rubric``). The work is
-``factory.evals.judging`` and ``factory.evals.final``; these read the partition, call it and
-show what it did.
+``factory.evals.judging``, ``factory.evals.final`` and ``factory.evals.choice``; these read the
+partition, call it and show what it did.
 
 - ``checkpoint_evals`` (one partition per checkpoint, ``<run_id>:<step>``, requested by the
   checkpoint sensor): boots the inference server for the base model with the checkpoint's
@@ -26,17 +26,16 @@ show what it did.
 """
 
 import re
-from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
 
 from factory.curation.phrasing import RECALL
 from factory.curation.store import read_eval_split
-from factory.evals.final import choose_best, judge_finalists
+from factory.evals.choice import finalists_table, record_best
+from factory.evals.final import judge_finalists
 from factory.evals.judging import EvalError, ServerStartError, evaluate_checkpoint
-from factory.evals.report import plot_png, read_curves
-from factory.evals.selection import format_score, summarize
+from factory.evals.selection import format_score
 from factory.experiments import load_experiment
 from factory.partitions import CHECKPOINTS, EXPERIMENTS
 from factory.planner.render import comparison_table
@@ -44,7 +43,6 @@ from factory.planner.service import sweep_comparison
 from factory.resources.inference import InferenceResource
 from factory.resources.judge import JudgeResource
 from factory.resources.lake import LakeResource
-from factory.settings import get_settings
 
 _KEY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127}):(\d+)$")
 
@@ -119,6 +117,7 @@ def checkpoint_evals(context: dg.AssetExecutionContext,  # type: ignore[no-untyp
         "run_id": run_id, "step": step, "mean_score": score.mean,
         "ci_low": score.ci_low, "ci_high": score.ci_high,
         "num_samples": score.num_samples, "ci_method": score.method or "",
+        "num_clusters": score.num_clusters or 0,
         "num_failed": score.num_failed, "judge": scorer.name,
         "rubric_version": done.rubric_version, "early_stop": stop.reason if stop else "",
         "scores_reused_from": dg.MetadataValue.json(done.borrowed),
@@ -156,13 +155,10 @@ def final_evals(context: dg.AssetExecutionContext, config: ChoiceConfig,
                                judge=judge.judge(), inference=inference)
     except EvalError as exc:
         raise _failure(exc) from None
-    table = "| run | step | before | on the final set | added |\n|---|---|---|---|---|\n" + \
-        "\n".join(f"| {f.run_id} | {f.step} | {format_score(f.before)} | "
-                  f"{format_score(f.after)} | {f.num_added} |" for f in done.finalists)
     return dg.MaterializeResult(metadata={
         "final_evals": done.reason, "num_final_samples": done.num_final_samples,
         "num_checkpoints": done.num_checkpoints, "num_added": done.num_added,
-        "finalists": dg.MetadataValue.md(table),
+        "finalists": dg.MetadataValue.md(finalists_table(done)),
         "eval_serving": dg.MetadataValue.json(done.eval_serving),
         "serve_command": dg.MetadataValue.json(done.serve_commands), **session.metadata()})
 
@@ -192,29 +188,17 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
     experiment = load_experiment(context.partition_key)
     session = lake.session(context)
     try:
-        choice = choose_best(context.instance, session, experiment.name, config.runs)
+        recorded = record_best(context.instance, session, experiment, config.runs)
     except EvalError as exc:
         raise _failure(exc) from None
+    choice = recorded.choice
     best, base, ref = choice.score, choice.base, choice.reference
-    session.append("best_checkpoints", [{
-        "experiment": experiment.name, "run_id": choice.run_id, "step": best.step,
-        "path": choice.path, "rubric_version": choice.rubric_version,
-        "mean_score": best.mean, "ci_low": best.ci_low, "ci_high": best.ci_high,
-        "ci_method": best.method, "num_samples": best.num_samples,
-        "base_score": base.mean if base else None,
-        "reference_score": ref.mean if ref else None, "selected_at": datetime.now(UTC)}])
-    curves = read_curves(session, choice.run_id)
-    losses = choice.eval_losses
-    curve = "| step | score | eval loss |\n|---|---|---|\n" + "\n".join(
-        f"| {s} | {format_score(summarize(s, curves.samples[s]))} | "
-        + (f"{losses[s]:.3g} |" if s in losses else "- |") for s, _ in curves.scores)
     extra: dict = {}
     if experiment.sweep:
         # By task score: sweep_comparison reads each point's best checkpoint mean from
         # eval_scores (the same rows `factory sweep --compare` prints).
         extra["sweep_comparison"] = dg.MetadataValue.md(
             comparison_table(sweep_comparison(session.lake, experiment)))
-    png = plot_png(curves, get_settings().home / "reports" / choice.run_id / "curve.png")
     recall, split_reason = _split_label(session.lake, experiment.name)
     return dg.MaterializeResult(metadata={
         "score": format_score(best) + recall, "eval_split": split_reason,
@@ -222,9 +206,11 @@ def best_checkpoint(context: dg.AssetExecutionContext,  # type: ignore[no-untype
         "decided_by": choice.decided_by,
         "ci": f"[{best.ci_low:.3f}, {best.ci_high:.3f}]",
         "ci_method": best.method or "", "num_samples": best.num_samples,
+        "num_clusters": best.num_clusters or 0,
         "base": format_score(base) if base else "",
         "reference": format_score(ref) if ref else "",
         "base_score": base.mean if base else None,
         "reference_score": ref.mean if ref else None,
-        "score_curve": dg.MetadataValue.md(curve), "curve": dg.MetadataValue.path(str(png)),
+        "score_curve": dg.MetadataValue.md(recorded.score_curve),
+        "curve": dg.MetadataValue.path(str(recorded.plot)),
         **extra, **session.metadata()})

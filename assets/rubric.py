@@ -1,29 +1,17 @@
 """``rubric`` (per experiment): what ``checkpoint_evals`` judges answers by.
 
 Inferred from the eval set's reference answers (plus judge-written criteria with an LLM judge), or
-the experiment file's inline rubric; a row in ``rubrics``.
+the experiment file's inline rubric; a row in ``rubrics`` (``factory.evals.experiment_rubric``).
 """
-
-from datetime import UTC, datetime
 
 import dagster as dg
 
-from factory.evals import judging
-from factory.evals.rubric import Rubric
-from factory.evals.runner import build_rubric, items_from_samples
-from factory.experiments import EvalSpec, load_experiment
+from factory.evals.experiment_rubric import experiment_rubric
+from factory.evals.judging import EvalError
+from factory.experiments import load_experiment
 from factory.partitions import EXPERIMENTS
 from factory.resources.judge import JudgeResource
 from factory.resources.lake import LakeResource
-
-
-def eval_rows(session, experiment: str, spec: EvalSpec):  # type: ignore[no-untyped-def]
-    """The experiment's eval samples the rubric is inferred from (``judging.eval_rows``, at
-    most ``spec.max_samples``); the step fails when there are none."""
-    try:
-        return judging.eval_rows(session, experiment, spec)
-    except judging.EvalError as exc:
-        raise dg.Failure(str(exc)) from None
 
 
 @dg.asset(
@@ -41,19 +29,10 @@ def rubric(context: dg.AssetExecutionContext, lake: LakeResource,  # type: ignor
            judge: JudgeResource):
     experiment = load_experiment(context.partition_key)
     session = lake.session(context)
-    spec = experiment.eval.rubric
-    if isinstance(spec, dict):
-        result = Rubric.from_dict(spec, source="inline")
-    elif spec == "auto":
-        items = items_from_samples(eval_rows(session, experiment.name, experiment.eval))
-        result = build_rubric(items, judge=judge.judge())
-    else:
-        raise dg.Failure(f"eval.rubric {spec!r}: named rubrics are not supported; use 'auto' "
-                         "or an inline mapping")
-    session.append("rubrics", [{
-        "experiment": experiment.name, "version": result.version, "source": result.source,
-        "num_examples": result.num_examples, "rubric": result.to_json(),
-        "created_at": datetime.now(UTC)}])
+    try:
+        result = experiment_rubric(session, experiment, judge=judge.judge)
+    except EvalError as exc:
+        raise dg.Failure(str(exc)) from None
     return dg.MaterializeResult(metadata={
         "version": result.version, "source": result.source,
         "criteria": dg.MetadataValue.json(result.to_dict()["criteria"]), **session.metadata()})

@@ -5,21 +5,34 @@ Reads the pairs not yet scored under the experiment's newest rubric (``shadow_pa
 them with the experiment's judge and rubric (factory/evals/shadow.py) and appends the rows to
 ``shadow_scores``. With ``deploy: {shadow: {agreement: A, min_pairs: N}}`` in the experiment, a
 candidate is promoted behind ``factory/<experiment>`` once at least N pairs are scored and the
-lower bound of their agreement's 95% Wilson interval reaches A (``ShadowSummary.meets``).
+lower bound of their agreement's 95% Wilson interval reaches A (``ShadowSummary.meets``); the
+interval counts pairs asked the same way (one phrasing key, ``phrasing_of``) as one cluster.
+The round is ``factory.evals.promotion.shadow_round``.
 ``shadow_sensor`` materializes it when new pairs arrive; a click on Materialize scores whatever
 is there.
 """
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import dagster as dg
 
-from factory.deploy import DeploymentError
-from factory.evals.rubric import stored_rubric
-from factory.evals.shadow import pass_threshold, score_pairs, summarize, unscored_pairs
-from factory.experiments import ExperimentError, load_experiment
+from factory.curation.phrasing import phrasing_key, skeleton, user_text
+from factory.evals.judging import EvalError
+from factory.evals.promotion import shadow_round
 from factory.partitions import EXPERIMENTS
 from factory.resources.deployer import DeployerResource
 from factory.resources.judge import JudgeResource
 from factory.resources.lake import LakeResource
+
+
+def phrasing_of(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A shadowed request's phrasing cluster key: the digest of its user turns' skeleton, as
+    the curation keys a sample's (``factory.curation.phrasing``). The request is the client's
+    chat body, whose content is a string or a list of text parts."""
+    return phrasing_key(skeleton(user_text([
+        {**m, "content": [{"type": "text", "text": m["content"]}]}
+        if isinstance(m.get("content"), str) else m for m in messages])))
 
 
 @dg.asset(
@@ -37,46 +50,18 @@ from factory.resources.lake import LakeResource
 )
 def shadow_scores(context: dg.AssetExecutionContext, lake: LakeResource, judge: JudgeResource,
                   deployer: DeployerResource) -> dg.MaterializeResult:
-    name = context.partition_key
     session = lake.session(context)
-    rubric = stored_rubric(session, name) if session.lake.exists("rubrics") else None
-    if rubric is None:
-        raise dg.Failure(f"experiment {name!r} has no rubric; materialize rubric first",
-                         allow_retries=False)
     try:
-        policy = load_experiment(name).shadow
-    except ExperimentError:
-        policy = None
-    pass_score = policy.pass_score if policy else None
-    pairs = unscored_pairs(session, name, rubric.version)
-    if session.lake.exists("shadow_pairs"):
-        session.lineage.record_read("shadow_pairs", session.lake.snapshot_id("shadow_pairs"))
-    scored = score_pairs(pairs, rubric, judge.judge(), pass_score=pass_score)
-    session.append("shadow_scores", scored)
-    dep = deployer.deployer(session)
-    candidate = dep.candidate(name)
-    summary = summarize(session, name, candidate.version if candidate else None)
-    promoted = ""
-    if candidate is not None and policy is not None and policy.agreement is not None:
-        asked = (f"a lower bound of at least {policy.agreement} over at least "
-                 f"{policy.min_pairs} pairs")
-        if not summary.meets(policy.agreement, policy.min_pairs):
-            context.log.info(f"{name} {candidate.version} not promoted: agreement "
-                             f"{summary.describe()}; the policy asks for {asked}")
-        else:
-            try:
-                live = dep.promote(name, candidate.version)
-            except DeploymentError as exc:
-                context.log.warning(f"the shadow policy is met but the promotion failed: {exc}")
-            else:
-                promoted = live.version
-                context.log.info(f"promoted {name} {live.version}: agreement "
-                                 f"{summary.describe()} meets {asked}")
-    threshold, on = pass_threshold(rubric, pass_score)
+        done = shadow_round(session, context.partition_key, judge=judge.judge,
+                            deployments=lambda: deployer.deployer(session), log=context.log,
+                            cluster_key=phrasing_of)
+    except EvalError as exc:
+        raise dg.Failure(str(exc), allow_retries=False) from None
+    summary, policy = done.summary, done.policy
     interval = summary.agreement_interval
     return dg.MaterializeResult(metadata={
-        "num_scored_now": len(scored),
-        "candidate": candidate.version if candidate else "",
+        "num_scored_now": done.num_scored_now,
+        "candidate": done.candidate,
         "num_pairs": summary.num_pairs,
         "num_scored": summary.num_scored,
         "agreement": summary.agreement if summary.agreement is not None else -1.0,
@@ -85,12 +70,11 @@ def shadow_scores(context: dg.AssetExecutionContext, lake: LakeResource, judge: 
         "agreement_ci_high": interval.ci_high if interval is not None else -1.0,
         "mean_score": summary.mean_score if summary.mean_score is not None else -1.0,
         "num_failed_calls": summary.num_failed_calls,
-        "pass_threshold": f"{threshold:g} on "
-                          f"{'every exact criterion' if on == 'exact' else 'the score'}",
+        "pass_threshold": done.pass_threshold,
         "policy": dg.MetadataValue.json(
             {"route": policy.route, "share": policy.share, "agreement": policy.agreement,
              "min_pairs": policy.min_pairs} if policy else {}),
-        "promoted": promoted,
-        "rubric_version": rubric.version,
+        "promoted": done.promoted,
+        "rubric_version": done.rubric.version,
         **session.metadata(),
     })

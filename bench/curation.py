@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from factory.curation import neardup  # noqa: E402
 from factory.curation.config import CurationConfig  # noqa: E402
 from factory.curation.pipeline import curate, default_workers  # noqa: E402
-from factory.curation.synthetic import planted  # noqa: E402
 from factory.curation.text import conversation_text  # noqa: E402
 from factory.curation.tokens import RenderCounter  # noqa: E402
+from factory.tasks.planted import planted  # noqa: E402
 
 
 def main() -> None:

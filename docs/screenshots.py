@@ -304,7 +304,7 @@ def screenshots(base: str, out: Path) -> list[Path]:
 
 def stop_deployments() -> None:
     from factory.deploy import DeployConfig, Deployer
-    from factory.deploy.process import stop_group
+    from factory.process import stop_group
 
     try:
         if Deployer().live(EXPERIMENT) is not None:

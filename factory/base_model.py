@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.errors import FactoryError
-from factory.recipes import Recipe, load_recipe
+from factory.recipes import Recipe, list_recipes, load_recipe
 from factory.settings import Settings, get_settings
 from factory.trainer.base_models import (
     GEMMA3_NAME,
@@ -81,6 +81,7 @@ def ensure_smollm2(settings: Settings | None = None) -> tuple[Path, dict[str, An
 
 def _hub_cached(repo_id: str) -> Path | None:
     """The local Hugging Face cache's snapshot folder of hub model ``repo_id``, if any."""
+    # huggingface_hub loads httpx and tqdm (0.1 s): the CLI imports this module
     from huggingface_hub import try_to_load_from_cache
 
     hit = try_to_load_from_cache(repo_id, "config.json")
@@ -108,8 +109,6 @@ def require_base_model(recipe: Recipe | str, settings: Settings | None = None) -
 
 def local_recipes(settings: Settings | None = None) -> list[str]:
     """Recipes whose base model a builder makes here."""
-    from factory.recipes import list_recipes
-
     return [r.name for r in list_recipes() if r.builder in BUILDERS]
 
 

@@ -38,7 +38,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import factory
 from factory.errors import FactoryError
+from factory.settings import get_settings
 
 PIN_KEY = "factory/code"
 """The key of the fingerprint in a code location's reconstruction metadata."""
@@ -57,8 +59,6 @@ class CodeChangedError(FactoryError):
 
 def package_dir() -> Path:
     """The folder of the imported ``factory`` package (a checkout's or a wheel's)."""
-    import factory
-
     return Path(factory.__file__).resolve().parent
 
 
@@ -89,8 +89,6 @@ def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
 
 
 def manifest_path(code: str) -> Path:
-    from factory.settings import get_settings
-
     return get_settings().home / MANIFEST_DIR / f"{code}.json"
 
 

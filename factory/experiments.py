@@ -13,7 +13,7 @@ An experiment is one YAML file in ``settings.experiments_dir`` (``$FACTORY_EXPER
     # data: {where: "...", balance: language}
     recipe: smollm2-135m-lora
     overrides: {learning_rate: 2.0e-4}
-    eval: {every_steps: 20, judge: embedded, rubric: auto}
+    eval: {every_steps: 20, judge: embedded, rubric: auto}   # constrain: auto | on | off
     sweep: {learning_rate: [1.0e-4, 2.0e-4, 4.0e-4], lora_rank: [8, 16]}
     schedule: "0 3 * * *"
     deploy: manual        # auto | manual; default: auto for a single run, manual for a sweep
@@ -58,6 +58,7 @@ import yaml
 from croniter import croniter
 
 from factory.errors import FactoryError
+from factory.recipes import list_recipe_names
 from factory.settings import get_settings
 from factory.trainer.config import TrainConfig
 
@@ -237,6 +238,11 @@ class EvalSpec:
     """``auto`` (derived from the data), a rubric name, or an inline rubric mapping."""
     max_samples: int | None = None
     """Cap on evaluated samples; None evaluates the whole eval set."""
+    constrain: str = "auto"
+    """Constrain decoding to a closed task's answer set (the rubric's labels or JSON shape,
+    ``factory.evals.rubric.structured_outputs``) when generating eval answers: ``on``,
+    ``off``, or ``auto``: ``factory.evals.runner.CONSTRAIN_AUTO``, off (the dev-split
+    measurement that decides it is written there)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -529,6 +535,9 @@ _DATA = _spec(DataSpec, {
     "balance": _BALANCE,
 }, message="must be a mapping such as {where: \"true\", eval_fraction: 0.1}")
 
+CONSTRAIN_MODES: tuple[str, ...] = ("auto", "on", "off")
+"""Values of ``eval.constrain``."""
+
 _EVAL = _spec(EvalSpec, {
     "every_steps": _num("exclusiveMinimum", 0, kind="integer", null=True,
                         allowed="a positive integer, or null for the planner"),
@@ -537,6 +546,10 @@ _EVAL = _spec(EvalSpec, {
                "x-allowed": "'auto', a rubric name or a mapping"},
     "max_samples": _num("exclusiveMinimum", 0, kind="integer", null=True,
                         allowed="a positive integer, or null for all"),
+    # YAML reads a bare on/off as true/false: both spellings mean the mode.
+    "constrain": {"enum": [*CONSTRAIN_MODES, True, False],
+                  "x-message": "got {value!r}; {hint}allowed: auto, on (answers of a closed task "
+                               "constrained to its labels or JSON shape) or off"},
 }, message="must be a mapping such as {every_steps: 20, judge: embedded}")
 
 _SHADOW = _spec(ShadowPolicy, {
@@ -819,6 +832,8 @@ def _parse_eval(raw: Mapping[str, Any] | None) -> EvalSpec:
     if raw is None:
         return EvalSpec()
     kw: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    if isinstance(kw.get("constrain"), bool):
+        kw["constrain"] = "on" if kw["constrain"] else "off"
     return EvalSpec(**kw)
 
 
@@ -905,10 +920,6 @@ def _parse_shadow(raw: Mapping[str, Any]) -> ShadowPolicy:
 
 
 def _recipe_names() -> list[str]:
-    try:
-        from factory.recipes import list_recipe_names
-    except ImportError:  # recipes package not importable: the name is checked when planning
-        return []
     return list_recipe_names()
 
 

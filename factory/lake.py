@@ -34,6 +34,7 @@ from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.table import Table, TableMetadata, Transaction
 
+from factory import __version__
 from factory.datafiles import FileTarget
 from factory.errors import QueryError, SnapshotNotFoundError, UnmigratedLakeError
 from factory.settings import Settings, get_settings
@@ -97,8 +98,6 @@ def code_version() -> str:
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        from factory import __version__
-
         return __version__
 
 

@@ -43,22 +43,45 @@ _lock = threading.Lock()
 _line: Lifeline | None = None
 
 
+_START = (
+    "import subprocess, sys\n"
+    "fd = int(sys.argv[1])\n"
+    "p = subprocess.Popen([sys.executable, '-m', 'factory.lifeline', '--fd', str(fd),\n"
+    "                      '--grace', sys.argv[2]], pass_fds=(fd,), stdin=subprocess.DEVNULL,\n"
+    "                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,\n"
+    "                      start_new_session=True)\n"
+    "print(p.pid, flush=True)\n"
+)
+"""Starts the watcher through a short-lived helper, so that it is not the owner's child: no
+``Popen`` of the owner is left running at its exit, no zombie when the watcher ends first."""
+
+
 class Lifeline:
     """This process's watcher (``lifeline()``)."""
 
     def __init__(self, grace_s: float = GRACE_S) -> None:
         self.owner = os.getpid()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "factory.lifeline", "--grace", str(grace_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
-        assert self.proc.stdin is not None
-        self._pipe: IO[bytes] = self.proc.stdin
+        read_fd, self._fd = os.pipe()  # both close on exec: the watcher alone gets read_fd
+        try:
+            out = subprocess.run([sys.executable, "-c", _START, str(read_fd), str(grace_s)],
+                                 pass_fds=(read_fd,), capture_output=True, text=True,
+                                 check=True, timeout=60)
+        finally:
+            os.close(read_fd)
+        self.pid = int(out.stdout.strip())
+        """The watcher's pid."""
+
+    def running(self) -> bool:
+        """Whether the watcher still runs (a pipe whose reader is gone refuses writes)."""
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     def _send(self, line: str) -> None:
         with _lock:
-            self._pipe.write(line.encode() + b"\n")
-            self._pipe.flush()
+            os.write(self._fd, line.encode() + b"\n")
 
     def add(self, pgid: int, sig: int = signal.SIGINT) -> None:
         """Stop group ``pgid`` with ``sig`` (then SIGKILL) if this process dies first."""
@@ -77,7 +100,7 @@ def lifeline() -> Lifeline:
     """The lifeline of this process, started on first use (again in a forked child)."""
     global _line
     with _lock:
-        if _line is None or _line.owner != os.getpid() or _line.proc.poll() is not None:
+        if _line is None or _line.owner != os.getpid() or not _line.running():
             _line = Lifeline()
         return _line
 
@@ -87,7 +110,7 @@ def guard(pgid: int, sig: int = signal.SIGINT) -> None:
     start still runs its groups (they are stopped in order when it ends normally)."""
     try:
         lifeline().add(pgid, sig)
-    except (OSError, ValueError):
+    except (OSError, ValueError, subprocess.SubprocessError):
         pass
 
 
@@ -95,7 +118,7 @@ def on_death(argv: list[str]) -> None:
     """``lifeline().finally_run``, where the watcher can be started."""
     try:
         lifeline().finally_run(argv)
-    except (OSError, ValueError):
+    except (OSError, ValueError, subprocess.SubprocessError):
         pass
 
 
@@ -103,7 +126,7 @@ def release(pgid: int) -> None:
     """``lifeline().drop`` of a group ``guard`` registered."""
     try:
         lifeline().drop(pgid)
-    except (OSError, ValueError):
+    except (OSError, ValueError, subprocess.SubprocessError):
         pass
 
 
@@ -157,11 +180,13 @@ def _watch(pipe: IO[bytes], grace_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     grace_s = float(args[args.index("--grace") + 1]) if "--grace" in args else GRACE_S
+    fd = int(args[args.index("--fd") + 1]) if "--fd" in args else sys.stdin.fileno()
     # The owner's end is this watcher's cue; a stray signal must not cut it short.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _watch(sys.stdin.buffer, grace_s)
+    with os.fdopen(fd, "rb") as pipe:
+        _watch(pipe, grace_s)
     return 0
 
 

@@ -37,6 +37,7 @@ def print_rows(rows: Sequence[Mapping[str, Any]], fmt: str = "table",
     if fmt == "json":
         print(to_json(rows))
         return
+    # rich (0.1 s): the CLI imports this module; only a table for a terminal needs it
     from rich.console import Console
     from rich.table import Table
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from factory.errors import UnknownTableError
+
 NAMESPACE = "factory"
 
 _TS = pa.timestamp("us", tz="UTC")
@@ -62,6 +64,7 @@ TABLES: dict[str, pa.Schema] = {
         ("version", pa.string()),
         ("active", pa.bool_()),
         ("registered_at", _TS),
+        ("structured_outputs", pa.string()),  # JSON added to requests without one, or null
     ]),
     # Base models built into plain Hugging Face directories.
     "base_models": pa.schema([
@@ -77,7 +80,10 @@ TABLES: dict[str, pa.Schema] = {
         ("experiment", pa.string()),
         *_SAMPLE_FIELDS,
         ("split", pa.string()),           # train | eval
-        ("split_group", pa.string()),     # smallest sample_id of its related-samples group
+        # the unit held out whole: its phrasing cluster (eval_split phrasing) or its split group
+        # (recall only), named by its smallest sample_id; the evals' intervals treat a cluster's
+        # samples as correlated (factory.evals.selection.summarize)
+        ("split_group", pa.string()),
         ("num_tokens", pa.int32()),       # base tokenizer + chat template
         ("num_prompt_tokens", pa.int32()),
         ("num_completion_tokens", pa.int32()),
@@ -307,7 +313,9 @@ TABLES: dict[str, pa.Schema] = {
         ("base_score", pa.float64()),
         ("reference_score", pa.float64()),
         ("selected_at", _TS),
-        ("ci_method", pa.string()),        # wilson (0/1 scores) | wilson_graded
+        ("ci_method", pa.string()),        # wilson (0/1 scores) | wilson_graded | *_clustered
+        ("num_clusters", pa.int64()),      # phrasing clusters behind num_samples; null: each
+                                           # sample independent (selection.Interval)
     ]),
     # Deployments (factory/deploy): append-only, the latest row per (name, version) wins.
     "deployments": pa.schema([
@@ -330,6 +338,7 @@ TABLES: dict[str, pa.Schema] = {
         ("started_at", _TS),
         ("stopped_at", _TS),
         ("updated_at", _TS),
+        ("structured_outputs", pa.string()),  # JSON: the decoding constraint its route adds
     ]),
     # Shadow evaluation (factory/shadow): which client-facing model a candidate deployment
     # shadows. Append-only, the latest row per route wins; active=false ends shadowing.
@@ -379,6 +388,8 @@ TABLES: dict[str, pa.Schema] = {
         ("passed", pa.bool_()),            # score reached the rubric's pass threshold
         ("assessment", pa.string()),
         ("scored_at", _TS),
+        ("phrasing_key", pa.string()),     # the request's phrasing cluster key (the user
+                                           # turns' skeleton digest); null: its own cluster
     ]),
     # Overfitting signals for the control plane (the score fell after its peak).
     "early_stops": pa.schema([
@@ -421,8 +432,6 @@ DOCUMENT_COLUMNS = frozenset({"payload", "messages", "tools"})
 
 def schema_of(name: str) -> pa.Schema:
     """The declared schema of table ``name``; ``UnknownTableError`` if none is declared."""
-    from factory.errors import UnknownTableError
-
     try:
         return TABLES[name]
     except KeyError:

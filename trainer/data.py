@@ -52,9 +52,10 @@ from typing import Any
 
 import torch
 
-from .chat import IGNORE_INDEX, common_prefix, encode
+from .chat import IGNORE_INDEX, common_prefix, encode, install_chat_template
 from .config import MIN_SHARED_PREFIX, Job, MixSource
-from .vision import ImageInput, MissingImage, Vision, load_vision, stack
+from .model import load_tokenizer
+from .vision import ImageInput, MissingImage, Vision, has_vision, load_vision, stack
 from .vision import encode as encode_with_images
 
 # First-fit packing looks at this many open rows: 99%+ fill on realistic length mixes while
@@ -200,10 +201,6 @@ def plan_tokenizer(base_model: str) -> Any:
     A local path that does not exist is a ``ValueError`` (a configuration error); a hub id
     that cannot be fetched stays an ``OSError`` (the network may come back).
     """
-    from .chat import install_chat_template
-    from .model import load_tokenizer
-    from .vision import has_vision
-
     path = Path(base_model).expanduser()
     if (path.is_absolute() or base_model.startswith((".", "~"))) and not path.exists():
         raise ValueError(f"plan.base_model: no such directory {base_model}")

@@ -24,7 +24,6 @@ is what transformers derives the packed (block-diagonal) mask from.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import warnings
@@ -38,28 +37,10 @@ from torch.utils.checkpoint import checkpoint
 
 from .chat import IGNORE_INDEX
 from .config import PLAIN_ATTENTION_MODELS, TrainConfig
+from .progress import quiet_progress_bars
 
 LOSS_CHUNK_TOKENS = 1024
 PACKED_ATTENTION = "factory_packed_sdpa"
-
-
-def quiet_progress_bars() -> None:
-    """Turn off transformers' and huggingface_hub's progress bars ("Loading weights: 0%|...",
-    the GGUF reader's) unless stderr is a terminal: in a log file or a Dagster run's captured
-    output every redraw is kept. Called before loading a model; an
-    ``HF_HUB_DISABLE_PROGRESS_BARS`` set by the user wins."""
-    if "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ or (sys.stderr is not None
-                                                         and sys.stderr.isatty()):
-        return
-    import functools
-
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    from tqdm.auto import tqdm
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    # The GGUF reader draws its own tqdm bar ("Converting and de-quantizing GGUF tensors...").
-    gguf_utils.tqdm = functools.partial(tqdm, disable=True)  # type: ignore[attr-defined]
 
 
 def load_tokenizer(base_model: str) -> Any:
@@ -155,6 +136,7 @@ def apply_kernels(model: Any) -> Any:
     hub-kernels package (transformers requires it).
     """
     if __name__.count(".") > 1:
+        # only when installed as factory.trainer; a copied trainer loads its sibling folder
         from ..kernels import patcher
     else:
         patcher = _sibling_patcher()

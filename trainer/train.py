@@ -36,9 +36,20 @@ import torch
 from . import checkpoint as ckpt
 from .config import Job, TrainConfig
 from .cores import CoreShare
+from .data import (
+    MicroBatchStream,
+    MixtureStream,
+    plan_tokenizer,
+    read_rows,
+    sources_fingerprint,
+    tokenize,
+)
+from .distributed import shard_like, shard_model
+from .model import CausalLMLoss, adapter_state, load_adapter_state, load_model
 from .pids import owner_alive
 from .precision import effective_precision
 from .tracking import NullTracker, Tracker, make_tracker
+from .vision import load_vision
 from .webhooks import EventLog, WebhookSender
 
 # Dense bf16 peak FLOP/s per device, from the vendors' datasheets (no sparsity).
@@ -222,17 +233,6 @@ class Trainer:
 
     def setup(self) -> None:
         """Data, model and optimizer; a ``ValueError`` here is a ``DataError`` (see run_job)."""
-        from .data import (
-            MicroBatchStream,
-            MixtureStream,
-            plan_tokenizer,
-            read_rows,
-            sources_fingerprint,
-            tokenize,
-        )
-        from .model import CausalLMLoss, load_model
-        from .vision import load_vision
-
         plan = self.plan
         if self.world > 1 and not torch.distributed.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -274,8 +274,6 @@ class Trainer:
         self.model = load_model(plan, self.device)
         self.loss_module = CausalLMLoss(self.model)
         if plan.parallelism == "fsdp2":
-            from .distributed import shard_model
-
             shard_model(self.loss_module, self.model, device=self.device, plan=plan)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
@@ -284,8 +282,6 @@ class Trainer:
 
     def resume(self, path: str) -> None:
         from safetensors.torch import load
-
-        from .model import load_adapter_state
 
         files = ckpt.read_checkpoint(path)
         state = _json(files["trainer_state.json"])
@@ -303,8 +299,6 @@ class Trainer:
         if names != self.param_names:
             raise DataError(f"resume_from: {path} has a different adapter layout")
         if self.plan.parallelism == "fsdp2":
-            from .distributed import shard_like
-
             # Sorted on every rank alike: shard_like is a collective.
             opt_state["state"] = {i: {k: shard_like(s[k], self.params[i]) for k in sorted(s)}
                                   for i, s in sorted(opt_state["state"].items())}
@@ -320,8 +314,6 @@ class Trainer:
     def save(self) -> ckpt.CheckpointInfo | None:
         """Checkpoint of the current step (collective under FSDP; rank 0 writes)."""
         import json
-
-        from .model import adapter_state
 
         adapter = adapter_state(self.model)
         per_rank = self._gather_rng() if self.world > 1 else None

@@ -125,6 +125,7 @@ class Vision:
 
     @staticmethod
     def _open(data: bytes) -> Any:
+        # Pillow: read only for a vision model's images
         from PIL import Image, UnidentifiedImageError
 
         try:

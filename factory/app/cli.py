@@ -19,13 +19,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import factory.app.commands as commands
 from factory import __version__
 from factory.errors import FactoryError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import factory.app.commands as commands
-
     parser = argparse.ArgumentParser(
         prog="factory", description="The factory: LLM traffic in, fine-tuned models out.")
     parser.add_argument("--version", action="version", version=f"factory {__version__}")

@@ -26,9 +26,16 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from factory.app.instance import CODE_LOCATION, dagster_home
+from factory.app.instance import (
+    CODE_LOCATION,
+    DAEMON_STALE_S,
+    daemon_running,
+    dagster_home,
+    instance,
+)
 from factory.errors import FactoryError
-from factory.runs import CHAIN_TAG, TRAINER_RUN_TAG
+from factory.evals.selection import StepScore, format_score
+from factory.runs import CHAIN_TAG, FAILED, FINISHED, TRAINER_RUN_TAG, failure_message, materialized
 
 Progress = Callable[[str], None]
 REQUEST_TAG = "factory/request"
@@ -44,8 +51,6 @@ class ChainFailed(FactoryError):
 def submit(job: str, partition: str, tags: dict[str, str] | None = None) -> str:
     """Queue a run of ``job`` for ``partition`` on the instance; its Dagster run id."""
     import dagster as dg
-
-    from factory.app.instance import instance
 
     request = uuid.uuid4().hex
     all_tags = {"dagster/partition": partition, REQUEST_TAG: request, **(tags or {})}
@@ -108,8 +113,6 @@ def chain_runs(inst: Any, start_run: str) -> list[Any]:
 def eval_score(meta: dict[str, Any]) -> str | None:
     """A checkpoint eval's score from its materialization metadata as ``format_score`` prints
     it (``0.962 [0.921, 0.983] n=200 (Wilson)``); None when it was not scored."""
-    from factory.evals.selection import StepScore, format_score
-
     if not all(isinstance(meta.get(k), int | float)
                for k in ("mean_score", "ci_low", "ci_high", "num_samples")):
         return None
@@ -125,9 +128,6 @@ def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0
     manual policy's stop after ``best_checkpoint``). Raises ChainFailed with the reason when
     the chain stops short (a failed run: its step's message), or when no daemon moves it on
     any more (``factory ui``'s, say, stopped: its heartbeats older than ``DAEMON_STALE_S``)."""
-    from factory.app.instance import DAEMON_STALE_S, daemon_running
-    from factory.runs import FAILED, failure_message, materialized
-
     statuses: dict[str, str] = {}
     checked = time.monotonic()
     while True:
@@ -166,8 +166,6 @@ def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0
 def cancel_chain(inst: Any, start_run: str, progress: Progress, *,
                  wait_s: float = CANCEL_WAIT_S) -> list[str]:
     """Cancel the chain's runs that have not ended and wait for them; their run ids."""
-    from factory.runs import FINISHED
-
     live = [r for r in chain_runs(inst, start_run) if r.status not in FINISHED]
     for run in live:
         progress(f"  cancelling {_label(run)} ({run.run_id[:8]})")

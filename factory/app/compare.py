@@ -31,6 +31,7 @@ from factory.app.comparison import compare, experiments, known, pair_versions, p
 from factory.app.costs import Prices, load_prices, parse_prices, prices_path, save_prices
 from factory.app.vibe import ask_both, vibe_targets
 from factory.deploy import DeployConfig, Deployer, Deployment, DeploymentError
+from factory.deploy.kubernetes import host_from_env
 from factory.evals.shadow import summarize
 from factory.lake import Lake
 
@@ -118,8 +119,6 @@ class Compare:
         return HTMLResponse(pages.promoted_page(e, dep))
 
     def _promote(self, experiment: str, version: str | None) -> Deployment:
-        from factory.deploy.kubernetes import host_from_env
-
         return Deployer(self.lake, self.deploy_config, host=host_from_env()).promote(
             experiment, version)
 

@@ -23,10 +23,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from factory.app.run import run_experiment, terminal_plot
+from factory.app.runner import materialize
+from factory.base_model import embedded_name
 from factory.curation.phrasing import RECALL
+from factory.deploy.replay import ReplayUpstream
 from factory.errors import FactoryError
+from factory.evals.selection import CLEAR_MARGIN
+from factory.experiments import load_experiment
+from factory.gateway import ServerThread, gateway_in_thread
+from factory.gateway.keys import client_headers
 from factory.lake import Lake
 from factory.settings import get_settings
+from factory.tasks import generate_records
 
 if TYPE_CHECKING:
     import openai
@@ -86,8 +95,6 @@ def _gateway_client(gateway_url: str, tags: str) -> openai.OpenAI:
     home it serves, and once one exists refuses calls without one."""
     import openai
 
-    from factory.gateway.keys import client_headers
-
     return openai.OpenAI(base_url=gateway_url + "/v1", api_key="demo", max_retries=0,
                          default_headers={"X-Factory-Tags": tags, **client_headers()})
 
@@ -108,19 +115,23 @@ def _send_traffic(gateway_url: str, records: list[dict[str, Any]], project: str)
                                            temperature=request.get("temperature"))
 
 
+def shortfall(summary: dict[str, Any]) -> str | None:
+    """Why the best checkpoint of a demo's ``summary`` does not clearly beat the base model
+    (None when it does): the embedded task requires a gain of at least ``CLEAR_MARGIN``."""
+    base, best = summary["base_score"], summary["best_score"]
+    gain = best - base if base is not None and best is not None else None
+    if gain is not None and gain >= CLEAR_MARGIN:
+        return None
+    verdict = "no score" if gain is None else f"a gain of {gain:.3f}"
+    return (f"{verdict} of the best checkpoint over the base model; the embedded task "
+            f"requires at least {CLEAR_MARGIN}")
+
+
 def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, seed: int = 0,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the loop; returns ``{base_score, best_score, best_step, endpoint, model,
     factory_home, base_score_interval, best_score_interval}`` (the ``*_interval`` values: the
     score as ``format_score`` prints it, with its 95% interval and sample count)."""
-    from factory.app.run import run_experiment, terminal_plot
-    from factory.app.runner import materialize
-    from factory.base_model import embedded_name
-    from factory.deploy.replay import ReplayUpstream
-    from factory.experiments import load_experiment
-    from factory.gateway import ServerThread, gateway_in_thread
-    from factory.tasks import generate_records
-
     say = progress or (lambda line: print(line, flush=True))
     settings = get_settings().ensure()
     started = time.monotonic()

@@ -42,9 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from factory.deploy.process import LISTEN, tcp_sockets
+import yaml
+
 from factory.errors import FactoryError
 from factory.lifeline import guard, on_death, release
+from factory.process import LISTEN, tcp_sockets
 from factory.settings import Settings, get_settings
 
 CODE_LOCATION = "factory.definitions"
@@ -94,8 +96,6 @@ def instance_config(settings: Settings) -> str:
 def storage_in_database(config: Path) -> bool | None:
     """Whether ``config`` keeps storage in ``FACTORY_DATABASE_URL`` (True), in SQLite under the
     Dagster home (False), or somewhere of its own choosing (None: another database or URL)."""
-    import yaml
-
     storage = (yaml.safe_load(config.read_text()) or {}).get("storage")
     if storage is None:
         return False
@@ -209,6 +209,7 @@ def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | N
 
 
 def _end_ownerless_runs() -> None:
+    # the control plane and the definitions (torch, Dagster: seconds), for a stopping daemon only
     from factory.app.reconcile import ownerless_runs, reconcile_lake
 
     try:
@@ -246,6 +247,7 @@ def code_server(log: Path, env: dict[str, str], *, ports: Iterable[int] | None =
     """The code server answering on a port of its own while the block runs: (process, port).
     A start whose port another process holds is stopped and made again on a fresh port
     (``on_free_port``; ``ports``: the ports to try, default fresh free ones)."""
+    # the launcher loads httpx and rich (0.3 s); the CLI imports this module
     from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
 
     with ExitStack() as outer:

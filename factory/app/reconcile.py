@@ -21,16 +21,17 @@ import json
 import sys
 from typing import Any
 
+from factory.app.instance import _serving, instance
+from factory.app.run import _plane
+from factory.control.plane import RUN_ACTIVE, _latest
+from factory.lake import Lake
 from factory.settings import get_settings
+from factory.trainer.pids import owner_alive
 
 
 def ownerless_runs() -> list[str]:
     """Training runs recorded queued or running whose following process (``Job.owner``, on
     this host) is gone: a cheap look at ``training_runs`` alone."""
-    from factory.control.plane import RUN_ACTIVE, _latest
-    from factory.lake import Lake
-    from factory.trainer.pids import owner_alive
-
     lake = Lake()
     if not lake.exists("training_runs"):
         return []
@@ -42,9 +43,6 @@ def ownerless_runs() -> list[str]:
 
 def reconcile_lake() -> list[str]:
     """Observe the control plane once; the runs it ended (run ids)."""
-    from factory.app.run import _plane
-    from factory.control.plane import RUN_ACTIVE
-
     plane = _plane()
     before = {k for k, r in plane.runs().items() if r.status in RUN_ACTIVE}
     plane.sync_events()
@@ -57,8 +55,6 @@ def dead_dagster_runs(inst: Any) -> list[Any]:
     """Unfinished runs of ``inst`` whose code server on this machine no longer answers."""
     import dagster as dg
     from dagster._core.storage.tags import GRPC_INFO_TAG
-
-    from factory.app.instance import _serving
 
     dead = []
     statuses = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING,
@@ -73,8 +69,6 @@ def dead_dagster_runs(inst: Any) -> list[Any]:
 
 def reconcile_dagster() -> list[str]:
     """Report failed the runs ``dead_dagster_runs`` finds; their ids."""
-    from factory.app.instance import instance
-
     if get_settings().database_url:
         return []
     inst = instance()

@@ -21,9 +21,20 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from factory.app.client import TRAINER_RUN_TAG, cancel_chain, chain_runs, follow, submit
+from factory.app.instance import ensure_daemon, instance
+from factory.base_model import require_base_model
+from factory.control.plane import RUN_ACTIVE, cancel_run
 from factory.curation.phrasing import RECALL
 from factory.curation.store import read_eval_split
+from factory.definitions import defs
+from factory.deploy.deployer import Deployer, route_model
+from factory.evals.report import plot_png, read_curves
+from factory.evals.selection import StepScore, format_score
+from factory.experiments import experiment_sha, load_experiment
 from factory.lake import Lake
+from factory.process import signals_ignored
+from factory.settings import get_settings
 
 Progress = Callable[[str], None]
 
@@ -33,8 +44,6 @@ def _print(line: str) -> None:
 
 
 def _plane() -> Any:
-    from factory.definitions import defs
-
     return (defs.resources or {})["provider"].plane(Lake())
 
 
@@ -43,17 +52,12 @@ def cancel_orphan(run_id: str, *, reason: str) -> None:
     run is marked cancelled, its provider stops each live local trainer by its recorded pid
     (after checking the pid still runs that segment's job: a recycled pid is left alone), and
     this waits up to 30 s for them to be gone."""
-    from factory.control.plane import cancel_run
-
     cancel_run(_plane(), run_id, reason=reason, wait_s=30)
 
 
 def _stop(inst: Any, start: str, progress: Progress) -> None:
     """Cancel the chain; then any trainer of it still active (its training_run process died
     before it could cancel it) is cancelled here."""
-    from factory.app.client import TRAINER_RUN_TAG, cancel_chain, chain_runs
-    from factory.control.plane import RUN_ACTIVE
-
     cancel_chain(inst, start, progress)
     trainers = sorted({r.tags[TRAINER_RUN_TAG] for r in chain_runs(inst, start)
                        if r.tags.get(TRAINER_RUN_TAG)})
@@ -68,11 +72,6 @@ def run_experiment(name: str, *, progress: Progress = _print, deploy: bool = Tru
                    poll_s: float = 1.0) -> dict[str, Any]:
     """Take experiment ``name`` from its samples to a deployment (or to the best checkpoint,
     with ``deploy=False`` or ``deploy: manual``) through the instance; the summary."""
-    from factory.app.client import follow, submit
-    from factory.app.instance import ensure_daemon, instance
-    from factory.base_model import require_base_model
-    from factory.experiments import experiment_sha, load_experiment
-
     experiment = load_experiment(name)
     # Before anything is submitted: a recipe whose weights are not here fails in one line.
     require_base_model(experiment.recipe)
@@ -95,7 +94,6 @@ def run_experiment(name: str, *, progress: Progress = _print, deploy: bool = Tru
             outcome = follow(inst, start, progress, poll_s=poll_s)
         except KeyboardInterrupt:
             progress("  interrupted: cancelling the chain ...")
-            from factory.deploy.process import signals_ignored
 
             with signals_ignored():  # a second Ctrl-C must not leave the trainer running
                 _stop(inst, start, progress)
@@ -119,11 +117,6 @@ def summary(lake: Lake, name: str) -> dict[str, Any]:
     """Base score, best score and step, the curve PNG, the endpoint, from the lake; the two
     scores also as ``format_score`` prints them (``*_interval``: mean, 95% interval, count);
     how the dataset's eval set was held out (``eval_split``: ``phrasing`` or ``recall only``)."""
-    from factory.deploy.deployer import Deployer, route_model
-    from factory.evals.report import plot_png, read_curves
-    from factory.evals.selection import StepScore, format_score, summarize
-    from factory.settings import get_settings
-
     settings = get_settings()
     best = lake.sql("SELECT * FROM best_checkpoints WHERE experiment = ? "
                     "ORDER BY selected_at DESC LIMIT 1", [name]).to_pylist() \
@@ -141,7 +134,7 @@ def summary(lake: Lake, name: str) -> dict[str, Any]:
         curves = read_curves(lake, row["run_id"])
         if curves.samples.get(0):
             # The base model's answers, judged in the best run's first eval.
-            out["base_score_interval"] = format_score(summarize(0, curves.samples[0]))
+            out["base_score_interval"] = format_score(curves.summary(0))
         out["curve"] = [[int(s), float(v)] for s, v in curves.scores]
         if curves.scores:
             png = plot_png(curves, settings.home / "reports" / row["run_id"] / "curve.png")

@@ -20,6 +20,7 @@ def materialize(selection: Sequence[str], *, partition_key: str | None = None,
     """Materialize the assets named in ``selection`` (Dagster asset selection strings)."""
     import dagster as dg
 
+    # the definitions load Dagster, torch and every asset (seconds): the CLI imports this module
     from factory.definitions import defs
 
     specs = list(defs.assets or [])

@@ -24,6 +24,8 @@ from factory.errors import FactoryError
 from factory.experiments import BALANCE_BY, UNDETERMINED, group_of, group_source
 from factory.experiments import run_id as run_id_for_key
 from factory.lake import Lake, Lineage
+from factory.normalize import normalize_record
+from factory.normalize.canon import NormalizeError
 from factory.settings import Settings, get_settings
 from factory.trainer.config import Job
 
@@ -111,9 +113,6 @@ def _file_samples(path: Path) -> Iterator[dict[str, Any]]:
     """The canonical samples of a JSONL file of records (any format ``factory ingest`` reads:
     canonical samples, OpenAI chat records...), a line at a time; a line no normalizer takes
     is skipped."""
-    from factory.normalize import normalize_record
-    from factory.normalize.canon import NormalizeError
-
     with path.open("rb") as f:
         for line in f:
             if not line.strip():

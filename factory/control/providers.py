@@ -39,8 +39,9 @@ from typing import Any
 import factory
 from factory import codepin
 from factory.control.base import Handle, ProviderStatus
-from factory.deploy.process import is_alive, runs_command, stop_group
+from factory.process import is_alive, runs_command, stop_group
 from factory.settings import get_settings
+from factory.trainer.__main__ import main
 from factory.trainer.config import Job
 
 _REGISTRY: dict[str, dict[str, tuple[Any, int]]] = {}  # provider -> handle id -> (proc, gpus)
@@ -61,7 +62,6 @@ def _trainer_child(job_path: str, env: dict[str, str], log_path: str) -> None:
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from factory.trainer.__main__ import main
 
     code = 1
     try:

@@ -17,7 +17,6 @@ from factory.curation import detectors, neardup, phrasing
 from factory.curation.config import CurationConfig
 from factory.curation.text import (
     conversation_text,
-    language,
     normalize,
     parse_json,
     prompt_text,
@@ -25,6 +24,7 @@ from factory.curation.text import (
     user_texts,
 )
 from factory.curation.tokens import TokenCounter
+from factory.language import language
 
 FEATURES_SCHEMA = pa.schema([
     ("sample_id", pa.string()),

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from factory.curation.text import words
+from factory.language import words
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

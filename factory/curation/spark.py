@@ -49,6 +49,8 @@ from factory.curation.spark_decide import (
 from factory.curation.spark_report import profile_spark, report_spark
 from factory.curation.tokens import RenderCounter
 from factory.errors import FactoryError
+from factory.settings import check_spark_master
+from factory.tables import TABLES
 
 CONNECT_PACKAGES = {"pandas": "pandas", "grpc": "grpcio", "grpc_status": "grpcio-status",
                     "google.rpc": "googleapis-common-protos", "zstandard": "zstandard"}
@@ -69,9 +71,11 @@ def spark_session(master: str | None = None, *, app: str = "factory-curation",
     import os
     import sys
 
-    from pyspark.sql import SparkSession
-
-    from factory.settings import check_spark_master
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:  # pyspark is the optional extra `spark`
+        raise FactoryError(f"engine 'spark' needs pyspark (pip install 'factory[spark]'): "
+                           f"{exc}") from exc
 
     master = check_spark_master(master or f"local[{cores}]")
     if master.startswith("sc://"):
@@ -306,8 +310,8 @@ def commit(session: Any, experiment: str, result: SparkCurationResult, staging: 
     import pyarrow.parquet as pq
     from pyspark.sql import functions as F
 
+    # the lake (pyiceberg) is the driver's: Spark's Python workers import this module too
     from factory.curation.store import experiment_filter
-    from factory.tables import TABLES
 
     flt = experiment_filter(experiment)
     snaps: dict[str, Any] = {}

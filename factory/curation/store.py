@@ -17,6 +17,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from factory.base_model import model_dir_for
 from factory.curation.config import CurationConfig, check_experiment_name
 from factory.errors import FactoryError
 from factory.lake import Lake, LakeSession
@@ -32,8 +33,6 @@ def experiment_filter(name: str) -> str:
 def tokenizer_dir_for(recipe: str) -> Path:
     """The tokenizer folder of a recipe's base model (built on first use);
     ``MissingBaseModelError`` when its model is not on this machine."""
-    from factory.base_model import model_dir_for
-
     return model_dir_for(recipe)
 
 

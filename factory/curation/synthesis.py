@@ -1,7 +1,5 @@
 """Synthesis: a teacher model writes new train samples for an experiment's thin slices.
 
-(``factory.curation.synthetic`` is something else: the seeded generator of test data.)
-
 For each thin slice (``factory.curation.slices``) synthesis fills the slice toward its even
 share: its *target* is the samples it lacks, at most ``max_per_slice``, and it plans
 ``attempts_per_sample`` attempts per sample of the target (rounded up), since many attempts

@@ -26,6 +26,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from tokenizers import Tokenizer
+
+from factory.settings import get_settings
 from factory.trainer.chat import ImageText, chat_format, common_prefix, spans, text_only_image
 from factory.trainer.vision import MissingImage, Vision, blob_reader, has_vision, image_text
 
@@ -74,8 +77,6 @@ class RenderCounter:
             return text_only_image
         blob_dir = self.blob_dir
         if blob_dir is None:
-            from factory.settings import get_settings
-
             blob_dir = str(get_settings().blobs)
         vision = _vision(self.tokenizer_dir, blob_dir)
         if vision is None:
@@ -159,8 +160,6 @@ def _vision(model_dir: str, blob_dir: str) -> Vision | None:
 
 @cache
 def _load(path: str) -> Any:
-    from tokenizers import Tokenizer
-
     folder = Path(path)
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"{folder} has no tokenizer.json (a fast tokenizer is needed)")

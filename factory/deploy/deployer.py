@@ -37,11 +37,12 @@ from factory.deploy.hosts import (
     ServerSpec,
     placement_of,
 )
-from factory.deploy.process import is_alive, runs_command
 from factory.errors import FactoryError
+from factory.gateway import Route, load_routes, register_route, unregister_route
 from factory.inference import ServeSizing
 from factory.inference.sizing import DEFAULTS, ServingSize, plan_of_run, serving_size_for
 from factory.lake import Lake, LakeSession
+from factory.process import is_alive, runs_command
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 CHECKPOINT_KEY_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127}):(\d+)$")
@@ -134,6 +135,12 @@ class Deployment:
     started_at: datetime | None = None
     stopped_at: datetime | None = None
     updated_at: datetime | None = None
+    structured_outputs: str | None = None
+    """JSON of the decoding constraint its route adds (``Route.structured_outputs``), or None."""
+
+    @property
+    def constraint(self) -> dict[str, Any] | None:
+        return json.loads(self.structured_outputs) if self.structured_outputs else None
 
     @property
     def number(self) -> int:
@@ -288,11 +295,15 @@ class Deployer:
 
     # -- operations ------------------------------------------------------------------------------
     def deploy(self, name: str, checkpoint: str | None = None, *,
-               candidate: bool = False) -> Deployment:
+               candidate: bool = False,
+               structured_outputs: Mapping[str, Any] | None = None) -> Deployment:
         """Serve ``checkpoint`` (default: the best one) as the next version of ``name``.
 
         ``candidate``: serve it beside the live version without moving ``factory/<name>``
         (status ``candidate``, replacing an earlier candidate); ``promote`` moves the route.
+        ``structured_outputs``: the decoding constraint its route adds to requests that send
+        none (the closed answer set its run was evaluated under); kept with the version, so a
+        promotion or a rollback routes it the same way.
         """
         name = check_name(name)
         with self._lock(name):
@@ -301,7 +312,10 @@ class Deployer:
             version = f"v{max(numbers, default=0) + 1}"
             return self._launch(name, version, ckpt, candidate=candidate,
                                 reason=f"{'candidate' if candidate else 'deploy'} "
-                                       f"({ckpt.source})")
+                                       f"({ckpt.source})",
+                                structured_outputs=json.dumps(dict(structured_outputs),
+                                                              sort_keys=True)
+                                if structured_outputs else None)
 
     def candidate(self, name: str) -> Deployment | None:
         """The newest version serving as a candidate, if any."""
@@ -311,8 +325,6 @@ class Deployer:
     def promote(self, name: str, version: str | None = None) -> Deployment:
         """Move ``factory/<name>`` to a candidate (default: the newest) and retire the version
         it replaces."""
-        from factory.gateway import Route, register_route
-
         name = check_name(name)
         with self._lock(name):
             candidates = [d for d in self.versions(name) if d.status == CANDIDATE]
@@ -338,15 +350,13 @@ class Deployer:
             self._write([dep.row()])
             register_route(Route(model=dep.route_model, provider="openai",
                                  base_url=dep.endpoint, deployment=dep.adapter,
-                                 version=dep.version),
+                                 version=dep.version, structured_outputs=dep.constraint),
                            lake=self.lake, lineage=self.session.lineage)
             self._retire_all(previous, reason=f"replaced by {dep.version} (promoted)")
             return dep
 
     def undeploy(self, name: str) -> Deployment:
         """Remove the route ``factory/<name>`` and stop the live version."""
-        from factory.gateway import load_routes, unregister_route
-
         name = check_name(name)
         with self._lock(name):
             live = self.live(name)
@@ -386,7 +396,8 @@ class Deployer:
                 source="rollback")
             self.resolve(name, target.checkpoint)  # records the checkpoint read for lineage
             return self._launch(name, target.version, ckpt,
-                                reason=f"rollback from {live.version}")
+                                reason=f"rollback from {live.version}",
+                                structured_outputs=target.structured_outputs)
 
     # -- internals -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -404,9 +415,7 @@ class Deployer:
         self.session.append("deployments", rows)
 
     def _launch(self, name: str, version: str, ckpt: Checkpoint, *, reason: str,
-                candidate: bool = False) -> Deployment:
-        from factory.gateway import Route, register_route
-
+                candidate: bool = False, structured_outputs: str | None = None) -> Deployment:
         cfg = self.config
         # Every version still marked active (normally the one live version; more only after a
         # deploy was interrupted) is retired once the new one serves; a new candidate replaces
@@ -430,7 +439,8 @@ class Deployer:
                          route_model=route_model(name), endpoint=placed.endpoint,
                          backend=cfg.backend, status="starting", pid=placed.pid,
                          port=placed.port, log_path=placed.log_path, run_id=ckpt.run_id,
-                         step=ckpt.step, reason=reason, started_at=now)
+                         step=ckpt.step, reason=reason, started_at=now,
+                         structured_outputs=structured_outputs)
         self._write([dep.row()])
         try:
             self.host.wait_ready(dep, cfg.startup_timeout_s)
@@ -450,7 +460,8 @@ class Deployer:
             return dep
         # The route moves only now that the new version answers: no request sees a cold server.
         register_route(Route(model=dep.route_model, provider="openai", base_url=dep.endpoint,
-                             deployment=adapter, version=version),
+                             deployment=adapter, version=version,
+                             structured_outputs=dep.constraint),
                        lake=self.lake, lineage=self.session.lineage)
         self._retire_all(previous, reason=f"replaced by {version}")
         return dep

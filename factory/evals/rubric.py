@@ -37,7 +37,7 @@ A criterion's ``check`` says how it is checked:
 ``tool_calls``           the answer calls the reference's tools, by name, with arguments that
                          validate against the request's declared parameter schema
 ``length_band``          answer length in characters within ``params.min_chars..max_chars``
-``language``             the answer's language (``factory.curation.text.language``) is
+``language``             the answer's language (``factory.language.language``) is
                          ``params.language``
 ``single_line``          the answer is one line
 ``reference_similarity`` semantic similarity to the reference: cosine of sentence embeddings
@@ -47,7 +47,9 @@ A criterion's ``check`` says how it is checked:
 =======================  ===================================================================
 
 Inference writes only the exact checks and the free-text ones; ``json_valid``,
-``json_schema``, ``json_fields_match`` and ``tool_calls`` serve inline and stored rubrics.
+``json_schema``, ``json_fields_match`` and ``tool_calls`` serve inline and stored rubrics. A closed task's
+answer set (its labels, the shape of its JSON) is ``structured_outputs(rubric)``, what an eval
+may constrain decoding to (``eval.constrain``).
 
 Every criterion scores 0..1 for one answer (the LLM judge's 1-10 maps to ``(s - 1) / 9``), and
 a sample's score is the weighted mean over the criteria its judge can score: 0 is useless, 1
@@ -65,6 +67,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from factory.language import language
 
 CHECKS = ("tool_call_match", "json_match", "label_match", "json_valid", "json_schema",
           "json_fields_match", "tool_calls", "length_band", "language", "single_line",
@@ -284,7 +288,12 @@ def _json_criteria(texts: Sequence[str]) -> list[Criterion]:
     described = "JSON with the reference's values"
     if len(objects) >= _MAJORITY * len(texts):
         key_count = Counter(k for o in objects for k in o)
-        required = sorted(k for k, c in key_count.items() if c >= _MAJORITY * len(objects))
+        common = {k for k, c in key_count.items() if c >= _MAJORITY * len(objects)}
+        # In the order the references write them: the answer set's JSON Schema
+        # (``structured_outputs``) lists them so, and grammar engines keep a schema's order.
+        orders = Counter(tuple(k for k in o if k in common) for o in objects)
+        written = orders.most_common(1)[0][0]
+        required = [*written, *sorted(common - set(written))]
         params = {"required": required,
                   "properties": {k: sorted({json_type(o[k]) for o in objects if k in o})
                                  for k in sorted(key_count)},
@@ -298,8 +307,6 @@ def _json_criteria(texts: Sequence[str]) -> list[Criterion]:
 
 def _free_text_criteria(texts: Sequence[str]) -> list[Criterion]:
     """Length, language and line shape of the references, and similarity to them."""
-    from factory.curation.text import language
-
     crit: list[Criterion] = []
     if texts:
         lengths = sorted(len(t.strip()) for t in texts)
@@ -351,6 +358,49 @@ def closed_labels(texts: Sequence[str]) -> list[str] | None:
         return None
     distinct = sorted(set(label_like))
     return distinct if len(distinct) <= max(2, len(texts) // 2) else None
+
+
+# --- closed answers -----------------------------------------------------------------------------
+
+
+def label_forms(label: str) -> list[str]:
+    """The ways of writing ``label`` (a normalized one) that ``normalize_label`` reads as it:
+    as stored, capitalized, title-cased and upper-cased, so a model trained on ``Billing``
+    may write it so."""
+    return list(dict.fromkeys([label, label.capitalize(), label.title(), label.upper()]))
+
+
+def structured_outputs(rubric: Rubric) -> dict[str, Any] | None:
+    """The answer set of a closed task, as the serving protocol's ``structured_outputs``
+    (``factory.inference.constrain``): ``{"choice": [...]}`` for labels (each label in its
+    ``label_forms``), ``{"json": SCHEMA}`` for JSON (an object with the references' keys in
+    the order they write them, ``required`` first: llguidance, xgrammar and outlines all keep
+    a schema's property order; their value types; no other key unless the references had
+    optional ones). None for tool calls (references that call no tool are right answers too,
+    and a call is text around JSON) and for free text."""
+    for c in rubric.criteria:
+        kind = KIND_OF_CHECK.get(c.check)
+        if kind == "labels":
+            labels = c.params.get("labels") or []
+            if not labels:
+                return None
+            return {"choice": [f for label in labels for f in label_forms(str(label))]}
+        if kind == "json":
+            props: dict[str, list[str]] = c.params.get("properties") or {}
+            if not props:
+                return {"json": {"json_match": {"type": ["object", "array"]},
+                                 "json_fields_match": {"type": "object"}}.get(c.check, {})}
+            required = [k for k in c.params.get("required") or [] if k in props]
+            order = [*required, *sorted(set(props) - set(required))]
+            return {"json": {
+                "type": "object",
+                "properties": {k: {"type": props[k][0] if len(props[k]) == 1
+                                   else list(props[k])} for k in order},
+                "required": required,
+                "additionalProperties": bool(c.params.get("additional", False))}}
+        if kind is not None:
+            return None
+    return None
 
 
 # --- code checks ------------------------------------------------------------------------------
@@ -411,8 +461,6 @@ def check_answer(c: Criterion, answer: Answer, reference: Answer | None) -> tupl
             return 1.0, f"{n} characters, within {lo}-{hi}"
         return 0.0, f"{n} characters, outside {lo}-{hi}"
     if c.check == "language":
-        from factory.curation.text import language
-
         got_lang = language(answer.text)
         want_lang = c.params["language"]
         return (1.0 if got_lang == want_lang else 0.0), \

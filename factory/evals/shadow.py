@@ -10,13 +10,16 @@ or tool-call match) scores 1.0 where the rubric has one, else the combined score
 **Agreement** is the share of scored pairs that pass, with its 95% Wilson interval. A shadow
 policy promotes on the interval's lower bound, not the share: 20 of 20 pairs passing is 1.000
 but only [0.839, 1.000], which does not show 0.95 agreement; at the default 200 pairs a 0.95
-policy needs 197 of them passing (lower bound 0.957; 196 give 0.9497).
+policy needs 197 of them passing (lower bound 0.957; 196 give 0.9497). Pairs asked the same
+way (one ``phrasing_key``: ``factory.curation.phrasing``) tend to pass or fail together, so the
+interval is taken on the effective count of those clusters (``selection.summarize``) and prints
+``n=200 in 40 clusters``; pairs each asked their own way keep the plain Wilson interval.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -25,6 +28,7 @@ from factory.evals.judges import EvalItem, ScoreRow, answer_from_message
 from factory.evals.rubric import Rubric
 from factory.evals.runner import to_openai_tools
 from factory.evals.selection import WILSON, Interval, format_score, wilson_interval
+from factory.evals.selection import summarize as summarize_scores
 
 EXACT_CHECKS = frozenset({"tool_call_match", "json_match", "label_match", "tool_calls"})
 """Criteria that decide a pass on their own: the answer matches the reference exactly or not."""
@@ -61,10 +65,18 @@ def _loads(text: Any) -> Any:
     return json.loads(text) if isinstance(text, str) else text
 
 
+ClusterKey = Callable[[Sequence[Mapping[str, Any]]], str]
+"""A request's phrasing cluster key from its messages (the ``shadow_scores`` asset passes
+``factory.curation.phrasing``'s: the digest of the user turns' skeleton); "" for none."""
+
+
 def score_pairs(pairs: Sequence[dict[str, Any]], rubric: Rubric, judge: Any, *,
-                pass_score: float | None = None) -> list[dict[str, Any]]:
+                pass_score: float | None = None,
+                cluster_key: ClusterKey | None = None) -> list[dict[str, Any]]:
     """``shadow_scores`` rows for ``pairs`` (rows of ``shadow_pairs``). Pairs whose frontier
-    answer is unusable have no reference and are not scored."""
+    answer is unusable have no reference and are not scored. ``cluster_key``: each row's
+    ``phrasing_key`` from its request's messages (null without it, or for an empty key), so
+    the agreement's interval counts pairs asked the same way as one cluster."""
     now = datetime.now(UTC)
     out: list[dict[str, Any]] = []
     items: list[EvalItem] = []
@@ -77,15 +89,18 @@ def score_pairs(pairs: Sequence[dict[str, Any]], rubric: Rubric, judge: Any, *,
         frontier = _loads(pair.get("frontier_message"))
         if not frontier:
             continue
+        request = _loads(pair.get("request")) or {}
+        messages = list((request.get("messages") if isinstance(request, dict) else None)
+                        or [])
+        base["phrasing_key"] = (cluster_key([m for m in messages if isinstance(m, dict)])
+                                or None) if cluster_key else None
         candidate = _loads(pair.get("candidate_message"))
         if not candidate:
             out.append({**base, "score": 0.0, "passed": False,
                         "assessment": pair.get("candidate_error") or "candidate gave no answer"})
             continue
-        request = _loads(pair.get("request")) or {}
-        messages = request.get("messages") if isinstance(request, dict) else None
         items.append(EvalItem(sample_id=str(pair["pair_id"]),
-                              messages=list(messages or []),
+                              messages=messages,
                               tools=to_openai_tools(request.get("tools")
                                                     if isinstance(request, dict) else None),
                               reference=answer_from_message(frontier)))
@@ -118,12 +133,23 @@ class ShadowSummary:
     agreement: float | None
     """Share of scored pairs that pass (None before any is scored)."""
     mean_score: float | None
+    outcomes: tuple[tuple[bool, str], ...] = ()
+    """Each scored pair's pass and phrasing cluster (its ``phrasing_key``, else its own id);
+    empty where not read, and every pair counts as independent."""
 
     @property
     def agreement_interval(self) -> Interval | None:
-        """The agreement with its 95% Wilson interval (None before any pair is scored)."""
+        """The agreement with its 95% Wilson interval (None before any pair is scored), taken
+        on the effective count of the pairs' phrasing clusters where pairs share one
+        (``selection.summarize``): 200 pairs asked in 10 ways tell less than 200 asked in 200."""
         if not self.num_scored:
             return None
+        if len(self.outcomes) == self.num_scored:
+            s = summarize_scores(0, [1.0 if passed else 0.0 for passed, _ in self.outcomes],
+                                 clusters=[cluster for _, cluster in self.outcomes])
+            return Interval(mean=s.mean, ci_low=s.ci_low, ci_high=s.ci_high,
+                            num_samples=s.num_samples, method=s.method,
+                            num_clusters=s.num_clusters)
         low, high = wilson_interval(self.num_passed, self.num_scored)
         return Interval(mean=self.num_passed / self.num_scored, ci_low=low, ci_high=high,
                         num_samples=self.num_scored, method=WILSON)
@@ -158,18 +184,21 @@ def summarize(session: Any, experiment: str, version: str | None = None) -> Shad
         where, params = where + " AND version = ?", params + [version]
     pairs = session.sql(f"SELECT count(*) AS n, count(*) FILTER (WHERE candidate_message IS "
                         f"NULL) AS failed FROM shadow_pairs WHERE {where}", params).to_pylist()[0]
-    scored = {"n": 0, "passed": 0, "mean": None}
-    if _exists(session, "shadow_scores"):
-        scored = session.sql(
-            "SELECT count(*) AS n, count(*) FILTER (WHERE passed) AS passed, avg(score) AS mean "
-            f"FROM {LATEST_SCORES} s WHERE {where}", [experiment, *params]).to_pylist()[0]
-    n = int(scored["n"] or 0)
+    rows = session.sql(
+        f"SELECT pair_id, passed, score, phrasing_key FROM {LATEST_SCORES} s WHERE {where} "
+        "ORDER BY pair_id", [experiment, *params]).to_pylist() \
+        if _exists(session, "shadow_scores") else []
+    # A pair without a phrasing key (none given to score_pairs, no user text) is its own cluster.
+    outcomes = tuple((bool(r["passed"]), r["phrasing_key"] or f"pair:{r['pair_id']}")
+                     for r in rows)
+    n, passed = len(rows), sum(p for p, _ in outcomes)
+    graded = [float(r["score"]) for r in rows if r["score"] is not None]
     return ShadowSummary(experiment=experiment, version=version, num_pairs=int(pairs["n"]),
-                         num_scored=n, num_passed=int(scored["passed"] or 0),
+                         num_scored=n, num_passed=passed,
                          num_failed_calls=int(pairs["failed"] or 0),
-                         agreement=(int(scored["passed"] or 0) / n) if n else None,
-                         mean_score=float(scored["mean"]) if scored["mean"] is not None
-                         else None)
+                         agreement=passed / n if n else None,
+                         mean_score=sum(graded) / len(graded) if graded else None,
+                         outcomes=outcomes)
 
 
 def unscored_pairs(session: Any, experiment: str, rubric_version: str,

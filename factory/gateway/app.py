@@ -28,9 +28,10 @@ from factory.gateway.asgi import (
     read_body,
     reply,
 )
+from factory.gateway.captures import stream_complete
 from factory.gateway.config import PROVIDERS, GatewayConfig
 from factory.gateway.errors import error_body
-from factory.gateway.flusher import Flusher, IngestFn, stream_complete
+from factory.gateway.flusher import Flusher, IngestFn
 from factory.gateway.keys import KeyStore, keys_path
 from factory.gateway.metrics import Metrics
 from factory.gateway.routes import RoutingTable
@@ -42,6 +43,8 @@ from factory.gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from factory.lake import Lake
+from factory.normalize.otlp import split_otlp
 from factory.settings import Settings, get_settings
 
 log = logging.getLogger("factory.gateway")
@@ -109,8 +112,6 @@ class Gateway:
                                  segment_max_bytes=config.segment_max_bytes)
 
         def default_lake() -> Any:
-            from factory.lake import Lake
-
             return Lake(self.settings, patience_s=LAKE_PATIENCE_S)
 
         self._lake_factory = lake_factory or default_lake
@@ -230,6 +231,7 @@ class Gateway:
 
     def _trainer_events_route(self) -> Any:
         if self._trainer_route is None:
+            # the control plane loads torch (~2 s): built on the first trainer event
             from factory.control.receiver import env_secrets, trainer_events_route
 
             self._trainer_route = trainer_events_route(self._lake_factory(), env_secrets)
@@ -380,6 +382,12 @@ class Gateway:
                     path = f"{_GEMINI_PREFIX}{target.deployment}:{route}"
                 else:
                     upstream_body = orjson.dumps({**request, "model": target.deployment})
+            if target.structured_outputs and provider == "openai" \
+                    and "structured_outputs" not in request:
+                # The deployment answers its closed task constrained, as it was evaluated.
+                upstream_body = orjson.dumps({**request, "model": target.deployment
+                                              or request.get("model"),
+                                              "structured_outputs": target.structured_outputs})
 
         forward = [(k, v) for k, v in headers.items()
                    if k not in _DROP_REQUEST and not k.startswith(b"x-factory-")]
@@ -576,7 +584,6 @@ class Gateway:
         encoding = headers.get(b"content-encoding")
         try:
             project, tags = _metadata(headers)
-            from factory.normalize.otlp import split_otlp
 
             records = split_otlp(body, content_type,
                                  encoding.decode("latin-1") if encoding else None)

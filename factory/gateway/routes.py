@@ -9,14 +9,16 @@ model with no route goes to the provider's configured upstream.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from factory.gateway.config import PROVIDERS
+from factory.lake import Lake
 
 if TYPE_CHECKING:
     from factory.lake import Lake, Lineage
@@ -38,6 +40,10 @@ class Route:
     """Model name the upstream knows it by (the request's ``model`` is rewritten); None keeps it."""
     version: str | None = None
     """Free version tag recorded on every capture through this route (``route_version`` tag)."""
+    structured_outputs: dict[str, Any] | None = None
+    """The decoding constraint (``{"choice": [...]}`` or ``{"json": schema}``) added to an
+    OpenAI request through this route that sends none: a deployment serves its closed-answer
+    task constrained as its run was evaluated (``eval.constrain``). None: nothing added."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -54,16 +60,12 @@ def register_route(route: Route, *, lake: Lake | None = None,
                    lineage: Lineage | None = None) -> None:
     """Add or replace the route for ``route.model`` (running gateways pick it up within
     ``routes_poll_s``)."""
-    from factory.lake import Lake
-
     (lake or Lake()).append("routes", [_row(route, active=True)], lineage=lineage)
 
 
 def unregister_route(model: str, *, lake: Lake | None = None,
                      lineage: Lineage | None = None) -> None:
     """Remove the route for ``model``; its calls go back to the provider's default upstream."""
-    from factory.lake import Lake
-
     lake = lake or Lake()
     current = load_routes(lake)
     if model not in current:
@@ -80,9 +82,12 @@ def load_routes(lake: Lake) -> dict[str, Route]:
     routes: dict[str, Route] = {}
     for row in rows:
         if row["active"]:
+            constraint = row.get("structured_outputs")
             routes[row["model"]] = Route(model=row["model"], provider=row["provider"],
                                          base_url=row["base_url"], deployment=row["deployment"],
-                                         version=row["version"])
+                                         version=row["version"],
+                                         structured_outputs=json.loads(constraint)
+                                         if constraint else None)
         else:
             routes.pop(row["model"], None)
     return routes
@@ -91,7 +96,9 @@ def load_routes(lake: Lake) -> dict[str, Route]:
 def _row(route: Route, *, active: bool) -> dict[str, object]:
     return {"model": route.model, "provider": route.provider, "base_url": route.base_url,
             "deployment": route.deployment, "version": route.version, "active": active,
-            "registered_at": datetime.now(UTC)}
+            "registered_at": datetime.now(UTC),
+            "structured_outputs": json.dumps(route.structured_outputs, sort_keys=True)
+            if route.structured_outputs else None}
 
 
 class RoutingTable:

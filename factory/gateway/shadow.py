@@ -31,7 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from factory.gateway.captures import capture_payload, capture_raw_trace_id
 from factory.gateway.upstream import UpstreamError, UpstreamPool
+from factory.lake import Lake, Lineage
+from factory.normalize import normalize_record
 
 if TYPE_CHECKING:
     from factory.gateway.spool import SpoolEntry
@@ -78,15 +81,11 @@ class ShadowRule:
 def register_shadow(rule: ShadowRule, *, lake: Lake | None = None,
                     lineage: Lineage | None = None) -> None:
     """Start (or replace) shadowing of ``rule.route``; gateways pick it up with their routes."""
-    from factory.lake import Lake
-
     (lake or Lake()).append("shadows", [_row(rule, active=True)], lineage=lineage)
 
 
 def end_shadow(route: str, *, lake: Lake | None = None, lineage: Lineage | None = None) -> None:
     """Stop shadowing ``route``."""
-    from factory.lake import Lake
-
     lake = lake or Lake()
     current = load_shadows(lake)
     if route not in current:
@@ -265,8 +264,6 @@ def _final_message(provider_payload: dict[str, Any]) -> tuple[dict[str, Any] | N
                                                                dict[str, int], str | None]:
     """The canonical assistant message a chat-completions capture ends with, its token usage,
     and why there is none (a garbage or error answer)."""
-    from factory.normalize import normalize_record
-
     usage: dict[str, int] = {}
     response = provider_payload.get("response")
     if isinstance(response, dict) and isinstance(response.get("usage"), dict):
@@ -286,8 +283,6 @@ def _final_message(provider_payload: dict[str, Any]) -> tuple[dict[str, Any] | N
 def pair_rows(entries: list[SpoolEntry]) -> list[dict[str, Any]]:
     """``shadow_pairs`` rows from shadow frames (ids are the frames' own, so a batch replayed
     after a crash between commit and delete is recognized)."""
-    from factory.gateway.flusher import capture_payload, capture_raw_trace_id
-
     rows = []
     for entry in entries:
         h = entry.header
@@ -345,8 +340,6 @@ def commit_pairs(lake: Lake, entries: list[SpoolEntry], *, check_existing: bool 
 
     ``check_existing`` False skips looking for them in the table: the flusher knows a batch
     cannot be a replay when every segment of it was created after it took the flush lock."""
-    from factory.lake import Lineage
-
     rows = pair_rows(entries)
     if check_existing and lake.exists("shadow_pairs") and rows:
         low = min(r["created_at"] for r in rows).isoformat()

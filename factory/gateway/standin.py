@@ -28,6 +28,7 @@ from factory.gateway.asgi import (
     read_body,
     reply,
 )
+from factory.gateway.server import _uvicorn_config, bind
 
 
 def _text_of(content: Any) -> str:
@@ -189,8 +190,6 @@ def _stream(provider: str, model: str, text: str, *, sse: bool) -> list[bytes]:
 
 def main() -> None:
     import uvicorn
-
-    from factory.gateway.server import _uvicorn_config, bind
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")

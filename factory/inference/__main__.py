@@ -13,6 +13,8 @@ import os
 import socket
 import sys
 
+from factory.trainer.cores import CoreShare
+
 
 def _bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: a free port the kernel picks), not listening yet:
@@ -58,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         with os.fdopen(args.port_fd, "w") as report:
             report.write(f"{sock.getsockname()[1]}\n")
 
+    # torch and the server (~2 s) load after the port is reported: the caller waits on the port
     import torch
 
     from factory.inference.engine import Engine, EngineError
     from factory.inference.server import create_app, serve
-    from factory.trainer.cores import CoreShare
 
     if args.threads:
         torch.set_num_threads(args.threads)

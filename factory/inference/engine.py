@@ -16,8 +16,11 @@ pixels are fed with the prompt, with Qwen2.5-VL's 3-D rotary positions from the 
 
 Generation is a hand-written KV-cached loop over a left-padded batch (greedy, or sampled when a
 request sets ``temperature > 0``), so one pass serves several requests, streams tokens as they
-come, and reads each token's log-probability at no extra cost. Requests for the same model are
-batched together by ``BatchScheduler``; the model itself is used by one thread at a time.
+come, and reads each token's log-probability at no extra cost. A request's ``constraint``
+(``factory.inference.constrain``: a choice, a JSON Schema) masks the tokens its row may pick,
+each row on its own, so constrained and free requests share a batch. Requests for the same
+model are batched together by ``BatchScheduler``; the model itself is used by one thread at a
+time.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from factory.blobs import BlobStore
 from factory.trainer.chat import chat_format, chat_template
 from factory.trainer.cores import CoreShare
+from factory.trainer.model import auto_model_class
+from factory.trainer.progress import quiet_progress_bars
 from factory.trainer.vision import ImageInput, Vision, blob_reader, has_vision, stack
 
 TokenCallback = Callable[[int, str], None]
@@ -41,6 +47,17 @@ TokenCallback = Callable[[int, str], None]
 
 class EngineError(ValueError):
     """A request the engine cannot serve (unknown model, bad adapter, prompt too long)."""
+
+
+class TokenConstraint(Protocol):
+    """What a request's tokens may be (``factory.inference.constrain``): asked before each
+    token is picked, told the token picked."""
+
+    def mask(self) -> torch.Tensor:
+        """The tokens allowed next: a bool tensor over the tokenizer's ids."""
+
+    def advance(self, token_id: int) -> None:
+        """``token_id`` was generated."""
 
 
 @dataclass(kw_only=True)
@@ -67,6 +84,9 @@ class GenerationRequest:
     """The prompt's images in the order of their tokens (a vision model's requests only)."""
     on_token: TokenCallback | None = None
     """Streaming callback."""
+    constraint: TokenConstraint | None = None
+    """Tokens outside its mask are never picked (None: unconstrained). Log-probs stay the
+    model's own, before the mask, as vLLM reports them."""
 
 
 @dataclass(kw_only=True)
@@ -134,8 +154,6 @@ class Engine:
     def __init__(self, model: str | Path, *, served_model_name: str | None = None,
                  dtype: str = "float32", max_model_len: int = 4096,
                  base_chat_template: str = "trainer") -> None:
-        from factory.trainer.model import auto_model_class, quiet_progress_bars
-
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: must be float32 or bfloat16, got {dtype!r}")
         self.model_path = str(model)
@@ -145,8 +163,6 @@ class Engine:
         self.vision: Vision | None = None
         """The image processor of a vision-language model (None: images are ``[image]``)."""
         if has_vision(model):
-            from factory.blobs import BlobStore
-
             self.vision = Vision(model, blob_reader(BlobStore().root))
         self.tokenizer = _load_tokenizer(model, template, vision=self.vision is not None)
         self.dtype = torch.float32 if dtype == "float32" else torch.bfloat16
@@ -372,15 +388,20 @@ class Engine:
                 want_lp = any(r.top_logprobs is not None for r in requests)
                 lsm = torch.log_softmax(logits, dim=-1) if want_lp else None
                 for i, r in enumerate(requests):
+                    row = logits[i]
+                    if r.constraint is not None and finish[i] is None:
+                        row = _masked(row, r.constraint.mask(), stops)
                     if r.temperature > 0:
-                        next_ids[i] = _sample(logits[i], r.temperature, r.top_p, gens[i])
+                        next_ids[i] = _sample(row, r.temperature, r.top_p, gens[i])
                     else:
-                        next_ids[i] = int(logits[i].argmax())
+                        next_ids[i] = int(row.argmax())
                 for i, r in enumerate(requests):
                     if finish[i] is not None:
                         continue
                     t = int(next_ids[i])
                     out_ids[i].append(t)
+                    if r.constraint is not None:
+                        r.constraint.advance(t)
                     if r.top_logprobs is not None:
                         assert lsm is not None
                         logprobs[i].append(_token_logprob(lsm[i], t, r.top_logprobs))
@@ -419,6 +440,18 @@ class Engine:
                 num_prompt_tokens=len(r.prompt_ids),
                 logprobs=logprobs[i] if r.top_logprobs is not None else None))
         return results
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor, stops: set[int]) -> torch.Tensor:
+    """``logits`` with every token outside ``allowed`` at -inf (the model's rows may be longer
+    than the tokenizer's ids: the extra ones are never allowed); a mask that allows nothing
+    allows the stop tokens, so a constraint with nothing left to say ends the completion."""
+    n = min(len(allowed), len(logits))
+    keep = torch.zeros(len(logits), dtype=torch.bool)
+    keep[:n] = allowed[:n]
+    if not keep.any():
+        keep[[t for t in stops if t < len(logits)]] = True
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float,

@@ -46,9 +46,13 @@ from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
 import httpx
+from tokenizers import Tokenizer
 
 from factory import codepin
+from factory.blobs import BlobStore
 from factory.errors import FactoryError
+from factory.inference.client import InferenceClient
+from factory.inference.protocol import image_data_urls
 from factory.inference.vllm import (
     BUILD_HINT,
     IMAGE,
@@ -61,6 +65,9 @@ from factory.inference.vllm import (
     vllm_serve_command,
 )
 from factory.lifeline import guard, release
+from factory.settings import get_settings
+from factory.trainer.chat import CHAT_TEMPLATE, chat_format, chat_template
+from factory.trainer.cores import claim_for, folder_of
 
 BACKENDS = ("transformers", "vllm")
 
@@ -158,12 +165,9 @@ def model_chat_template(model: str) -> str:
     """The trainer's template for base model ``model``: of its tokenizer's chat format when
     ``model`` is a folder with a ``tokenizer.json``, ChatML otherwise (a hub id: the Qwen
     recipes' format)."""
-    from factory.trainer.chat import CHAT_TEMPLATE, chat_format, chat_template
-
     path = Path(model) / "tokenizer.json"
     if not path.is_file():
         return CHAT_TEMPLATE
-    from tokenizers import Tokenizer
 
     return chat_template(chat_format(Tokenizer.from_file(str(path))))
 
@@ -171,9 +175,6 @@ def model_chat_template(model: str) -> str:
 def chat_template_file(template: str | None = None) -> Path:
     """``<home>/inference/chat-template-<sha256 prefix>.jinja`` holding ``template`` (ChatML's
     ``CHAT_TEMPLATE`` by default), written (atomically) if it is not there yet."""
-    from factory.settings import get_settings
-    from factory.trainer.chat import CHAT_TEMPLATE
-
     data = (template or CHAT_TEMPLATE).encode("utf-8")
     folder = get_settings().home / "inference"
     path = folder / f"chat-template-{hashlib.sha256(data).hexdigest()[:16]}.jinja"
@@ -301,8 +302,6 @@ class InferenceServer:
         server's (its environment's ``FACTORY_CORE_SHARES``). None, and nothing written, for
         the CPU server (it claims while it has requests itself), a GPU build, or sharing off.
         The claim goes when the process exits."""
-        from factory.trainer.cores import claim_for, folder_of
-
         pid = pid if pid is not None else self.proc.pid if self.proc is not None else None
         threads = busy_threads(self.vllm, self.threads) if self.backend == "vllm" else None
         folder = folder_of({**os.environ, **self.environment()})
@@ -462,14 +461,12 @@ class InferenceServer:
             self._log_file = None
 
     def client(self, timeout_s: float = 600.0) -> Any:
-        from factory.inference.client import InferenceClient
+        # torch (~2 s): only a model that reads images needs it; deploys and the daemon import this
         from factory.trainer.vision import has_vision
 
         image_url = None
         if has_vision(self.model):
             # the model reads images: send them as data URLs of the blob store's bytes
-            from factory.blobs import BlobStore
-            from factory.inference.protocol import image_data_urls
 
             image_url = image_data_urls(BlobStore().root)
         return InferenceClient(self.base_url, timeout_s=timeout_s, image_url=image_url)

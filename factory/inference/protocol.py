@@ -141,6 +141,7 @@ def image_data_urls(blob_root: str | Path) -> ImageURL:
     """Canonical image parts as ``data:`` URLs of their bytes in the blob store under
     ``blob_root`` (a remote image's part as its ``url``); ``ValueError`` naming the sha256 when
     the blob is not there."""
+    # torch (~2 s): only a client of a model that reads images needs it
     from factory.trainer.vision import MissingImage, blob_reader
 
     read = blob_reader(blob_root)

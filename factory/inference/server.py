@@ -21,12 +21,15 @@ server against them.
   parts by sha256 read from the blob store) go through a vision-language model's processor and
   are fed with the prompt; a remote URL (never fetched) or an image missing from the blob store
   is a 400. A text-only model renders an image as ``[image]``, the text it was trained on.
+  vLLM's ``structured_outputs`` (``{"choice": [...]}`` or ``{"json": SCHEMA}``) constrains
+  decoding to one of the strings or to JSON of the schema (``factory.inference.constrain``);
+  its other keys are a 400.
 - ``POST /v1/completions``: one prompt, text or token ids, not streamed; ``max_tokens``
   (default 16; 0 only with ``echo``), ``echo``, ``logprobs`` (the OpenAI legacy shape:
   ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``, prompt tokens included with
   ``echo``), ``temperature``/``top_p``/``seed``, ``stop``, and vLLM's ``prompt_logprobs``,
-  ``return_token_ids`` and ``return_tokens_as_token_ids``. The equivalence gate scores the
-  trainer's token ids with ``echo`` + ``logprobs``.
+  ``return_token_ids``, ``return_tokens_as_token_ids`` and ``structured_outputs``. The
+  equivalence gate scores the trainer's token ids with ``echo`` + ``logprobs``.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and
   ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: vLLM's runtime LoRA API, same bodies, same
   plain-text success replies.
@@ -55,12 +58,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from factory.inference.constrain import build_constraint, parse_structured_outputs
 from factory.inference.contract import TOKEN_ID_PREFIX
 from factory.inference.engine import (
     BatchScheduler,
     Engine,
     EngineError,
     GenerationRequest,
+    TokenConstraint,
     TokenLogprob,
 )
 from factory.inference.protocol import (
@@ -224,6 +229,17 @@ def _prompt(engine: Engine, model: str, body: dict[str, Any], *,
     return text, bool(tools), images
 
 
+async def _constraint(engine: Engine, model: str, body: dict[str, Any]
+                      ) -> TokenConstraint | None:
+    """The request's ``structured_outputs`` as a constraint over ``model``'s tokens (None when
+    it has none); built off the event loop (a JSON Schema's first one per tokenizer: ~1 s)."""
+    spec = parse_structured_outputs(body.get("structured_outputs"))
+    if spec is None:
+        return None
+    return await asyncio.to_thread(build_constraint, spec, engine.tokenizer_for(model),
+                                   engine.stop_token_ids(model))
+
+
 def _request_error(e: ValueError) -> JSONResponse:
     if "does not exist" in str(e):
         return _error(404, str(e), "NotFoundError")
@@ -287,7 +303,8 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
                 add_generation_prompt=_bool(body, "add_generation_prompt", True))
             req = GenerationRequest(model=model, prompt_ids=engine.encode(model, prompt),
                                     max_tokens=max_tokens, top_logprobs=top_logprobs,
-                                    images=images, **_sampling(body))
+                                    images=images, constraint=await _constraint(
+                                        engine, model, body), **_sampling(body))
         except (EngineError, NormalizeError) as e:
             return _request_error(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -347,6 +364,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
             return_ids = _bool(body, "return_token_ids", False)
             as_ids = _bool(body, "return_tokens_as_token_ids", False)
             sampling = _sampling(body)
+            constraint = await _constraint(engine, model, body)
         except (EngineError, NormalizeError) as e:
             return _request_error(e)
         # vLLM computes the prompt's log-probs for prompt_logprobs, or for echo with logprobs.
@@ -361,7 +379,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
         if max_tokens > 0:
             result = await asyncio.wrap_future(scheduler.submit(GenerationRequest(
                 model=model, prompt_ids=ids, max_tokens=max_tokens, top_logprobs=logprobs,
-                **sampling)))
+                constraint=constraint, **sampling)))
             gen_ids, text, finish = result.token_ids, result.text, result.finish_reason
             gen_entries = result.logprobs or []
         if echo:

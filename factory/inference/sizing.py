@@ -18,6 +18,7 @@ from typing import Any
 from factory.control.jobs import planned_run_id
 from factory.inference.vllm import ServeSizing, lora_rank_bucket
 from factory.lake import LakeSession
+from factory.recipes import load_recipe
 
 DEFAULTS: dict[str, Any] = {
     "tensor_parallel_size": 1, "gpu_memory_utilization": 0.9, "max_num_seqs": 8,
@@ -101,7 +102,6 @@ def _from_plan(plan: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
 def _model_context(recipe: Any) -> int | None:
     if not isinstance(recipe, str) or not recipe:
         return None
-    from factory.recipes import load_recipe
 
     try:
         return int(load_recipe(recipe).architecture.max_context)

@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from factory.settings import get_settings
+
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """The module a vLLM install's Python runs as its OpenAI-compatible server."""
 VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
@@ -115,8 +117,6 @@ def local_vllm() -> VLLMInstall | None:
     """The vLLM this machine runs: ``$FACTORY_VLLM_PYTHON``; else the ``vllm`` on ``PATH`` (the
     CPU build's through its environment's Python: its console script cannot start); else the
     checkout's ``.venv-vllm`` when it exists; None when there is none."""
-    from factory.settings import get_settings
-
     python = get_settings().vllm_python
     if python is not None:
         return VLLMInstall(python=str(python), cpu=_is_cpu_build(python))

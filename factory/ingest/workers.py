@@ -170,8 +170,6 @@ def init_block_worker(known: list[bytes], settings: Any,
                       targets: dict[str, FileTarget]) -> None:
     """Set up a worker: the digests of the known ids, the blob store it writes images to, and
     how to write each table's files (no catalog, no pyiceberg: the worker starts faster)."""
-    from factory.blobs import BlobStore
-
     _keep_freed_memory()
     _WORKER["known"] = [np.frombuffer(b, dtype="S32") for b in known]
     _WORKER["blobs"] = BlobStore(settings)
@@ -282,6 +280,7 @@ class BlockWorkers:
         self._num_blocks += 1
         task = dataclasses.replace(task, locations=self._new_locations())
         if self.workers > 1 and self._pool is None and (self.eager or self._num_blocks == 2):
+            # pyiceberg stays out of the spawned workers, which import this module
             from factory.lake import stop_idle_reader_pool  # (loaded: this process holds a lake)
 
             stop_idle_reader_pool()  # (the workers can then be forked)

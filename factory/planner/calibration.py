@@ -27,11 +27,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from factory.errors import FactoryError
 from factory.experiments import parse_experiment
 from factory.planner.plan import Plan, make_plan
 from factory.planner.profile import DatasetProfile
 from factory.recipes import Architecture, Recipe, load_recipe
+from factory.trainer.base_models import (
+    GEMMA3_NAME,
+    SMOLLM2_NAME,
+    TINY_NAME,
+    build_gemma3,
+    build_smollm2,
+    build_tiny_llama,
+)
+from factory.trainer.chat import IGNORE_INDEX, encode, install_chat_template
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,15 +186,6 @@ def models_dir() -> Path:
 
 def model_dir(name: str) -> Path:
     """The model's directory, built on first use."""
-    from factory.trainer.base_models import (
-        GEMMA3_NAME,
-        SMOLLM2_NAME,
-        TINY_NAME,
-        build_gemma3,
-        build_smollm2,
-        build_tiny_llama,
-    )
-
     if name == "tiny-llama":
         return build_tiny_llama(models_dir() / TINY_NAME)
     if name == "smollm2-135m":
@@ -263,8 +265,6 @@ def synthetic_samples(num: int, *, max_tokens: int, seed: int = 0) -> list[dict[
 
 def profile_of(samples: list[dict[str, Any]], tokenizer: Any) -> DatasetProfile:
     """The ``dataset_profile`` curation would write for these samples (lengths in tokens)."""
-    from factory.trainer.chat import IGNORE_INDEX, encode
-
     totals, completions = [], []
     for s in samples:
         ids, labels = encode(s["messages"], s["tools"], tokenizer)
@@ -286,10 +286,10 @@ def profile_of(samples: list[dict[str, Any]], tokenizer: Any) -> DatasetProfile:
         num_train_tokens=sum(totals))
 
 
-def plan_for(config: MeasureConfig, recipe: Recipe, profile: DatasetProfile) -> Plan:
-    """The planner's plan for an experiment with ``config``'s overrides."""
-    import yaml
-
+def plan_for(config: MeasureConfig, recipe: Recipe, profile: DatasetProfile, *,
+             time_home: Path | None = None) -> Plan:
+    """The planner's plan for an experiment with ``config``'s overrides (``time_home``: as
+    ``make_plan``'s, this host's calibrated time constants)."""
     overrides: dict[str, Any] = {"micro_batch_size": config.micro_batch_size,
                                  "grad_accum_steps": 1, "num_steps": config.num_steps}
     for key in ("gradient_checkpointing", "precision", "packing", "lora_dropout"):
@@ -299,7 +299,7 @@ def plan_for(config: MeasureConfig, recipe: Recipe, profile: DatasetProfile) -> 
     raw = {"name": "memory-check", "recipe": "smollm2-135m-lora",
            "data": {"where": "true", "max_tokens": config.seq_len}, "overrides": overrides}
     experiment = parse_experiment(yaml.safe_dump(raw), Path("memory-check.yaml"))
-    return make_plan(experiment, profile, recipe=recipe)
+    return make_plan(experiment, profile, recipe=recipe, time_home=time_home)
 
 
 def write_job(plan: Plan, data_file: Path, out_dir: Path) -> Path:
@@ -341,7 +341,7 @@ def measure(config: MeasureConfig, *, threads: int = 2, work_dir: Path | None = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from factory.trainer.chat import install_chat_template
+    # torch (~2 s): only calibration runs need it, not every plan
     from factory.trainer.model import load_tokenizer
 
     path = model_path or model_dir(config.model)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from factory.curation.phrasing import RECALL
@@ -26,9 +27,11 @@ from factory.experiments import (
     MixEntry,
     group_of,
     group_source,
+    run_key,
     train_keys,
 )
 from factory.planner.hardware import Hardware, get_hardware
+from factory.planner.host import host_constants
 from factory.planner.memory import GIB, MemoryEstimate, estimate_memory
 from factory.planner.profile import DatasetProfile
 from factory.planner.timing import (
@@ -218,15 +221,17 @@ def _sig(x: float, digits: int = 3) -> float:
 def make_plan(experiment: Experiment, profile: DatasetProfile, *,
               point: Mapping[str, Any] | None = None, recipe: Recipe | None = None,
               settings: Settings | None = None,
-              source_rows: Mapping[str, int] | None = None) -> Plan:
+              source_rows: Mapping[str, int] | None = None,
+              time_home: Path | None = None) -> Plan:
     """Plan one run of ``experiment`` (the sweep ``point``, if any) on the data ``profile``;
     ``source_rows`` counts the rows of each ``data.mix`` source (a source left out is not
-    counted: its effective epochs are unknown).
+    counted: its effective epochs are unknown). ``time_home``: where this host's calibrated
+    time constants are cached (``factory.planner.host``): given, a CPU plan predicts with this
+    host's rates, calibrating on the first plan; None, with the reference constants, the same
+    whatever machine renders the plan.
 
     Raises ``PlanError`` when the plan cannot run, saying what to change.
     """
-    from factory.experiments import run_key
-
     point = dict(point or {})
     recipe = recipe or load_recipe(experiment.recipe)
     arch = recipe.architecture
@@ -512,7 +517,7 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     # --- time, eval serving, eval budget and cadence, checkpoints ---------------------------
     _plan_eval_serving(plan, dec, profile, recipe, hw)
     _plan_time(plan, dec, experiment, profile, recipe, hw, steps_per_epoch=steps_per_epoch,
-               total=total, real_batch=real_batch)
+               total=total, real_batch=real_batch, time_home=time_home)
     undecided = [key for key in TRAIN_KEYS if key not in plan.decisions]
     if undecided:
         raise PlanError(f"no planner rule decides {', '.join(undecided)}: add one to "
@@ -656,7 +661,7 @@ def _plan_eval_serving(plan: Plan, dec: _Decider, profile: DatasetProfile, recip
 
 def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: DatasetProfile,
                recipe: Recipe, hw: Hardware, *, steps_per_epoch: int, total: int,
-               real_batch: int) -> None:
+               real_batch: int, time_home: Path | None = None) -> None:
     """The time model's decisions: eval sample count and cadence within the eval budget, the
     checkpoint cadence, and the predicted wall time (``factory.planner.timing``)."""
     arch = recipe.architecture
@@ -665,10 +670,12 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         value=judge, rule="eval.judge",
         reason="experiment eval.judge" if experiment.eval.judge != "embedded"
         else f"recipe {recipe.name} judge")
-    c = time_constants(recipe.name, arch, hw, judge=judge)
-    dec.set("time_model", "measured" if c.measured else "defaults",
-            "time.measured" if c.measured else "time.defaults",
-            (f"{recipe.name} on {hw.name}: " if c.measured else "") + c.provenance)
+    c = (host_constants(recipe, hw, home=time_home, precision=plan["precision"],
+                        judge=judge).constants if time_home is not None
+         else time_constants(recipe.name, arch, hw, judge=judge))
+    dec.set("time_model", c.source, f"time.{c.source}",
+            (f"{recipe.name} on {hw.name}: reference constants " if c.source == "measured"
+             else "") + c.provenance)
     devices, seq_len = plan["num_devices"], plan["max_seq_len"]
     eval_devices = plan["eval_devices"]
     # Packed rows are ~95% full and each sample attends to itself; unpacked rows pad to the

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from factory.errors import FactoryError
+from factory.errors import FactoryError, UnknownTableError
 
 ALIASES = {"num_train": "num_samples", "num_eval": "num_eval_samples",
            "turns_p50": "num_turns_p50", "turns_max": "num_turns_max"}
@@ -133,8 +133,6 @@ def read_profile(lake: Any, experiment: str) -> DatasetProfile:
 
     ``lake`` is a ``Lake`` or ``LakeSession`` (anything with ``.sql``).
     """
-    from factory.errors import UnknownTableError
-
     try:
         table = lake.sql("SELECT * FROM dataset_profile WHERE experiment = ? "
                          "ORDER BY created_at DESC LIMIT 1", [experiment])

@@ -15,7 +15,7 @@ from typing import Any
 from factory.experiments import Experiment, list_experiments, sweep_points
 from factory.planner.plan import Plan
 from factory.planner.timing import duration
-from factory.recipes import Recipe
+from factory.recipes import Recipe, load_recipe
 
 
 def _cell(value: Any) -> str:
@@ -177,8 +177,6 @@ def committed_cards(experiments_dir: Path) -> dict[str, str]:
     needs a dataset profile, so it lives in the ``training_plan`` asset's metadata and in
     ``factory plan NAME --card``, not in the committed card.
     """
-    from factory.recipes import load_recipe
-
     no_plan = ("Planned from the dataset's profile when the data exists: the `training_plan` "
                "asset's metadata in Dagster, or `factory plan {name}`.")
     return {f"{e.name}.md": experiment_card(e, load_recipe(e.recipe), [],

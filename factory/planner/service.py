@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from factory.experiments import Experiment, experiment_sha, sweep_points
+from factory.control.jobs import mix_source_rows, planned_run_id, traffic_group_rows
+from factory.experiments import Experiment, experiment_sha, run_key, sweep_points
 from factory.planner.plan import Plan, make_plan
 from factory.planner.profile import DatasetProfile, read_profile
 
@@ -27,8 +28,6 @@ def plan_runs(experiment: Experiment, profile: DatasetProfile, *,
 def plan_for_key(experiment: Experiment, profile: DatasetProfile, key: str, *,
                  source_rows: Mapping[str, int] | None = None) -> Plan:
     """The plan of the run with stable key ``key``; ``ValueError`` if the sweep has no such run."""
-    from factory.experiments import run_key
-
     for point in sweep_points(experiment):
         if run_key(experiment.name, point) == key:
             return make_plan(experiment, profile, point=point, source_rows=source_rows)
@@ -72,7 +71,6 @@ def mix_rows(experiment: Experiment, lake: Any) -> dict[str, int]:
     data = experiment.data
     if not data.mix and data.balance is None:
         return {}
-    from factory.control.jobs import mix_source_rows, traffic_group_rows
 
     rows = mix_source_rows(lake, experiment.name, [m.source for m in data.mix])
     if data.balance is not None:
@@ -93,9 +91,6 @@ def sweep_comparison(lake: Any, experiment: Experiment) -> list[dict[str, Any]]:
     of the run key's latest plan (``planned_run_id``); best eval score: the best per-checkpoint
     mean in ``eval_scores`` of that run.
     """
-    from factory.control.jobs import planned_run_id
-    from factory.experiments import run_key
-
     existing = set(lake.existing_tables()) if hasattr(lake, "existing_tables") else set()
     plans: dict[str, dict[str, Any]] = {}
     planned_at: dict[str, Any] = {}

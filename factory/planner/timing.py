@@ -8,6 +8,9 @@ Constants are per (recipe, hardware type) (``TimeConstants``). Measured ones (``
 where and how they were measured; every other pair gets conservative defaults derived from the
 hardware table's FLOPs and memory bandwidth (``default_constants``), slower than every
 measurement so far, and the plan's reasons say so. A missing measurement never fails a plan.
+A CPU plan made on the host that trains takes this host's rates instead
+(``factory.planner.host``: measured once per host, cached), and ``factory.planner.pace``
+corrects a running plan's prediction from its own steps.
 
 What the model counts (BENCHMARKS.md, "Planner time model", compares it with real runs):
 - a training step: the planner's FLOP count of the rows it trains (unpacked rows pad to the
@@ -95,6 +98,17 @@ class TimeConstants:
     shared_prefix_rate: float = 0.5
     """The share of ``train_tflops`` a step reaches on ``share_prefix`` rows (one row per
     micro-batch: smaller matmuls, and a masked attention call per sample's rest)."""
+    calibrated: bool = False
+    """Whether the rates were measured on the host that plans (``factory.planner.host``)."""
+    train_precision: str = "bf16-autocast"
+    """The precision ``train_tflops`` was measured in (a CPU without bf16 instructions trains
+    ``bf16-autocast`` plans in fp32)."""
+
+    @property
+    def source(self) -> str:
+        """``calibrated`` (on this host), ``measured`` (on the reference host) or
+        ``defaults``: the plan's ``time_model`` value."""
+        return "calibrated" if self.calibrated else "measured" if self.measured else "defaults"
 
 
 MEASURED: dict[tuple[str, str], TimeConstants] = {
@@ -225,7 +239,8 @@ def step_seconds(c: TimeConstants, arch: Architecture, *, tokens_per_step: float
                  recompute: bool, num_devices: int, precision: str,
                  share_prefix: bool = False) -> float:
     """Seconds of one optimizer step (``tokens_per_step``: the tokens its rows compute)."""
-    rate = c.train_tflops * (CPU_FP32_SLOWDOWN if precision == "fp32" and c.measured else 1.0)
+    slower = precision == "fp32" and c.measured and c.train_precision != "fp32"
+    rate = c.train_tflops * (CPU_FP32_SLOWDOWN if slower else 1.0)
     if share_prefix:
         rate *= c.shared_prefix_rate
     flops = tokens_per_step * training_flops_per_token(arch, span=span, recompute=recompute)

@@ -13,6 +13,9 @@ and an exact tool-call scorer; ``bench/agent.py`` trains on it and scores base v
 with varied phrasing (lengths, typos, casing, distractor words of another team), held-out tickets
 phrased with frames the training data never used and an exact-label scorer; ``bench/loop.py``
 times the loop from ingest to a live endpoint on it.
+
+``planted`` (not a task): ``samples`` rows with a planted mix of problems and the drops curation
+must make, for the curation tests and ``bench/curation.py``.
 """
 
 from factory.tasks import agent_orders, ticket_triage

@@ -35,6 +35,8 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from factory.curation.config import CurationConfig
+from factory.curation.neardup import flat_words, ngram_hashes
 from factory.tasks.sampling import capitalized, choice, completion, schedule
 
 TAGS = {"project": "ticket-triage"}
@@ -459,9 +461,6 @@ def generate_unseen(n: int, seed: int, training: list[dict[str, Any]]) -> list[d
     on word ``shingle_words``-grams, measured on the ticket alone), nor the text of another of
     the ``n``. Each is a ``generate_heldout`` ticket plus ``"nearest"``: its highest Jaccard
     with a training ticket."""
-    from factory.curation.config import CurationConfig
-    from factory.curation.neardup import flat_words, ngram_hashes
-
     _check_n(n)
     config = CurationConfig()
 

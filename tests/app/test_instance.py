@@ -23,7 +23,7 @@ from factory.app.instance import (
     instance,
     listening_sockets,
 )
-from factory.deploy.process import is_alive
+from factory.process import is_alive
 from factory.runs import SENSOR_STALE_S, sensors_ticking
 from tests.waiting import wait_until
 

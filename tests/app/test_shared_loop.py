@@ -49,7 +49,7 @@ def shared_loop(shared_factory: Path, tiny_model_dir: Path,
     (shared_factory / "experiments").mkdir()
     yield shared_factory
     from factory.deploy import Deployer
-    from factory.deploy.process import stop_group
+    from factory.process import stop_group
 
     for dep in Deployer().versions():
         if dep.alive:

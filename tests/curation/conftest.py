@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from factory.curation.config import CurationConfig
-from factory.curation.synthetic import Planted, planted
 from factory.curation.tokens import RenderCounter
+from factory.tasks.planted import Planted, planted
 
 # The first overwrite of an experiment's rows deletes nothing; pyiceberg warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")

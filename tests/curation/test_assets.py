@@ -8,8 +8,8 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from factory.curation.synthetic import Planted
 from factory.lake import Lake
+from factory.tasks.planted import Planted
 
 pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
 
@@ -102,7 +102,7 @@ def test_cli_materializes_with_the_chosen_engine(factory_home: Path,
     import json
 
     from factory.app.cli import main
-    from factory.curation.synthetic import planted
+    from factory.tasks.planted import planted
     from tests.curation.conftest import CONFIG
 
     _setup(factory_home, monkeypatch, planted(40, config=CONFIG, seed=2), "true")
@@ -143,8 +143,8 @@ def test_profile_counts_are_the_trainers(factory_home: Path, monkeypatch: pytest
 def test_samples_over_the_recipe_context_are_dropped_as_too_long(
         factory_home: Path, monkeypatch: pytest.MonkeyPatch, planted_data: Planted) -> None:
     """data.max_tokens above the model's context: the recipe's limit decides."""
-    from factory.curation.synthetic import _Gen, chat
     from factory.recipes import load_recipe
+    from factory.tasks.planted import _Gen, chat
 
     context = load_recipe("smollm2-135m-lora").architecture.max_context
     g = _Gen(7)

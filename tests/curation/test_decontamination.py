@@ -22,8 +22,8 @@ from factory.curation.decide import (
     split_side,
 )
 from factory.curation.pipeline import curate, weighted_overlaps
-from factory.curation.synthetic import templated
 from factory.curation.text import prompt_text
+from factory.tasks.planted import templated
 from tests.curation.conftest import CONFIG
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from factory.curation.text import language
+from factory.language import language
 
 
 @pytest.mark.parametrize(("text", "expected"), [

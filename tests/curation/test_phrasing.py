@@ -13,8 +13,8 @@ from factory.curation import phrasing
 from factory.curation.config import CurationConfig
 from factory.curation.decide import EVAL, TRAIN, split_side
 from factory.curation.pipeline import curate
-from factory.curation.text import words
 from factory.curation.tokens import RenderCounter
+from factory.language import words
 from factory.tables import TABLES
 from factory.tasks import ticket_triage
 from tests.curation.test_synthesis import _rows
@@ -156,3 +156,31 @@ def test_the_pipeline_records_how_the_eval_set_was_held_out(smollm2_dir: Path) -
     off = curate(traffic, CurationConfig(max_tokens=1024, phrasing_threshold=None), counter)
     assert off.profile["eval_split"] == phrasing.RECALL
     assert "phrasing split is off" in off.profile["eval_split_reason"]
+
+
+def test_each_eval_row_carries_its_phrasing_cluster(smollm2_dir: Path) -> None:
+    """``split_group`` of a dataset row is the phrasing cluster held out whole: rows of one
+    skeleton share it, on one side, and eval clusters hold several samples, which the evals'
+    intervals treat as correlated (``selection.summarize``'s ``clusters``)."""
+    from factory.curation.text import parse_json
+    from factory.evals.selection import summarize
+
+    counter = RenderCounter(smollm2_dir)
+    traffic = pa.Table.from_pylist(_rows(300, keep_thin=60), schema=TABLES["samples"])
+    result = curate(traffic, CurationConfig(max_tokens=1024), counter)
+    assert result.profile["eval_split"] == phrasing.PHRASING
+    group_of_key: dict[str, set[str]] = {}
+    side_of_group: dict[str, set[str]] = {}
+    for table in (result.train, result.eval):
+        for row in table.select(["messages", "split_group", "split"]).to_pylist():
+            key = phrasing.phrasing_key(phrasing.skeleton(
+                phrasing.user_text(parse_json(row["messages"]))))
+            group_of_key.setdefault(key, set()).add(row["split_group"])
+            side_of_group.setdefault(row["split_group"], set()).add(row["split"])
+    assert all(len(g) == 1 for k, g in group_of_key.items() if k)
+    assert all(len(s) == 1 for s in side_of_group.values())
+    clusters = result.eval.column("split_group").to_pylist()
+    held = int(result.profile["eval_split_reason"].split("phrasing: ")[1].split(" of ")[0])
+    assert 2 <= len(set(clusters)) <= held and len(set(clusters)) < len(clusters)
+    score = summarize(1, [1.0] * len(clusters), clusters=clusters)
+    assert score.num_clusters == len(set(clusters)) and score.num_samples == len(clusters)

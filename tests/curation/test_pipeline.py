@@ -14,8 +14,8 @@ from factory.curation import neardup
 from factory.curation.config import CurationConfig, check_experiment_name
 from factory.curation.pipeline import curate
 from factory.curation.store import empty_assistant_turns, train_eval_overlap
-from factory.curation.synthetic import Planted, chat, planted
 from factory.curation.text import conversation_text
+from factory.tasks.planted import Planted, chat, planted
 from tests.curation.conftest import CONFIG
 
 pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from factory.curation.pipeline import curate
-from factory.curation.synthetic import Planted, planted, templated
+from factory.tasks.planted import Planted, planted, templated
 from tests.curation.conftest import CONFIG
 from tests.curation.test_assets import _checks, _run, _setup
 from tests.curation.test_pipeline import LengthJudge
@@ -206,7 +206,7 @@ def test_rejection_sampling_reads_a_spark_selection_only_for_its_rubric(
 
     import pyarrow.parquet as pq
 
-    from factory.assets.curation import _rejection
+    from factory.curation.build import rejection
     from factory.curation.spark import spark_session
     from factory.evals import rejection as rejection_module
     from factory.resources.judge import EmbeddedJudgeResource
@@ -217,11 +217,11 @@ def test_rejection_sampling_reads_a_spark_selection_only_for_its_rubric(
     pq.write_table(table, path)
     experiment = SimpleNamespace(eval=SimpleNamespace(rubric="auto"))
     config = replace(CONFIG, judge_threshold=0.5)
-    embedded = _rejection(EmbeddedJudgeResource(), experiment, config, table)
+    embedded = rejection(EmbeddedJudgeResource().judge, experiment, config, table)
     spark = spark_session("local[1]", cores=1)
     try:
-        on_spark = _rejection(EmbeddedJudgeResource(), experiment, config,
-                              spark.read.parquet(str(path)))
+        on_spark = rejection(EmbeddedJudgeResource().judge, experiment, config,
+                             spark.read.parquet(str(path)))
     finally:
         spark.stop()
     assert on_spark.rubric.to_dict() == embedded.rubric.to_dict()

@@ -165,7 +165,7 @@ def standalone(tmp_path: Path) -> Iterator[str]:
 def _tickets_with_planted_flaws() -> tuple[Any, Any]:
     """(every row, the templated tickets with their expected decontamination drops): the
     planted flaws of every cleaning step beside 150 templated tickets."""
-    from factory.curation.synthetic import Planted, planted, templated
+    from factory.tasks.planted import Planted, planted, templated
 
     mixed, tickets = planted(80, config=CONFIG, seed=5), templated(150, seed=1, config=CONFIG)
     return Planted(rows=mixed.rows + tickets.rows), tickets

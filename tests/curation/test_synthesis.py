@@ -21,12 +21,12 @@ import pytest
 
 from factory.curation import synthesis
 from factory.curation.slices import Labeler, length_bucket, profile_slices
-from factory.curation.synthetic import chat
 from factory.experiments import ExperimentError, parse_experiment
 from factory.lake import Lake
 from factory.normalize.canon import canonical_json, sample_id
 from factory.tables import TABLES
 from factory.tasks import ticket_triage
+from factory.tasks.planted import chat
 
 pytestmark = pytest.mark.filterwarnings("ignore:Delete operation did not match any records")
 

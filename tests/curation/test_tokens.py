@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from factory.curation.synthetic import Planted
+from factory.tasks.planted import Planted
 from factory.trainer.chat import IGNORE_INDEX, encode
 
 TOOLS = [{"name": "cancel_order", "description": "Cancel an order.",

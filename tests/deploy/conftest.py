@@ -57,7 +57,7 @@ def deploy_home(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 def _stop_leftovers(home: Path) -> None:
     """Stop every server a failed test left running (by the pids the lake recorded)."""
     from factory.deploy import Deployer
-    from factory.deploy.process import stop_group
+    from factory.process import stop_group
 
     try:
         versions = Deployer().versions()

@@ -20,9 +20,9 @@ import openai
 import pytest
 
 from factory.deploy import Deployer
-from factory.deploy.process import is_alive
 from factory.gateway import ServerThread, load_routes
 from factory.lake import Lake, Lineage, walk_lineage
+from factory.process import is_alive
 from tests.deploy.conftest import factory_cli
 from tests.waiting import wait_until
 

@@ -26,8 +26,8 @@ import pytest
 
 from factory.deploy.deployer import Deployment
 from factory.deploy.hosts import HostError, ProcessHost, ServerSpec
-from factory.deploy.process import is_alive, port_taken, stop_group
 from factory.inference import ServeSizing, free_port
+from factory.process import is_alive, port_taken, stop_group
 
 VLLM = """#!{python}
 import signal, socket, sys

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from factory.deploy.process import is_alive
 from factory.lake import Lake
+from factory.process import is_alive
 from tests.deploy.conftest import ROOT
 from tests.waiting import wait_until
 

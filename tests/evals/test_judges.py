@@ -36,7 +36,7 @@ def test_rubric_inferred_from_references() -> None:
     assert rubric.kind == "json"
     assert [(c.name, c.check) for c in rubric.criteria] == [("json_fields_match", "json_match")]
     schema = rubric.criteria[0].params
-    assert schema["required"] == ["company", "email", "intent", "name"]
+    assert schema["required"] == ["name", "email", "company", "intent"]  # as the answers write them
     assert schema["properties"]["email"] == ["null", "string"]
     assert Rubric.from_dict(json.loads(rubric.to_json())).version == rubric.version
     with pytest.raises(ValueError, match="check must be one of"):

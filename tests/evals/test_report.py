@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import re
 from datetime import UTC, datetime, timedelta
@@ -16,12 +17,14 @@ from factory.lake import Lake
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUN = "support-run-7"
+_SAMPLES = itertools.count()
+"""Each score row's own eval sample: samples sharing an id would share a phrasing cluster."""
 
 
 def _score(kind: str, step: int | None, score: float | None, *, version: str = "v2",
            minutes: int = 0, run_id: str = RUN) -> dict[str, Any]:
     return {"run_id": run_id, "experiment": "support", "step": step, "kind": kind,
-            "rubric_version": version, "sample_id": "s", "score": score,
+            "rubric_version": version, "sample_id": f"s{next(_SAMPLES)}", "score": score,
             "status": "ok" if score is not None else "failed", "judge": "embedded:test",
             "evaluated_at": datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=minutes)}
 

@@ -153,7 +153,9 @@ def test_live_pairs_are_scored_and_the_policy_promotes_the_candidate(
     assert result.success
     meta = result.asset_materializations_for_node("shadow_scores")[0].metadata
     assert meta["num_scored_now"].value == 4 and meta["agreement"].value == 1.0
-    assert meta["agreement_interval"].value == "1.000 [0.510, 1.000] n=4 (Wilson)"
+    # Two of the four requests are asked the same way ("billing"): one phrasing cluster.
+    assert meta["agreement_interval"].value == \
+        "1.000 [0.510, 1.000] n=4 in 3 clusters (Wilson, clustered)"
     summary = summarize(lake, "triage", "v1")
     assert (summary.num_pairs, summary.num_scored, summary.num_passed) == (4, 4, 4)
     from factory.deploy import Deployer

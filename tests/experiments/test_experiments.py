@@ -45,6 +45,14 @@ def test_issue_example_loads(tmp_path: Path) -> None:
     assert len(sweep_points(e)) == 6
 
 
+def test_eval_constrain_parses_and_defaults_to_auto(tmp_path: Path) -> None:
+    assert load_experiment(_write(tmp_path, GOOD)).eval.constrain == "auto"
+    on = GOOD.replace("judge: embedded", "judge: embedded, constrain: on")
+    assert load_experiment(_write(tmp_path, on)).eval.constrain == "on"
+    quoted = GOOD.replace("judge: embedded", "judge: embedded, constrain: 'off'")
+    assert load_experiment(_write(tmp_path, quoted)).eval.constrain == "off"
+
+
 def test_shadow_deploy_policy(tmp_path: Path) -> None:
     e = load_experiment(_write(tmp_path, GOOD + "deploy: {shadow: {route: gpt-4o-mini, "
                                                 "share: 0.2, agreement: 0.95}}\n"))
@@ -98,7 +106,13 @@ def test_load_by_name_from_experiments_dir(tmp_path: Path, monkeypatch: pytest.M
     (GOOD.replace("max_tokens: 2048}", "max_tokens: 2048, drop: [refusl]}"),
      r":2: data.drop.0: unknown detector 'refusl'; did you mean 'refusal'\? allowed: refusal"),
     (GOOD.replace("judge: embedded", "judge: embedded, colour: 1"),
-     r":5: eval.colour: unknown key 'colour'; allowed: every_steps, judge, rubric, max_samples$"),
+     r":5: eval.colour: unknown key 'colour'; allowed: every_steps, judge, rubric, max_samples, "
+     r"constrain$"),
+    (GOOD.replace("judge: embedded", "judge: embedded, constrain: sometimes"),
+     r":5: eval.constrain: got 'sometimes'; allowed: auto, on \(answers of a closed task "
+     r"constrained to its labels or JSON shape\) or off$"),
+    (GOOD.replace("rubric: auto}", "rubric: auto,\n       constrain: onn}"),
+     r":6: eval.constrain: got 'onn'; did you mean 'on'\? allowed: auto, on"),
     (GOOD + "deploy: {}\n", r":8: deploy.shadow: must be a mapping with at least 'route'"),
     (GOOD.replace("name: support-extractor", "name: Support!"),
      r":1: name: got 'Support!'; allowed: lowercase letters"),

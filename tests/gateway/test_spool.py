@@ -12,12 +12,8 @@ import httpx
 import pytest
 
 from factory.gateway import Gateway, Route, ServerThread, register_route, unregister_route
-from factory.gateway.flusher import (
-    Flusher,
-    capture_raw_trace_id,
-    parse_json_array_stream,
-    parse_sse,
-)
+from factory.gateway.captures import capture_raw_trace_id, parse_json_array_stream, parse_sse
+from factory.gateway.flusher import Flusher
 from factory.gateway.routes import RoutingTable, load_routes
 from factory.gateway.spool import (
     SpoolWriter,

@@ -21,7 +21,7 @@ import pytest
 
 from factory.gateway import Gateway, ServerThread
 from factory.gateway.asgi import acknowledge_lifespan
-from factory.gateway.flusher import stream_complete
+from factory.gateway.captures import stream_complete
 from factory.ingest.rows import outcome
 from tests.gateway.conftest import Collected, make_config
 from tests.waiting import wait_until

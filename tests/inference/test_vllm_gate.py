@@ -32,12 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from openai import OpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from factory.evals import EquivalenceError, check_equivalence
 from factory.evals.equivalence import trainer_view
+from factory.evals.rubric import Answer, infer_rubric, structured_outputs
 from factory.gateway import Gateway, GatewayConfig, ServerThread
 from factory.gateway.routes import Route, RoutingTable
 from factory.inference import InferenceServer, InferenceServerError, ServeSizing
@@ -253,6 +255,29 @@ def test_prompt_logprobs_are_the_trainers(vllm_server: InferenceServer, caller: 
     diffs = [abs(served[i] - lps[i]) for i in range(len(ids) - 1)
              if labels[i + 1] != IGNORE_INDEX]
     assert len(diffs) > 10 and max(diffs) < _atol(vllm_server)
+
+
+def test_vllm_enforces_the_structured_outputs_evals_send(vllm_server: InferenceServer) -> None:
+    """The request field evals constrain a closed task with (``eval.constrain``) means the same
+    to vLLM as to the CPU server: a label from the set, JSON of the rubric's shape."""
+    client = vllm_server.client()
+    labels = infer_rubric([Answer(text=t) for t in ["billing", "bug", "shipping"] * 3])
+    choice = structured_outputs(labels)
+    assert choice is not None
+    ask = [{"role": "user", "content": "My desk arrived with a cracked leg. Which team?"}]
+    out = client.chat("base", ask, max_tokens=12, structured_outputs=choice)
+    assert out["choices"][0]["message"]["content"] in choice["choice"]
+    refs = [json.dumps({"name": n, "intent": "refund"}) for n in ["Ann", "Bo", "Cy"] * 2]
+    assert structured_outputs(infer_rubric([Answer(text=t) for t in refs])) == {"json": {
+        "type": "object", "properties": {"name": {"type": "string"},
+                                         "intent": {"type": "string"}},
+        "required": ["name", "intent"], "additionalProperties": False}}
+    shape = structured_outputs(infer_rubric([Answer(text=t) for t in refs]))
+    assert shape is not None
+    out = client.chat("base", [{"role": "user", "content": "Ann wants a refund. Reply with JSON "
+                                "with her name and intent."}], max_tokens=60,
+                      structured_outputs=shape)
+    jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), shape["json"])
 
 
 def test_the_template_the_tokenizer_ships_fails_the_gate(smollm2_dir: Path, caller: Path,

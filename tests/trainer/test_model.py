@@ -213,7 +213,7 @@ def test_dequantizing_a_gguf_draws_no_progress_bar_into_a_log(quiet: bool) -> No
     """The GGUF reader's own bar ("Converting and de-quantizing GGUF tensors...") stays out of
     a log once the factory quiets the bars (the embedded models are built this way)."""
     code = ("from factory.trainer.base_models import gguf_path; "
-            "from factory.trainer.model import quiet_progress_bars; "
+            "from factory.trainer.progress import quiet_progress_bars; "
             + ("quiet_progress_bars(); " if quiet else "")
             + "from transformers import AutoModelForCausalLM; src = gguf_path(); "
             "AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)")

@@ -7,10 +7,13 @@ import argparse
 import json
 from typing import Any
 
+from factory.app.runner import materialize
+from factory.base_model import BUILDERS, BUILT_MODELS, MissingBaseModelError, require_base_model
+from factory.recipes import list_recipes
+from factory.trainer.base_models import is_built
+
 
 def register(sub: Any) -> None:
-    from factory.base_model import BUILT_MODELS
-
     p = sub.add_parser("base-model", help="build (or reuse) an embedded base model directory "
                                           "(--list: every recipe's base model)")
     p.add_argument("name", nargs="?", default=BUILT_MODELS[0], choices=BUILT_MODELS,
@@ -23,7 +26,6 @@ def register(sub: Any) -> None:
 def _base_model(args: argparse.Namespace) -> int:
     if args.list:
         return _list()
-    from factory.app.runner import materialize
 
     result = materialize(["base_model"], partition_key=args.name)
     mat = result.asset_materializations_for_node("base_model")[0]
@@ -34,10 +36,6 @@ def _base_model(args: argparse.Namespace) -> int:
 
 def _list() -> int:
     from pathlib import Path
-
-    from factory.base_model import BUILDERS, MissingBaseModelError, require_base_model
-    from factory.recipes import list_recipes
-    from factory.trainer.base_models import is_built
 
     for r in list_recipes():
         row: dict[str, Any] = {"recipe": r.name, "base_model": r.base_model_id,

@@ -15,7 +15,9 @@ import signal
 import time
 from typing import Any
 
+from factory.app.instance import daemon_running, ensure_daemon, instance
 from factory.errors import FactoryError
+from factory.process import is_alive
 
 CHECK_S = 2.0
 """How often the started processes are checked to be alive."""
@@ -35,9 +37,6 @@ def _stop(signum: int, frame: Any) -> None:
 
 
 def _daemon(args: argparse.Namespace) -> int:
-    from factory.app.instance import daemon_running, ensure_daemon, instance
-    from factory.deploy.process import is_alive
-
     inst = instance()
     if daemon_running(inst):
         raise FactoryError("a Dagster daemon is already running for this instance (fresh "

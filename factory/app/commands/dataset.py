@@ -6,8 +6,11 @@ import argparse
 import json
 from typing import Any
 
+from factory.app.runner import instance, materialize
+from factory.curation.config import check_experiment_name
 from factory.errors import FactoryError
-from factory.experiments import CURATION_ENGINES
+from factory.experiments import CURATION_ENGINES, load_experiment
+from factory.lake import Lake
 
 
 def register(sub: Any) -> None:
@@ -22,11 +25,6 @@ def register(sub: Any) -> None:
 
 
 def _dataset(args: argparse.Namespace) -> int:
-    from factory.app.runner import instance, materialize
-    from factory.curation.config import check_experiment_name
-    from factory.experiments import load_experiment
-    from factory.lake import Lake
-
     experiment = load_experiment(args.experiment)
     name = check_experiment_name(experiment.name)
     inst = instance()

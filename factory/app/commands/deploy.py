@@ -15,6 +15,12 @@ import sys
 from typing import Any
 
 from factory.errors import FactoryError
+from factory.experiments import ExperimentError, load_experiment
+from factory.gateway.keys import client_headers
+from factory.gateway.shadow import ShadowRule, end_shadow, load_shadows, register_shadow
+from factory.lake import Lake
+from factory.output import print_rows
+from factory.settings import get_settings
 
 COLUMNS = ["name", "version", "status", "alive", "endpoint", "route_model", "checkpoint",
            "run_id", "step", "pid", "started_at", "stopped_at", "reason"]
@@ -103,17 +109,25 @@ def _server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=["text", "json"], default="text")
 
 
-def _deployer(args: argparse.Namespace) -> Any:
-    from factory.deploy import DeployConfig, Deployer
-    from factory.deploy.kubernetes import host_from_env
+def _deploy_package() -> Any:
+    """``factory.deploy`` with its ``hosts`` and ``kubernetes`` modules, loaded when a deploy
+    command runs."""
+    # the deployer brings httpx and the inference client (0.2 s): other commands start without
+    import factory.deploy.kubernetes
 
+    return factory.deploy
+
+
+def _deployer(args: argparse.Namespace) -> Any:
+    deploy = _deploy_package()
     values: dict[str, Any] = {}
     for name in ("backend", "threads", "drain_s", "startup_timeout_s"):
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
     # Servers run on the cluster $FACTORY_DEPLOYER names, as the deployment asset's do.
-    return Deployer(config=DeployConfig(**values), host=host_from_env())
+    return deploy.Deployer(config=deploy.DeployConfig(**values),
+                           host=deploy.kubernetes.host_from_env())
 
 
 def _report(dep: Any, fmt: str, verb: str) -> None:
@@ -136,22 +150,15 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from factory.deploy import DeployConfig, Deployer
-    from factory.deploy.kubernetes import host_from_env
-
-    cfg = DeployConfig(**({"drain_s": args.drain_s} if args.drain_s is not None else {}))
-    _report(Deployer(config=cfg, host=host_from_env()).promote(args.experiment, args.version),
-            args.format, "promoted")
+    deploy = _deploy_package()
+    cfg = deploy.DeployConfig(**({"drain_s": args.drain_s} if args.drain_s is not None else {}))
+    deployer = deploy.Deployer(config=cfg, host=deploy.kubernetes.host_from_env())
+    _report(deployer.promote(args.experiment, args.version), args.format, "promoted")
     return 0
 
 
 def _shadow(args: argparse.Namespace) -> int:
-    from factory.deploy import Deployer, check_name
-    from factory.experiments import ExperimentError, load_experiment
-    from factory.gateway.shadow import ShadowRule, end_shadow, load_shadows, register_shadow
-    from factory.lake import Lake
-    from factory.output import print_rows
-
+    deploy = _deploy_package()
     lake = Lake()
     if args.list or args.experiment is None:
         rules = load_shadows(lake)
@@ -159,7 +166,7 @@ def _shadow(args: argparse.Namespace) -> int:
                    columns=["route", "experiment", "version", "deployment", "share",
                             "candidate_url"])
         return 0
-    name = check_name(args.experiment)
+    name = deploy.check_name(args.experiment)
     try:
         policy = load_experiment(name).shadow
     except ExperimentError:
@@ -172,7 +179,7 @@ def _shadow(args: argparse.Namespace) -> int:
         end_shadow(route, lake=lake)
         print(f"stopped shadowing {route}", file=sys.stderr)
         return 0
-    deployer = Deployer(lake)
+    deployer = deploy.Deployer(lake)
     dep = deployer.candidate(name) or deployer.live(name)
     if dep is None:
         raise FactoryError(f"{name!r} has no candidate or live deployment to shadow with; "
@@ -191,12 +198,10 @@ def _shadow(args: argparse.Namespace) -> int:
 
 
 def _undeploy(args: argparse.Namespace) -> int:
-    from factory.deploy import DeployConfig, Deployer
-    from factory.deploy.kubernetes import host_from_env
-
-    cfg = DeployConfig(**({"drain_s": args.drain_s} if args.drain_s is not None else {}))
-    _report(Deployer(config=cfg, host=host_from_env()).undeploy(args.experiment), "text",
-            "undeployed")
+    deploy = _deploy_package()
+    cfg = deploy.DeployConfig(**({"drain_s": args.drain_s} if args.drain_s is not None else {}))
+    deployer = deploy.Deployer(config=cfg, host=deploy.kubernetes.host_from_env())
+    _report(deployer.undeploy(args.experiment), "text", "undeployed")
     return 0
 
 
@@ -206,33 +211,29 @@ def _rollback(args: argparse.Namespace) -> int:
 
 
 def _deployments(args: argparse.Namespace) -> int:
-    from factory.deploy import Deployer, check_name
-    from factory.deploy.kubernetes import host_from_env
-    from factory.output import print_rows
-
-    name = check_name(args.experiment) if args.experiment else None
-    deployer = Deployer(host=host_from_env())
-    rows = [{**d.as_dict(), "alive": _alive(deployer.host, d)} for d in deployer.versions(name)
+    deploy = _deploy_package()
+    name = deploy.check_name(args.experiment) if args.experiment else None
+    deployer = deploy.Deployer(host=deploy.kubernetes.host_from_env())
+    rows = [{**d.as_dict(), "alive": _alive(deploy.hosts, deployer.host, d)}
+            for d in deployer.versions(name)
             if args.all or d.status in ("starting", "live", "candidate", "draining")]
     print_rows(rows, args.format, columns=COLUMNS)
     return 0
 
 
-def _alive(host: Any, dep: Any) -> bool | None:
+def _alive(hosts: Any, host: Any, dep: Any) -> bool | None:
     """Whether what runs ``dep`` exists where it is hosted: a process on this machine, or a
     Deployment on the cluster ``$FACTORY_DEPLOYER`` names; None when that cannot be asked (a
     cluster this node is not configured for, or an API that does not answer: said on
-    stderr)."""
-    from factory.deploy.hosts import PROCESS, HostError, placement_of
-
-    where = placement_of(dep)
-    if where == PROCESS:
+    stderr). ``hosts``: the module ``factory.deploy.hosts``."""
+    where = hosts.placement_of(dep)
+    if where == hosts.PROCESS:
         return bool(dep.alive)
     if where != host.kind:
         return None
     try:
         return bool(host.running(dep))
-    except HostError as e:
+    except hosts.HostError as e:
         print(f"{dep.name} {dep.version}: {e}", file=sys.stderr)
         return None
 
@@ -243,14 +244,10 @@ def _chat(args: argparse.Namespace) -> int:
     key: a factory key is for the gateway alone)."""
     import openai
 
-    from factory.gateway.keys import client_headers
-    from factory.settings import get_settings
-
     headers: dict[str, str] = {}
     if args.direct:
-        from factory.deploy import Deployer, check_name
-
-        live = Deployer().live(check_name(args.model))  # factory/NAME or NAME
+        deploy = _deploy_package()
+        live = deploy.Deployer().live(deploy.check_name(args.model))  # factory/NAME or NAME
         if live is None:
             raise FactoryError(f"{args.model!r} has no live deployment")
         base_url, model = live.endpoint, live.adapter

@@ -16,6 +16,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from factory import native
+from factory.app.instance import instance
+from factory.lake import Lake
 from factory.settings import Settings, get_settings
 
 CONNECT_TIMEOUT_S = 5
@@ -65,16 +67,12 @@ def _database(url: str) -> str:
 
 
 def _catalog(settings: Settings) -> str:
-    from factory.lake import Lake
-
     lake = Lake(settings, patience_s=CONNECT_TIMEOUT_S)
     tables = lake.existing_tables()
     return f"{len(tables)} factory table(s)" + (f": {', '.join(tables)}" if tables else "")
 
 
 def _storage() -> str:
-    from factory.app.instance import instance
-
     inst = instance()
     return f"{type(inst.run_storage).__name__}, {inst.get_runs_count()} run(s)"
 

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from factory.lake import Lake
 from factory.normalize import FORMATS
 
 
@@ -53,8 +54,8 @@ def parse_tags(items: list[str]) -> dict[str, str]:
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    # ingest loads pyarrow.compute and its workers (0.3 s): other commands start without
     from factory.ingest import ingest_paths, iter_files
-    from factory.lake import Lake
 
     tags = parse_tags(args.tag)
     files = list(iter_files(args.paths))
@@ -62,6 +63,7 @@ def _ingest(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"format": args.format, "tags": tags, "project": args.project,
                               "workers": args.workers}
     if sys.stderr.isatty():
+        # rich (0.1 s): only a progress bar on a terminal needs it
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -84,6 +86,7 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _stderr_console() -> Any:
+    # rich (0.1 s): only a progress bar on a terminal needs it
     from rich.console import Console
 
     return Console(file=sys.stderr)

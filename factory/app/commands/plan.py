@@ -13,6 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from factory.errors import FactoryError
+from factory.experiments import load_experiment
+from factory.lake import Lake
+from factory.recipes import load_recipe
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("plan", help="plan an experiment's runs and explain every value")
@@ -28,12 +33,8 @@ def register(sub: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from factory.errors import FactoryError
-    from factory.experiments import load_experiment
-    from factory.planner.profile import DatasetProfile, read_profile
-    from factory.planner.render import experiment_card, plan_table, wall_summary
-    from factory.planner.service import mix_rows, plan_runs
-    from factory.recipes import load_recipe
+    # the planner loads factory.evals and httpx (0.5 s): the CLI's other commands start without
+    from factory.planner import profile, render, service
 
     experiment = load_experiment(args.experiment)
     recipe = load_recipe(experiment.recipe)
@@ -43,14 +44,12 @@ def _plan(args: argparse.Namespace) -> int:
             row = json.loads(args.profile.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise FactoryError(f"--profile {args.profile}: {exc}") from None
-        profile = DatasetProfile.from_row(row)
+        dataset_profile = profile.DatasetProfile.from_row(row)
     else:
-        from factory.lake import Lake
-
         lake = Lake()
-        profile = read_profile(lake, experiment.name)
-        source_rows = mix_rows(experiment, lake)
-    plans = plan_runs(experiment, profile, source_rows=source_rows)
+        dataset_profile = profile.read_profile(lake, experiment.name)
+        source_rows = service.mix_rows(experiment, lake)
+    plans = service.plan_runs(experiment, dataset_profile, source_rows=source_rows)
     if args.run:
         plans = [p for p in plans if p.run_key == args.run]
         if not plans:
@@ -58,12 +57,12 @@ def _plan(args: argparse.Namespace) -> int:
     if args.card is not None:
         args.card.mkdir(parents=True, exist_ok=True)
         dest = args.card / f"{experiment.name}.md"
-        dest.write_text(experiment_card(experiment, recipe, plans), encoding="utf-8")
+        dest.write_text(render.experiment_card(experiment, recipe, plans), encoding="utf-8")
     if args.json:
         print(json.dumps([p.to_dict() for p in plans], default=str))
         return 0
     for plan in plans:
-        print(f"## {plan.run_key}: {wall_summary(plan)}\n")
-        print(plan_table(plan))
+        print(f"## {plan.run_key}: {render.wall_summary(plan)}\n")
+        print(render.plan_table(plan))
         print()
     return 0

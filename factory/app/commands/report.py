@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from factory.errors import FactoryError
+from factory.lake import Lake
+from factory.settings import get_settings
 
 
 def register(sub: Any) -> None:
@@ -19,9 +21,8 @@ def register(sub: Any) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
+    # the report loads factory.evals and httpx (0.4 s): other commands start without
     from factory.evals.report import plot_png, read_curves, write_html
-    from factory.lake import Lake
-    from factory.settings import get_settings
 
     lake = Lake()
     curves = read_curves(lake, args.run_id)

@@ -18,6 +18,7 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # the run's client loads Dagster and the definitions (seconds)
     from factory.app.run import run_experiment, terminal_plot
 
     def progress(line: str) -> None:

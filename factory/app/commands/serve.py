@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from factory.gateway.config import GatewayConfig
+from factory.gateway.server import serve
 
 
 def register(sub: Any) -> None:
@@ -35,8 +36,6 @@ def register(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from factory.gateway.server import serve
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = GatewayConfig.from_env(
         host=args.host, port=args.port, openai_base_url=args.openai_base_url,

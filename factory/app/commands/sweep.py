@@ -14,6 +14,9 @@ import json
 import sys
 from typing import Any
 
+from factory.experiments import load_experiment
+from factory.lake import Lake
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("sweep", help="run an experiment's sweep points to the end and compare "
@@ -25,20 +28,19 @@ def register(sub: Any) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from factory.experiments import load_experiment
-    from factory.lake import Lake
-    from factory.planner.render import comparison_table
-    from factory.planner.service import sweep_comparison
+    # the planner loads factory.evals and httpx (0.5 s): the CLI's other commands start without
+    from factory.planner import render, service
 
     experiment = load_experiment(args.experiment)
     if not args.compare:
+        # the run's client loads Dagster and the definitions (seconds)
         from factory.app.run import run_experiment
 
         run_experiment(experiment.name,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
-    rows = sweep_comparison(Lake(), experiment)
+    rows = service.sweep_comparison(Lake(), experiment)
     if args.json:
         print(json.dumps(rows, default=str))
     else:
-        print(comparison_table(rows))
+        print(render.comparison_table(rows))
     return 0

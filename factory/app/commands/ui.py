@@ -16,6 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
+from factory.app.instance import RECONCILE, daemon_running, dagster_home, instance
 from factory.lifeline import guard, on_death, release
 from factory.settings import get_settings
 
@@ -43,8 +44,6 @@ def webserver_command(host: str, port: int) -> list[str]:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from factory.app.instance import RECONCILE, daemon_running, dagster_home, instance
-
     settings = get_settings().ensure()
     env = dict(os.environ)
     env["DAGSTER_HOME"] = str(dagster_home())

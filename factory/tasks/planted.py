@@ -20,6 +20,8 @@ import pyarrow as pa
 from factory.curation.config import CurationConfig
 from factory.curation.decide import EVAL, TRAIN, split_side
 from factory.normalize.canon import canonical_json, sample_id
+from factory.tables import TABLES
+from factory.tasks.support_extract import SYSTEM_PROMPT, generate_conversations
 
 _SYL = ["ka", "lo", "mi", "ren", "tu", "sa", "vel", "dor", "pi", "ne", "zu", "ha", "qo", "bri",
         "tal", "mon", "ex", "ul", "ia", "fer", "gos", "wi", "yan", "cre"]
@@ -49,8 +51,6 @@ class Planted:
     """(train sample, eval sample) planted contamination."""
 
     def table(self) -> pa.Table:
-        from factory.tables import TABLES
-
         return pa.Table.from_pylist(self.rows, schema=TABLES["samples"])
 
 
@@ -221,7 +221,7 @@ def planted(num_clean: int = 200, *, seed: int = 0, config: CurationConfig | Non
     return out
 
 
-# Rewordings of phrases in the support tickets' bodies (factory.tasks.support_extract).
+# Rewordings of phrases in the support tickets' bodies (``support_extract``).
 _REWORDS = (("would like", "want"), ("charged twice", "billed two times"),
             ("arrived broken", "came damaged"), ("crashes every time", "freezes whenever"),
             ("Please", "Kindly"), ("Could you", "Can you"), ("are wrong", "are incorrect"),
@@ -261,8 +261,6 @@ def templated(num_tickets: int = 600, *, seed: int = 0,
     templates, so many pairs share long phrases) plus two contaminated train samples: a
     paraphrase of an eval ticket with its answer (``eval_conversation_overlap``) and an eval
     ticket pasted into a longer prompt with another answer (``eval_ngram_overlap``)."""
-    from factory.tasks.support_extract import SYSTEM_PROMPT, generate_conversations
-
     config = config or CurationConfig()
     g = _Gen(seed)
     out = Planted(rows=[])

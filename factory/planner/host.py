@@ -1,0 +1,386 @@
+"""The time model's constants of the host that runs a CPU job: measured once per host, cached.
+
+``MEASURED`` in ``timing.py`` holds constants fitted on one machine; on another CPU the same plan
+runs at another pace (an AVX2 host without bf16 instructions trains in fp32, about half the
+speed). ``host_constants`` replaces the rates of those constants with rates measured on this
+host by a short calibration, the first time a (host, model size, precision) is planned, and
+caches them under ``<home>/cache/time-model/`` keyed by the host (``HostKey``: CPU model, its
+flags and the cores this process may use); later plans on the host read the cache.
+
+The calibration (``calibrate``) runs a real forward and backward of a model of the base
+model's shape: the recipe's ``Architecture`` as a Llama-shaped transformers model with random
+weights (timing does not depend on the weights, and nothing is downloaded), PEFT LoRA on the
+recipe's target modules, frozen linears stored in bf16 under bf16 autocast as the trainer stores
+them, ``CALIBRATION_ROWS`` rows of ``CALIBRATION_TOKENS``. It runs in the precision the trainer
+would run on this CPU (``factory.trainer.precision.effective_precision``). Three rates come out,
+each as the planner's FLOP count over the best of ``CALIBRATION_REPEATS`` timings:
+
+- ``train_tflops``: forward and backward of a training step;
+- ``forward_tflops``: the held-out loss pass (forward, no gradients);
+- ``prefill_tflops``: forward in fp32 on one thread, as the CPU eval server runs.
+
+The decode constants scale with the prefill rate (both fp32 on one thread); fixed costs, the
+judge, the overlap factor and the ``share_prefix`` rate keep the recipe's uncalibrated values
+(``timing.time_constants``: none of them is a rate of this CPU's arithmetic). ``method="matmul"`` times the same linear layers' matrix
+products alone (no attention, norms, LoRA or loss): cheaper to run, and an upper bound on the
+rate. ``model`` is the default because it comes nearer a real step than the proxy
+(``bench/time_model.py``, bf16 host, one thread, SmolLM2-135M, 6 steps of 2 x 128; predicted
+over measured seconds a step: at load 9-10, ``model`` 0.88 (38 s to calibrate), ``matmul``
+0.23 (3 s), the reference constants 0.15; at load 3, 0.48 (14 s), 0.18 (1 s) and 0.25): with
+AMX the matrix products are a quarter to a third of a step, and the rest (attention, norms,
+LoRA, the loss, autograd) does not scale with them from one CPU to another. Neither reaches a
+step's per-step costs outside the model (optimizer, packed attention's per-sample calls, the
+data): on steps this small they are half of the step, and only the pace correction, 0.91-1.02
+after 3 steps, came within 25% on this shared host.
+
+A calibration measures the host as loaded when it runs (the cache records the load); what the
+load does during a run shows in the run's own steps, and ``factory.planner.pace`` corrects the
+prediction from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from factory.planner.hardware import Hardware
+from factory.planner.timing import (
+    TimeConstants,
+    forward_flops_per_token,
+    time_constants,
+    training_flops_per_token,
+)
+from factory.recipes import Architecture, Recipe
+from factory.trainer.precision import effective_precision
+
+CALIBRATION_ROWS = 1
+CALIBRATION_TOKENS = 256
+"""Rows and tokens per row of a calibration step: 256 tokens, a forward of SmolLM2-135M in
+~0.15 s (bf16) to ~0.35 s (fp32) on the bf16 host at load 3: long enough that Python's
+per-layer overhead is a small part of it, short enough to time each rate twice in seconds."""
+CALIBRATION_REPEATS = 2
+"""Timed steps after one warm-up; the best is kept (another process's burst only slows one)."""
+METHODS = ("model", "matmul")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostKey:
+    """What makes one host's arithmetic differ from another's."""
+
+    cpu: str
+    """CPU model name (``/proc/cpuinfo``'s ``model name``, else ``platform.processor()``)."""
+    flags: str
+    """The CPU's flags that decide matrix throughput (AVX-512, bf16, AMX), comma-separated."""
+    flags_sha: str
+    """First 8 hex digits of the sha256 of all its flags (a microcode or VM change shows)."""
+    cores: int
+    """Cores this process may run on."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.cpu}, {self.cores} cores, {self.flags or 'no AVX-512'} ({self.flags_sha})"
+
+    @property
+    def slug(self) -> str:
+        """The cache file's name."""
+        return hashlib.sha256(self.label.encode()).hexdigest()[:16]
+
+
+ARITHMETIC_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                    "amx_tile", "amx_bf16", "amx_int8", "bf16", "sve", "sme")
+"""Flags named in the key: those that change how fast torch multiplies matrices on a CPU."""
+
+
+def host_key() -> HostKey:
+    """This host's key, from ``/proc/cpuinfo`` (other systems: ``platform``)."""
+    cpu, flags = "", ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "CPU part") and not cpu:
+                    cpu = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = value.strip()
+    except OSError:
+        pass
+    cpu = cpu or platform.processor() or platform.machine() or "unknown CPU"
+    present = set(flags.split())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    return HostKey(cpu=" ".join(cpu.split()),
+                   flags=",".join(f for f in ARITHMETIC_FLAGS if f in present),
+                   flags_sha=hashlib.sha256(" ".join(sorted(present)).encode()).hexdigest()[:8],
+                   cores=cores)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """What one calibration measured on one host for one model size and precision."""
+
+    method: str
+    """``model`` (a real step of a model of the base model's shape) or ``matmul``."""
+    precision: str
+    """The precision it trained in (what the trainer runs on this CPU)."""
+    train_tflops: float
+    """A training step's rate, TFLOP/s of the planner's FLOP count (as ``TimeConstants``)."""
+    forward_tflops: float
+    """The held-out loss pass's rate (forward, no gradients)."""
+    prefill_tflops: float
+    """The eval server's prompt rate (fp32 forward on one thread)."""
+    seconds: float
+    """Wall seconds the calibration took, model build included."""
+    load: float
+    """The 1-minute load average when it ran (a busy host measures slow)."""
+    measured_at: str
+    """ISO time of the measurement (UTC)."""
+    torch_threads: int
+    """Threads torch trained with."""
+
+
+def size_class(arch: Architecture) -> str:
+    """The cache's key of a model's shape (two recipes of one base model share it)."""
+    return (f"{arch.family}-L{arch.num_layers}-h{arch.hidden_size}-i{arch.intermediate_size}"
+            f"-a{arch.num_heads}x{arch.head_dim}-kv{arch.num_kv_heads}-v{arch.vocab_size}")
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def _best(fn: Any, repeats: int) -> float:
+    fn()  # warm-up: oneDNN picks and caches its kernels on the first call
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _llama_model(arch: Architecture) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim, max_position_embeddings=max(arch.max_context,
+                                                            CALIBRATION_TOKENS),
+        tie_word_embeddings=arch.tie_word_embeddings, use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def calibrate(recipe: Recipe, *, method: str = "model", precision: str = "bf16-autocast",
+              repeats: int = CALIBRATION_REPEATS) -> Calibration:
+    """Measure this host's rates for ``recipe``'s model shape (see the module docstring).
+
+    ``precision``: the plan's; the trainer's effective precision on this CPU is measured.
+    """
+    import torch
+
+    if method not in METHODS:
+        raise ValueError(f"calibration method {method!r}: use one of {', '.join(METHODS)}")
+    start, load = time.perf_counter(), _load()
+    ran, _ = effective_precision(precision, "cpu")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=ran == "bf16-autocast")
+    arch = recipe.architecture
+    tokens = CALIBRATION_ROWS * CALIBRATION_TOKENS
+    train_flops = tokens * training_flops_per_token(arch, span=CALIBRATION_TOKENS,
+                                                    recompute=False)
+    fwd_flops = tokens * forward_flops_per_token(arch, span=CALIBRATION_TOKENS)
+    threads = torch.get_num_threads()
+    if method == "model":
+        train_s, fwd_s, prefill_s = _time_model(recipe, autocast, ran, repeats)
+    else:
+        train_s, fwd_s, prefill_s = _time_matmuls(arch, autocast, ran, repeats)
+    return Calibration(
+        method=method, precision=ran, train_tflops=train_flops / train_s / 1e12,
+        forward_tflops=fwd_flops / fwd_s / 1e12,
+        prefill_tflops=tokens * 2 * arch.num_parameters / prefill_s / 1e12,
+        seconds=time.perf_counter() - start, load=load,
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"), torch_threads=threads)
+
+
+def _one_thread(fn: Any, repeats: int) -> float:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _best(fn, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_model(recipe: Recipe, autocast: Any, ran: str, repeats: int
+                ) -> tuple[float, float, float]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    arch = recipe.architecture
+    base = _llama_model(arch)
+    targets = [m for m in recipe.lora_target_modules
+               if m in {n.rsplit(".", 1)[-1] for n, _ in base.named_modules()}] or "all-linear"
+    config = LoraConfig(r=recipe.lora_rank, lora_alpha=int(recipe.lora_alpha), lora_dropout=0.0,
+                        target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        # peft 0.21 probes transformers' deprecated `is_gradient_checkpointing` (as the trainer).
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        model = get_peft_model(base, config)
+    if ran == "bf16-autocast":
+        # As the trainer stores them (factory.trainer.model._store_frozen_linears_in).
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+                module.to(torch.bfloat16)
+    ids = torch.randint(0, arch.vocab_size, (CALIBRATION_ROWS, CALIBRATION_TOKENS))
+
+    def train() -> None:
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def forward() -> None:
+        with torch.no_grad(), autocast:
+            model(input_ids=ids, labels=ids)
+
+    train_s, fwd_s = _best(train, repeats), _best(forward, repeats)
+    if ran == "bf16-autocast":
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.float()
+
+    def prefill() -> None:
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    return train_s, fwd_s, _one_thread(prefill, max(1, repeats - 1))
+
+
+def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int
+                  ) -> tuple[float, float, float]:
+    """The model's linear layers' products alone (one layer's, times the layer count, and the
+    output head): frozen weights, so the backward computes input gradients only."""
+    import torch
+
+    tokens = CALIBRATION_ROWS * CALIBRATION_TOKENS
+    h, q, kv, i = (arch.hidden_size, arch.num_heads * arch.head_dim,
+                   arch.num_kv_heads * arch.head_dim, arch.intermediate_size)
+    dtype = torch.bfloat16 if ran == "bf16-autocast" else torch.float32
+    layer = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    weights = [torch.randn(o, n, dtype=dtype) * 0.02 for n, o in layer]
+    head = torch.randn(arch.vocab_size, h, dtype=dtype) * 0.02
+    inputs = {n: torch.randn(tokens, n, requires_grad=True) for n in {n for n, _ in layer}}
+
+    def products(grad: bool) -> None:
+        with autocast, torch.set_grad_enabled(grad):
+            outs = [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights]
+            outs.append(torch.nn.functional.linear(inputs[h], head))
+        if grad:
+            torch.autograd.backward([o.float().sum() for o in outs])
+
+    one_train = _best(lambda: products(True), repeats)
+    one_fwd = _best(lambda: products(False), repeats)
+    # The head ran once with each layer's products; it is a share of a layer's cost.
+    head_share = arch.vocab_size * h / (arch.vocab_size * h + sum(n * o for n, o in layer))
+    per = arch.num_layers * (1 - head_share) + head_share
+    weights = [w.float() for w in weights]
+    head = head.float()
+
+    def fp32() -> None:
+        with torch.no_grad():
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+            torch.nn.functional.linear(inputs[h], head)
+
+    return one_train * per, one_fwd * per, _one_thread(fp32, max(1, repeats - 1)) * per
+
+
+def constants_from(calibration: Calibration, key: HostKey, base: TimeConstants
+                   ) -> TimeConstants:
+    """``base`` (the recipe's constants without calibration) with this host's measured rates;
+    the decode steps scale with the prefill rate (see the module docstring)."""
+    slower = base.prefill_tflops / calibration.prefill_tflops
+    source = base.provenance.split(":", 1)[0] if base.measured else "defaults"
+    return replace(
+        base, train_tflops=calibration.train_tflops, forward_tflops=calibration.forward_tflops,
+        prefill_tflops=calibration.prefill_tflops, decode_step_s=base.decode_step_s * slower,
+        decode_seq_s=base.decode_seq_s * slower, measured=True, calibrated=True,
+        train_precision=calibration.precision,
+        provenance=(f"calibrated on this host ({key.label}) at {calibration.measured_at} "
+                    f"by a {calibration.method} step in {calibration.precision} "
+                    f"({calibration.seconds:.0f} s, load {calibration.load:.1f}): train "
+                    f"{calibration.train_tflops:.3g}, forward {calibration.forward_tflops:.3g}, "
+                    f"prefill {calibration.prefill_tflops:.3g} TFLOP/s; fixed costs, judge and "
+                    f"overlap as {source}"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostConstants:
+    """The constants a plan on this host uses, and whether this call measured them."""
+
+    constants: TimeConstants
+    fresh: bool
+    """True when this call ran the calibration (the cache had no entry)."""
+    cache: Path | None
+    """The cache file (None: the defaults, no calibration applies)."""
+
+
+def cache_path(home: Path, key: HostKey) -> Path:
+    return home / "cache" / "time-model" / f"{key.slug}.json"
+
+
+def host_constants(recipe: Recipe, hw: Hardware, *, home: Path, precision: str = "bf16-autocast",
+                   judge: str = "embedded", key: HostKey | None = None,
+                   method: str = "model") -> HostConstants:
+    """This host's constants for ``recipe`` on ``hw``, calibrated on first use and cached.
+
+    Only a CPU plan is calibrated (the planning host is the training host); a GPU plan gets
+    ``timing.time_constants`` unchanged.
+    """
+    if not hw.evals_share_devices:
+        return HostConstants(constants=time_constants(recipe.name, recipe.architecture, hw,
+                                                      judge=judge), fresh=False, cache=None)
+    key = key or host_key()
+    path = cache_path(home, key)
+    # What the trainer runs here (FACTORY_CPU_BF16 can change it), not what the plan says.
+    entry = f"{size_class(recipe.architecture)}|{effective_precision(precision, 'cpu')[0]}"
+    cached: dict[str, Any] = {}
+    if path.exists():
+        try:
+            cached = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"time-model cache {path} is not JSON ({exc}): delete it and the "
+                             "next plan calibrates again") from None
+    found: dict[str, Any] | None = (cached.get("entries") or {}).get(entry)
+    fresh = found is None
+    if fresh:
+        calibration = calibrate(recipe, method=method, precision=precision)
+        cached = {"host": asdict(key), "entries": {**(cached.get("entries") or {}),
+                                                   entry: asdict(calibration)}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        tmp.replace(path)
+    else:
+        assert found is not None
+        calibration = Calibration(**found)
+    base = time_constants(recipe.name, recipe.architecture, hw, judge=judge)
+    return HostConstants(constants=constants_from(calibration, key, base), fresh=fresh,
+                         cache=path)

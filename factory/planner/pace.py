@@ -1,0 +1,86 @@
+"""A running plan's prediction corrected by its own steps.
+
+The trainer emits a ``progress`` event (``step``, ``time``, and ``eval_loss`` where it ran the
+held-out loss pass first) every ``log_every_steps``. After ``MIN_STEPS`` steps past the first
+event the observed seconds per step replace the plan's ``step_seconds``: a host's load, its
+thread count and the data's real lengths all show in them, which no calibration made before
+the run can know. ``corrected`` gives the corrected training and wall seconds, ``pace_line``
+puts them next to the plan's figure.
+
+The first event's interval is left out (it holds the model load and oneDNN's first-call kernel
+creation, seconds that ``train_fixed_s`` counts), and so is every interval ending at an event
+with ``eval_loss`` (the held-out pass, which the plan counts apart). On a CPU the evals share
+the training cores and whatever slows the steps slows them too, so their seconds scale by the
+same ratio; on GPUs they run on their own devices and keep the plan's figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from factory.planner.timing import duration
+
+MIN_STEPS = 3
+"""Steps (past the first logged one) before the observed pace replaces the plan's."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pace:
+    """The observed pace of a run and the prediction it gives."""
+
+    steps: int
+    """Steps the pace was measured over."""
+    step_s: float
+    """Observed seconds per optimizer step."""
+    predicted_step_s: float
+    """The plan's ``step_seconds``."""
+    train_s: float
+    """Training seconds with the observed pace."""
+    wall_s: float
+    """Wall seconds with the observed pace."""
+    predicted_wall_s: float
+    """The plan's ``wall_seconds``."""
+
+    @property
+    def ratio(self) -> float:
+        """Observed over predicted seconds per step."""
+        return self.step_s / self.predicted_step_s
+
+
+def observed_step_seconds(events: Iterable[Mapping[str, Any]]) -> tuple[int, float] | None:
+    """(steps, seconds per step) of the trainer's ``progress`` events (see the module
+    docstring for what is left out); None before two training events."""
+    points = sorted((int(e["step"]), float(e["time"]), "eval_loss" in e) for e in events
+                    if e.get("type") == "progress" and "loss" in e
+                    and e.get("step") is not None and e.get("time") is not None)
+    steps, seconds = 0, 0.0
+    for (s0, t0, _), (s1, t1, held_out) in zip(points, points[1:], strict=False):
+        if held_out or s1 <= s0:
+            continue
+        steps += s1 - s0
+        seconds += t1 - t0
+    return (steps, seconds / steps) if steps else None
+
+
+def corrected(estimates: Mapping[str, float], events: Iterable[Mapping[str, Any]], *,
+              evals_share_devices: bool, min_steps: int = MIN_STEPS) -> Pace | None:
+    """The plan's ``estimates`` with the pace of the run's ``events``; None until ``min_steps``
+    steps were observed."""
+    seen = observed_step_seconds(events)
+    if seen is None or seen[0] < min_steps:
+        return None
+    steps, step_s = seen
+    predicted = estimates["step_seconds"]
+    train_s = estimates["train_seconds"] + (step_s - predicted) * estimates["steps"]
+    evals_s = estimates["evals_seconds"] * (step_s / predicted if evals_share_devices else 1.0)
+    return Pace(steps=steps, step_s=step_s, predicted_step_s=predicted, train_s=train_s,
+                wall_s=train_s + evals_s, predicted_wall_s=estimates["wall_seconds"])
+
+
+def pace_line(pace: Pace) -> str:
+    """One line for beside the plan's predicted wall time."""
+    return (f"observed over {pace.steps} steps: {pace.step_s:.3g} s a step (plan "
+            f"{pace.predicted_step_s:.3g} s, x{pace.ratio:.2f}): wall ~{duration(pace.wall_s)} "
+            f"(plan {duration(pace.predicted_wall_s)}), training ~{duration(pace.train_s)}")

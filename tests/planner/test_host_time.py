@@ -1,0 +1,172 @@
+"""This host's time constants (calibrated once per host, cached) and the pace correction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from factory.planner import HARDWARE, make_plan
+from factory.planner.host import HostKey, cache_path, host_constants, host_key, size_class
+from factory.planner.pace import MIN_STEPS, corrected, observed_step_seconds, pace_line
+from factory.planner.timing import MEASURED, step_seconds, time_constants
+from factory.recipes import Architecture, Recipe, load_recipe
+from tests.planner.conftest import experiment, profile
+
+# A Llama of 0.6M parameters: a calibration of it runs in well under a second.
+TINY = Architecture(family="llama", num_parameters=616_768, num_layers=2, hidden_size=64,
+                    intermediate_size=176, num_heads=4, num_kv_heads=2, head_dim=16,
+                    vocab_size=8192, max_context=2048, tie_word_embeddings=True,
+                    linear_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                    "up_proj", "down_proj"))
+HOST_A = HostKey(cpu="Test CPU A", flags="avx2,fma", flags_sha="00000000", cores=2)
+HOST_B = replace(HOST_A, flags="avx2,fma,avx512f,avx512_bf16,amx_bf16", flags_sha="11111111")
+
+
+def tiny_recipe() -> Recipe:
+    return replace(load_recipe("smollm2-135m-lora"), name="tiny-llama-lora", architecture=TINY)
+
+
+def test_the_cache_is_written_once_per_host_key_and_reused(tmp_path: Path) -> None:
+    recipe, cpu = tiny_recipe(), HARDWARE["CPU"]
+    first = host_constants(recipe, cpu, home=tmp_path, key=HOST_A)
+    assert first.fresh and first.cache == cache_path(tmp_path, HOST_A) and first.cache.exists()
+    written = first.cache.read_bytes()
+    stamp = first.cache.stat().st_mtime_ns
+    again = host_constants(recipe, cpu, home=tmp_path, key=HOST_A)
+    assert not again.fresh and again.constants == first.constants
+    assert first.cache.read_bytes() == written and first.cache.stat().st_mtime_ns == stamp
+    # Another host calibrates again, into its own file; the first host's is left alone.
+    other = host_constants(recipe, cpu, home=tmp_path, key=HOST_B)
+    assert other.fresh and other.cache is not None and other.cache != first.cache
+    assert first.cache.read_bytes() == written
+    assert HOST_B.label in other.constants.provenance
+    # Another model size on the same host is another entry of the same file.
+    bigger = replace(recipe, architecture=replace(TINY, num_layers=3, num_parameters=660_000))
+    grown = host_constants(bigger, cpu, home=tmp_path, key=HOST_A)
+    assert grown.fresh and grown.cache == first.cache
+    assert size_class(TINY) in first.cache.read_text()
+    assert not host_constants(bigger, cpu, home=tmp_path, key=HOST_A).fresh
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-lora", "tiny-llama-lora"])
+def test_calibrated_rates_are_this_hosts_and_the_rest_uncalibrated(tmp_path: Path,
+                                                                   name: str) -> None:
+    """The measured reference's fixed costs where the recipe has them, else the defaults'."""
+    recipe = replace(tiny_recipe(), name=name)
+    got = host_constants(recipe, HARDWARE["CPU"], home=tmp_path, key=HOST_A).constants
+    ref = time_constants(name, TINY, HARDWARE["CPU"])
+    assert ref.measured == (name in {r for r, _ in MEASURED})
+    assert ("as measured on dev-cpu" in got.provenance) == ref.measured
+    assert got.calibrated and got.measured and got.source == "calibrated"
+    assert all(getattr(got, r) > 0 for r in ("train_tflops", "forward_tflops", "prefill_tflops"))
+    for fixed in ("train_fixed_s", "eval_fixed_s", "judge_s", "overlap_factor",
+                  "shared_prefix_rate"):
+        assert getattr(got, fixed) == getattr(ref, fixed), fixed
+    # Decode scales with the prefill rate measured (both fp32 on one thread).
+    assert got.decode_step_s / ref.decode_step_s == pytest.approx(
+        ref.prefill_tflops / got.prefill_tflops)
+
+
+def test_a_cpu_plan_names_its_constants_source(tmp_path: Path) -> None:
+    recipe = replace(tiny_recipe(), name="smollm2-135m-lora")  # the measured pair's name
+    plan = make_plan(experiment(), profile(), recipe=recipe, time_home=tmp_path)
+    model = plan.decisions["time_model"]
+    assert (model.value, model.rule) == ("calibrated", "time.calibrated")
+    key = host_key()
+    assert model.reason.startswith(f"calibrated on this host ({key.label}) at 20")
+    assert "by a model step in " in model.reason and "TFLOP/s" in model.reason
+    assert cache_path(tmp_path, key).exists()
+    # The step is the calibrated rate's: the same model, fed the cached constants.
+    c = host_constants(recipe, HARDWARE["CPU"], home=tmp_path).constants
+    span = min(profile().length_p50, plan["max_seq_len"])
+    tokens = plan.estimates["tokens_per_step"]
+    assert plan.estimates["step_seconds"] == pytest.approx(step_seconds(
+        c, TINY, tokens_per_step=tokens, span=span, recompute=plan["gradient_checkpointing"],
+        num_devices=1, precision=plan["precision"]), rel=0.01)
+    # Without a home the plan is the reference's, the same whatever machine renders it.
+    reference = make_plan(experiment(), profile(), recipe=recipe).decisions["time_model"]
+    assert (reference.value, reference.rule) == ("measured", "time.measured")
+    assert reference.reason.startswith("smollm2-135m-lora on CPU: reference constants "
+                                       "measured on dev-cpu")
+
+
+def test_a_gpu_plan_is_not_calibrated_on_the_planning_host(tmp_path: Path) -> None:
+    plan = make_plan(experiment(overrides={"gpu": "L4"}), profile(num_samples=100_000),
+                     time_home=tmp_path)
+    assert plan["time_model"] == "defaults" and "L4" in plan.decisions["time_model"].reason
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_broken_cache_says_how_to_fix_it(tmp_path: Path) -> None:
+    path = cache_path(tmp_path, HOST_A)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="delete it and the next plan calibrates again"):
+        host_constants(tiny_recipe(), HARDWARE["CPU"], home=tmp_path, key=HOST_A)
+
+
+def test_fp32_measured_rates_are_not_slowed_again() -> None:
+    """A host without bf16 calibrates in fp32: an fp32 plan keeps its rate; the reference's
+    bf16 rate is slowed for an fp32 plan."""
+    ref = MEASURED[("smollm2-135m-lora", "CPU")]
+    arch = load_recipe("smollm2-135m-lora").architecture
+
+    def step(c: object, precision: str) -> float:
+        return step_seconds(c, arch, tokens_per_step=1000, span=200,  # type: ignore[arg-type]
+                            recompute=False, num_devices=1, precision=precision)
+
+    fp32_host = replace(ref, calibrated=True, train_precision="fp32")
+    assert step(fp32_host, "fp32") == step(fp32_host, "bf16-autocast")
+    assert step(ref, "fp32") > step(ref, "bf16-autocast") * 1.8
+
+
+def test_host_key_reads_this_cpu() -> None:
+    key = host_key()
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+    assert key.cores == len(os.sched_getaffinity(0))
+    for flag in ("avx512_bf16", "amx_bf16", "avx2"):
+        assert (flag in key.flags.split(",")) == (flag in flags), flag
+    assert key.slug == host_key().slug and key.slug != HOST_A.slug
+
+
+def progress(step: int, t: float, **extra: float) -> dict[str, object]:
+    return {"type": "progress", "step": step, "time": t, "loss": 1.0, **extra}
+
+
+# A run whose first step took 9 s (kernel creation), then 2 s a step, with a 5 s held-out pass
+# before the event of step 4.
+EVENTS = [{"type": "started", "step": 0, "time": 100.0}, progress(1, 109.0),
+          progress(2, 111.0), progress(3, 113.0), progress(4, 120.0, eval_loss=2.0),
+          {"type": "progress", "step": 4, "time": 120.5, "eval_loss": 2.0},
+          progress(5, 122.0), progress(6, 124.0)]
+
+
+@pytest.mark.parametrize(("upto", "expected"), [
+    (2, None),  # one step: no interval yet
+    (3, (1, 2.0)),  # step 1 -> 2 (the load and first step before step 1 are left out)
+    (5, (2, 2.0)),  # the interval ending at the held-out pass is left out
+    (8, (4, 2.0)),
+])
+def test_observed_pace_leaves_out_the_first_step_and_held_out_passes(
+        upto: int, expected: tuple[int, float] | None) -> None:
+    assert observed_step_seconds(EVENTS[:upto]) == expected
+
+
+def test_the_prediction_is_corrected_after_min_steps() -> None:
+    estimates = {"step_seconds": 1.0, "steps": 100.0, "train_seconds": 116.0,
+                 "evals_seconds": 30.0, "wall_seconds": 146.0}
+    assert corrected(estimates, EVENTS[:5], evals_share_devices=True) is None  # 2 < MIN_STEPS
+    pace = corrected(estimates, EVENTS, evals_share_devices=True)
+    assert pace is not None and pace.steps >= MIN_STEPS
+    assert pace.ratio == 2.0 and pace.train_s == 216.0
+    assert pace.wall_s == 216.0 + 60.0  # evals on the same cores slow by the same ratio
+    gpu = corrected(estimates, EVENTS, evals_share_devices=False)
+    assert gpu is not None and gpu.wall_s == 216.0 + 30.0
+    line = pace_line(pace)
+    assert line.startswith("observed over 4 steps: 2 s a step (plan 1 s, x2.00): wall ~4.6 min "
+                           "(plan 2.4 min)")
+
