@@ -46,7 +46,7 @@ from factory.evals.selection import EarlyStop, StepScore, summarize
 from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServer, InferenceServerError
 from factory.inference.sizing import ServingSize, plan_of_run
-from factory.lake import LakeSession
+from factory.lake import LakeSession, Lineage
 from factory.settings import get_settings
 
 NUM_EQUIVALENCE_SAMPLES = 2
@@ -138,16 +138,20 @@ def serving_constraint(session: LakeSession, experiment: str) -> dict[str, Any] 
     """The ``structured_outputs`` a deployment of ``experiment`` serves under: its best
     checkpoint's run was evaluated under it (``answer_constraint``), so its route adds it to
     requests that send none. None without a rubric or a closed answer set, or with
-    ``eval.constrain`` off."""
-    rubric = stored_rubric(session, experiment)
+    ``eval.constrain`` off. Its reads are settings of the deployment, not its data: they are
+    not recorded in the session's lineage (the deployment's lineage is its checkpoint's)."""
+    if not session.lake.exists("rubrics"):
+        return None
+    quiet = LakeSession(session.lake, Lineage(run_id="", asset_key=""))
+    rubric = stored_rubric(quiet, experiment)
     if rubric is None:
         return None
     run_id = None
     if session.lake.exists("best_checkpoints"):
-        rows = session.sql("SELECT run_id FROM best_checkpoints WHERE experiment = ? "
-                           "ORDER BY selected_at DESC LIMIT 1", [experiment]).to_pylist()
+        rows = quiet.sql("SELECT run_id FROM best_checkpoints WHERE experiment = ? "
+                         "ORDER BY selected_at DESC LIMIT 1", [experiment]).to_pylist()
         run_id = rows[0]["run_id"] if rows else None
-    plan = plan_of_run(session, run_id, experiment) if run_id else None
+    plan = plan_of_run(quiet, run_id, experiment) if run_id else None
     return answer_constraint(rubric, plan, experiment)
 
 
