@@ -90,11 +90,14 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
         "deployments", "best_checkpoints", "eval_scores", "checkpoints"]
     assert [n["asset_key"] for n in to_checkpoint] == [
         "deployment", "best_checkpoint", "checkpoint_evals", "checkpoints"]
-    # From the checkpoint: its events, the run's submit commit, the run's data, the traces.
-    to_traces = [n["table"] for n in _chain_to(to_checkpoint[-1], "raw_traces")]
+    # From the checkpoint: its events, the run's submit commit, the run's data, the traces
+    # (walked from the checkpoint itself: in the whole tree a snapshot is expanded once, where
+    # the walk first meets it, and the eval scores' read of dataset_eval comes first).
+    checkpoint = walk_lineage(lake, "checkpoints", to_checkpoint[-1]["snapshot_id"])
+    to_traces = [n["table"] for n in _chain_to(checkpoint, "raw_traces")]
     assert to_traces[:3] == ["checkpoints", "training_events", "training_runs"], to_traces
     assert to_traces[-2:] == ["samples", "raw_traces"], to_traces
-    run_node = _chain_to(to_checkpoint[-1], "training_runs")[-1]
+    run_node = _chain_to(checkpoint, "training_runs")[-1]
     assert set(run_node["reads"]) == {"training_plans", "dataset_train", "dataset_eval"}
     assert run_node["asset_key"] == "training_run"
     plan = walk_lineage(lake, "training_plans", run_node["reads"]["training_plans"])
