@@ -366,6 +366,19 @@ def value_schema(tp: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def _parse(source: str, tries: int = 5) -> ast.Module:
+    """``ast.parse``, again on CPython 3.11's "AST constructor recursion depth mismatch": the
+    converter counts its depth per interpreter, not per thread, so a parse overlapping another
+    thread's (a traceback formatted in a server thread parses its line) is refused spuriously."""
+    for attempt in range(tries):
+        try:
+            return ast.parse(source)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of the dataclass ``cls`` and its bases, joined on one
     line (Python keeps no attribute docstrings at run time: they are read from the source)."""
@@ -374,7 +387,7 @@ def field_docs(cls: type) -> dict[str, str]:
         if not dataclasses.is_dataclass(klass):
             continue
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+            tree = _parse(textwrap.dedent(inspect.getsource(klass)))
         except (OSError, TypeError):  # no source (a class built at run time): no docs
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
