@@ -100,11 +100,13 @@ contracts: install
 
 # The suite runs in TEST_WORKERS workers, a test file each at a time (21-24 min on 2 cores; 37
 # min in one process, TEST_WORKERS=0), one torch thread per process: two torch processes with a
-# thread per core oversubscribe the cores (bench/cpu_sharing.py).
+# thread per core oversubscribe the cores (bench/cpu_sharing.py). Files go to the workers
+# slowest first (tests/file_seconds.json, read by tests/conftest.py), so neither worker ends the
+# run alone on a long file.
 TEST_WORKERS ?= 2
 unit: install sysdeps native vllm
 	$(if $(filter-out 0,$(TEST_WORKERS)),OMP_NUM_THREADS=1 )$(BIN)/pytest -q -n $(TEST_WORKERS) \
-	  --dist loadfile -m "not heavy" --durations=40 --durations-min=10
+	  --dist loadfile --no-loadscope-reorder -m "not heavy" --durations=40 --durations-min=10
 
 # The tests on Gemma 3 270M's real weights (gate, memory model, built folder) and the Spark
 # Connect server's: ~12 minutes more on 2 cores, so kept out of make test's 30-minute budget.

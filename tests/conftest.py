@@ -7,6 +7,7 @@ ignored by git) so repeated runs skip the ~20 s GGUF dequantization.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -37,6 +38,20 @@ def _models_cache() -> Path:
     path = Path(os.environ.get("FACTORY_TEST_MODELS") or ROOT / ".cache" / "test-models")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+FILE_SECONDS = ROOT / "tests" / "file_seconds.json"
+"""Seconds each slow test file took in the last full run (the durations ``make test`` prints,
+summed per file); a file not named is taken as fast."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest files first, each file's tests in their own order. Under ``--dist loadfile
+    --no-loadscope-reorder`` the workers take files in this order, longest first, so the short
+    files fill the end of the run on both workers instead of one worker ending alone on a long
+    file (xdist's own order is by number of tests, which puts the long one-test files last)."""
+    seconds = json.loads(FILE_SECONDS.read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0))
 
 
 _previous_test: list[str] = []

@@ -9,7 +9,8 @@ started by the test on a small lake and the tiny model, and nothing else driving
 (c) schedule path: a sweep's cron tick trains both points, the comparison has their real
     scores, and the winner is promoted (``deploy: auto``).
 
-Each checks the order of the chain's runs: no ``best_checkpoint`` before the last checkpoint
+First, the UI itself: the code location loaded, the instance queueing runs for the daemon.
+Each path checks the order of the chain's runs: no ``best_checkpoint`` before the last checkpoint
 of its runs is scored.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.deploy.dagster_ui import UI, factory_ui
+from tests.deploy.dagster_ui import UI, factory_ui, gql
 from tests.inference.conftest import make_adapter
 from tests.waiting import wait_until
 
@@ -140,6 +141,21 @@ def _ask(endpoint: str, model: str) -> str | None:
                            ).chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     return answer.choices[0].message.content
+
+
+QUERY = """{ workspaceOrError { ... on Workspace { locationEntries { name
+  locationOrLoadError { __typename ... on RepositoryLocation { repositories {
+  assetNodes { assetKey { path } } jobs { name } } } } } } } }"""
+
+
+def test_ui_serves_the_code_location(ui: UI) -> None:
+    entries = gql(ui.url, QUERY)["workspaceOrError"]["locationEntries"]
+    [repo] = entries[0]["locationOrLoadError"]["repositories"]
+    keys = {tuple(n["assetKey"]["path"]) for n in repo["assetNodes"]}
+    assert {("base_model",), ("dataset",), ("training_run",), ("deployment",)} <= keys
+    assert "start_experiment_job" in {j["name"] for j in repo["jobs"]}
+    config = (Path(os.environ["DAGSTER_HOME"]) / "dagster.yaml").read_text()
+    assert "QueuedRunCoordinator" in config and "factory/eval" in config
 
 
 def test_a_dropped_experiment_file_reaches_a_live_endpoint(ui: UI) -> None:
