@@ -96,8 +96,7 @@ def load_for_scoring(base_model: str, adapter: Path | None) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from factory.trainer.chat import install_chat_template
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import install_chat_template, load_tokenizer
 
     tok = install_chat_template(load_tokenizer(base_model))
     model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)

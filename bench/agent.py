@@ -103,8 +103,7 @@ def last_json(text: str) -> dict[str, Any]:
 def _token_lengths(convs: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
     """Trainer token counts (``factory.trainer.chat.encode``, the SmolLM2 tokenizer) of the samples."""
     from factory.base_model import smollm2_dir
-    from factory.trainer.chat import IGNORE_INDEX, encode
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import IGNORE_INDEX, encode, load_tokenizer
 
     tok = load_tokenizer(str(smollm2_dir()))
     total: dict[str, list[int]] = {}

@@ -74,8 +74,7 @@ def main() -> int:
     print(f"bf16: {cpu_bf16()}")
     print(f"load before planning: {load()}", flush=True)
 
-    from factory.trainer.chat import install_chat_template
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import install_chat_template, load_tokenizer
 
     config = MeasureConfig(model="smollm2-135m", seq_len=args.seq_len,
                            micro_batch_size=args.micro_batch, packing=True,

@@ -130,8 +130,7 @@ def run_hf(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         TrainingArguments,
     )
 
-    from factory.trainer.chat import encode
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import encode, load_tokenizer
 
     tok = load_tokenizer(args.model)
     rows = pq.read_table(data).to_pylist()
@@ -215,7 +214,7 @@ def main() -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import load_tokenizer
 
     tok = load_tokenizer(args.model)
     samples = make_samples(tok, args.num_samples, seed=0, scale=args.length_scale)

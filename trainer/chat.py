@@ -406,3 +406,13 @@ def install_chat_template(tokenizer: Any, *, vision: bool = False) -> Any:
     ``vision`` for the tokenizer of a vision-language model (``trainer.vision.has_vision``)."""
     tokenizer.chat_template = chat_template(chat_format(tokenizer), vision=vision)
     return tokenizer
+
+
+def load_tokenizer(base_model: str) -> Any:
+    """``base_model``'s tokenizer, its pad token the end-of-sequence token where it has none."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_model)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

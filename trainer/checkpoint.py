@@ -29,10 +29,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load, save
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST = "manifest.json"
 FORMAT = "factory-checkpoint/1"
@@ -125,6 +125,8 @@ def verify_checkpoint(path: str) -> CheckpointInfo:
     Raises CheckpointError saying what is wrong; the control plane calls this before it lets a
     checkpoint count (for evals, rollover or recovery).
     """
+    import torch
+    from safetensors.torch import load
     fs, p = _fs(str(path))
     try:
         manifest_bytes = fs.cat_file(p + "/" + MANIFEST)
@@ -194,12 +196,14 @@ def read_checkpoint(path: str) -> dict[str, bytes]:
 
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
     return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                 metadata={"format": "pt"})
 
 
 def optimizer_to_files(state: dict[str, Any], names: list[str]) -> dict[str, bytes]:
     """AdamW ``state_dict`` (with full, unsharded tensors) to safetensors + JSON."""
+    import torch
     tensors = {}
     for idx, per_param in state["state"].items():
         for key, value in per_param.items():
@@ -213,6 +217,7 @@ def optimizer_to_files(state: dict[str, Any], names: list[str]) -> dict[str, byt
 
 
 def optimizer_from_files(files: dict[str, bytes]) -> tuple[dict[str, Any], list[str]]:
+    from safetensors.torch import load
     tensors = load(files["optimizer.safetensors"])
     meta = json.loads(files["optimizer.json"])
     state: dict[int, dict[str, torch.Tensor]] = {}
@@ -231,6 +236,7 @@ def rng_to_files(per_rank: dict[str, list[torch.Tensor]] | None = None) -> dict[
     import random
 
     import numpy as np
+    import torch
 
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -251,6 +257,8 @@ def restore_rng(files: dict[str, bytes], *, rank: int = 0) -> None:
     import random
 
     import numpy as np
+    import torch
+    from safetensors.torch import load
 
     tensors = load(files["rng.safetensors"])
     torch.set_rng_state(tensors.get(f"torch_cpu.rank{rank}", tensors["torch_cpu"]))
@@ -270,6 +278,7 @@ def restore_rng(files: dict[str, bytes], *, rank: int = 0) -> None:
 
 
 def all_finite(tensors: dict[str, torch.Tensor]) -> bool:
+    import torch
     return all(bool(torch.isfinite(t).all()) for t in tensors.values())
 
 

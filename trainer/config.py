@@ -10,6 +10,7 @@ the environment variable that holds it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import re
@@ -30,6 +31,19 @@ PARALLELISMS = ("single", "fsdp2")
 TRACKERS = ("jsonl", "mlflow", "neptune", "none")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ExitCode(enum.IntEnum):
+    """The trainer process's exit status (the control plane acts on it; kept here, beside the job it
+    runs, so the control plane reads it without importing the training code)."""
+
+    FINISHED = 0
+    FAILED = 1
+    INVALID_JOB = 2
+    NAN = 3
+    DATA_ERROR = 65  # EX_DATAERR: the input is wrong; never retried
+    OWNER_GONE = 69  # EX_UNAVAILABLE: the process following the run died; never retried
+    PREEMPTED = 75  # EX_TEMPFAIL: "try again later", i.e. resume
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,15 +48,15 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .chat import IGNORE_INDEX, common_prefix, encode, install_chat_template
+from .chat import IGNORE_INDEX, common_prefix, encode, install_chat_template, load_tokenizer
 from .config import MIN_SHARED_PREFIX, Job, MixSource
-from .model import load_tokenizer
 from .vision import ImageInput, MissingImage, Vision, has_vision, load_vision, stack
 from .vision import encode as encode_with_images
+
+if TYPE_CHECKING:
+    import torch
 
 # First-fit packing looks at this many open rows: 99%+ fill on realistic length mixes while
 # staying linear in the number of samples.
@@ -366,6 +366,8 @@ class Batch:
 def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], *, packed: bool,
             pad_id: int) -> Batch:
     """Rows of example indices to a padded micro-batch (padded to its longest row)."""
+    import torch
+
     length = max(sum(len(examples[i].input_ids) for i in row) for row in rows)
     ids, pos, labs, idx, mask = [], [], [], [], []
     real = 0
@@ -404,6 +406,8 @@ def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], *, packe
 def collate_shared(examples: Sequence[Example], indices: Sequence[int], prefix: int) -> Batch:
     """The examples ``indices`` as one row: their first ``prefix`` tokens (the same in all, see
     ``shared_prefix_length``) once, then each example's rest at positions ``prefix...``."""
+    import torch
+
     # Only plain-attention (text) models share prefixes (``load_model``): no images here.
     assert not any(examples[i].images for i in indices), "share_prefix with image samples"
     first = examples[indices[0]]
@@ -455,6 +459,8 @@ class MicroBatchStream:
 
     def _layout(self, epoch: int) -> list[list[list[int]]]:
         """Micro-batches of rows of example indices for ``epoch``."""
+        import torch
+
         if epoch not in self._cache:
             n = len(self.examples)
             if self.shuffle:
@@ -532,6 +538,8 @@ def _seed(*parts: int) -> int:
 
 
 def _randperm(n: int, seed: int) -> list[int]:
+    import torch
+
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
@@ -726,6 +734,8 @@ class MixtureStream:
                 where = f"mix source {reader.name}" if len(sources) > 1 else reader.prefix
                 raise ValueError(f"{where}: no samples")
         self.names = [s.name for s in sources]
+        import torch
+
         weights = torch.tensor([float(s.weight) for s in sources], dtype=torch.float64)
         self.shares = (weights / weights.sum()).tolist()
         self._weights = weights
@@ -762,6 +772,8 @@ class MixtureStream:
             self._summary = self._prefix_summary(first)
 
     def _generate(self) -> _Window:
+        import torch
+
         at = self._next
         cursors = list(at.cursors)
         if len(self.readers) > 1:

@@ -43,15 +43,6 @@ LOSS_CHUNK_TOKENS = 1024
 PACKED_ATTENTION = "factory_packed_sdpa"
 
 
-def load_tokenizer(base_model: str) -> Any:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base_model)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
 def auto_model_class(base_model: str) -> Any:
     """The transformers auto class that loads ``base_model`` with its LM head: causal LMs, and
     image-text-to-text models (Qwen2.5-VL: vision tower + causal LM) that have no causal-LM

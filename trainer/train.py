@@ -16,7 +16,6 @@ was written and the run ends). The control plane never retries 2, 65 or 69.
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 import random
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .config import Job, TrainConfig
+from .config import ExitCode, Job, TrainConfig
 from .cores import CoreShare
 from .data import (
     MicroBatchStream,
@@ -55,18 +54,6 @@ from .webhooks import EventLog, WebhookSender
 # Dense bf16 peak FLOP/s per device, from the vendors' datasheets (no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
                    "L4": 121e12}
-
-
-class ExitCode(enum.IntEnum):
-    """The trainer process's exit status (the control plane acts on it)."""
-
-    FINISHED = 0
-    FAILED = 1
-    INVALID_JOB = 2
-    NAN = 3
-    DATA_ERROR = 65  # EX_DATAERR: the input is wrong; never retried
-    OWNER_GONE = 69  # EX_UNAVAILABLE: the process following the run died; never retried
-    PREEMPTED = 75  # EX_TEMPFAIL: "try again later", i.e. resume
 
 
 class Preempted(Exception):

@@ -28,12 +28,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .chat import IGNORE_INDEX, VISION_PLACEHOLDER
 from .chat import encode as encode_text
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_START = "<|vision_start|>"
 IMAGE_PAD = "<|image_pad|>"
@@ -192,6 +193,8 @@ def expand_pads(text: str, images: Sequence[ImageInput]) -> str:
 
 def stack(images: Sequence[ImageInput]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``pixel_values`` and ``image_grid_thw`` of ``images`` in order (None, None: none)."""
+    import torch
+
     if not images:
         return None, None
     return (torch.cat([x.pixel_values for x in images]),

@@ -29,7 +29,7 @@ from factory.blobs import BlobStore
 from factory.errors import FactoryError
 from factory.evals.runner import to_openai_messages, to_openai_tools
 from factory.inference.protocol import holds_image
-from factory.trainer.chat import IGNORE_INDEX, encode
+from factory.trainer.chat import IGNORE_INDEX, encode, load_tokenizer
 from factory.trainer.progress import quiet_progress_bars
 
 
@@ -77,11 +77,7 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
 
     # torch (~2 s) loads here: factory.evals's __init__ imports this module, the CLI factory.evals
     from factory.trainer import vision as trainer_vision
-    from factory.trainer.model import (  # torch, as the line above says
-        CausalLMLoss,
-        auto_model_class,
-        load_tokenizer,
-    )
+    from factory.trainer.model import CausalLMLoss, auto_model_class  # torch, as above
 
     if base_model is None:
         cfg = json.loads((Path(checkpoint_dir) / "adapter_config.json").read_text())
@@ -122,9 +118,6 @@ def check_equivalence(client: Any, model: str, checkpoint_dir: str,
     """Compare the server behind ``client`` (an ``InferenceClient``) serving ``model`` with the
     trainer's view of ``checkpoint_dir`` on ``samples`` (canonical, reference answer last);
     ``blob_dir``: where the trainer's view reads images (default the factory's blob store)."""
-    # torch (~2 s) loads here, as in trainer_view
-    from factory.trainer.model import load_tokenizer
-
     if not samples:
         raise ValueError("check_equivalence: needs at least one sample")
     views = trainer_view(checkpoint_dir, samples, base_model=base_model, blob_dir=blob_dir)

@@ -342,7 +342,7 @@ def measure(config: MeasureConfig, *, threads: int = 2, work_dir: Path | None = 
     import pyarrow.parquet as pq
 
     # torch (~2 s): only calibration runs need it, not every plan
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import load_tokenizer
 
     path = model_path or model_dir(config.model)
     recipe = recipe_for(config.model, path)

@@ -122,8 +122,7 @@ def test_profile_counts_are_the_trainers(factory_home: Path, monkeypatch: pytest
     import numpy as np
     import orjson
 
-    from factory.trainer.chat import encode
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import encode, load_tokenizer
 
     _setup(factory_home, monkeypatch, planted_data, "tags['project'] = 'support'")
     assert _run().success

@@ -54,7 +54,7 @@ def agent_conversations() -> list[tuple[list[dict[str, Any]], list[dict[str, Any
 
 @pytest.fixture(scope="module")
 def trainer_tokenizer(smollm2_dir: Path) -> Any:
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import load_tokenizer
 
     return load_tokenizer(str(smollm2_dir))
 

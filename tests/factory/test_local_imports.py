@@ -278,3 +278,13 @@ def test_the_tree_walk_skips_tests_and_the_links(tmp_path: Path) -> None:
         (tmp_path / folder / "m.py").write_text(body)
     (tmp_path / "factory" / "trainer").symlink_to(tmp_path / "trainer")
     assert [i.path for i in tree_local_imports(tmp_path)] == ["factory/m.py", "trainer/m.py"]
+
+
+def test_the_code_location_loads_without_torch() -> None:
+    # Every Dagster run worker, code server and daemon loads factory.definitions: torch (about
+    # 2.8 s of CPU) waits for the steps that train, serve or judge.
+    script = ("import sys, factory.definitions; "
+              "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=300,
+                         capture_output=True, text=True).stdout
+    assert json.loads(out.replace("'", '"')) == []

@@ -15,8 +15,7 @@ import torch
 from factory.inference import InferenceServer
 from factory.inference.contract import SCHEMAS, ContractError, check
 from factory.inference.protocol import wire_messages, wire_tools
-from factory.trainer.chat import render
-from factory.trainer.model import load_tokenizer
+from factory.trainer.chat import load_tokenizer, render
 
 MESSAGES: list[Any] = [{"role": "system", "content": "Reply briefly."},
                        {"role": "user", "content": "Hello!"},

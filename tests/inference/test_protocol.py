@@ -23,8 +23,7 @@ from factory.inference.protocol import (
 )
 from factory.normalize import NormalizeError
 from factory.normalize.openai import normalize
-from factory.trainer.chat import install_chat_template, parse_assistant, render
-from factory.trainer.model import load_tokenizer
+from factory.trainer.chat import install_chat_template, load_tokenizer, parse_assistant, render
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

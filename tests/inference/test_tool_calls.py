@@ -180,7 +180,7 @@ AGENT_TURN: list[Any] = [
 
 def test_a_multi_turn_request_renders_as_in_training(cpu_server: InferenceServer,
                                                      tiny_model_dir: Path) -> None:
-    from factory.trainer.model import load_tokenizer
+    from factory.trainer.chat import load_tokenizer
 
     messages, tools = canonical_request(AGENT_TURN, TOOLS)
     assert messages[1]["tool_calls"][0]["arguments"] == '{"city":"Zürich"}'

@@ -12,10 +12,10 @@ from factory.trainer.chat import (
     IGNORE_INDEX,
     encode,
     install_chat_template,
+    load_tokenizer,
     parse_assistant,
     render,
 )
-from factory.trainer.model import load_tokenizer
 from tests.trainer.conftest import WEATHER_TOOL, make_samples
 
 

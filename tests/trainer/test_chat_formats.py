@@ -17,10 +17,10 @@ from factory.trainer.chat import (
     chat_template,
     encode,
     install_chat_template,
+    load_tokenizer,
     parse_assistant,
     render,
 )
-from factory.trainer.model import load_tokenizer
 from tests.trainer.test_chat import CASES
 
 

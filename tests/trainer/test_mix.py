@@ -13,10 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from factory.trainer.chat import install_chat_template
+from factory.trainer.chat import install_chat_template, load_tokenizer
 from factory.trainer.config import MixSource
 from factory.trainer.data import MicroBatchStream, MixtureStream, SourceReader, tokenize
-from factory.trainer.model import load_tokenizer
 from tests.trainer.conftest import make_samples, write_parquet
 
 

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from factory.trainer import model as model_mod
-from factory.trainer.chat import install_chat_template
+from factory.trainer.chat import install_chat_template, load_tokenizer
 from factory.trainer.config import TrainConfig
 from factory.trainer.data import MicroBatchStream, collate, pack, tokenize
-from factory.trainer.model import CausalLMLoss, load_model, load_tokenizer, segment_lengths
+from factory.trainer.model import CausalLMLoss, load_model, segment_lengths
 from tests.trainer.conftest import make_samples
 
 
