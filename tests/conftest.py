@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import threading
+import time
 import warnings
 
 import torch
@@ -22,6 +23,7 @@ if not torch.cuda.is_available():
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Import hypothesis (a pytest plugin, so pytest rewrites its modules on import) now rather than
 # lazily in its end-of-session hook: on Python 3.11.7 that late ast.parse has failed with
@@ -52,6 +54,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     file (xdist's own order is by number of tests, which puts the long one-test files last)."""
     seconds = json.loads(FILE_SECONDS.read_text())
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0))
+
+
+SUITE_BUDGET_S = 25 * 60
+"""pytest's wall time in ``make test`` on 2 idle cores at most (issue 47); printed at the end."""
+_session_start: list[float] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _session_start.append(time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The run's wall time against ``SUITE_BUDGET_S`` (in the controller of a two-worker run
+    too; a worker prints nothing)."""
+    if _session_start and not hasattr(terminalreporter.config, "workerinput"):
+        took = time.monotonic() - _session_start[0]
+        verdict = "within" if took <= SUITE_BUDGET_S else "OVER"
+        terminalreporter.write_line(
+            f"pytest wall time: {took:,.0f} s, {verdict} the {SUITE_BUDGET_S // 60}-minute budget "
+            f"of make test on 2 idle cores ({os.cpu_count()} cores here, load "
+            f"{os.getloadavg()[0]:.1f} at the end)")
 
 
 _previous_test: list[str] = []
