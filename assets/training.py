@@ -11,21 +11,26 @@ daemon evaluates the rollover and recovery sensors (else it watches the run's ro
 it is one run, and its metadata shows the segments underneath (provider, sandbox id, first and
 last step, why each ended), one loss curve across them (a step redone after a resume keeps the
 value of its last run, which is bitwise the same in deterministic mode) and what tokenizing kept
-and dropped, by reason (``num_dropped_too_long_for_plan``...). A run that fails (a data error of
+and dropped, by reason (``num_dropped_too_long_for_plan``...), and the plan's predicted training
+seconds beside the measured ones. While the run trains, the step's log says the pace it observes
+against the plan's (``factory.planner.pace``: the prediction corrected by the run's own steps)
+as soon as three steps show it, and again when it moves. A run that fails (a data error of
 the trainer's, say) fails the step with the run's reason; a run the evals stopped early ends the
 step once the trainer's stop checkpoint is in the lake. Interrupted (Ctrl-C, or the Dagster run
 terminated), the step cancels the trainer run before it ends.
 """
 
 import dataclasses
+import json
 
 import dagster as dg
 
 from factory.control.follow import RunTimedOut, follow_run
-from factory.control.jobs import job_from_plan
+from factory.control.jobs import job_from_plan, latest_plan
 from factory.control.plane import cancel_run
 from factory.errors import FactoryError
 from factory.partitions import CHECKPOINTS, RUNS
+from factory.planner.pace import PaceWatch
 from factory.process import signals_ignored
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
@@ -68,6 +73,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
                  lake: LakeResource, provider: ProviderResource) -> dg.MaterializeResult:
     session = lake.session(context)
     experiment = config.experiment
+    watch: PaceWatch | None = None
     try:
         if config.job_file:
             job = Job.from_json(config.job_file)
@@ -76,6 +82,11 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
             # submit commit records them for lineage).
             job, experiment = job_from_plan(session.lake, context.partition_key,
                                             lineage=session.lineage)
+            plan = json.loads(latest_plan(session.lake, context.partition_key)["plan"] or "{}")
+            if plan.get("estimates"):
+                on_cpu = str(plan["values"].get("gpu", "CPU")).upper() == "CPU"
+                watch = PaceWatch(estimates=plan["estimates"], say=context.log.info,
+                                  evals_share_devices=on_cpu)
         # Cheap next to any training: SmolLM2's tokenizer loads in ~5 s (transformers' import)
         # and tokenizing takes ~0.7 ms a sample (3000 samples: 2.2 s on one core).
         checked = check_job_data(job)
@@ -94,7 +105,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         followed = follow_run(plane, job, experiment=experiment, lineage=session.lineage,
                               daemon_ticks=lambda: sensors_ticking(context.instance),
                               poll_s=config.poll_s, timeout_s=config.timeout_s,
-                              drive=config.drive, on_submitted=tag_run, log=context.log)
+                              drive=config.drive, on_submitted=tag_run,
+                              on_progress=watch.update if watch else None, log=context.log)
     except RunTimedOut as exc:
         raise dg.Failure(str(exc)) from None
     except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError):
@@ -105,6 +117,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
             cancel_run(plane, job.run_id, reason="interrupted")
         raise
     metadata = {**followed.metadata(checked),
+                **(watch.metadata(followed.events) if watch else {}),
                 "segments": dg.MetadataValue.md(followed.segments_table()),
                 **session.metadata()}
     if followed.failure is not None:

@@ -37,6 +37,8 @@ WATCH_S = 2.0
 """Seconds between looks at the run while the sensors drive it: one catalog lookup of
 ``training_runs``' snapshot (about 1.5 ms CPU), the table re-read only when it changed, so the
 run's end shows here within 2 s of the plane recording it."""
+PROGRESS_EVERY_S = 30.0
+"""Seconds between calls of ``follow_run``'s ``on_progress`` with the run's events."""
 STOP_CHECKPOINT_S = 120.0
 """How long a stopped run's step waits for the trainer's last checkpoint to reach the lake (the
 trainer's SIGTERM grace, then a sensor tick)."""
@@ -139,6 +141,7 @@ def follow_run(plane: ControlPlane, job: Job, *, experiment: str = "",
                lineage: Lineage | None = None, daemon_ticks: Callable[[], bool],
                poll_s: float = 5.0, timeout_s: float | None = None, drive: bool | None = None,
                on_submitted: Callable[[], None] = _no_op,
+               on_progress: Callable[[list[dict[str, Any]]], object] | None = None,
                log: Log = logging.getLogger("factory.control"),
                clock: Callable[[], float] = time.monotonic,
                sleep: Callable[[float], None] = time.sleep) -> Followed:
@@ -150,7 +153,9 @@ def follow_run(plane: ControlPlane, job: Job, *, experiment: str = "",
     ``DRIVER_CHECK_S``. ``poll_s``: seconds between ticks while driving (between looks at the
     run: ``min(poll_s, WATCH_S)`` while watching). ``timeout_s``: stop the run and raise
     ``RunTimedOut`` after this long; None waits for the end. ``on_submitted`` runs once the run
-    is queued (to tag the caller's own run with it, say). ``clock`` and ``sleep`` pace the wait.
+    is queued (to tag the caller's own run with it, say). ``on_progress`` gets the run's
+    events every ``PROGRESS_EVERY_S`` while it runs (the planner's pace correction, say).
+    ``clock`` and ``sleep`` pace the wait.
     """
     plane.submit(job, experiment=experiment, lineage=lineage)
     on_submitted()
@@ -158,6 +163,7 @@ def follow_run(plane: ControlPlane, job: Job, *, experiment: str = "",
     start = clock()
     driving, decided = bool(drive), None
     seen: int | None = None  # the training_runs snapshot the run was last read at
+    progressed = start
     while True:
         if drive is None and (decided is None or clock() - decided >= DRIVER_CHECK_S):
             now_driving = not daemon_ticks()
@@ -174,6 +180,9 @@ def follow_run(plane: ControlPlane, job: Job, *, experiment: str = "",
             run = plane.runs()[run_id]
             if run.status not in RUN_ACTIVE:
                 break
+        if on_progress is not None and clock() - progressed >= PROGRESS_EVERY_S:
+            progressed = clock()
+            on_progress(plane.events(run_id))
         if timeout_s is not None and clock() - start > timeout_s:
             plane.stop_run(run_id, reason=f"timeout after {timeout_s} s")
             raise RunTimedOut(f"training run {run_id} did not end in {timeout_s} s")

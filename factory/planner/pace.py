@@ -16,7 +16,7 @@ same ratio; on GPUs they run on their own devices and keep the plan's figure.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,3 +84,59 @@ def pace_line(pace: Pace) -> str:
     return (f"observed over {pace.steps} steps: {pace.step_s:.3g} s a step (plan "
             f"{pace.predicted_step_s:.3g} s, x{pace.ratio:.2f}): wall ~{duration(pace.wall_s)} "
             f"(plan {duration(pace.predicted_wall_s)}), training ~{duration(pace.train_s)}")
+
+
+RATIO_MOVE = 0.10
+"""A pace is said again once its ratio to the plan moved by more than this share."""
+
+
+def trainer_events(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's events as it wrote them, from stored ``training_events`` rows."""
+    import json
+
+    return [json.loads(r["payload"]) for r in rows if r.get("payload")]
+
+
+@dataclass(kw_only=True)
+class PaceWatch:
+    """A running plan's pace, said as it becomes known: ``update`` (given the stored events,
+    every few seconds by ``factory.control.follow.follow_run``) logs ``pace_line`` the first
+    time ``corrected`` gives a figure and again whenever the ratio moved by ``RATIO_MOVE``;
+    ``metadata`` puts the plan's figures, the observed pace and the measured training seconds
+    side by side at the run's end."""
+
+    estimates: Mapping[str, float]
+    """The plan's ``estimates``."""
+    evals_share_devices: bool
+    """Whether the evals run on the training devices (a CPU plan) and slow with them."""
+    say: Callable[[str], Any]
+    """Called with each line (a logger's ``info``)."""
+    said_ratio: float | None = None
+
+    def update(self, rows: Iterable[Mapping[str, Any]]) -> Pace | None:
+        pace = corrected(self.estimates, trainer_events(rows),
+                         evals_share_devices=self.evals_share_devices)
+        if pace is not None and (self.said_ratio is None
+                                 or abs(pace.ratio / self.said_ratio - 1) > RATIO_MOVE):
+            self.said_ratio = pace.ratio
+            self.say(f"training pace {pace_line(pace)}")
+        return pace
+
+    def metadata(self, rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+        """``predicted_train_s`` and ``predicted_step_s`` (the plan), ``measured_train_s`` (from
+        the first training event to the last, every segment's wait between included),
+        ``train_s_ratio`` (measured over predicted), and the observed ``pace``."""
+        events = trainer_events(rows)
+        out: dict[str, Any] = {"predicted_train_s": self.estimates["train_seconds"],
+                               "predicted_step_s": self.estimates["step_seconds"]}
+        times = [float(e["time"]) for e in events
+                 if e.get("type") in ("started", "progress", "finished")
+                 and e.get("time") is not None]
+        if len(times) > 1 and self.estimates["train_seconds"] > 0:
+            measured = max(times) - min(times)
+            out["measured_train_s"] = round(measured, 1)
+            out["train_s_ratio"] = round(measured / self.estimates["train_seconds"], 3)
+        pace = corrected(self.estimates, events, evals_share_devices=self.evals_share_devices)
+        if pace is not None:
+            out["pace"] = pace_line(pace)
+        return out

@@ -273,3 +273,26 @@ def test_the_follower_ticks_only_while_no_daemon_does(factory_home, make_job) ->
     assert set(world.pauses[:first_tick]) == {2.0}
     assert sum(world.pauses[:first_tick]) >= DRIVER_CHECK_S
     assert set(world.pauses[first_tick:]) == {5.0}
+
+
+def test_the_follower_hands_the_runs_events_over_as_it_trains(factory_home, make_job) -> None:
+    world = World()
+    t = world.trainers
+    seen: list[tuple[float, list[int]]] = []
+
+    def on_progress(events: list[dict[str, Any]]) -> None:
+        seen.append((world.clock(), [e["step"] for e in events if e["type"] == "progress"]))
+
+    start = world.clock()
+    world.follow(make_job("r", num_steps=3), [
+        lambda: t.emit("r-s000", "started", 0),
+        lambda: t.emit("r-s000", "progress", 1, loss=2.5),
+        lambda: t.emit("r-s000", "progress", 2, loss=2.0),
+        lambda: None,
+        lambda: t.emit("r-s000", "progress", 3, loss=1.25),
+        lambda: None,
+        lambda: (t.emit("r-s000", "finished", 3), t.exit("r-s000", 0)),
+    ], poll_s=10.0, on_progress=on_progress)
+    # Every PROGRESS_EVERY_S (30 s) of the follower's clock, with what the lake holds then.
+    assert [at - start for at, _ in seen] == [30.0, 60.0]
+    assert seen[0][1] == [1, 2] and seen[1][1] == [1, 2, 3]

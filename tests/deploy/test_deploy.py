@@ -71,6 +71,14 @@ def test_run_takes_the_experiment_to_a_live_endpoint_the_sdk_reaches(
     assert "deployment [exp]: success" in run.stderr
     kinds = {r["kind"] for r in lake.sql("SELECT DISTINCT kind FROM eval_scores").to_pylist()}
     assert kinds == {"base", "checkpoint", "reference"}
+    # The training step shows the plan's training seconds beside the measured ones.
+    import dagster as dg
+
+    from factory.app.instance import instance
+
+    [trained] = instance().fetch_materializations(dg.AssetKey("training_run"), limit=1).records
+    shown_md = trained.asset_materialization.metadata if trained.asset_materialization else {}
+    assert shown_md["predicted_train_s"].value > 0 and shown_md["measured_train_s"].value > 0
     v1 = Deployer().live("exp")
     assert v1 is not None and v1.version == "v1" and out["endpoint"] == v1.endpoint
     best = lake.sql("SELECT path FROM best_checkpoints").column("path")[0].as_py()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -10,7 +11,13 @@ import pytest
 
 from factory.planner import HARDWARE, make_plan
 from factory.planner.host import HostKey, cache_path, host_constants, host_key, size_class
-from factory.planner.pace import MIN_STEPS, corrected, observed_step_seconds, pace_line
+from factory.planner.pace import (
+    MIN_STEPS,
+    PaceWatch,
+    corrected,
+    observed_step_seconds,
+    pace_line,
+)
 from factory.planner.timing import MEASURED, step_seconds, time_constants
 from factory.recipes import Architecture, Recipe, load_recipe
 from tests.planner.conftest import experiment, profile
@@ -170,3 +177,29 @@ def test_the_prediction_is_corrected_after_min_steps() -> None:
     assert line.startswith("observed over 4 steps: 2 s a step (plan 1 s, x2.00): wall ~4.6 min "
                            "(plan 2.4 min)")
 
+
+
+def _stored(events: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Events as ``training_events`` rows hold them (the trainer's JSON in ``payload``)."""
+    return [{"type": e["type"], "step": e["step"], "payload": json.dumps(e)} for e in events]
+
+
+def test_a_running_plan_says_its_pace_once_known_and_again_when_it_moves() -> None:
+    estimates = {"step_seconds": 1.0, "steps": 100.0, "train_seconds": 116.0,
+                 "evals_seconds": 30.0, "wall_seconds": 146.0}
+    said: list[str] = []
+    watch = PaceWatch(estimates=estimates, evals_share_devices=True, say=said.append)
+    assert watch.update(_stored(EVENTS[:5])) is None and said == []  # too few steps yet
+    pace = watch.update(_stored(EVENTS))
+    assert pace is not None and pace.ratio == 2.0
+    assert said == [f"training pace {pace_line(pace)}"]
+    watch.update(_stored([*EVENTS, progress(7, 126.1)]))  # 2.02 s a step: not a move
+    assert len(said) == 1
+    slower = [*EVENTS, progress(7, 130.0), progress(8, 136.0)]  # 6 s steps: 3.33 s on average
+    assert watch.update(_stored(slower)) is not None and len(said) == 2
+    assert "x3.33" in said[1]
+    md = watch.metadata(_stored(slower))
+    assert md["predicted_train_s"] == 116.0 and md["predicted_step_s"] == 1.0
+    assert md["measured_train_s"] == 36.0  # first event at 100 s, last at 136 s
+    assert md["train_s_ratio"] == round(36.0 / 116.0, 3)
+    assert md["pace"].startswith("observed over 6 steps: 3.33 s a step")
