@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from factory.inference import InferenceServer, ServeSizing  # noqa: E402
+from factory.process import group_rss  # noqa: E402
 from factory.tasks.agent_orders import TOOLS, generate_heldout  # noqa: E402
 
 MODELS = ROOT / ".cache" / "test-models"
@@ -60,22 +61,6 @@ def _adapter(base: Path) -> Path:
     return train_adapter(base, MODELS / ADAPTER, _tool_sample(), name=ADAPTER)
 
 
-def _group_rss(pgid: int) -> int:
-    """Resident bytes of every process in group ``pgid``."""
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) != pgid:  # field 5: pgrp
-                continue
-            total += int(stat[21]) * os.sysconf("SC_PAGE_SIZE")  # field 24: rss pages
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
-
-
 class _Peak:
     def __init__(self, pgid: int) -> None:
         self.pgid, self.peak, self._stop = pgid, 0, threading.Event()
@@ -84,7 +69,7 @@ class _Peak:
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
-            self.peak = max(self.peak, _group_rss(self.pgid))
+            self.peak = max(self.peak, group_rss(self.pgid))
 
     def stop(self) -> int:
         self._stop.set()

@@ -10,7 +10,8 @@ Where such a server is placed: a server that binds port 0 writes the port it got
 handed down to it (``pass_fds``, ``read_report``); for one that can only bind the port it is
 told, ``/proc/net`` says which sockets listen on or are connected through a port
 (``port_sockets``), ``/proc/<pid>/fd`` whether they are the server's (``socket_inodes``), and a
-bind whether the port is held at all (``port_taken``).
+bind whether the port is held at all (``port_taken``). What a server holds in memory, its
+children included, is its group's resident memory (``group_rss``).
 """
 
 from __future__ import annotations
@@ -147,6 +148,26 @@ def socket_inodes(pid: int) -> set[str]:
         if target.startswith("socket:["):
             inodes.add(target[len("socket:["):-1])
     return inodes
+
+
+def group_rss(pgid: int) -> int:
+    """Resident bytes of the processes of group ``pgid`` together (``/proc/<pid>/stat``; a page
+    two of them share counts in each); 0 for a group with no process, or where ``/proc`` cannot
+    say."""
+    try:
+        entries = [e for e in Path("/proc").iterdir() if e.name.isdigit()]
+    except OSError:
+        return 0
+    total = 0
+    for entry in entries:
+        try:
+            # The fields after the command name, which may hold spaces and parentheses.
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[2]) == pgid:  # field 5: pgrp
+                total += int(stat[21])  # field 24: rss, in pages
+        except (OSError, ValueError, IndexError):  # gone since it was listed
+            continue
+    return total * os.sysconf("SC_PAGE_SIZE")
 
 
 def runs_command(pid: int, needle: Sequence[str]) -> bool:

@@ -189,6 +189,7 @@ TABLES: dict[str, pa.Schema] = {
         ("step", pa.int64()),
         ("path", pa.string()),            # inference-ready adapter directory
         ("manifest_sha256", pa.string()),
+        ("files_sha256", pa.string()),    # sha256 of the manifest's file list: one for a re-save of the same files
         ("verified", pa.bool_()),
         ("received_at", _TS),
         ("event_id", pa.string()),

@@ -209,12 +209,13 @@ def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | N
 
 
 def _end_ownerless_runs() -> None:
-    # the control plane and the definitions (torch, Dagster: seconds), for a stopping daemon only
-    from factory.app.reconcile import ownerless_runs, reconcile_lake
+    # the control plane and the lake (torch, pyiceberg: seconds), for a stopping daemon only
+    from factory.control.plane import observe_once, ownerless_runs
+    from factory.lake import Lake
 
     try:
-        if ownerless_runs():
-            reconcile_lake()
+        if ownerless_runs(Lake()):
+            observe_once(control_plane())
     except Exception as exc:  # noqa: BLE001 - the block's own outcome must stand
         print(f"factory: ending ownerless training runs failed: {exc}", file=sys.stderr)
 
@@ -260,7 +261,7 @@ def code_server(log: Path, env: dict[str, str], *, ports: Iterable[int] | None =
                     if (listening_sockets(port) or 0) > 1:
                         raise PortInUseError(f"another server listens on 127.0.0.1:{port} "
                                              "beside the code server (SO_REUSEPORT)")
-                    if _serving(port):
+                    if code_server_answers(port):
                         break
                     if proc.poll() is not None:
                         with open(log, "rb") as f:
@@ -303,7 +304,18 @@ def _process(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subproc
         release(proc.pid)
 
 
-def _serving(port: int) -> bool:
+def control_plane() -> Any:
+    """The control plane of the code location's ``provider`` resource, on this node's lake:
+    the one the daemon's sensors tick."""
+    # the definitions and the lake (torch, Dagster, pyiceberg: seconds), for callers of the plane
+    from factory.definitions import defs
+    from factory.lake import Lake
+
+    return (defs.resources or {})["provider"].plane(Lake())
+
+
+def code_server_answers(port: int) -> bool:
+    """Whether a Dagster code server answers a ping on ``port`` of this host."""
     from dagster._core.errors import DagsterUserCodeUnreachableError
     from dagster._grpc.client import DagsterGrpcClient
 

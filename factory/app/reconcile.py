@@ -21,34 +21,14 @@ import json
 import sys
 from typing import Any
 
-from factory.app.instance import _serving, instance
-from factory.app.run import _plane
-from factory.control.plane import RUN_ACTIVE, _latest
-from factory.lake import Lake
+from factory.app.instance import code_server_answers, control_plane, instance
+from factory.control.plane import observe_once
 from factory.settings import get_settings
-from factory.trainer.pids import owner_alive
-
-
-def ownerless_runs() -> list[str]:
-    """Training runs recorded queued or running whose following process (``Job.owner``, on
-    this host) is gone: a cheap look at ``training_runs`` alone."""
-    lake = Lake()
-    if not lake.exists("training_runs"):
-        return []
-    rows = _latest(lake.read("training_runs", columns=["run_id", "status", "job",
-                                                        "updated_at"]).to_pylist(), "run_id")
-    return sorted(k for k, r in rows.items() if r["status"] in RUN_ACTIVE
-                  and owner_alive(json.loads(r["job"]).get("owner")) is False)
 
 
 def reconcile_lake() -> list[str]:
     """Observe the control plane once; the runs it ended (run ids)."""
-    plane = _plane()
-    before = {k for k, r in plane.runs().items() if r.status in RUN_ACTIVE}
-    plane.sync_events()
-    plane.observe(plane.provider_states())
-    after = plane.runs()
-    return sorted(k for k in before if after[k].status not in RUN_ACTIVE)
+    return observe_once(control_plane())
 
 
 def dead_dagster_runs(inst: Any) -> list[Any]:
@@ -62,7 +42,7 @@ def dead_dagster_runs(inst: Any) -> list[Any]:
     for run in inst.get_runs(filters=dg.RunsFilter(statuses=statuses)):
         info = json.loads(run.tags.get(GRPC_INFO_TAG) or "{}")
         if info.get("host") in ("localhost", "127.0.0.1") and info.get("port") \
-                and not _serving(int(info["port"])):
+                and not code_server_answers(int(info["port"])):
             dead.append(run)
     return dead
 

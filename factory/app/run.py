@@ -22,12 +22,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from factory.app.client import TRAINER_RUN_TAG, cancel_chain, chain_runs, follow, submit
-from factory.app.instance import ensure_daemon, instance
+from factory.app.instance import control_plane, ensure_daemon, instance
 from factory.base_model import require_base_model
 from factory.control.plane import RUN_ACTIVE, cancel_run
 from factory.curation.phrasing import RECALL
 from factory.curation.store import read_eval_split
-from factory.definitions import defs
 from factory.deploy.deployer import Deployer, route_model
 from factory.evals.report import plot_png, read_curves
 from factory.evals.selection import StepScore, format_score
@@ -43,16 +42,12 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def _plane() -> Any:
-    return (defs.resources or {})["provider"].plane(Lake())
-
-
 def cancel_orphan(run_id: str, *, reason: str) -> None:
     """Cancel the trainer run ``run_id`` from a process that did not launch its trainers: the
     run is marked cancelled, its provider stops each live local trainer by its recorded pid
     (after checking the pid still runs that segment's job: a recycled pid is left alone), and
     this waits up to 30 s for them to be gone."""
-    cancel_run(_plane(), run_id, reason=reason, wait_s=30)
+    cancel_run(control_plane(), run_id, reason=reason, wait_s=30)
 
 
 def _stop(inst: Any, start: str, progress: Progress) -> None:
@@ -61,7 +56,7 @@ def _stop(inst: Any, start: str, progress: Progress) -> None:
     cancel_chain(inst, start, progress)
     trainers = sorted({r.tags[TRAINER_RUN_TAG] for r in chain_runs(inst, start)
                        if r.tags.get(TRAINER_RUN_TAG)})
-    runs = _plane().runs() if trainers else {}
+    runs = control_plane().runs() if trainers else {}
     for trainer in trainers:
         if trainer in runs and runs[trainer].status in RUN_ACTIVE:
             cancel_orphan(trainer, reason="interrupted; its training_run process was gone")

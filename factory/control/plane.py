@@ -27,6 +27,7 @@ snapshot, so ``factory lineage`` walks from a checkpoint back to the run, its pl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -38,13 +39,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import fsspec.core
+
 from factory.control import scheduler
 from factory.control.base import Handle, Provider
 from factory.lake import RUN_ID, Lake, Lineage
 from factory.trainer import checkpoint as ckpt
-from factory.trainer.config import Job
+from factory.trainer.config import ExitCode, Job
 from factory.trainer.pids import owner_alive
-from factory.trainer.train import ExitCode
 from factory.trainer.webhooks import read_events
 
 log = logging.getLogger("factory.control")
@@ -828,6 +830,30 @@ def cancel_run(plane: ControlPlane, run_id: str, *, reason: str,
         time.sleep(0.1)
 
 
+def ownerless_runs(lake: Lake) -> list[str]:
+    """Training runs, as the plane reads them, recorded queued or running whose following
+    process (``Job.owner``, on this host) is gone: a cheap look at ``training_runs`` alone (no
+    provider, no events), to tell whether ``observe_once`` has anything to end."""
+    if not lake.exists("training_runs"):
+        return []
+    rows = _latest(lake.read("training_runs", columns=[
+        "run_id", "status", "reason", "job", "submitted_at", "updated_at"]).to_pylist(),
+        "run_id", _stale_run)
+    return sorted(k for k, r in rows.items() if r["status"] in RUN_ACTIVE
+                  and owner_alive(json.loads(r["job"]).get("owner")) is False)
+
+
+def observe_once(plane: ControlPlane) -> list[str]:
+    """Sync the events and observe once, nothing launched (no dispatch, rollover or recovery):
+    a run whose owner or trainers died ends. The runs that ended (their ids)."""
+    before = {k for k, r in plane.runs().items() if r.status in RUN_ACTIVE}
+    states = plane.provider_states()  # before the events, as ``tick`` reads them
+    plane.sync_events()
+    plane.observe(states)
+    after = plane.runs()
+    return sorted(k for k in before if after[k].status not in RUN_ACTIVE)
+
+
 def _wrote_checkpoint_on_disk(events: list[dict[str, Any]]) -> bool:
     """Whether the newest checkpoint a segment reported (its ``checkpoint`` events) is the one
     at its location now: same manifest, not replaced by another segment's write of that step."""
@@ -921,16 +947,18 @@ def _store_run_events(lake: Lake, run_id: str, rows: list[dict[str, Any]]) -> No
             experiments = {k: v["experiment"] for k, v in latest.items()}
         event = json.loads(row["payload"])
         location = event.get("location")
-        verified = False
+        verified, files_sha256 = False, None
         if isinstance(location, str):
             try:
                 info = ckpt.verify_checkpoint(location)
                 verified = info.manifest_sha256 == event.get("manifest_sha256")
+                files_sha256 = _files_sha256(location, info.manifest_sha256) if verified else None
             except (ckpt.CheckpointError, OSError):
                 verified = False
         ckpt_rows.append({"run_id": row["run_id"], "experiment": experiments.get(row["run_id"]),
                           "step": row["step"], "path": location,
                           "manifest_sha256": event.get("manifest_sha256"),
+                          "files_sha256": files_sha256,
                           "verified": verified, "received_at": row["received_at"],
                           "event_id": row["event_id"]})
     # Stamped with the Dagster run that submitted the training run: its trainer wrote these.
@@ -947,12 +975,33 @@ def _store_run_events(lake: Lake, run_id: str, rows: list[dict[str, Any]]) -> No
                            lineage=Lineage(run_id=writer, asset_key="checkpoints"))
 
 
+def _files_sha256(location: str, manifest_sha256: str) -> str | None:
+    """sha256 of the file list (each file's name, size and sha256) of the checkpoint manifest
+    at ``location``: it names the checkpoint's content, so a re-save of the same files has the
+    same one, though its ``manifest_sha256`` differs (the manifest holds ``created_at``). None
+    when the manifest there is no longer the one ``manifest_sha256`` names."""
+    fs, path = fsspec.core.url_to_fs(location)
+    data = fs.cat_file(path.rstrip("/") + "/" + ckpt.MANIFEST)
+    if hashlib.sha256(data).hexdigest() != manifest_sha256:
+        return None
+    files = json.loads(data)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _same_files(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two ``checkpoints`` rows name checkpoints of the same files: the same manifest,
+    or the same ``files_sha256`` (a row stored without one compares by its manifest alone)."""
+    return a["manifest_sha256"] == b["manifest_sha256"] \
+        or (a.get("files_sha256") is not None and a.get("files_sha256") == b.get("files_sha256"))
+
+
 def _superseded(lake: Lake, run_id: str, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The stored verified checkpoints of ``run_id`` whose directory now holds one of ``new``
-    (a later segment wrote the same step: a continuation racing the sandbox it replaced, or a
-    resume from an earlier checkpoint), rewritten unverified with ``superseded_by`` naming the
-    checkpoint event now on disk. Never selected, scored or deployed again: every reader takes
-    verified rows only. A rewrite of the same bytes (a deterministic redo) supersedes nothing."""
+    with other files (a later segment wrote the same step: a continuation racing the sandbox
+    it replaced, or a resume from an earlier checkpoint), rewritten unverified with
+    ``superseded_by`` naming the checkpoint event now on disk. Never selected, scored or
+    deployed again: every reader takes verified rows only. A re-save of the same files (a
+    deterministic redo: the same ``files_sha256``, a later ``created_at``) supersedes nothing."""
     on_disk = {r["path"]: r for r in new if r["verified"] and r["path"]}
     if not on_disk or not lake.exists("checkpoints"):
         return []
@@ -960,8 +1009,7 @@ def _superseded(lake: Lake, run_id: str, new: list[dict[str, Any]]) -> list[dict
     for row in lake.sql("SELECT * FROM checkpoints WHERE run_id = ? AND verified",
                         [run_id]).to_pylist():
         now = on_disk.get(row["path"])
-        if now is None or row["event_id"] == now["event_id"] \
-                or row["manifest_sha256"] == now["manifest_sha256"]:
+        if now is None or row["event_id"] == now["event_id"] or _same_files(row, now):
             continue
         out.append({**row, "verified": False, "superseded_by": now["event_id"]})
     return out

@@ -5,7 +5,10 @@ run), and idempotent ticks (fast, no trainer processes)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -14,10 +17,18 @@ import torch
 from safetensors.torch import save
 
 from factory.control.base import Handle, ProviderStatus
-from factory.control.plane import ControlConfig, ControlPlane, event_row, store_events
+from factory.control.plane import (
+    ControlConfig,
+    ControlPlane,
+    event_row,
+    observe_once,
+    ownerless_runs,
+    store_events,
+)
 from factory.lake import Lake
 from factory.trainer import checkpoint as ckpt
 from factory.trainer.config import Job
+from factory.trainer.pids import owner_token
 
 
 class Scripted:
@@ -154,14 +165,11 @@ def test_of_two_segments_that_finish_together_one_finished_the_run(
     plane.tick()
     assert [s.status for s in plane.segments("r")] == ["rolling", "launched"]
     # Between two ticks the continuation starts, and both trainers write step 10's checkpoint
-    # and finish: the old sandbox's write is the later one, the one on disk.
+    # (other weights: not a deterministic redo) and finish: the old sandbox's write is the
+    # later one, the one on disk.
     _emit(lake, "r-s001", "started", 8, p.now, resumed_from="step-00000008")
-    for seg in ("r-s001", "r-s000"):
-        files = {name: b"{}" for name in ckpt.REQUIRED}
-        files[ckpt.ADAPTER] = save({"lora_A": torch.zeros(2, 2)})
-        info = ckpt.write_checkpoint(job.output_dir, 10, files, run_id="r")
-        _emit(lake, seg, "checkpoint", 10, p.now, location=info.path,
-              manifest_sha256=info.manifest_sha256)
+    for value, seg in enumerate(("r-s001", "r-s000")):
+        _save_checkpoint(lake, job, seg, 10, p.now, weight=float(value))
         _emit(lake, seg, "finished", 10, p.now)
         p.state[seg] = ProviderStatus(state="succeeded", exit_code=0)
         p.now += 1
@@ -181,6 +189,69 @@ def test_of_two_segments_that_finish_together_one_finished_the_run(
     loser, winner = rows[events["r-s001"]], rows[events["r-s000"]]
     assert (loser["verified"], loser["superseded_by"]) == (False, events["r-s000"])
     assert (winner["verified"], winner["superseded_by"]) == (True, None)
+
+
+def _save_checkpoint(lake: Lake, job: Job, seg: str, step: int, t: float, *,
+                     weight: float) -> None:
+    """Write checkpoint ``step`` of ``job`` (its adapter weights all ``weight``) as segment
+    ``seg``'s trainer does, and store its ``checkpoint`` event."""
+    files = {name: b"{}" for name in ckpt.REQUIRED}
+    files[ckpt.ADAPTER] = save({"lora_A": torch.full((2, 2), weight)})
+    info = ckpt.write_checkpoint(job.output_dir, step, files, run_id=job.run_id)
+    _emit(lake, seg, "checkpoint", step, t, location=info.path,
+          manifest_sha256=info.manifest_sha256)
+
+
+def _checkpoint_rows(lake: Lake) -> dict[str, dict[str, Any]]:
+    """``checkpoints`` rows by the segment of their event."""
+    segments = {r["event_id"]: r["segment_id"] for r in lake.read("training_events").to_pylist()}
+    return {segments[r["event_id"]]: r for r in lake.read("checkpoints").to_pylist()}
+
+
+def test_a_re_save_of_the_same_files_supersedes_nothing(factory_home, make_job) -> None:
+    """A step written again with the same files (a deterministic redo after a resume: only the
+    manifest's ``created_at`` differs) leaves the first checkpoint verified; written again
+    with other weights, the first one is superseded by the checkpoint now on disk."""
+    p = Scripted("local")
+    plane, lake = _plane(p)
+    job = make_job("r", num_steps=10)
+    plane.submit(job)
+    manifest = Path(ckpt.step_dir(job.output_dir, 4), ckpt.MANIFEST)
+    _save_checkpoint(lake, job, "r-s000", 4, p.now, weight=1.0)
+    first = json.loads(manifest.read_bytes())
+    _save_checkpoint(lake, job, "r-s001", 4, p.now + 1, weight=1.0)
+    again = json.loads(manifest.read_bytes())
+    assert again["created_at"] > first["created_at"] and again["files"] == first["files"]
+    rows = _checkpoint_rows(lake)
+    assert rows["r-s000"]["manifest_sha256"] != rows["r-s001"]["manifest_sha256"]
+    assert [(rows[s]["verified"], rows[s]["superseded_by"]) for s in ("r-s000", "r-s001")] \
+        == [(True, None), (True, None)]
+
+    _save_checkpoint(lake, job, "r-s002", 4, p.now + 2, weight=2.0)
+    rows = _checkpoint_rows(lake)
+    on_disk = rows["r-s002"]["event_id"]
+    assert [(rows[s]["verified"], rows[s]["superseded_by"])
+            for s in ("r-s000", "r-s001", "r-s002")] \
+        == [(False, on_disk), (False, on_disk), (True, None)]
+
+
+def test_a_run_whose_owner_died_is_found_and_ended_by_one_observation(
+        factory_home, make_job) -> None:
+    """``ownerless_runs`` names the active runs whose owner process is gone from the lake
+    alone; ``observe_once`` fails them (launching nothing) and names the runs it ended."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    p = Scripted("local")
+    plane, lake = _plane(p)
+    plane.submit(replace(make_job("orphan"), owner=owner_token(gone.pid)))
+    plane.submit(replace(make_job("followed"), owner=owner_token()))  # this process: alive
+    plane.submit(make_job("unowned"))
+    assert ownerless_runs(lake) == ["orphan"]
+    assert observe_once(plane) == ["orphan"]
+    runs = plane.runs()
+    assert runs["orphan"].status == "failed" and runs["orphan"].reason.startswith("owner gone")
+    assert (runs["followed"].status, runs["unowned"].status) == ("queued", "queued")
+    assert p.jobs == {} and ownerless_runs(lake) == []
 
 
 def test_submit_is_idempotent_and_bad_jobs_are_refused(factory_home, make_job) -> None:

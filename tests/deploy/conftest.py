@@ -1,6 +1,7 @@
 """Fixtures for the deploy tests: one factory home with a tiny experiment, an adapter of the
 tiny model, and a lake-backed gateway (over a stand-in upstream) shared by the module, because
-each deployed server costs ~15 s to start here."""
+each deployed server costs ~15 s to start here; and, per test, a factory home whose training
+run is still mid-run when a test interrupts or kills ``factory run`` (``home``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,38 @@ recipe: smollm2-135m-lora
 overrides: {num_steps: 2, checkpoint_every_steps: 2}
 eval: {judge: embedded, rubric: auto, max_samples: 3}
 """
+
+
+# Far more steps than a test waits for: the trainer is mid-run when the interrupt comes.
+LONG_EXPERIMENT = """name: exp
+data: {where: "tags['project'] = 'demo'", eval_fraction: 0.2, max_tokens: 512}
+recipe: smollm2-135m-lora
+overrides: {num_steps: 5000, checkpoint_every_steps: 5000}
+eval: {judge: embedded, rubric: auto, max_samples: 3}
+"""
+
+
+@pytest.fixture()
+def home(factory_home: Path, tiny_model_dir: Path, tmp_path: Path,
+         monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh factory for one test's ``factory run exp``: experiment ``exp`` of
+    ``LONG_EXPERIMENT`` on 30 demo records, its recipe's base model being the tiny model."""
+    from factory.ingest import RawRecord, ingest_records
+    from factory.lake import Lake
+    from factory.tasks import generate_records
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
+    experiments = tmp_path / "experiments"
+    experiments.mkdir()
+    (experiments / "exp.yaml").write_text(LONG_EXPERIMENT)
+    monkeypatch.setenv("FACTORY_MODELS_DIR", str(models))
+    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(experiments))
+    ingest_records(Lake(), [RawRecord(payload=r, source="upload", received_at=datetime.now(UTC),
+                                      tags={"project": "demo"})
+                            for r in generate_records(30, 0)])
+    return factory_home
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +21,6 @@ from tests.deploy.conftest import ROOT
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
-
-# Far more steps than the test waits for: the trainer is mid-run when the interrupt comes.
-EXPERIMENT = """name: exp
-data: {where: "tags['project'] = 'demo'", eval_fraction: 0.2, max_tokens: 512}
-recipe: smollm2-135m-lora
-overrides: {num_steps: 5000, checkpoint_every_steps: 5000}
-eval: {judge: embedded, rubric: auto, max_samples: 3}
-"""
-
-
-@pytest.fixture()
-def home(factory_home: Path, tiny_model_dir: Path, tmp_path: Path,
-         monkeypatch: pytest.MonkeyPatch) -> Path:
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
-    experiments = tmp_path / "experiments"
-    experiments.mkdir()
-    (experiments / "exp.yaml").write_text(EXPERIMENT)
-    monkeypatch.setenv("FACTORY_MODELS_DIR", str(models))
-    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(experiments))
-    return factory_home
 
 
 def _latest(lake: Lake, table: str, key: str) -> dict[str, dict[str, Any]]:
@@ -71,12 +48,7 @@ def _started_trainer(lake: Lake) -> tuple[str, int] | None:
                          ids=["ctrl_c", "sigterm"])
 def test_an_interrupt_cancels_the_training_run_and_exits(home: Path, sig: int,
                                                          code: int) -> None:
-    from factory.ingest import RawRecord, ingest_records
-    from factory.tasks import generate_records
-
     lake = Lake()
-    ingest_records(lake, [RawRecord(payload=r, source="upload", received_at=datetime.now(UTC),
-                                    tags={"project": "demo"}) for r in generate_records(30, 0)])
     out_path, err_path = home.parent / "run.out", home.parent / "run.err"
     with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "factory"), "run", "exp"],
@@ -105,9 +77,9 @@ def test_an_interrupt_cancels_the_training_run_and_exits(home: Path, sig: int,
     assert (run["status"], run["reason"]) == ("cancelled", "interrupted")
     # As the control plane reads them (a sensor's tick may append a stale live row after the
     # cancel ended a segment; the plane's reading keeps ended final).
-    from factory.app.run import _plane
+    from factory.app.instance import control_plane
 
-    segments = _plane().segments(run_id)
+    segments = control_plane().segments(run_id)
     assert segments and all(s.status == "ended" for s in segments)
 
 
@@ -119,7 +91,8 @@ def test_a_trainer_left_by_a_dead_training_process_is_stopped(
     segment's job. Another run is left alone."""
     import time
 
-    from factory.app.run import _plane, cancel_orphan
+    from factory.app.instance import control_plane
+    from factory.app.run import cancel_orphan
     from factory.control.base import Handle
     from factory.control.plane import Segment
     from factory.experiments import run_id as run_id_for_key
@@ -127,7 +100,7 @@ def test_a_trainer_left_by_a_dead_training_process_is_stopped(
     from tests.control.conftest import write_data
 
     data = write_data(tmp_path / "data.parquet", n=4)
-    plane = _plane()
+    plane = control_plane()
 
     def submit(suffix: str) -> Job:
         job = Job.from_dict({"run_id": f"{run_id_for_key('exp')}-{suffix}",
@@ -160,8 +133,8 @@ def test_a_trainer_left_by_a_dead_training_process_is_stopped(
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
-    runs = _plane().runs()
+    runs = control_plane().runs()
     assert runs[job.run_id].status == "cancelled"
     assert runs[other.run_id].status == "queued"
-    [seg] = _plane().segments(job.run_id)
+    [seg] = control_plane().segments(job.run_id)
     assert (seg.status, seg.end_reason) == ("ended", "stopped")

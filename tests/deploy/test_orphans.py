@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import pytest
 from factory.lake import Lake
 from tests.deploy.conftest import ROOT
 from tests.deploy.dagster_ui import free_port
-from tests.deploy.test_interrupt import EXPERIMENT, _latest, _started_trainer
+from tests.deploy.test_interrupt import _latest, _started_trainer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -32,26 +31,6 @@ pytestmark = pytest.mark.slow
 GONE_S = 30.0
 """The issue's bound: nothing the killed process started runs this long after it."""
 FACTORY = str(Path(sys.executable).parent / "factory")
-
-
-@pytest.fixture()
-def home(factory_home: Path, tiny_model_dir: Path, tmp_path: Path,
-         monkeypatch: pytest.MonkeyPatch) -> Path:
-    from factory.ingest import RawRecord, ingest_records
-    from factory.tasks import generate_records
-
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
-    experiments = tmp_path / "experiments"
-    experiments.mkdir()
-    (experiments / "exp.yaml").write_text(EXPERIMENT)
-    monkeypatch.setenv("FACTORY_MODELS_DIR", str(models))
-    monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(experiments))
-    ingest_records(Lake(), [RawRecord(payload=r, source="upload", received_at=datetime.now(UTC),
-                                      tags={"project": "demo"})
-                            for r in generate_records(30, 0)])
-    return factory_home
 
 
 def processes_of(home: Path) -> dict[int, str]:

@@ -20,13 +20,12 @@ from tests.deploy.test_orphans import (
     _no_run_running,
     _nothing_left,
     _trainer_started,
-    home,
     started,
 )
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
-__all__ = ["home", "started"]  # fixtures
+__all__ = ["started"]  # a fixture
 
 
 @pytest.mark.timeout(600)

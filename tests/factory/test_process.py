@@ -1,0 +1,47 @@
+"""``factory.process``'s reading of ``/proc``: the resident memory of a process group, summed
+over real processes that each hold a known amount."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from factory.process import group_rss, stop_group
+from tests.waiting import wait_until
+
+MIB = 1 << 20
+
+HOLDER = """
+import subprocess, sys
+
+block = b"\\1" * (64 << 20)  # 64 MiB written, so resident
+if sys.argv[1] == "parent":
+    child = subprocess.Popen([sys.executable, __file__, "child"], stdout=subprocess.PIPE)
+    child.stdout.readline()
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes stdin
+"""
+
+
+def test_group_rss_sums_the_resident_memory_of_every_process_of_the_group(
+        tmp_path: Path) -> None:
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    # Its own session: the group is the parent and the child it starts, not this process.
+    proc = subprocess.Popen([sys.executable, str(script), "parent"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        rss = group_rss(proc.pid)
+        # Two interpreters holding 64 MiB each, plus each one's own ~10-30 MiB: one process
+        # alone stays under 128 MiB, so the sum counts both.
+        assert 128 * MIB <= rss < 256 * MIB, rss / MIB
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        stop_group(proc.pid, timeout_s=10)
+        proc.wait(timeout=30)
+    # Once its processes are gone (the child exits on its own signal, after the parent), the
+    # group holds nothing.
+    wait_until(lambda: group_rss(proc.pid) == 0, timeout_s=30, what="the group to be gone")
