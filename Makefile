@@ -98,13 +98,16 @@ typecheck: install
 contracts: install
 	$(BIN)/lint-imports
 
-# The suite runs in TEST_WORKERS workers, a test file each at a time (21-24 min on 2 cores; 37
-# min in one process, TEST_WORKERS=0), one torch thread per process: two torch processes with a
-# thread per core oversubscribe the cores (bench/cpu_sharing.py). Files go to the workers
+# The suite runs in TEST_WORKERS workers, a test file each at a time (at most 25 min on 2 cores,
+# printed at the end; BENCHMARKS.md has the figures), one torch thread per process: two torch
+# processes with a thread per core oversubscribe the cores (bench/cpu_sharing.py). Files go to the workers
 # slowest first (tests/file_seconds.json, read by tests/conftest.py), so neither worker ends the
-# run alone on a long file.
+# run alone on a long file. Our sources are byte-compiled first: with PYTHONDONTWRITEBYTECODE
+# set (as on CI machines) nothing else writes their .pyc, and each of the suite's hundreds of
+# processes (Dagster run workers, code servers, trainers, servers) compiled them again.
 TEST_WORKERS ?= 2
 unit: install sysdeps native vllm
+	$(BIN)/python -m compileall -q -j 0 factory assets resources sensors trainer kernels tests bench > /dev/null
 	$(if $(filter-out 0,$(TEST_WORKERS)),OMP_NUM_THREADS=1 )$(BIN)/pytest -q -n $(TEST_WORKERS) \
 	  --dist loadfile --no-loadscope-reorder -m "not heavy" --durations=40 --durations-min=10
 
