@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,9 @@ PIN_KEY = "factory/code"
 """The key of the fingerprint in a code location's reconstruction metadata."""
 MANIFEST_DIR = "code"
 """Under ``$FACTORY_HOME``: one ``<fingerprint>.json`` per loaded version, path -> sha256."""
+KEEP_MANIFESTS = 50
+"""Manifests kept under ``MANIFEST_DIR``: the versions loaded most recently (a run of an older
+one that is still refused names no files)."""
 MAX_NAMED = 5
 """How many changed files a refusal names before it counts the rest."""
 FIX = ("start a new run: a run uses the code it started with (where a code server keeps "
@@ -92,14 +96,27 @@ def manifest_path(code: str) -> Path:
     return get_settings().home / MANIFEST_DIR / f"{code}.json"
 
 
-def save_manifest(files: dict[str, str]) -> Path:
-    """Keep ``files`` as ``$FACTORY_HOME/code/<fingerprint>.json`` (written once, atomically)."""
+def save_manifest(files: dict[str, str], keep: int = KEEP_MANIFESTS) -> Path:
+    """Keep ``files`` as ``$FACTORY_HOME/code/<fingerprint>.json`` (written once, atomically;
+    touched when loaded again), and only the ``keep`` most recently loaded manifests."""
     path = manifest_path(fingerprint(files))
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(files, indent=0, sort_keys=True))
         tmp.replace(path)
+    others = []
+    for old in path.parent.glob("*.json"):
+        try:
+            if old != path:
+                others.append((old.stat().st_mtime_ns, old))
+        except FileNotFoundError:  # pruned by another process meanwhile
+            continue
+    # The newest, strictly (file times are coarser than a quick succession of loads).
+    stamp = max([time.time_ns(), *(t + 1 for t, _ in others)])
+    os.utime(path, ns=(stamp, stamp))
+    for _, old in sorted(others, reverse=True)[max(keep, 1) - 1:]:
+        old.unlink(missing_ok=True)
     return path
 
 

@@ -375,6 +375,18 @@ def test_many_changes_are_counted_and_an_unknown_manifest_is_said(factory_home: 
         codepin.check()
 
 
+def test_only_the_most_recently_loaded_manifests_are_kept(factory_home: Path) -> None:
+    versions = [{"m.py": f"{i:064x}"} for i in range(5)]
+    paths = [codepin.save_manifest(v, keep=3) for v in versions[:3]]
+    codepin.save_manifest(versions[0], keep=3)  # loaded again: the newest now
+    codepin.save_manifest(versions[3], keep=3)
+    kept = {p.name for p in (factory_home / codepin.MANIFEST_DIR).glob("*.json")}
+    assert kept == {paths[0].name, paths[2].name, codepin.manifest_path(
+        codepin.fingerprint(versions[3])).name}
+    assert codepin.load_manifest(codepin.fingerprint(versions[1])) is None
+    assert codepin.load_manifest(codepin.fingerprint(versions[0])) == versions[0]
+
+
 def test_nothing_pinned_refuses_nothing(factory_home: Path, pkg: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # A plain import (tests, the CLI's in-process materializations): no load context.
