@@ -16,6 +16,7 @@ from factory.deploy.deployer import (
     check_name,
     route_model,
 )
+from factory.deploy.experiment import Served, deploy_experiment
 
-__all__ = ["Checkpoint", "DeployConfig", "Deployer", "Deployment", "DeploymentError",
-           "check_name", "route_model"]
+__all__ = ["Checkpoint", "DeployConfig", "Deployer", "Deployment", "DeploymentError", "Served",
+           "check_name", "deploy_experiment", "route_model"]

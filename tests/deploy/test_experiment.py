@@ -123,3 +123,32 @@ def test_the_deployment_asset_fails_naming_the_refusal(
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     assert "is not on the shared volume" in failure.event_specific_data.error.message
     assert load_shadows(Lake()) == {} and cluster.calls == []
+
+
+def test_the_cli_deploys_as_the_policy_says_unless_told(
+        cluster: FakeCluster, setup: Setup, experiments: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``factory deploy`` as the ``deployment`` asset: a candidate shadowing the policy's
+    route under ``deploy: {shadow: ...}``, live with ``--live``."""
+    import json
+
+    from factory.app.cli import main
+
+    (experiments / "exp.yaml").write_text(SHADOW)
+    cluster.auto_ready = True
+    monkeypatch.setenv("FACTORY_DEPLOYER", json.dumps({
+        "api_server": cluster.url, "image": "ghcr.io/example/factory:1", "namespace": "ml",
+        "shared_claim": "factory-shared", "poll_s": 0.02, "drain_s": 0.0}))
+    assert main(["deploy", "exp", "--checkpoint", str(setup.checkpoints[0]), "--live",
+                 "--format", "json"]) == 0
+    assert load_shadows(Lake()) == {}
+    assert main(["deploy", "exp", "--checkpoint", str(setup.checkpoints[1]),
+                 "--format", "json"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(o["version"], o["status"]) for o in out] == [("v1", "live"), ("v2", "candidate")]
+    rule = load_shadows(Lake())["gpt-4o-mini"]
+    assert (rule.experiment, rule.version, rule.share) == ("exp", "v2", 0.25)
+    assert load_routes(Lake())["factory/exp"].base_url == out[0]["endpoint"]
+    with pytest.raises(SystemExit) as usage:  # one or the other
+        main(["deploy", "exp", "--candidate", "--live"])
+    assert usage.value.code == 2

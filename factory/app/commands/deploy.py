@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from factory.errors import FactoryError
+from factory.evals.judging import serving_constraint
 from factory.experiments import ExperimentError, load_experiment
 from factory.gateway.keys import client_headers
 from factory.gateway.shadow import ShadowRule, end_shadow, load_shadows, register_shadow
@@ -33,9 +34,14 @@ def register(sub: Any) -> None:
     p.add_argument("--checkpoint", default=None, metavar="PATH|RUN:STEP",
                    help="adapter directory or RUN:STEP from `checkpoints` (default: the row of "
                         "best_checkpoints)")
-    p.add_argument("--candidate", action="store_true",
-                   help="serve it beside the live version without moving factory/EXPERIMENT "
-                        "(shadow it with `factory shadow`, then `factory promote`)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--candidate", action="store_true",
+                       help="serve it beside the live version without moving "
+                            "factory/EXPERIMENT (shadow it with `factory shadow`, then "
+                            "`factory promote`)")
+    which.add_argument("--live", action="store_true",
+                       help="move factory/EXPERIMENT to it even where the experiment's deploy "
+                            "policy shadows first (default: as the policy says)")
     _server_options(p)
     p.set_defaults(func=_deploy)
 
@@ -144,8 +150,18 @@ def _deploy(args: argparse.Namespace) -> int:
     if args.format == "text":
         print(f"deploying {args.experiment}: starting the {deployer.config.backend} server...",
               file=sys.stderr, flush=True)
-    dep = deployer.deploy(args.experiment, args.checkpoint, candidate=args.candidate)
-    _report(dep, args.format, "deployed candidate" if args.candidate else "deployed")
+    # As the deployment asset does: the experiment's deploy policy (a candidate shadowing its
+    # route under deploy: {shadow: ...}) unless --candidate or --live says, and the answer
+    # constraint its evals ran under on the route.
+    candidate = True if args.candidate else False if args.live else None
+    served = _deploy_package().deploy_experiment(
+        deployer, args.experiment, args.checkpoint, candidate=candidate,
+        structured_outputs=serving_constraint(deployer.session, args.experiment))
+    dep = served.deployment
+    _report(dep, args.format, "deployed candidate" if dep.status == "candidate" else "deployed")
+    if served.shadows and args.format == "text":
+        print(f"it shadows {served.shadows}'s calls (share {served.policy.share:g}); "
+              f"shadow_scores promotes it", file=sys.stderr)
     return 0
 
 
