@@ -21,18 +21,27 @@ come, and reads each token's log-probability at no extra cost. A request's ``con
 each row on its own, so constrained and free requests share a batch. Requests for the same
 model are batched together by ``BatchScheduler``; the model itself is used by one thread at a
 time.
+
+Prompts that start the same way share their keys and values (``PrefixCache``): a request whose
+prompt begins with a recent prompt's first tokens (the system prompt and tools block a task's
+requests all carry) prefills only the rest of it, on its own or in a batch whose rows all share
+that prefix. Greedy outputs are the same token ids with the cache and without
+(tests/inference/test_prefix_cache.py, on the tiny model and on SmolLM2's real weights).
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from factory.blobs import BlobStore
 from factory.trainer.chat import chat_format, chat_template
@@ -143,17 +152,166 @@ def _peft_name(name: str) -> str:
     return name.replace("%", "%25").replace(".", "%2E")
 
 
+MIN_PREFIX_TOKENS = 32
+"""Shortest cached prefix a prompt reuses. Every prompt of a chat format opens with the same few
+tokens (``<|im_start|>system\\n``): reusing those saves nothing and would count as a hit. 32
+tokens are 5% of the agent task's ~600-token shared system prompt and tools block."""
+
+
+@dataclass
+class PrefixCacheStats:
+    """One served model's prefix-cache counters since the engine started."""
+
+    queries: int = 0
+    """Prompt tokens looked up (vLLM's ``prefix_cache_queries``)."""
+    hits: int = 0
+    """Prompt tokens whose keys and values came from the cache (vLLM's ``prefix_cache_hits``)."""
+    hit_requests: int = 0
+    """Requests that reused a cached prefix."""
+    miss_requests: int = 0
+    """Requests prefilled in full."""
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """The keys and values of one prompt's tokens, per layer ``[1, heads, len(ids), dim]``."""
+
+    model: str
+    ids: tuple[int, ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    nbytes: int
+
+
+def _common_length(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixCache:
+    """Recent prompts' keys and values, per served model, reused by prompts that start the same.
+
+    An entry is one whole prompt's KV cache, exact (not block-aligned), keyed by the served
+    model's name and the prompt's token ids. A prompt reuses the entry it shares the longest
+    common token prefix with, when that is at least ``MIN_PREFIX_TOKENS`` long: the keys and
+    values of a causal model's first k tokens depend only on those k tokens, so the entry's
+    first k positions are what a full prefill computes there (up to the float rounding of
+    matrix products of another shape), and only the rest of the prompt is prefilled (at least
+    its last token, whose logits pick the first new one). So a shared system prompt and tools
+    block is computed once, wherever the prompts diverge.
+
+    Bounded by ``max_entries`` and ``max_bytes`` (tensor bytes of all entries), least recently
+    used evicted first; an entry above ``max_bytes`` is not kept. A stored prompt replaces the
+    model's entries that are prefixes of it (they hold nothing it lacks). ``drop`` forgets a
+    model's entries: an adapter unloaded or loaded under a name served before. Either cap at 0
+    turns the cache off. Thread-safe; the engine's lock orders it with generation.
+    """
+
+    def __init__(self, *, max_entries: int, max_bytes: int) -> None:
+        if max_entries < 0:
+            raise ValueError(f"prefix_cache_entries: must be >= 0, got {max_entries}")
+        if max_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes: must be >= 0, got {max_bytes}")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Prefix] = OrderedDict()
+        self._stats: dict[str, PrefixCacheStats] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.max_bytes > 0
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def match(self, model: str, prompts: list[list[int]]) -> tuple[_Prefix | None, int]:
+        """The entry of ``model`` whose longest prefix every one of ``prompts`` starts with, and
+        that prefix's length (capped so each prompt keeps a token to prefill); (None, 0) when
+        none reaches ``MIN_PREFIX_TOKENS``. Counts every prompt as a hit or a miss."""
+        best: _Prefix | None = None
+        length = 0
+        cap = min(len(p) for p in prompts) - 1
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.model != model:
+                    continue
+                k = min(cap, *(_common_length(entry.ids, p) for p in prompts))
+                if k > length:
+                    best, length = entry, k
+            if length < MIN_PREFIX_TOKENS:
+                best, length = None, 0
+            if best is not None:
+                self._entries.move_to_end((best.model, best.ids))
+            stats = self._stats.setdefault(model, PrefixCacheStats())
+            stats.queries += sum(len(p) for p in prompts)
+            stats.hits += length * len(prompts)
+            if best is None:
+                stats.miss_requests += len(prompts)
+            else:
+                stats.hit_requests += len(prompts)
+        return best, length
+
+    def store(self, model: str, ids: list[int],
+              layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep ``layers``, the keys and values of the prompt ``ids`` (not copied: the caller
+        hands over tensors nothing writes to again)."""
+        nbytes = sum(t.numel() * t.element_size() for kv in layers for t in kv)
+        if not self.enabled or nbytes > self.max_bytes:
+            return
+        key = (model, tuple(ids))
+        with self._lock:
+            for old in [k for k, e in self._entries.items()
+                        if e.model == model and len(e.ids) <= len(ids)
+                        and e.ids == key[1][:len(e.ids)]]:
+                del self._entries[old]
+            self._entries[key] = _Prefix(model=model, ids=key[1], layers=tuple(layers),
+                                         nbytes=nbytes)
+            total = sum(e.nbytes for e in self._entries.values())
+            while len(self._entries) > self.max_entries or total > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                total -= evicted.nbytes
+
+    def drop(self, model: str | None = None) -> None:
+        """Forget ``model``'s entries (None: every model's); the counters stay."""
+        with self._lock:
+            for k in [k for k in self._entries if model is None or k[0] == model]:
+                del self._entries[k]
+
+    def stats(self) -> dict[str, PrefixCacheStats]:
+        """A copy of each served model's counters."""
+        with self._lock:
+            return {m: PrefixCacheStats(**vars(s)) for m, s in self._stats.items()}
+
+
 class Engine:
     """A base model with hot-loadable LoRA adapters.
 
     ``base_chat_template``: ``"trainer"`` (default) serves the base model with the trainer's
     template of its tokenizer's chat format, ``"tokenizer"`` with the template the base
     tokenizer ships, or a Jinja string. Adapters always use the template saved in their directory when there is one.
+
+    ``prefix_cache_entries`` and ``prefix_cache_bytes`` bound the ``PrefixCache`` of recent
+    prompts' keys and values (either at 0: off). 8 entries and 128 MiB by default: a ~630-token
+    agent prompt of SmolLM2-135M in float32 is 29 MB (30 layers x 2 x 192 x 4 bytes a token),
+    so 4 of them fit. A model whose cache layers are not all full attention (Gemma 3's sliding
+    window layers cannot be cut to a prefix) and a vision-language model (a prompt's image
+    tokens stand for pixels their ids do not name) are served without it.
     """
 
     def __init__(self, model: str | Path, *, served_model_name: str | None = None,
                  dtype: str = "float32", max_model_len: int = 4096,
-                 base_chat_template: str = "trainer") -> None:
+                 base_chat_template: str = "trainer", prefix_cache_entries: int = 8,
+                 prefix_cache_bytes: int = 128 * 2**20) -> None:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: must be float32 or bfloat16, got {dtype!r}")
         self.model_path = str(model)
@@ -174,6 +332,12 @@ class Engine:
         self.adapters: dict[str, str] = {}
         self.adapter_tokenizers: dict[str, Any] = {}
         self.lock = threading.RLock()
+        self.prefix_cache = PrefixCache(max_entries=prefix_cache_entries,
+                                        max_bytes=prefix_cache_bytes)
+        """Recent prompts' keys and values, reused by prompts that start the same way."""
+        self._prefix_cacheable = self.vision is None and all(
+            type(layer) is DynamicLayer for layer in self._new_cache().layers)
+        """Whether this model's KV cache can be cut to a prefix (every layer full attention)."""
 
     # --- models -------------------------------------------------------------------------------
 
@@ -220,6 +384,7 @@ class Engine:
             self.model.eval()
             self.adapters[name] = str(p)
             self.adapter_tokenizers[name] = tok
+            self.prefix_cache.drop(name)  # a name served before computed other keys and values
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
@@ -235,6 +400,11 @@ class Engine:
                 self.model.delete_adapter(_peft_name(name))
             del self.adapters[name]
             del self.adapter_tokenizers[name]
+            self.prefix_cache.drop(name)
+
+    def _new_cache(self) -> DynamicCache:
+        """An empty KV cache of the layer kinds the model's config names."""
+        return DynamicCache(config=self.base.config)
 
     def _forward_model(self, model: str) -> Any:
         """Context manager that makes ``self.model`` compute as ``model``."""
@@ -344,9 +514,36 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------
 
+    def _keep_prompts(self, model: str, prompts: list[list[int]], cache: DynamicCache,
+                      mask: torch.Tensor) -> None:
+        """Store the prompts of a batch just prefilled into ``cache`` (``mask``: their tokens)
+        in the prefix cache: the first, and every other that shares fewer than
+        ``MIN_PREFIX_TOKENS`` with the ones stored before it (a batch of one system prompt
+        stores one entry). The tensors a prefill leaves are never written again (the cache
+        grows by concatenation): a lone row's are kept as they are, a batch's rows copied out
+        without their padding."""
+        prefilled: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in cache.layers:
+            assert isinstance(layer, DynamicLayer)  # _prefix_cacheable
+            assert layer.keys is not None and layer.values is not None
+            prefilled.append((layer.keys, layer.values))
+        kept: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            if any(_common_length(p, q) >= MIN_PREFIX_TOKENS for q in kept):
+                continue
+            kept.append(p)
+            if len(prompts) == 1:
+                layers = prefilled
+            else:
+                at = mask[i].nonzero().squeeze(1)
+                layers = [(keys[i:i + 1].index_select(2, at), values[i:i + 1].index_select(2, at))
+                          for keys, values in prefilled]
+            self.prefix_cache.store(model, p, layers)
+
     @torch.no_grad()
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Run ``requests`` (all for the same model) as one left-padded batch."""
+        """Run ``requests`` (all for the same model) as one batch; the longest prefix they
+        all share with a prompt in the prefix cache is not computed again."""
         if not requests:
             return []
         model = requests[0].model
@@ -355,12 +552,7 @@ class Engine:
         stops = self.stop_token_ids(model)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         n = len(requests)
-        longest = max(len(r.prompt_ids) for r in requests)
-        ids = torch.full((n, longest), pad, dtype=torch.long)
-        mask = torch.zeros((n, longest), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, longest - len(r.prompt_ids):] = 1
+        prompts = [r.prompt_ids for r in requests]
         gens = [torch.Generator().manual_seed(r.seed if r.seed is not None else 0)
                 for r in requests]
         out_ids: list[list[int]] = [[] for _ in requests]
@@ -373,15 +565,34 @@ class Engine:
             if budget[i] <= 0:
                 finish[i] = "length"
         with self.lock, self._forward_model(model):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            caching = (self._prefix_cacheable and self.prefix_cache.enabled
+                       and not any(r.images for r in requests))
+            cache = self._new_cache()
+            prefix, k = self.prefix_cache.match(model, prompts) if caching else (None, 0)
+            if prefix is not None:
+                for layer, (keys, values) in enumerate(prefix.layers):
+                    cache.update(keys[..., :k, :].expand(n, -1, -1, -1),
+                                 values[..., :k, :].expand(n, -1, -1, -1), layer)
+            # Each row: the k cached tokens, left padding, the rest of its prompt. The padding
+            # sits between the two when the rows' rests differ in length; the mask hides it and
+            # the positions skip it, as they skip a left padding.
+            width = max(len(p) for p in prompts) - k
+            ids = torch.full((n, width), pad, dtype=torch.long)
+            mask = torch.zeros((n, k + width), dtype=torch.long)
+            mask[:, :k] = 1
+            for i, p in enumerate(prompts):
+                ids[i, width - (len(p) - k):] = torch.tensor(p[k:])
+                mask[i, k + width - (len(p) - k):] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, k:]
             extra = self._image_inputs(ids, mask, [x for r in requests for x in r.images])
             if extra:
                 # [4, B, L]: the text positions, then the 3-D ones; every dimension of a token
                 # generated after the prompt is the last one's plus one.
                 positions = extra.pop("position_ids")
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             use_cache=True, **extra)
-            cache = out.past_key_values
+                             cache=cache, use_cache=True, **extra)
+            if caching:
+                self._keep_prompts(model, prompts, cache, mask)
             logits = out.logits[:, -1].float()
             while any(f is None for f in finish):
                 next_ids = torch.empty(n, dtype=torch.long)
@@ -428,8 +639,7 @@ class Engine:
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
                 positions = positions[..., -1:] + 1
                 out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
-                                 position_ids=positions, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                                 position_ids=positions, cache=cache, use_cache=True)
                 logits = out.logits[:, -1].float()
         results = []
         for i, r in enumerate(requests):

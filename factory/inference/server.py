@@ -33,6 +33,12 @@ server against them.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and
   ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: vLLM's runtime LoRA API, same bodies, same
   plain-text success replies.
+- ``GET /metrics``: Prometheus text; the prefix cache's counters per served model under vLLM's
+  names (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``: prompt tokens
+  looked up and reused), and ``factory:prefix_cache_requests_total`` (``result`` ``hit`` or
+  ``miss``), ``factory:prefix_cache_entries`` and ``factory:prefix_cache_bytes``.
+- ``POST /reset_prefix_cache``: forgets every cached prefix (vLLM's route of the same name);
+  the counters keep counting.
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "code"}}``.
 
@@ -49,10 +55,12 @@ import math
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -246,14 +254,54 @@ def _request_error(e: ValueError) -> JSONResponse:
     return _error(400, str(e))
 
 
+class _PrefixCacheCollector:
+    """The engine's prefix-cache counters as Prometheus metrics, read when scraped."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self.engine.prefix_cache
+        stats = cache.stats()
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in prompt tokens looked up.",
+                                      labels=["model_name"])
+        hits = CounterMetricFamily("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in prompt tokens reused.",
+                                   labels=["model_name"])
+        requests = CounterMetricFamily("factory:prefix_cache_requests",
+                                       "Requests that reused a cached prefix (hit) or not (miss).",
+                                       labels=["model_name", "result"])
+        for model, s in sorted(stats.items()):
+            queries.add_metric([model], s.queries)
+            hits.add_metric([model], s.hits)
+            requests.add_metric([model, "hit"], s.hit_requests)
+            requests.add_metric([model, "miss"], s.miss_requests)
+        yield from (queries, hits, requests)
+        yield GaugeMetricFamily("factory:prefix_cache_entries", "Cached prompt prefixes.",
+                                value=len(cache))
+        yield GaugeMetricFamily("factory:prefix_cache_bytes",
+                                "Bytes of the cached prefixes' keys and values.",
+                                value=cache.nbytes)
+
+
 def create_app(engine: Engine, *, max_batch_size: int = 8,
                cores: CoreShare | None = None) -> Starlette:
     """The ASGI app serving ``engine``; ``cores``: this server's claim on the machine's cores,
     held while it has requests in flight (``BatchScheduler``)."""
     scheduler = BatchScheduler(engine, max_batch_size=max_batch_size, cores=cores)
     created = int(time.time())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_PrefixCacheCollector(engine))
 
     async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        engine.prefix_cache.drop()
         return Response(status_code=200)
 
     async def models(request: Request) -> Response:
@@ -471,6 +519,8 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
 
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
