@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-template", default="trainer",
                         help="'trainer' (default), 'tokenizer', or a Jinja file for the base")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV of prompt prefixes already computed "
+                                           "(vLLM's flag; on by default, as in vLLM)")
+    parser.add_argument("--prefix-cache-mib", type=int, default=128,
+                        help="memory the prefix cache may hold")
     args = parser.parse_args(argv)
 
     try:
@@ -77,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(template) as f:
             template = f.read()
     engine = Engine(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-                    max_model_len=args.max_model_len, base_chat_template=template)
+                    max_model_len=args.max_model_len, base_chat_template=template,
+                    prefix_cache_entries=8 if args.enable_prefix_caching else 0,
+                    prefix_cache_bytes=args.prefix_cache_mib * 2**20)
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")
         if not sep:

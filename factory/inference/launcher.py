@@ -244,17 +244,11 @@ class InferenceServer:
         port = 0 if self.port is None else self.port
         if self.backend == "vllm":
             install = vllm or self.vllm
-            # The shared system prompt and tools block of a task's requests is computed once
-            # (the CPU server's ``PrefixCache`` does the same). vLLM 0.32 turns prefix caching on
-            # by default for decoder models, its CPU build's too (not on RISC-V, nor for MLA
-            # models, where it stays off whatever is passed): said here so a change of default
-            # does not silently turn it off.
-            return [*vllm_serve_command(self.sizing, self.model, self.adapters,
-                                        served_model_name=self.served_model_name,
-                                        host=self.host, port=port,
-                                        chat_template=str(self.chat_template_file()),
-                                        install=install or IMAGE),
-                    "--enable-prefix-caching"]
+            return vllm_serve_command(self.sizing, self.model, self.adapters,
+                                      served_model_name=self.served_model_name,
+                                      host=self.host, port=port,
+                                      chat_template=str(self.chat_template_file()),
+                                      install=install or IMAGE)
         return cpu_serve_command(self.model, self.adapters,
                                  served_model_name=self.served_model_name, host=self.host,
                                  port=port, max_model_len=self.sizing.max_model_len,

@@ -220,7 +220,11 @@ def vllm_serve_command(sizing: ServeSizing, model: str, adapters: Mapping[str, s
            "--max-model-len", str(sizing.max_model_len)]
     if not install.cpu:
         cmd += ["--gpu-memory-utilization", str(sizing.gpu_memory_utilization)]
-    cmd += ["--max-num-seqs", str(sizing.max_num_seqs)]
+    # The shared system prompt and tools block of a task's requests is computed once (the CPU
+    # server's ``PrefixCache`` does the same). vLLM 0.32 turns prefix caching on by default for
+    # decoder models, its CPU build's too (not on RISC-V, nor for MLA models, where it stays
+    # off whatever is passed): said here so a change of default does not silently turn it off.
+    cmd += ["--max-num-seqs", str(sizing.max_num_seqs), "--enable-prefix-caching"]
     if not install.cpu:
         cmd += ["--tensor-parallel-size", str(sizing.tensor_parallel_size)]
     cmd += ["--enable-lora",

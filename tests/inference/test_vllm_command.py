@@ -27,6 +27,7 @@ def test_vllm_serve_argv() -> None:
                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                    "--dtype", "auto", "--max-model-len", "2048",
                    "--gpu-memory-utilization", "0.85", "--max-num-seqs", "32",
+                   "--enable-prefix-caching",
                    "--tensor-parallel-size", "2", "--enable-lora", "--max-lora-rank", "16",
                    "--max-loras", "2", "--lora-modules", "demo-step-40=/ckpt/step-40"]
 
