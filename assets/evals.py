@@ -14,7 +14,7 @@ partition, call it and show what it did.
   checkpoint that fails it is not scored, so no later ``best_checkpoint`` can pick it. An
   overfitting or plateau signal (``decide_stop``) goes to ``early_stops``. Its metadata shows
   the score as ``format_score`` prints it (mean, 95% interval, sample count, method) and the
-  lowest-scored answers beside their references (``runner.worst_answers``).
+  lowest-scored answers beside their references (``answers.worst_answers``).
 - ``final_evals`` (per experiment, first in ``select_checkpoint_job``): the leading checkpoints
   (``selection.FINAL_CANDIDATES``, by the lower bound of their interval) judged on the rest of
   the final eval set (the plan's ``eval_final_num_samples``) into ``eval_scores``; a no-op that

@@ -28,13 +28,13 @@ import dagster as dg
 from factory.control.follow import RunTimedOut, follow_run
 from factory.control.jobs import job_from_plan, latest_plan
 from factory.control.plane import cancel_run
+from factory.dagster_runs import TRAINER_RUN_TAG, sensors_ticking
 from factory.errors import FactoryError
 from factory.partitions import CHECKPOINTS, RUNS
 from factory.planner.pace import PaceWatch
 from factory.process import signals_ignored
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
-from factory.runs import TRAINER_RUN_TAG, sensors_ticking
 from factory.trainer.config import Job
 from factory.trainer.data import check_job_data
 from factory.trainer.pids import owner_token

@@ -6,7 +6,7 @@ ingest --tag project=...``), an experiment file with **planner defaults** (no ``
 data section names only the task's samples and ``data.seed``: the seed), ``factory run`` to the
 live endpoint under the daemon it starts (``bench/loop.py``'s path). Then, from the run's lake,
 the factory's eval score of the deployed (best) checkpoint with its 95% interval and count
-(``best_checkpoints``, ``factory.app.run.summary``: also the base model's score and the eval
+(``best_checkpoints``, ``factory.app.loop.summary``: also the base model's score and the eval
 split's kind, ``phrasing`` or ``recall only``), and on the deployment's server (the base model
 beside the adapter, ``bench/agent.py``'s ``models_to_score``) the accuracy of the deployment
 and of the base model on a test set drawn apart from the training data. The gap is eval score
@@ -401,8 +401,8 @@ def cpu() -> dict[str, Any]:
 
 def eval_scores(lake: Any, name: str) -> dict[str, Any]:
     """The deployed (best) checkpoint's eval score with its interval, the base model's, and the
-    eval split's kind, from ``best_checkpoints`` and ``factory.app.run.summary``."""
-    from factory.app.run import summary
+    eval split's kind, from ``best_checkpoints`` and ``factory.app.loop.summary``."""
+    from factory.app.loop import summary
 
     out = summary(lake, name)
     row = lake.sql("SELECT mean_score, ci_low, ci_high, num_samples, ci_method, step "

@@ -241,7 +241,7 @@ class EvalSpec:
     constrain: str = "auto"
     """Constrain decoding to a closed task's answer set (the rubric's labels or JSON shape,
     ``factory.evals.rubric.structured_outputs``) when generating eval answers: ``on``,
-    ``off``, or ``auto``: ``factory.evals.runner.CONSTRAIN_AUTO``, off (the dev-split
+    ``off``, or ``auto``: ``factory.evals.answers.CONSTRAIN_AUTO``, off (the dev-split
     measurement that decides it is written there)."""
 
 

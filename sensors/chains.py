@@ -35,16 +35,16 @@ from typing import Any
 
 import dagster as dg
 
-from factory.evals.progress import unscored_checkpoints
-from factory.experiments import ExperimentError, experiment_sha, load_experiment, run_keys
-from factory.resources.lake import LakeResource
-from factory.runs import (
+from factory.dagster_runs import (
     CHAIN_TAG,
     FAILED,
     FINISHED,
     TRAINER_RUN_TAG,
     failure_message,
 )
+from factory.evals.progress import unscored_checkpoints
+from factory.experiments import ExperimentError, experiment_sha, load_experiment, run_keys
+from factory.resources.lake import LakeResource
 
 REASON_TAG = "factory/reason"
 SHA_TAG = "factory/experiment-sha"

@@ -20,11 +20,11 @@ from typing import Any
 import dagster as dg
 
 from factory.control import CHECKPOINT_PARTITIONS, checkpoint_partition_key
+from factory.dagster_runs import RECOVERY_SENSOR, ROLLOVER_SENSOR
 from factory.experiments import list_experiments
 from factory.lake import Lake
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
-from factory.runs import RECOVERY_SENSOR, ROLLOVER_SENSOR
 from factory.sensors.chains import EVAL_TAG, start_experiment_job
 
 CHECKPOINT_EVALS = dg.AssetKey("checkpoint_evals")

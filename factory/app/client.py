@@ -33,9 +33,16 @@ from factory.app.instance import (
     dagster_home,
     instance,
 )
+from factory.dagster_runs import (
+    CHAIN_TAG,
+    FAILED,
+    FINISHED,
+    TRAINER_RUN_TAG,
+    failure_message,
+    materialized,
+)
 from factory.errors import FactoryError
 from factory.evals.selection import StepScore, format_score
-from factory.runs import CHAIN_TAG, FAILED, FINISHED, TRAINER_RUN_TAG, failure_message, materialized
 
 Progress = Callable[[str], None]
 REQUEST_TAG = "factory/request"

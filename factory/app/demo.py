@@ -6,7 +6,7 @@
    project the experiment selects (``demo_project``), sends part of it through the capture
    gateway (its upstream replays the generator's reference answers, the "frontier model") and
    uploads the rest through the ``traces`` asset;
-3. runs the experiment through Dagster (``factory.app.run.run_experiment``): dataset,
+3. runs the experiment through Dagster (``factory.app.loop.run_experiment``): dataset,
    rubric, plan, LoRA training with evals fired by ``checkpoint_sensor`` as checkpoints land,
    best checkpoint, deployment;
 4. sends a new request through the gateway to ``factory/<experiment>``, and shows it captured
@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from factory.app.run import run_experiment, terminal_plot
-from factory.app.runner import materialize
+from factory.app.loop import run_experiment, terminal_plot
+from factory.app.materialize import materialize
 from factory.base_model import embedded_name
 from factory.curation.phrasing import RECALL
 from factory.deploy.replay import ReplayUpstream

@@ -26,7 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from factory.control.plane import RUN_ACTIVE, ControlPlane, Run, Segment, loss_curve, reported
+from factory.control.plane import (
+    RUN_ACTIVE,
+    ControlPlane,
+    Segment,
+    TrainingRun,
+    loss_curve,
+    reported,
+)
 from factory.errors import FactoryError
 from factory.lake import Lineage
 from factory.trainer.config import Job
@@ -65,7 +72,7 @@ class RunTimedOut(FactoryError):
 class Followed:
     """A run that ended, as its follower saw it."""
 
-    run: Run
+    run: TrainingRun
     """The run's last row."""
     segments: list[Segment]
     """Its segments, in order."""

@@ -129,8 +129,9 @@ class ControlConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Run:
-    """The latest row of a run."""
+class TrainingRun:
+    """The latest row of a training run (lake ``training_runs``): one trainer job to its end,
+    across its segments."""
 
     run_id: str
     experiment: str
@@ -251,14 +252,15 @@ class ControlPlane:
         return rows
 
     # -- state -------------------------------------------------------------------------------
-    def runs(self) -> dict[str, Run]:
+    def runs(self) -> dict[str, TrainingRun]:
         rows = _latest(self._rows("training_runs"), "run_id", _stale_run)
-        return {k: Run(run_id=k, experiment=r["experiment"], kind=r["kind"],
-                       priority=r["priority"], status=r["status"],
-                       job=Job.from_dict(json.loads(r["job"])),
-                       num_recoveries=r["num_recoveries"], learning_rate=r["learning_rate"],
-                       reason=r["reason"] or "", submitted_at=_t(r["submitted_at"]) or 0.0,
-                       not_before=_t(r["not_before"]))
+        return {k: TrainingRun(run_id=k, experiment=r["experiment"], kind=r["kind"],
+                               priority=r["priority"], status=r["status"],
+                               job=Job.from_dict(json.loads(r["job"])),
+                               num_recoveries=r["num_recoveries"],
+                               learning_rate=r["learning_rate"], reason=r["reason"] or "",
+                               submitted_at=_t(r["submitted_at"]) or 0.0,
+                               not_before=_t(r["not_before"]))
                 for k, r in rows.items()}
 
     def segments(self, run_id: str | None = None) -> list[Segment]:
@@ -286,7 +288,7 @@ class ControlPlane:
             out.append(row)
         return sorted(out, key=lambda r: (r["event_time"], r["segment_id"] or "", r["seq"]))
 
-    def _write_run(self, run: Run, lineage: Lineage | None = None) -> None:
+    def _write_run(self, run: TrainingRun, lineage: Lineage | None = None) -> None:
         now = self._stamp()
         row = {"run_id": run.run_id, "experiment": run.experiment, "kind": run.kind,
                "priority": run.priority, "status": run.status,
@@ -311,7 +313,7 @@ class ControlPlane:
 
     # -- submit --------------------------------------------------------------------------------
     def submit(self, job: Job, *, experiment: str = "", kind: str = "train",
-               priority: int | None = None, lineage: Lineage | None = None) -> Run:
+               priority: int | None = None, lineage: Lineage | None = None) -> TrainingRun:
         """Queue a run (idempotent per run id: an active run is returned as is).
 
         ``lineage``: who submits and what it read (the plan and dataset snapshots); the submit
@@ -321,12 +323,12 @@ class ControlPlane:
         existing = self.runs().get(job.run_id)
         if existing is not None and existing.status in RUN_ACTIVE:
             return existing
-        run = Run(run_id=job.run_id, experiment=experiment, kind=kind,
-                  priority=scheduler.priority_of(kind, self.config.priorities)
-                  if priority is None else priority,
-                  status="queued", job=job, num_recoveries=0,
-                  learning_rate=job.plan.learning_rate, reason="submitted",
-                  submitted_at=self.clock())
+        run = TrainingRun(run_id=job.run_id, experiment=experiment, kind=kind,
+                          priority=scheduler.priority_of(kind, self.config.priorities)
+                          if priority is None else priority,
+                          status="queued", job=job, num_recoveries=0,
+                          learning_rate=job.plan.learning_rate, reason="submitted",
+                          submitted_at=self.clock())
         self._write_run(run, RunLineage(
             run_id=lineage.run_id if lineage else "", asset_key=lineage.asset_key if lineage
             else "training_run", reads=dict(lineage.reads) if lineage else {},
@@ -465,7 +467,7 @@ class ControlPlane:
                 self._fail_ownerless(run, [], now)
         return changed
 
-    def _fail_ownerless(self, run: Run, segs: list[Segment], now: float) -> None:
+    def _fail_ownerless(self, run: TrainingRun, segs: list[Segment], now: float) -> None:
         """Fail ``run`` when the process following it (``Job.owner``, on this host) is gone: its
         live segments are stopped (a trainer checkpoints the step it is at on SIGTERM) and it
         is never resumed. Its trainer, when it notices first, ends ``owner_gone`` itself."""
@@ -506,7 +508,8 @@ class ControlPlane:
                 stopped.append(replace(s, status="ended", end_reason="stopped", ended_at=now))
         self._write_segments(stopped)
 
-    def _fail_unhealable(self, run: Run, seg: Segment, events: list[dict[str, Any]]) -> None:
+    def _fail_unhealable(self, run: TrainingRun, seg: Segment,
+                         events: list[dict[str, Any]]) -> None:
         """Mark ``run`` failed for ``seg``'s data or configuration error, with the trainer's
         message: its ``failed`` event's error, else the last ``trainer:`` line of its log."""
         failed = [json.loads(e["payload"]) for e in events if e["type"] == "failed"]
@@ -519,8 +522,9 @@ class ControlPlane:
         self._write_run(replace(run, status="failed", not_before=None, reason=reason))
 
     # -- launching -----------------------------------------------------------------------------
-    def _launch(self, run: Run, provider: Provider, *, seq: int, resume: ckpt.CheckpointInfo |
-                None, learning_rate: float, resume_latest: bool = False) -> Segment:
+    def _launch(self, run: TrainingRun, provider: Provider, *, seq: int,
+                resume: ckpt.CheckpointInfo | None, learning_rate: float,
+                resume_latest: bool = False) -> Segment:
         segment_id = f"{run.run_id}-s{seq:03d}"
         job = run.job
         plan = job.plan if learning_rate == job.plan.learning_rate else \
@@ -605,7 +609,7 @@ class ControlPlane:
             self._write_run(replace(run, status="running", reason=f"assigned to {d.provider}"))
         return decisions
 
-    def _continue(self, run: Run, *, seq: int, resume: ckpt.CheckpointInfo | None,
+    def _continue(self, run: TrainingRun, *, seq: int, resume: ckpt.CheckpointInfo | None,
                   learning_rate: float, resume_latest: bool = False) -> Segment | None:
         """Launch a continuation on the best rung with capacity (None: all full)."""
         item = scheduler.WorkItem(job_id=f"{run.run_id}-s{seq:03d}", kind=run.kind,
@@ -725,7 +729,7 @@ class ControlPlane:
                                            f"{seg.resume_step}{note}"))
         return launched
 
-    def _good_checkpoint(self, run: Run, last: Segment) -> ckpt.CheckpointInfo | None:
+    def _good_checkpoint(self, run: TrainingRun, last: Segment) -> ckpt.CheckpointInfo | None:
         """The newest verified checkpoint; after a NaN, one strictly before the bad step."""
         limit = None
         if last.end_reason == "nan":

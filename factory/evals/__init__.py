@@ -2,6 +2,13 @@
 of the task score (and the one way a score is printed), overfitting detection, and the
 train/serve equivalence check."""
 
+from factory.evals.answers import (
+    Generated,
+    build_rubric,
+    generate_answers,
+    items_from_samples,
+    score_reference,
+)
 from factory.evals.equivalence import EquivalenceError, EquivalenceResult, check_equivalence
 from factory.evals.judges import (
     EmbeddedJudge,
@@ -12,13 +19,6 @@ from factory.evals.judges import (
     answer_from_message,
 )
 from factory.evals.rubric import Answer, Criterion, Rubric, infer_rubric
-from factory.evals.runner import (
-    Generated,
-    build_rubric,
-    generate_answers,
-    items_from_samples,
-    score_reference,
-)
 from factory.evals.selection import (
     EarlyStop,
     Interval,

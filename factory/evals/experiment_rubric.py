@@ -1,6 +1,6 @@
 """An experiment's rubric, made and recorded (the ``rubric`` asset): the experiment file's inline
 rubric, or with ``eval.rubric: auto`` criteria inferred from the eval set's reference answers
-(``runner.build_rubric``: code-checkable criteria, plus judge-written ones with an LLM judge);
+(``answers.build_rubric``: code-checkable criteria, plus judge-written ones with an LLM judge);
 one row of ``rubrics`` per rubric made.
 """
 
@@ -10,9 +10,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from factory.evals.answers import build_rubric, items_from_samples
 from factory.evals.judging import EvalError, eval_rows
 from factory.evals.rubric import Rubric
-from factory.evals.runner import build_rubric, items_from_samples
 from factory.experiments import Experiment
 from factory.lake import LakeSession
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from factory.evals.answers import items_from_samples
 from factory.evals.judging import (
     EvalError,
     Servers,
@@ -37,7 +38,6 @@ from factory.evals.judging import (
 )
 from factory.evals.progress import runs_to_wait_for, unscored_checkpoints
 from factory.evals.report import read_eval_losses
-from factory.evals.runner import items_from_samples
 from factory.evals.selection import FINAL_CANDIDATES, StepScore, leaders, rank_final, summarize
 from factory.inference.sizing import plan_of_run
 from factory.lake import LakeSession

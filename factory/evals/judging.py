@@ -29,12 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from factory.evals.equivalence import EquivalenceResult, check_equivalence
-from factory.evals.judges import EvalItem, ScoreRow
-from factory.evals.report import plot_png, record_early_stop
-from factory.evals.reuse import borrow_scores
-from factory.evals.rubric import Rubric, stored_rubric
-from factory.evals.runner import (
+from factory.evals.answers import (
     Generated,
     eval_constraint,
     generate_answers,
@@ -42,6 +37,11 @@ from factory.evals.runner import (
     score_reference,
     worst_answers,
 )
+from factory.evals.equivalence import EquivalenceResult, check_equivalence
+from factory.evals.judges import EvalItem, ScoreRow
+from factory.evals.report import plot_png, record_early_stop
+from factory.evals.reuse import borrow_scores
+from factory.evals.rubric import Rubric, stored_rubric
 from factory.evals.selection import EarlyStop, StepScore, summarize
 from factory.experiments import EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServer, InferenceServerError
@@ -283,7 +283,7 @@ class CheckpointEval:
     score: StepScore | None
     """Its score on the plan's samples; None when the check failed and nothing was scored."""
     worst_answers: str
-    """Its lowest-scored answers beside their references (``runner.worst_answers``)."""
+    """Its lowest-scored answers beside their references (``answers.worst_answers``)."""
     borrowed: dict[str, str]
     """Kind (``base``, ``reference``) -> the run its scores were copied from."""
     rubric_version: str

@@ -15,7 +15,7 @@ from typing import Any
 import dagster as dg
 
 from factory.control import checkpoint_partition_key
-from factory.runs import FINISHED
+from factory.dagster_runs import FINISHED
 
 
 def unscored_checkpoints(instance: dg.DagsterInstance, lake: Any,

@@ -19,6 +19,12 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from factory.evals.answers import (
+    build_rubric,
+    items_from_samples,
+    to_openai_messages,
+    to_openai_tools,
+)
 from factory.evals.judges import (
     REFERENCE_CHECKS,
     EmbeddedJudge,
@@ -27,12 +33,6 @@ from factory.evals.judges import (
     answer_from_message,
 )
 from factory.evals.rubric import Answer, Rubric
-from factory.evals.runner import (
-    build_rubric,
-    items_from_samples,
-    to_openai_messages,
-    to_openai_tools,
-)
 
 MAX_RUBRIC_EXAMPLES = 200
 """Samples the rubric is inferred from (the first by sample_id): enough for 80% majorities."""

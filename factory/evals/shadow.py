@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from factory.evals.answers import to_openai_tools
 from factory.evals.judges import EvalItem, ScoreRow, answer_from_message
 from factory.evals.rubric import Rubric
-from factory.evals.runner import to_openai_tools
 from factory.evals.selection import WILSON, Interval, format_score, wilson_interval
 from factory.evals.selection import summarize as summarize_scores
 

@@ -41,7 +41,7 @@ from factory import codepin
 from factory.app.client import REQUEST_TAG
 from factory.app.instance import instance
 from factory.codepin import CodeChangedError
-from factory.runs import FINISHED, failure_message
+from factory.dagster_runs import FINISHED, failure_message
 from tests.app import code_pin_location
 from tests.deploy.dagster_ui import LAUNCH, LOCATIONS, free_port, gql
 from tests.waiting import wait_until

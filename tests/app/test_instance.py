@@ -23,8 +23,8 @@ from factory.app.instance import (
     instance,
     listening_sockets,
 )
+from factory.dagster_runs import SENSOR_STALE_S, sensors_ticking
 from factory.process import is_alive
-from factory.runs import SENSOR_STALE_S, sensors_ticking
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -62,10 +62,10 @@ def test_the_loop_runs_through_nodes_sharing_one_database_and_warehouse(
 
     from factory.app.client import chain_runs, loop_outcome
     from factory.app.instance import instance
+    from factory.dagster_runs import failure_message
     from factory.deploy import Deployer
     from factory.ingest import RawRecord, ingest_records
     from factory.lake import Lake
-    from factory.runs import failure_message
     from factory.tasks import generate_records
 
     # The ingest node writes the traffic.

@@ -161,8 +161,8 @@ def test_job_from_plan_exports_the_dataset_and_names_the_run(factory_home,
 def test_a_failed_training_run_says_why(factory_home, tiny_model_dir) -> None:
     """The message the chain ends with (``chain_sensor``'s outcome, ``factory run``'s error)
     is the training_run step's: the refused plan's numbers, or the trainer's data error."""
-    from factory.app.runner import instance, materialize
-    from factory.runs import failure_message
+    from factory.app.materialize import instance, materialize
+    from factory.dagster_runs import failure_message
 
     lake = Lake()
     question = "tell me about the moon " * 5  # ~40 tokens rendered

@@ -11,8 +11,8 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from factory.dagster_runs import CHAIN_TAG, TRAINER_RUN_TAG
 from factory.lake import Lake
-from factory.runs import CHAIN_TAG, TRAINER_RUN_TAG
 from factory.sensors.chains import EVAL_TAG, evaluate
 
 EXP = """\

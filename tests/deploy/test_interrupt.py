@@ -92,7 +92,7 @@ def test_a_trainer_left_by_a_dead_training_process_is_stopped(
     import time
 
     from factory.app.instance import control_plane
-    from factory.app.run import cancel_orphan
+    from factory.app.loop import cancel_orphan
     from factory.control.base import Handle
     from factory.control.plane import Segment
     from factory.experiments import run_id as run_id_for_key

@@ -16,6 +16,13 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
+from factory.evals.answers import (
+    CONSTRAIN_AUTO,
+    build_rubric,
+    eval_constraint,
+    generate_answers,
+    items_from_samples,
+)
 from factory.evals.judging import answer_constraint
 from factory.evals.rubric import (
     Answer,
@@ -23,13 +30,6 @@ from factory.evals.rubric import (
     infer_rubric,
     normalize_label,
     structured_outputs,
-)
-from factory.evals.runner import (
-    CONSTRAIN_AUTO,
-    build_rubric,
-    eval_constraint,
-    generate_answers,
-    items_from_samples,
 )
 from factory.inference import InferenceServer
 from factory.inference.constrain import build_constraint, parse_structured_outputs

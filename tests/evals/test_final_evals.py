@@ -18,7 +18,7 @@ import dagster as dg
 import pytest
 
 from factory.control.jobs import planned_run_id
-from factory.evals.runner import build_rubric, items_from_samples
+from factory.evals.answers import build_rubric, items_from_samples
 from factory.experiments import load_experiment
 from factory.lake import Lake
 from tests.evals.conftest import canonical_rows, make_adapter, write_experiment

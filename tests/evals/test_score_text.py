@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.app.client import eval_score
-from factory.app.run import summary
+from factory.app.loop import summary
 from factory.evals.selection import summarize
 from factory.lake import Lake
 

@@ -19,7 +19,7 @@ import dagster as dg
 import pytest
 
 from factory.control.jobs import planned_run_id
-from factory.evals.runner import build_rubric, items_from_samples
+from factory.evals.answers import build_rubric, items_from_samples
 from factory.experiments import load_experiment
 from factory.inference.sizing import serving_size_for
 from factory.lake import Lake

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from factory.evals.answers import answer_text, worst_answers
 from factory.evals.judges import EvalItem, ScoreRow
 from factory.evals.rubric import Answer
-from factory.evals.runner import answer_text, worst_answers
 
 
 def _row(sid: str, score: float | None, assessment: str = "ok") -> ScoreRow:

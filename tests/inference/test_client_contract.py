@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from factory.evals import check_equivalence
+from factory.evals.answers import to_openai_messages
 from factory.evals.equivalence import trainer_view
-from factory.evals.runner import to_openai_messages
 from factory.inference import InferenceClient, InferenceClientError
 from factory.inference.contract import ContractError, check
 from factory.tasks import generate_conversations

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from factory.app.runner import materialize
+from factory.app.materialize import materialize
 from factory.base_model import BUILDERS, BUILT_MODELS, MissingBaseModelError, require_base_model
 from factory.recipes import list_recipes
 from factory.trainer.base_models import is_built

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from factory.app.runner import instance, materialize
+from factory.app.materialize import instance, materialize
 from factory.curation.config import check_experiment_name
 from factory.errors import FactoryError
 from factory.experiments import CURATION_ENGINES, load_experiment

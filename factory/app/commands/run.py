@@ -19,7 +19,7 @@ def register(sub: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     # the run's client loads Dagster and the definitions (seconds)
-    from factory.app.run import run_experiment, terminal_plot
+    from factory.app.loop import run_experiment, terminal_plot
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

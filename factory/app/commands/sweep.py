@@ -34,7 +34,7 @@ def _sweep(args: argparse.Namespace) -> int:
     experiment = load_experiment(args.experiment)
     if not args.compare:
         # the run's client loads Dagster and the definitions (seconds)
-        from factory.app.run import run_experiment
+        from factory.app.loop import run_experiment
 
         run_experiment(experiment.name,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
