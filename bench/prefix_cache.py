@@ -26,9 +26,7 @@ import os
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -39,28 +37,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.serving import MODELS, ask, tool_adapter  # noqa: E402
 from factory.inference import InferenceServer, InferenceServerError  # noqa: E402
-from factory.tasks.agent_orders import TOOLS, generate_heldout  # noqa: E402
-
-MODELS = ROOT / ".cache" / "test-models"
-ADAPTER = "smollm2-tool-caller-lora-v1"
-
-
-def _adapter(base: Path) -> Path:
-    from tests.inference.conftest import train_adapter
-    from tests.inference.test_vllm_gate import _tool_sample
-
-    return train_adapter(base, MODELS / ADAPTER, _tool_sample(), name=ADAPTER)
-
-
-def _ask(url: str, model: str, messages: list[dict[str, Any]], max_tokens: int
-         ) -> tuple[float, int]:
-    body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0,
-            "max_tokens": max_tokens}
-    t = time.perf_counter()
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
-    r.raise_for_status()
-    return time.perf_counter() - t, int(r.json()["usage"]["prompt_tokens"])
+from factory.tasks.agent_orders import generate_heldout  # noqa: E402
 
 
 def _counters(url: str, model: str) -> dict[str, float]:
@@ -99,7 +78,7 @@ def main() -> int:
     print(f"command: {' '.join(sys.argv)}\ncpu flags: {' '.join(flags)}; cores: "
           f"{os.cpu_count()}; load before: {os.getloadavg()[0]:.2f}", flush=True)
     base = MODELS / "smollm2-135m-instruct"
-    adapter = _adapter(base)
+    adapter = tool_adapter(base)
     requests = generate_heldout(args.requests + 2, seed=7)
     warm, timed = requests[:2], requests[2:]
     server = InferenceServer(base, adapters={"caller": str(adapter)}, served_model_name="base",
@@ -118,15 +97,16 @@ def main() -> int:
     prompt_tokens: list[int] = []
     try:
         for r in warm:
-            _ask(server.url, model, r["messages"], args.max_tokens)
+            ask(server.url, model, r["messages"], args.max_tokens)
         before = _counters(server.url, model)
         for i, r in enumerate(timed):
             httpx.post(server.url + "/reset_prefix_cache", timeout=60).raise_for_status()
-            seconds, n = _ask(server.url, model, r["messages"], args.max_tokens)
+            seconds, n = ask(server.url, model, r["messages"], args.max_tokens,
+                             usage="prompt_tokens")
             off.append(seconds)
             prompt_tokens.append(n)
             nxt = timed[(i + 1) % len(timed)]
-            on.append(_ask(server.url, model, nxt["messages"], args.max_tokens)[0])
+            on.append(ask(server.url, model, nxt["messages"], args.max_tokens)[0])
         after = _counters(server.url, model)
     finally:
         server.stop()

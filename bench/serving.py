@@ -54,7 +54,8 @@ MODELS = ROOT / ".cache" / "test-models"
 ADAPTER = "smollm2-tool-caller-lora-v1"
 
 
-def _adapter(base: Path) -> Path:
+def tool_adapter(base: Path) -> Path:
+    """The tool-calling adapter of the benches (trained once into the test-model cache)."""
     from tests.inference.conftest import train_adapter
     from tests.inference.test_vllm_gate import _tool_sample
 
@@ -77,13 +78,15 @@ class _Peak:
         return self.peak
 
 
-def _ask(url: str, model: str, messages: list[dict[str, Any]], max_tokens: int) -> tuple[float, int]:
+def ask(url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
+        usage: str = "completion_tokens") -> tuple[float, int]:
+    """Seconds of one greedy tool-calling request and its ``usage[usage]`` count."""
     body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0,
             "max_tokens": max_tokens}
     t = time.perf_counter()
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     r.raise_for_status()
-    return time.perf_counter() - t, int(r.json()["usage"]["completion_tokens"])
+    return time.perf_counter() - t, int(r.json()["usage"][usage])
 
 
 def _server(spec: str, base: Path, adapter: Path, threads: int) -> InferenceServer:
@@ -119,13 +122,13 @@ def measure(spec: str, base: Path, adapter: Path, requests: list[dict[str, Any]]
     assert server.proc is not None
     peak = _Peak(server.proc.pid)
     try:
-        _ask(server.url, "caller", requests[0]["messages"], max_tokens)
+        ask(server.url, "caller", requests[0]["messages"], max_tokens)
         startup = time.perf_counter() - t0
-        _ask(server.url, "caller", requests[1]["messages"], max_tokens)
-        single = [_ask(server.url, "caller", r["messages"], max_tokens)[0] for r in requests]
+        ask(server.url, "caller", requests[1]["messages"], max_tokens)
+        single = [ask(server.url, "caller", r["messages"], max_tokens)[0] for r in requests]
         t = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
-            done = list(pool.map(lambda r: _ask(server.url, "caller", r["messages"],
+            done = list(pool.map(lambda r: ask(server.url, "caller", r["messages"],
                                                 max_tokens), requests))
         wall = time.perf_counter() - t
     finally:
@@ -151,7 +154,7 @@ def main() -> int:
     print(f"command: {' '.join(sys.argv)}\ncpu flags: {' '.join(flags)}; cores: "
           f"{os.cpu_count()}; load before: {os.getloadavg()[0]:.2f}", flush=True)
     base = MODELS / "smollm2-135m-instruct"
-    adapter = _adapter(base)
+    adapter = tool_adapter(base)
     requests = generate_heldout(args.requests, seed=7)
     rows = []
     for spec in args.engines:

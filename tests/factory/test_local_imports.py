@@ -106,20 +106,6 @@ def _guards_import_error(node: ast.Try | ast.TryStar) -> bool:
     return bool(names & {"ImportError", "ModuleNotFoundError"})
 
 
-def parse(source: str, tries: int = 5) -> ast.Module:
-    """``ast.parse``, again on CPython 3.11's "AST constructor recursion depth mismatch": its
-    AST converter keeps its depth count per interpreter, not per thread, so a parse that
-    overlaps another thread's (a traceback formatted in a server's thread parses its line) is
-    refused though nothing is wrong with the source."""
-    for attempt in range(tries):
-        try:
-            return ast.parse(source)
-        except SystemError as e:
-            if "recursion depth mismatch" not in str(e) or attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
 def local_imports(source: str, path: str) -> list[LocalImport]:
     """Every import statement of ``source`` that sits inside a function body.
 
@@ -127,7 +113,7 @@ def local_imports(source: str, path: str) -> list[LocalImport]:
     above the run of import statements it is part of; an ``ImportError`` guard around it is a
     reason too ("guarded").
     """
-    tree = parse(source)
+    tree = ast.parse(source)
     comments = _comments(source)
     lines = source.splitlines()
     found: list[LocalImport] = []
@@ -191,7 +177,9 @@ def tree_local_imports(root: Path = ROOT) -> list[LocalImport]:
 @pytest.fixture(scope="module")
 def found() -> list[LocalImport]:
     # The whole tree is read in a fresh interpreter: a long pytest worker has threads of
-    # servers earlier tests started, whose parses can overlap ours (see ``parse``).
+    # servers earlier tests started, and on CPython 3.11 a parse that overlaps another thread's
+    # is refused spuriously ("AST constructor recursion depth mismatch": the converter counts
+    # its depth per interpreter, not per thread).
     script = ("import dataclasses, json; from tests.factory.test_local_imports import "
               "tree_local_imports; print(json.dumps([dataclasses.asdict(i) "
               "for i in tree_local_imports()]))")
