@@ -53,7 +53,10 @@ WARM_MODULES = ["torch", "transformers", "peft", *(f"{TRAINER}.{m}" for m in (
 
 
 def _trainer_child(job_path: str, env: dict[str, str], log_path: str) -> None:
-    """Entry point of a warm-started sandbox (runs in a process forked by the forkserver)."""
+    """Entry point of a warm-started sandbox (runs in a process forked by the forkserver).
+    ``env`` is the launcher's whole environment at launch, as a cold start would inherit it:
+    the forkserver's own is the launcher's of when it started."""
+    os.environ.clear()
     os.environ.update(env)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -164,7 +167,8 @@ class _ProcessProvider:
         root = str(Path(factory.__file__).resolve().parent.parent)  # the folder above factory/
         if self.warm_start:
             proc: Any = _forkserver().Process(target=_trainer_child,
-                                              args=(str(job_path), env, str(log_path)),
+                                              args=(str(job_path), {**os.environ, **env},
+                                                    str(log_path)),
                                               name=f"sandbox-{segment_id}")
             proc.start()
         else:

@@ -60,7 +60,11 @@ def test_training_run_materializes_segments_and_loss_curve(factory_home, make_jo
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     # One sample in 100 is longer than the plan: dropped before training, and counted. The
-    # plan's bf16 autocast, on a CPU said to emulate bf16, runs fp32.
+    # plan's bf16 autocast, on a CPU said to emulate bf16, runs fp32: said after the warm
+    # trainers' forkserver started, as a setting changed in a long-lived process would be.
+    from factory.control.providers import LocalProvider
+
+    LocalProvider(warm_start=True).warm_up()
     monkeypatch.setenv("FACTORY_CPU_BF16", "emulated")
     job = _with_long_samples(make_job("asset-run", num_steps=4, precision="bf16-autocast"),
                              tmp_path / "some-long.parquet", num_short=99, num_long=1)
