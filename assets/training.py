@@ -35,7 +35,7 @@ from factory.planner.pace import PaceWatch
 from factory.process import signals_ignored
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.data import check_job_data
 from factory.trainer.pids import owner_token
 
@@ -48,7 +48,8 @@ checkpoints = dg.AssetsDefinition(specs=[dg.AssetSpec(
 
 class TrainingRunConfig(dg.Config):
     job_file: str | None = None
-    """A ready trainer job JSON (``factory.trainer.config.Job``) instead of the partition's plan."""
+    """A ready trainer job JSON (``factory.trainer.config.TrainerJob``) instead of the
+    partition's plan."""
     experiment: str = ""
     """Experiment of a ``job_file`` run (a planned run knows its own)."""
     poll_s: float = 5.0
@@ -76,7 +77,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     watch: PaceWatch | None = None
     try:
         if config.job_file:
-            job = Job.from_json(config.job_file)
+            job = TrainerJob.from_json(config.job_file)
         else:
             # The plan and dataset snapshots the job is built from are the run's reads (its
             # submit commit records them for lineage).

@@ -91,7 +91,7 @@ def _rates(real: float, seconds: float, cpu: float) -> dict[str, Any]:
 def run_ours(args: argparse.Namespace, data: Path) -> dict[str, Any]:
     import torch
 
-    from factory.trainer.config import Job
+    from factory.trainer.config import TrainerJob
     from factory.trainer.train import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +102,7 @@ def run_ours(args: argparse.Namespace, data: Path) -> dict[str, Any]:
                          "num_epochs": 1.0, "lora_rank": 8, "lora_alpha": 16,
                          "precision": args.precision, "checkpoint_every_steps": 10**6,
                          "gradient_checkpointing": args.gradient_checkpointing}}
-        job = Job.from_dict(body)
+        job = TrainerJob.from_dict(body)
         trainer = Trainer(job)
         trainer.setup()
         trainer.model.train()

@@ -20,7 +20,7 @@ the code server's children, not the owner's) and fires when the *thread* that st
 ends, not the process. Why not the owner's own process group: a group shares the terminal's
 Ctrl-C, and the daemon would be interrupted before the owner could stop a run in order.
 A trainer is never registered: it must checkpoint and end its run for good when its owner dies,
-which it does itself (``Job.owner``).
+which it does itself (``TrainerJob.owner``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ other relatively, so a plain copy of trainer/ (with kernels/ beside it for the o
 as ``trainer``, as in its image. Run it as ``python -m factory.trainer --job JOB.json`` (``python
 -m trainer`` in the image; ``--check`` only validates). Interfaces others build on:
 
-Job file (``trainer.config.Job.from_json``; unknown keys and bad values raise ValueError naming
-the field, e.g. ``plan.learning_rate: must be > 0``, before anything is loaded)::
+Job file (``trainer.config.TrainerJob.from_json``; unknown keys and bad values raise ValueError
+naming the field, e.g. ``plan.learning_rate: must be > 0``, before anything is loaded)::
 
     {"run_id": "exp-1-run-3",                      # stable across resumes/rollovers
      "plan": {                                     # trainer.config.TrainConfig

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .config import Job
+from .config import TrainerJob
 
 JEMALLOC = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
             "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2",
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="validate the job and exit (0 valid, 2 invalid)")
     args = parser.parse_args(argv)
     try:
-        job = Job.from_json(args.job)
+        job = TrainerJob.from_json(args.job)
     except ValueError as e:
         print(f"trainer: invalid job: {e}", file=sys.stderr)
         return 2

@@ -1,10 +1,11 @@
-"""The trainer's inputs: ``TrainConfig`` (the plan's training part) and ``Job`` (plan + data + I/O).
+"""The trainer's inputs: ``TrainConfig`` (the plan's training part) and ``TrainerJob`` (plan +
+data + I/O).
 
-A job is a JSON file. ``Job.from_json`` validates every field and raises ``ValueError`` naming
-the bad one (``plan.learning_rate: must be > 0, got -1``) before any model or data is loaded, so
-a bad job costs a second, not a GPU allocation. Unknown keys are errors too: a typo in a plan
-must not silently fall back to a default. The webhook secret is never in the file: the job names
-the environment variable that holds it.
+A job is a JSON file. ``TrainerJob.from_json`` validates every field and raises ``ValueError``
+naming the bad one (``plan.learning_rate: must be > 0, got -1``) before any model or data is
+loaded, so a bad job costs a second, not a GPU allocation. Unknown keys are errors too: a typo
+in a plan must not silently fall back to a default. The webhook secret is never in the file: the
+job names the environment variable that holds it.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class TrainConfig:
     checkpoint_every_steps: int = field(default=100, metadata={"ge": 1})
     """Write a resumable checkpoint every N optimizer steps (and at the end, and on SIGTERM)."""
     eval_every_steps: int | None = field(default=None, metadata={"ge": 1})
-    """Compute held-out loss on ``Job.eval_data_files`` every N steps (None: never)."""
+    """Compute held-out loss on ``TrainerJob.eval_data_files`` every N steps (None: never)."""
     log_every_steps: int = field(default=1, metadata={"ge": 1})
     """Send a ``progress`` event every N steps."""
     seed: int = field(default=0, metadata={"ge": 0})
@@ -229,7 +230,7 @@ class MixSource:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Job:
+class TrainerJob:
     """One training job: the plan, where the data is, where results and events go."""
 
     run_id: str
@@ -338,7 +339,7 @@ class Job:
             _positive(self.debug, "nan_at_step", prefix="debug.")
 
     @classmethod
-    def from_dict(cls, raw: Any) -> Job:
+    def from_dict(cls, raw: Any) -> TrainerJob:
         if not isinstance(raw, dict):
             raise ValueError("job: must be a JSON object")
         kwargs = _fields(cls, raw, "")
@@ -360,7 +361,7 @@ class Job:
         return job
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> Job:
+    def from_json(cls, path: str | os.PathLike[str]) -> TrainerJob:
         """Read and validate a job file; ValueError names the bad field."""
         try:
             raw = json.loads(Path(path).read_text())
@@ -373,7 +374,7 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, **changes: Any) -> Job:
+    def replace(self, **changes: Any) -> TrainerJob:
         return dataclasses.replace(self, **changes)
 
 

@@ -1,7 +1,7 @@
 """Samples in, micro-batches out: reading, tokenizing, packing, and a resumable order.
 
-Training data streams (``MixtureStream``): one or more sources (``Job.mix``, or the job's data
-files as one source) are read a block at a time in a seeded order per epoch (``SourceReader``),
+Training data streams (``MixtureStream``): one or more sources (``TrainerJob.mix``, or the job's
+data files as one source) are read a block at a time in a seeded order per epoch (``SourceReader``),
 sampled by weight, tokenized a window of samples at a time and packed within the window. No
 source is tokenized or held whole, and the order is a pure function of (data, plan, seed): the
 data position of a checkpoint is where its window began (``MixPosition``: per source an epoch
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .chat import IGNORE_INDEX, common_prefix, encode, install_chat_template, load_tokenizer
-from .config import MIN_SHARED_PREFIX, Job, MixSource
+from .config import MIN_SHARED_PREFIX, MixSource, TrainerJob
 from .vision import ImageInput, MissingImage, Vision, has_vision, load_vision, stack
 from .vision import encode as encode_with_images
 
@@ -234,7 +234,7 @@ def check_plan_data(rows: Iterable[dict[str, Any]], tokenizer: Any, *, max_seq_l
     return stats
 
 
-def check_job_data(job: Job) -> DataStats:
+def check_job_data(job: TrainerJob) -> DataStats:
     """``check_plan_data`` over the training rows ``job`` reads, with its base model's
     tokenizer: every row of the primary source, the first ``MAX_CHECK_ROWS`` of each other
     source of a mix. The held-out rows must keep at least one sample. Returns the primary

@@ -47,7 +47,7 @@ def start_time(pid: int) -> int | None:
 
 def owner_token(pid: int | None = None) -> str:
     """``host:pid:start`` naming this process (or ``pid``) for as long as it runs: what a
-    trainer is given as its owner (``Job.owner``)."""
+    trainer is given as its owner (``TrainerJob.owner``)."""
     import socket
 
     pid = os.getpid() if pid is None else pid

@@ -10,7 +10,7 @@ Exit codes (``ExitCode``): 0 finished, 1 failed (a crash: retrying may heal it),
 resume from the last good one), 65 data or configuration error (``DataError``: the job's data,
 base model or settings cannot train, and running it again cannot heal that), 75 preempted
 (SIGTERM/SIGINT: a checkpoint of the last completed step was written; resume it), 69 owner gone
-(the process following the run, ``Job.owner``, died: a checkpoint of the last completed step
+(the process following the run, ``TrainerJob.owner``, died: a checkpoint of the last completed step
 was written and the run ends). The control plane never retries 2, 65 or 69.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .config import ExitCode, Job, TrainConfig
+from .config import ExitCode, TrainConfig, TrainerJob
 from .cores import CoreShare
 from .data import (
     MicroBatchStream,
@@ -74,7 +74,7 @@ class StopFlag:
     at: float = 0.0
     event: threading.Event = field(default_factory=threading.Event)
     owner_gone: bool = False
-    """Set instead of a signal when the job's owner (``Job.owner``) no longer runs."""
+    """Set instead of a signal when the job's owner (``TrainerJob.owner``) no longer runs."""
 
     def set(self, signum: int) -> None:
         self.signal, self.at = signum, time.time()
@@ -112,7 +112,7 @@ def peak_rss_bytes() -> int:
 class Reporter:
     """Every event to the events file, the webhook (rank 0 only) and the tracker."""
 
-    def __init__(self, job: Job, *, rank: int, tracker: Tracker) -> None:
+    def __init__(self, job: TrainerJob, *, rank: int, tracker: Tracker) -> None:
         self.job = job
         self.rank = rank
         self.tracker = tracker
@@ -199,7 +199,7 @@ def _memory(device: torch.device) -> dict[str, int]:
 class Trainer:
     """One process's share of a job (rank ``rank`` of ``world``)."""
 
-    def __init__(self, job: Job, *, stop: StopFlag | None = None) -> None:
+    def __init__(self, job: TrainerJob, *, stop: StopFlag | None = None) -> None:
         self.job = job
         self.stop = stop or StopFlag()
         self.rank, self.world = _dist()
@@ -584,12 +584,12 @@ def _abs(path: str) -> str:
     return str(p.resolve()) if p.exists() else path
 
 
-def _last_checkpoint_path(job: Job) -> str | None:
+def _last_checkpoint_path(job: TrainerJob) -> str | None:
     info = ckpt.latest_checkpoint(job.output_dir)
     return info.path if info else None
 
 
-def run_job(job: Job, *, stop: StopFlag | None = None) -> ExitCode:
+def run_job(job: TrainerJob, *, stop: StopFlag | None = None) -> ExitCode:
     """Train ``job`` in this process; every outcome is an event and an exit code."""
     rank, _ = _dist()
     tracker: Tracker = NullTracker()

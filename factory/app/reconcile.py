@@ -6,7 +6,7 @@ an owner that was killed outright, so the Dagster daemon, the code servers and t
 of that owner are gone.
 
 - The lake: the control plane observes once. A training run whose following step died
-  (``Job.owner``) is failed with the reason ``owner gone`` and its live segments stopped (the
+  (``TrainerJob.owner``) is failed with the reason ``owner gone`` and its live segments stopped (the
   trainer checkpoints the step it is at); a trainer that noticed first ended the run the same way.
 - Dagster: a run still ``STARTED``, ``STARTING`` or ``CANCELING`` whose code server no longer
   answers had its run worker in that code server's group, stopped with it; it is reported failed

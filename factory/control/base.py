@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 
 STATES = ("pending", "running", "succeeded", "failed", "lost")
 
@@ -70,7 +70,7 @@ class Provider(Protocol):
         """GPU slots free right now."""
         ...
 
-    def launch(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Handle:
+    def launch(self, job: TrainerJob, *, segment_id: str, num_gpus: int = 1) -> Handle:
         """Start ``python -m trainer`` for ``job``; return at once."""
         ...
 

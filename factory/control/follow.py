@@ -36,7 +36,7 @@ from factory.control.plane import (
 )
 from factory.errors import FactoryError
 from factory.lake import Lineage
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.data import DROP_REASONS, DataStats
 from factory.trainer.webhooks import read_events
 
@@ -144,7 +144,7 @@ def _no_op() -> None:
     return None
 
 
-def follow_run(plane: ControlPlane, job: Job, *, experiment: str = "",
+def follow_run(plane: ControlPlane, job: TrainerJob, *, experiment: str = "",
                lineage: Lineage | None = None, daemon_ticks: Callable[[], bool],
                poll_s: float = 5.0, timeout_s: float | None = None, drive: bool | None = None,
                on_submitted: Callable[[], None] = _no_op,

@@ -5,7 +5,7 @@ The trainer reads only files (it never touches the lake), so the experiment's ro
 ``dataset_train``/``dataset_eval`` are written once per dataset version to
 ``$FACTORY_HOME/runs/data/`` (columns ``sample_id``, ``messages``, ``tools``). A plan with a
 mixture (``data.mix``) exports each source the same way, a file source normalized to canonical
-samples once per content, and the job lists them with their weights (``Job.mix``).
+samples once per content, and the job lists them with their weights (``TrainerJob.mix``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from factory.lake import Lake, Lineage
 from factory.normalize import normalize_record
 from factory.normalize.canon import NormalizeError
 from factory.settings import Settings, get_settings
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 
 
 def planned_run_id(run_key: str, created_at: datetime) -> str:
@@ -193,7 +193,7 @@ def traffic_group_rows(lake: Lake, experiment: str, by: str) -> dict[str, int]:
 
 def export_mix(lake: Lake, experiment: str, mix: Sequence[dict[str, Any]], dest: Path, *,
                lineage: Lineage | None = None) -> list[dict[str, Any]]:
-    """``Job.mix`` for a planned mixture: each source's samples as a Parquet file, with its
+    """``TrainerJob.mix`` for a planned mixture: each source's samples as a Parquet file, with its
     weight. A source without samples is a ``FactoryError``."""
     out = []
     snapshot = lake.snapshot_id("dataset_train") if lake.exists("dataset_train") else None
@@ -227,7 +227,7 @@ def export_mix(lake: Lake, experiment: str, mix: Sequence[dict[str, Any]], dest:
 
 
 def job_from_plan(lake: Lake, run_key: str, *, settings: Settings | None = None,
-                  lineage: Lineage | None = None) -> tuple[Job, str]:
+                  lineage: Lineage | None = None) -> tuple[TrainerJob, str]:
     """The trainer job for the newest plan of ``run_key``, and its experiment. With a lineage,
     the ``training_plans`` and dataset snapshots the job is built from are recorded as read."""
     settings = settings or get_settings()
@@ -251,7 +251,7 @@ def job_from_plan(lake: Lake, run_key: str, *, settings: Settings | None = None,
     if evals is None:
         config["eval_every_steps"] = None  # held-out loss needs held-out rows
     run_id = planned_run_id(run_key, plan["created_at"])
-    job = Job.from_dict({
+    job = TrainerJob.from_dict({
         "run_id": run_id, "plan": config, **data,
         "eval_data_files": [str(evals)] if evals is not None else [],
         "output_dir": str(settings.checkpoints / run_id), "blob_dir": str(settings.blobs)})

@@ -45,7 +45,7 @@ from factory.control import scheduler
 from factory.control.base import Handle, Provider
 from factory.lake import RUN_ID, Lake, Lineage
 from factory.trainer import checkpoint as ckpt
-from factory.trainer.config import ExitCode, Job
+from factory.trainer.config import ExitCode, TrainerJob
 from factory.trainer.pids import owner_alive
 from factory.trainer.webhooks import read_events
 
@@ -138,7 +138,7 @@ class TrainingRun:
     kind: str
     priority: int
     status: str
-    job: Job
+    job: TrainerJob
     num_recoveries: int
     learning_rate: float
     reason: str
@@ -209,7 +209,7 @@ def _stale_segment(prev: dict[str, Any], row: dict[str, Any]) -> bool:
     return prev["status"] == "ended" and row["status"] != "ended"
 
 
-def events_file_for(job: Job, segment_id: str) -> str:
+def events_file_for(job: TrainerJob, segment_id: str) -> str:
     """Each segment writes its own events file, so events map to segments exactly."""
     if job.is_local_output:
         base = job.output_dir[len("file://"):] if job.output_dir.startswith("file://") \
@@ -256,7 +256,7 @@ class ControlPlane:
         rows = _latest(self._rows("training_runs"), "run_id", _stale_run)
         return {k: TrainingRun(run_id=k, experiment=r["experiment"], kind=r["kind"],
                                priority=r["priority"], status=r["status"],
-                               job=Job.from_dict(json.loads(r["job"])),
+                               job=TrainerJob.from_dict(json.loads(r["job"])),
                                num_recoveries=r["num_recoveries"],
                                learning_rate=r["learning_rate"], reason=r["reason"] or "",
                                submitted_at=_t(r["submitted_at"]) or 0.0,
@@ -312,7 +312,7 @@ class ControlPlane:
             self.lake.append("training_segments", rows)
 
     # -- submit --------------------------------------------------------------------------------
-    def submit(self, job: Job, *, experiment: str = "", kind: str = "train",
+    def submit(self, job: TrainerJob, *, experiment: str = "", kind: str = "train",
                priority: int | None = None, lineage: Lineage | None = None) -> TrainingRun:
         """Queue a run (idempotent per run id: an active run is returned as is).
 
@@ -468,9 +468,9 @@ class ControlPlane:
         return changed
 
     def _fail_ownerless(self, run: TrainingRun, segs: list[Segment], now: float) -> None:
-        """Fail ``run`` when the process following it (``Job.owner``, on this host) is gone: its
-        live segments are stopped (a trainer checkpoints the step it is at on SIGTERM) and it
-        is never resumed. Its trainer, when it notices first, ends ``owner_gone`` itself."""
+        """Fail ``run`` when the process following it (``TrainerJob.owner``, on this host) is
+        gone: its live segments are stopped (a trainer checkpoints the step it is at on
+        SIGTERM) and it is never resumed. Its trainer, when it notices first, ends ``owner_gone`` itself."""
         if owner_alive(run.job.owner) is not False:
             return
         self._stop_live(segs, now)
@@ -836,8 +836,8 @@ def cancel_run(plane: ControlPlane, run_id: str, *, reason: str,
 
 def ownerless_runs(lake: Lake) -> list[str]:
     """Training runs, as the plane reads them, recorded queued or running whose following
-    process (``Job.owner``, on this host) is gone: a cheap look at ``training_runs`` alone (no
-    provider, no events), to tell whether ``observe_once`` has anything to end."""
+    process (``TrainerJob.owner``, on this host) is gone: a cheap look at ``training_runs``
+    alone (no provider, no events), to tell whether ``observe_once`` has anything to end."""
     if not lake.exists("training_runs"):
         return []
     rows = _latest(lake.read("training_runs", columns=[

@@ -42,7 +42,7 @@ from factory.control.base import Handle, ProviderStatus
 from factory.process import is_alive, runs_command, stop_group
 from factory.settings import get_settings
 from factory.trainer.__main__ import main
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 
 _REGISTRY: dict[str, dict[str, tuple[Any, int]]] = {}  # provider -> handle id -> (proc, gpus)
 _LOCK = threading.Lock()
@@ -154,7 +154,7 @@ class _ProcessProvider:
             p.start()
             p.join()
 
-    def launch(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Handle:
+    def launch(self, job: TrainerJob, *, segment_id: str, num_gpus: int = 1) -> Handle:
         if num_gpus > self.max_gpus:
             raise ValueError(f"num_gpus: {self.name} has {self.max_gpus} GPU slot(s), "
                              f"the job needs {num_gpus}")
@@ -437,7 +437,7 @@ class KubernetesProvider:
         safe = "".join(c if c.isalnum() else "-" for c in segment_id.lower()).strip("-")
         return f"trainer-{safe}"[:63].rstrip("-")
 
-    def build_job(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Any:
+    def build_job(self, job: TrainerJob, *, segment_id: str, num_gpus: int = 1) -> Any:
         """The ``V1Job`` for one segment (no API call)."""
         from kubernetes import client as k
 
@@ -496,7 +496,7 @@ class KubernetesProvider:
                 used += int(limits.get(self.gpu_resource, 0))
         return max(0, self.max_gpus - used)
 
-    def launch(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Handle:
+    def launch(self, job: TrainerJob, *, segment_id: str, num_gpus: int = 1) -> Handle:
         from kubernetes import client as k
 
         api = self._api()

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from factory.control.plane import ControlPlane
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from tests.waiting import wait_until
 
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "river", "stone"]
@@ -36,10 +36,10 @@ def write_data(path: Path, n: int = 48, seed: int = 0) -> Path:
 
 
 @pytest.fixture()
-def make_job(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Job]:
+def make_job(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., TrainerJob]:
     """A deterministic tiny-model job; keyword arguments override plan fields."""
 
-    def make(run_id: str, *, debug: dict[str, Any] | None = None, **plan: Any) -> Job:
+    def make(run_id: str, *, debug: dict[str, Any] | None = None, **plan: Any) -> TrainerJob:
         data = tmp_path / "data.parquet"
         if not data.exists():
             write_data(data)
@@ -48,7 +48,7 @@ def make_job(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Job]:
                 "num_steps": 10, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1,
                 "checkpoint_every_steps": 2, "seed": 7, "deterministic": True}
         full.update(plan)
-        return Job.from_dict({"run_id": run_id, "plan": full, "data_files": [str(data)],
+        return TrainerJob.from_dict({"run_id": run_id, "plan": full, "data_files": [str(data)],
                               "output_dir": str(tmp_path / run_id), "tracker": {"backend": "none"},
                               "debug": debug or {}})
 

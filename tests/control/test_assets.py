@@ -21,7 +21,7 @@ from factory.control.jobs import job_from_plan
 from factory.lake import Lake
 from factory.resources.lake import LakeResource
 from factory.resources.providers import LocalConfig, ProviderResource
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from tests.control.conftest import ONE_THREAD, write_data
 
 pytestmark = pytest.mark.slow
@@ -34,14 +34,14 @@ def _long_sample(i: int) -> dict[str, Any]:
         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}])}
 
 
-def _with_long_samples(job: Job, path: Path, *, num_short: int, num_long: int) -> Job:
+def _with_long_samples(job: TrainerJob, path: Path, *, num_short: int, num_long: int) -> TrainerJob:
     short = pq.read_table(write_data(path, n=num_short)).to_pylist()
     pq.write_table(pa.Table.from_pylist(short + [_long_sample(i) for i in range(num_long)]),
                    path)
     return replace(job, data_files=[str(path)])
 
 
-def _materialize(job: Job, tmp_path: Path, **kwargs: Any) -> Any:
+def _materialize(job: TrainerJob, tmp_path: Path, **kwargs: Any) -> Any:
     job_file = tmp_path / f"{job.run_id}.json"
     job_file.write_text(json.dumps(job.to_dict()))
     provider = ProviderResource(local=LocalConfig(env=ONE_THREAD, warm_start=True), backoff_s=0)

@@ -27,7 +27,7 @@ from factory.control.follow import (
 )
 from factory.control.plane import ControlConfig, ControlPlane
 from factory.lake import Lake
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.data import DROP_REASONS, DataStats
 
 Action = Callable[[], object]
@@ -52,7 +52,7 @@ class StandIn:
     def capacity(self) -> int:
         return 4 - sum(not s.done for s in self.state.values())
 
-    def launch(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Handle:
+    def launch(self, job: TrainerJob, *, segment_id: str, num_gpus: int = 1) -> Handle:
         assert job.events_file
         self.files[segment_id] = Path(job.events_file)
         self.state[segment_id] = ProviderStatus(state="running")
@@ -109,7 +109,7 @@ class World:
     def warning(self, msg: str) -> None:
         self.logs.append(("warning", msg))
 
-    def follow(self, job: Job, script: list[Action], **kwargs: Any) -> Followed:
+    def follow(self, job: TrainerJob, script: list[Action], **kwargs: Any) -> Followed:
         self.script = iter(script)
         kwargs.setdefault("daemon_ticks", lambda: False)
         kwargs.setdefault("poll_s", 1.0)

@@ -27,7 +27,7 @@ from factory.control.plane import (
 )
 from factory.lake import Lake
 from factory.trainer import checkpoint as ckpt
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.pids import owner_token
 
 
@@ -38,7 +38,7 @@ class Scripted:
         self.name, self.slots, self.limit_s = name, slots, limit_s
         self.cost_per_gpu_hour = 1.0
         self.state: dict[str, ProviderStatus] = {}
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, TrainerJob] = {}
         self.stopped: list[str] = []
         self.now = 1000.0
 
@@ -49,7 +49,7 @@ class Scripted:
     def capacity(self) -> int:
         return self.slots - sum(not s.done for s in self.state.values())
 
-    def launch(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Handle:
+    def launch(self, job: TrainerJob, *, segment_id: str, num_gpus: int = 1) -> Handle:
         self.state[segment_id] = ProviderStatus(state="running")
         self.jobs[segment_id] = job
         return Handle(provider=self.name, handle_id=segment_id, launched_at=self.now,
@@ -191,7 +191,7 @@ def test_of_two_segments_that_finish_together_one_finished_the_run(
     assert (winner["verified"], winner["superseded_by"]) == (True, None)
 
 
-def _save_checkpoint(lake: Lake, job: Job, seg: str, step: int, t: float, *,
+def _save_checkpoint(lake: Lake, job: TrainerJob, seg: str, step: int, t: float, *,
                      weight: float) -> None:
     """Write checkpoint ``step`` of ``job`` (its adapter weights all ``weight``) as segment
     ``seg``'s trainer does, and store its ``checkpoint`` event."""
@@ -343,7 +343,7 @@ class CancelledWhileLaunching(Scripted):
         super().__init__(name)
         self.on_launch: Any = None
 
-    def launch(self, job: Job, *, segment_id: str, num_gpus: int = 1) -> Handle:
+    def launch(self, job: TrainerJob, *, segment_id: str, num_gpus: int = 1) -> Handle:
         hook, self.on_launch = self.on_launch, None
         if hook is not None:
             hook()

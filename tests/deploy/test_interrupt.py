@@ -96,14 +96,14 @@ def test_a_trainer_left_by_a_dead_training_process_is_stopped(
     from factory.control.base import Handle
     from factory.control.plane import Segment
     from factory.experiments import run_id as run_id_for_key
-    from factory.trainer.config import Job
+    from factory.trainer.config import TrainerJob
     from tests.control.conftest import write_data
 
     data = write_data(tmp_path / "data.parquet", n=4)
     plane = control_plane()
 
-    def submit(suffix: str) -> Job:
-        job = Job.from_dict({"run_id": f"{run_id_for_key('exp')}-{suffix}",
+    def submit(suffix: str) -> TrainerJob:
+        job = TrainerJob.from_dict({"run_id": f"{run_id_for_key('exp')}-{suffix}",
                              "plan": {"base_model": "m", "max_seq_len": 64,
                                       "micro_batch_size": 1, "grad_accum_steps": 1,
                                       "learning_rate": 1e-3, "num_steps": 2, "lora_rank": 4,

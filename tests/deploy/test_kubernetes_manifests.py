@@ -28,7 +28,7 @@ import yaml
 from factory.control.providers import KubernetesProvider
 from factory.gateway.app import TRAINER_EVENTS_PATH
 from factory.resources.providers import ProviderResource
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from tests.kube_schema import assert_valid, model_errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,7 +313,7 @@ def test_trainer_job_from_the_values_is_valid(values: dict[str, Any], tmp_path: 
     plan = {"base_model": "org/model", "max_seq_len": 256, "micro_batch_size": 2,
             "grad_accum_steps": 2, "learning_rate": 3e-3, "warmup_steps": 2, "num_steps": 10,
             "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "checkpoint_every_steps": 2}
-    job = Job.from_dict({"run_id": "r1", "plan": plan,
+    job = TrainerJob.from_dict({"run_id": "r1", "plan": plan,
                          "data_files": [str(data)], "output_dir": "s3://bucket/r1",
                          "events_file": str(tmp_path / "events.jsonl"),
                          "tracker": {"backend": "none"}})

@@ -18,7 +18,7 @@ from factory.evals import check_equivalence
 from factory.inference import InferenceServer
 from factory.trainer.chat import CHATML, FORMATS, GEMMA, chat_format, chat_template, encode
 from factory.trainer.checkpoint import latest_checkpoint
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.data import plan_tokenizer
 from factory.trainer.train import ExitCode, run_job
 from tests.trainer.conftest import make_samples, write_parquet
@@ -75,7 +75,7 @@ def _train(base: Path, tmp_path: Path, samples: list[dict[str, Any]],
             "output_dir": str(tmp_path / "out"), "tracker": {"backend": "jsonl"}}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(body))
-    assert run_job(Job.from_json(path)) == ExitCode.FINISHED
+    assert run_job(TrainerJob.from_json(path)) == ExitCode.FINISHED
     info = latest_checkpoint(str(tmp_path / "out"))
     assert info is not None and info.step == plan["num_steps"]
     return Path(info.path)

@@ -133,11 +133,11 @@ def _vl_plan(vl_dir: Path, **over: Any) -> dict[str, Any]:
 
 def _job(vl_dir: Path, tmp_path: Path, samples: list[dict[str, Any]], blob_dir: Path,
          **over: Any) -> Any:
-    from factory.trainer.config import Job
+    from factory.trainer.config import TrainerJob
 
     payload = tmp_path / "data.jsonl"
     payload.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    return Job.from_dict({"run_id": "vision", "payload_file": str(payload),
+    return TrainerJob.from_dict({"run_id": "vision", "payload_file": str(payload),
                           "plan": _vl_plan(vl_dir, **over), "blob_dir": str(blob_dir),
                           "output_dir": str(tmp_path / "out"), "tracker": {"backend": "none"}})
 

@@ -11,7 +11,7 @@ import torch
 
 from factory.trainer.chat import CHAT_TEMPLATE, render
 from factory.trainer.checkpoint import latest_checkpoint, read_checkpoint, verify_checkpoint
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.train import ExitCode, run_job
 
 
@@ -20,7 +20,7 @@ def test_checkpoint_loads_in_transformers_and_peft_and_generates(make_job, tiny_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    job = Job.from_json(make_job("load", plan={"num_steps": 2, "checkpoint_every_steps": 2,
+    job = TrainerJob.from_json(make_job("load", plan={"num_steps": 2, "checkpoint_every_steps": 2,
                                                "learning_rate": 5e-2}))
     assert run_job(job) == ExitCode.FINISHED
     info = latest_checkpoint(job.output_dir)
@@ -49,7 +49,7 @@ def test_checkpoint_loads_in_transformers_and_peft_and_generates(make_job, tiny_
 
 
 def test_checkpoints_go_to_any_fsspec_filesystem(make_job, tmp_path: Path) -> None:
-    job = Job.from_json(make_job("mem", plan={"num_steps": 1, "checkpoint_every_steps": 1},
+    job = TrainerJob.from_json(make_job("mem", plan={"num_steps": 1, "checkpoint_every_steps": 1},
                                  output_dir="memory://factory-test/run",
                                  events_file=str(tmp_path / "mem-events.jsonl")))
     assert run_job(job) == ExitCode.FINISHED

@@ -10,7 +10,7 @@ import pytest
 
 from factory.trainer import train
 from factory.trainer.__main__ import main
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 
 
 def _job(tmp_path: Path, **changes: Any) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def test_bad_field_is_named(tmp_path: Path, changes: dict[str, Any], field: str)
     path = tmp_path / "job.json"
     path.write_text(json.dumps(_job(tmp_path, **changes)))
     with pytest.raises(ValueError, match=rf"^{field.replace('.', '[.]')}:"):
-        Job.from_json(path)
+        TrainerJob.from_json(path)
 
 
 def test_cli_rejects_a_bad_job_before_loading_anything(tmp_path: Path,
@@ -75,6 +75,6 @@ def test_cli_rejects_a_bad_job_before_loading_anything(tmp_path: Path,
 
 
 def test_a_valid_job_round_trips(tmp_path: Path) -> None:
-    job = Job.from_dict(_job(tmp_path, **{"plan.packing": False}))
-    assert Job.from_dict(json.loads(json.dumps(job.to_dict()))) == job
+    job = TrainerJob.from_dict(_job(tmp_path, **{"plan.packing": False}))
+    assert TrainerJob.from_dict(json.loads(json.dumps(job.to_dict()))) == job
     assert job.events_path == tmp_path / "out" / "events.jsonl"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from factory.trainer.chat import encode
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.data import (
     DROP_REASONS,
     MAX_DROP_FRACTION,
@@ -89,7 +89,7 @@ def test_pre_launch_check_of_a_job_reads_its_files_and_its_base_model(
     train = write_parquet(tmp_path / "train.parquet", make_samples(30, seed=3))
     held = write_parquet(tmp_path / "eval.parquet", [_long(i) for i in range(4)])
     lengths = _lengths(make_samples(30, seed=3), tok)
-    job = Job.from_dict({"run_id": "j", "data_files": [str(train)],
+    job = TrainerJob.from_dict({"run_id": "j", "data_files": [str(train)],
                          "output_dir": str(tmp_path / "out"),
                          "plan": {"base_model": str(tiny_model_dir),
                                   "max_seq_len": max(lengths), "learning_rate": 1e-3,

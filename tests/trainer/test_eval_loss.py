@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.train import ExitCode, run_job
 from factory.trainer.webhooks import read_events
 from tests.trainer.conftest import make_samples, write_parquet
@@ -17,7 +17,7 @@ def test_held_out_loss_at_each_eval_step_and_each_saved_checkpoint(make_job,
                                                                    tmp_path: Path) -> None:
     evals = write_parquet(tmp_path / "eval.parquet", make_samples(6, seed=5))
     for log_every in (1, 100):  # in the step's progress event, or in an event of its own
-        job = Job.from_json(make_job(
+        job = TrainerJob.from_json(make_job(
             f"ev{log_every}", eval_data_files=[str(evals)],
             plan={"num_steps": 7, "eval_every_steps": 2, "checkpoint_every_steps": 3,
                   "log_every_steps": log_every}))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.train import ExitCode, run_job
 from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
@@ -39,14 +39,15 @@ def test_data_without_a_usable_sample_exits_with_the_data_error_code(
     message = ("data_files: none of the 5 samples can train at max_seq_len 320: "
                "5 no_target")
     assert f"trainer: data or configuration error: {message}" in proc.stderr
-    [failed] = [e for e in read_events(Job.from_json(job_path).events_path)
+    [failed] = [e for e in read_events(TrainerJob.from_json(job_path).events_path)
                 if e["type"] == "failed"]
     assert failed["data_error"] is True and failed["error"] == message
     assert failed["data"]["num_dropped_by_reason"]["no_target"] == 5
 
 
 def test_a_setting_the_base_model_cannot_take_is_a_data_error(make_job) -> None:
-    job = Job.from_json(make_job("badmodules", plan={"lora_target_modules": ["no_such_proj"]}))
+    job = TrainerJob.from_json(make_job("badmodules",
+                                        plan={"lora_target_modules": ["no_such_proj"]}))
     assert run_job(job) == ExitCode.DATA_ERROR
     [failed] = [e for e in read_events(job.events_path) if e["type"] == "failed"]
     assert failed["data_error"] is True and "no_such_proj" in failed["error"]
@@ -57,7 +58,7 @@ def test_a_setting_the_base_model_cannot_take_is_a_data_error(make_job) -> None:
 def test_a_crash_while_training_stays_retryable(make_job, tmp_path: Path) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the checkpoints' folder should be")
-    job = Job.from_json(make_job("crash", output_dir=str(blocker / "out"),
+    job = TrainerJob.from_json(make_job("crash", output_dir=str(blocker / "out"),
                                  events_file=str(tmp_path / "crash-events.jsonl")))
     assert run_job(job) == ExitCode.FAILED
     events = read_events(job.events_path)

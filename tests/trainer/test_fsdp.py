@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from factory.trainer.checkpoint import latest_checkpoint
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.train import ExitCode, run_job
 from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
@@ -37,7 +37,7 @@ def test_two_gloo_processes_match_one_process(make_job, tmp_path: Path) -> None:
                                      "grad_accum_steps": 1})
     run(sharded, tmp_path)
 
-    single = Job.from_json(make_job("single", plan={**common, "grad_accum_steps": 2}))
+    single = TrainerJob.from_json(make_job("single", plan={**common, "grad_accum_steps": 2}))
     assert run_job(single) == ExitCode.FINISHED
 
     def losses(out: Path) -> list[float]:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from factory.trainer.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.train import ExitCode, run_job
 from factory.trainer.webhooks import ReplayCache, WebhookError, read_events, verify
 
@@ -56,7 +56,7 @@ def test_nan_stops_without_checkpointing_bad_state_and_reports_signed_events(
     job_path = make_job("nan", plan={"num_steps": 6, "checkpoint_every_steps": 2},
                         debug={"nan_at_step": 4}, webhook_url=url, webhook_key_id="k1",
                         webhook_secret_env="TEST_HOOK_SECRET")
-    job = Job.from_json(job_path)
+    job = TrainerJob.from_json(job_path)
     assert run_job(job) == ExitCode.NAN
 
     events = read_events(job.events_path)
@@ -81,7 +81,8 @@ def test_nan_stops_without_checkpointing_bad_state_and_reports_signed_events(
 
 def test_verify_rejects_tampered_missing_and_non_finite_checkpoints(make_job, tmp_path: Path
                                                                       ) -> None:
-    job = Job.from_json(make_job("verify", plan={"num_steps": 1, "checkpoint_every_steps": 1}))
+    job = TrainerJob.from_json(make_job("verify",
+                                        plan={"num_steps": 1, "checkpoint_every_steps": 1}))
     assert run_job(job) == ExitCode.FINISHED
     (_, path), = list_checkpoints(job.output_dir)
     info = verify_checkpoint(path)

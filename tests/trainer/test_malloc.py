@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from factory.trainer.__main__ import JEMALLOC
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
 
@@ -23,7 +23,7 @@ def _started(job_path: Path, cwd: Path, **env: str) -> dict[str, object]:
     proc = subprocess.run([sys.executable, "-m", "factory.trainer", "--job", str(job_path)],
                           cwd=cwd, env=full, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [started] = [e for e in read_events(Job.from_json(job_path).events_path)
+    [started] = [e for e in read_events(TrainerJob.from_json(job_path).events_path)
                  if e["type"] == "started"]
     return started
 

@@ -146,7 +146,7 @@ def test_jsonl_sources_read_a_block_at_a_time_in_a_seeded_order(tmp_path: Path) 
 
 def test_the_pre_launch_check_covers_every_source_of_a_mix(tiny_model_dir: Path,
                                                           tmp_path: Path) -> None:
-    from factory.trainer.config import Job
+    from factory.trainer.config import TrainerJob
     from factory.trainer.data import check_job_data
 
     traffic = write_parquet(tmp_path / "t.parquet", make_samples(30, seed=1))
@@ -157,8 +157,8 @@ def test_the_pre_launch_check_covers_every_source_of_a_mix(tiny_model_dir: Path,
     plan = {"base_model": str(tiny_model_dir), "max_seq_len": 320, "learning_rate": 1e-3,
             "num_steps": 1}
 
-    def job(weight_files: list[tuple[str, Path]]) -> Job:
-        return Job.from_dict({"run_id": "check", "output_dir": str(tmp_path / "out"),
+    def job(weight_files: list[tuple[str, Path]]) -> TrainerJob:
+        return TrainerJob.from_dict({"run_id": "check", "output_dir": str(tmp_path / "out"),
                               "plan": plan, "mix": [
                                   {"name": n, "weight": 1.0, "data_files": [str(f)]}
                                   for n, f in weight_files]})
@@ -171,7 +171,7 @@ def test_the_pre_launch_check_covers_every_source_of_a_mix(tiny_model_dir: Path,
 
 
 def test_a_resume_against_other_sources_or_weights_is_refused(make_job, tmp_path: Path) -> None:
-    from factory.trainer.config import Job
+    from factory.trainer.config import TrainerJob
     from factory.trainer.train import ExitCode, run_job
     from factory.trainer.webhooks import read_events
 
@@ -183,9 +183,9 @@ def test_a_resume_against_other_sources_or_weights_is_refused(make_job, tmp_path
                 {"name": "general", "weight": weight, "data_files": [str(general)]}]
 
     plan = {"num_steps": 2, "checkpoint_every_steps": 1}
-    first = Job.from_json(make_job("mixed", plan=plan, data_files=[], mix=mix(1.0)))
+    first = TrainerJob.from_json(make_job("mixed", plan=plan, data_files=[], mix=mix(1.0)))
     assert run_job(first) == ExitCode.FINISHED
-    again = Job.from_json(make_job("mixed", plan={**plan, "num_steps": 3}, data_files=[],
+    again = TrainerJob.from_json(make_job("mixed", plan={**plan, "num_steps": 3}, data_files=[],
                                    mix=mix(2.0), resume_from="latest"))
     assert run_job(again) == ExitCode.DATA_ERROR
     failed = [e for e in read_events(again.events_path) if e["type"] == "failed"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from factory.trainer import precision
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.train import ExitCode, run_job
 from factory.trainer.webhooks import read_events
 
@@ -60,7 +60,7 @@ def test_the_trainer_runs_and_reports_the_precision_of_its_cpu(
         return ctx
 
     monkeypatch.setattr(torch, "autocast", spy)
-    job = Job.from_json(make_job(f"p-{cpu}", plan={"num_steps": 2,
+    job = TrainerJob.from_json(make_job(f"p-{cpu}", plan={"num_steps": 2,
                                                    "precision": "bf16-autocast"}))
     assert run_job(job) == ExitCode.FINISHED
     [started] = [e for e in read_events(job.events_path) if e["type"] == "started"]

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from factory.trainer.checkpoint import latest_checkpoint, verify_checkpoint
-from factory.trainer.config import Job
+from factory.trainer.config import TrainerJob
 from factory.trainer.train import ExitCode, run_job
 from factory.trainer.webhooks import read_events
 from tests.conftest import ROOT
@@ -70,7 +70,7 @@ def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_pat
             {"name": "file:general.jsonl", "weight": 2.0, "data_files": [str(general)]}]}
     ref_path = make_job("ref", plan=plan, **job)
     # In-process runs use one thread (conftest), like the OMP_NUM_THREADS=1 subprocesses.
-    assert run_job(Job.from_json(ref_path)) == ExitCode.FINISHED
+    assert run_job(TrainerJob.from_json(ref_path)) == ExitCode.FINISHED
     ref_weights, ref_losses = final_state(tmp_path / "ref" / "out")
     assert len(ref_losses) == 8
 
@@ -100,7 +100,7 @@ def test_sigterm_then_sigkill_then_resume_is_bitwise_identical(make_job, tmp_pat
     assert started[-1]["resumed_from"] == stopped.path, why
 
     third = make_job("chain", plan=plan, resume_from="latest", **job)
-    assert run_job(Job.from_json(third)) == ExitCode.FINISHED, why
+    assert run_job(TrainerJob.from_json(third)) == ExitCode.FINISHED, why
     weights, losses = final_state(out)
     assert losses == ref_losses, why
     if mixed:
