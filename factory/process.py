@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from factory.errors import FactoryError
 from factory.trainer.pids import is_alive
@@ -232,6 +233,33 @@ def stop_group(pid: int, *, timeout_s: float = 60.0) -> str:
     while is_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     return "killed"
+
+
+_pending: list[type[BaseException]] = []
+"""The interrupt a signal handler raised (``interrupt``) until its handler says it arrived."""
+
+
+def interrupt(exc: type[BaseException]) -> NoReturn:
+    """Raise ``exc`` from a signal handler, and keep it pending until ``interrupt_handled``.
+
+    Python runs a handler between any two bytecodes of the main thread, finalizers and weakref
+    callbacks included, and an exception raised there is printed ("Exception ignored in ...")
+    and dropped: a SIGTERM landing in a garbage collection's callback would be lost. A loop that
+    waits calls ``raise_pending`` each round, which raises it again."""
+    _pending[:] = [exc]
+    raise exc()
+
+
+def interrupt_handled() -> None:
+    """The pending interrupt arrived where it is handled: nothing to raise again."""
+    _pending.clear()
+
+
+def raise_pending() -> None:
+    """Raise the interrupt a handler raised where it was dropped (see ``interrupt``)."""
+    if _pending:
+        exc = _pending.pop()
+        raise exc()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import factory.app.commands as commands
 from factory import __version__
 from factory.errors import FactoryError
+from factory.process import interrupt, interrupt_handled
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
+    finally:
+        interrupt_handled()
 
 
 class Terminated(KeyboardInterrupt):
@@ -75,7 +78,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
         return
 
     def terminated(signum: int, frame: object) -> None:
-        raise Terminated()
+        interrupt(Terminated)
 
     signal.signal(signal.SIGTERM, terminated)
     try:

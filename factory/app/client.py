@@ -43,6 +43,7 @@ from factory.dagster_runs import (
 )
 from factory.errors import FactoryError
 from factory.evals.selection import StepScore, format_score
+from factory.process import raise_pending
 
 Progress = Callable[[str], None]
 REQUEST_TAG = "factory/request"
@@ -168,6 +169,7 @@ def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0
                 return outcome
             raise ChainFailed(outcome)
         time.sleep(poll_s)
+        raise_pending()  # a SIGTERM whose exception a finalizer swallowed
 
 
 def cancel_chain(inst: Any, start_run: str, progress: Progress, *,

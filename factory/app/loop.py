@@ -32,7 +32,7 @@ from factory.evals.report import plot_png, read_curves
 from factory.evals.selection import StepScore, format_score
 from factory.experiments import experiment_sha, load_experiment
 from factory.lake import Lake
-from factory.process import signals_ignored
+from factory.process import interrupt_handled, signals_ignored
 from factory.settings import get_settings
 
 Progress = Callable[[str], None]
@@ -88,6 +88,7 @@ def run_experiment(name: str, *, progress: Progress = _print, deploy: bool = Tru
         try:
             outcome = follow(inst, start, progress, poll_s=poll_s)
         except KeyboardInterrupt:
+            interrupt_handled()
             progress("  interrupted: cancelling the chain ...")
 
             with signals_ignored():  # a second Ctrl-C must not leave the trainer running

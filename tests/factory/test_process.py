@@ -3,9 +3,14 @@ over real processes that each hold a known amount."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from factory.process import group_rss, stop_group
 from tests.waiting import wait_until
@@ -45,3 +50,34 @@ def test_group_rss_sums_the_resident_memory_of_every_process_of_the_group(
     # Once its processes are gone (the child exits on its own signal, after the parent), the
     # group holds nothing.
     wait_until(lambda: group_rss(proc.pid) == 0, timeout_s=30, what="the group to be gone")
+
+
+def test_a_sigterm_dropped_by_a_finalizer_is_raised_again() -> None:
+    """A signal handler's exception raised inside a weakref callback (or any finalizer) is
+    printed and dropped by Python; the CLI's SIGTERM handler keeps it pending, and the next
+    ``raise_pending`` of a waiting loop raises it where it is handled."""
+    import gc
+    import weakref
+
+    from factory.app.cli import Terminated, _terminate_as_interrupt
+    from factory.process import interrupt_handled, raise_pending
+
+    class Held:
+        pass
+
+    with _terminate_as_interrupt():
+        held = Held()
+        ref = weakref.ref(held, lambda _: os.kill(os.getpid(), signal.SIGTERM))
+        del held  # the callback runs now; the handler raises in it, and Python drops that
+        gc.collect()
+        assert ref() is None
+        with pytest.raises(Terminated):
+            raise_pending()
+        raise_pending()  # raised once
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here, between two bytecodes
+            raise AssertionError("SIGTERM raised nothing")
+        except Terminated:
+            interrupt_handled()
+        raise_pending()  # it arrived: nothing pending
