@@ -81,9 +81,10 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         else:
             # The plan and dataset snapshots the job is built from are the run's reads (its
             # submit commit records them for lineage).
+            row = latest_plan(session.lake, context.partition_key, lineage=session.lineage)
             job, experiment = job_from_plan(session.lake, context.partition_key,
-                                            lineage=session.lineage)
-            plan = json.loads(latest_plan(session.lake, context.partition_key)["plan"] or "{}")
+                                            lineage=session.lineage, plan=row)
+            plan = json.loads(row["plan"] or "{}")
             if plan.get("estimates"):
                 on_cpu = str(plan["values"].get("gpu", "CPU")).upper() == "CPU"
                 watch = PaceWatch(estimates=plan["estimates"], say=context.log.info,

@@ -227,11 +227,14 @@ def export_mix(lake: Lake, experiment: str, mix: Sequence[dict[str, Any]], dest:
 
 
 def job_from_plan(lake: Lake, run_key: str, *, settings: Settings | None = None,
-                  lineage: Lineage | None = None) -> tuple[TrainerJob, str]:
-    """The trainer job for the newest plan of ``run_key``, and its experiment. With a lineage,
-    the ``training_plans`` and dataset snapshots the job is built from are recorded as read."""
+                  lineage: Lineage | None = None,
+                  plan: dict[str, Any] | None = None) -> tuple[TrainerJob, str]:
+    """The trainer job for the newest plan of ``run_key`` (or for ``plan``, its
+    ``training_plans`` row already read), and its experiment. With a lineage, the
+    ``training_plans`` and dataset snapshots the job is built from are recorded as read."""
     settings = settings or get_settings()
-    plan = latest_plan(lake, run_key, lineage=lineage)
+    if plan is None:
+        plan = latest_plan(lake, run_key, lineage=lineage)
     experiment = plan["experiment"]
     version = plan["dataset_version"] or "unversioned"
     data_dir = settings.runs / "data"
