@@ -38,6 +38,18 @@ eval: {judge: embedded, rubric: auto, max_samples: 3}
 """
 
 
+def _folders(root: Path, tiny_model_dir: Path, experiment: str) -> tuple[Path, Path]:
+    """``root/models`` with the tiny model as the recipe's base and ``root/experiments`` with
+    ``exp.yaml`` holding ``experiment``: (models, experiments)."""
+    models = root / "models"
+    models.mkdir()
+    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
+    experiments = root / "experiments"
+    experiments.mkdir()
+    (experiments / "exp.yaml").write_text(experiment)
+    return models, experiments
+
+
 @pytest.fixture()
 def home(factory_home: Path, tiny_model_dir: Path, tmp_path: Path,
          monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -47,12 +59,7 @@ def home(factory_home: Path, tiny_model_dir: Path, tmp_path: Path,
     from factory.lake import Lake
     from factory.tasks import generate_records
 
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
-    experiments = tmp_path / "experiments"
-    experiments.mkdir()
-    (experiments / "exp.yaml").write_text(LONG_EXPERIMENT)
+    models, experiments = _folders(tmp_path, tiny_model_dir, LONG_EXPERIMENT)
     monkeypatch.setenv("FACTORY_MODELS_DIR", str(models))
     monkeypatch.setenv("FACTORY_EXPERIMENTS_DIR", str(experiments))
     ingest_records(Lake(), [RawRecord(payload=r, source="upload", received_at=datetime.now(UTC),
@@ -69,12 +76,7 @@ def deploy_home(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
     root = tmp_path_factory.mktemp("deploy")
     home = root / "factory-home"
     (home / "dagster").mkdir(parents=True)
-    models = root / "models"
-    models.mkdir()
-    (models / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
-    experiments = root / "experiments"
-    experiments.mkdir()
-    (experiments / "exp.yaml").write_text(EXPERIMENT)
+    models, experiments = _folders(root, tiny_model_dir, EXPERIMENT)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FACTORY_HOME", str(home))
         mp.setenv("FACTORY_MODELS_DIR", str(models))
