@@ -31,7 +31,7 @@ from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
+from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.table import Table, TableMetadata, Transaction
 
 from factory import __version__
@@ -123,12 +123,13 @@ class Lineage:
 
 
 class TableNotShownError(Exception):
-    """The catalog does not show a table this lake loaded or created moments before.
+    """The catalog does not show a table this lake loaded or created moments before, and
+    refuses to create it again (it exists).
 
-    The factory never drops a table, so the table is there and the catalog's answer lags: a
-    ``NoSuchTableError`` for ``shadow_pairs`` right after the gateway's flusher created it has
-    been observed on the SQLite catalog, with the table there on the flusher's retry 0.2 s
-    later. A commit retries it as it retries a conflict (``_is_transient``)."""
+    The factory never drops a table, so the table is there and the catalog's answer lags (seen
+    on the SQLite catalog under load: ``shadow_pairs`` missing right after the gateway's flusher
+    created it, there 0.2 s later). A commit retries it as it retries a conflict
+    (``_is_transient``); the message says what the catalog's file holds for the table."""
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -317,12 +318,16 @@ class Lake:
                 try:
                     tbl = self._retry(self.catalog.load_table, ident)
                 except NoSuchTableError:
+                    if isinstance(exc, TableAlreadyExistsError):
+                        raise TableNotShownError(
+                            f"table {name!r}: the catalog refused to create it (it exists) but "
+                            f"does not show it{self._catalog_view(name)}") from exc
                     raise exc from None
         if name not in self._ready:
             have = set(tbl.schema().column_names)
             if any(f.name not in have for f in schema):
                 def evolve() -> None:
-                    with self._load(name).update_schema() as update:
+                    with self._load(name, recreate=False).update_schema() as update:
                         update.union_by_name(schema)
                 self._retry(evolve)
                 tbl = self._retry(self._load, name)
@@ -332,21 +337,56 @@ class Lake:
                       if k not in tbl.properties}
             if wanted:
                 def set_properties() -> None:
-                    with self._load(name).transaction() as tx:
+                    with self._load(name, recreate=False).transaction() as tx:
                         tx.set_properties(wanted)
                 self._retry(set_properties)
                 tbl = self._retry(self._load, name)
             self._ready.add(name)
         return tbl
 
-    def _load(self, name: str) -> Table:
+    def _load(self, name: str, *, recreate: bool = True) -> Table:
         """``name`` as the catalog holds it now, for a commit to a table ``table`` has just
-        loaded or created: ``TableNotShownError`` (retried) where the catalog does not show it."""
+        loaded or created.
+
+        The factory never drops a table, so one the catalog does not show is either lagging
+        (another writer's creation not visible yet) or a creation that did not land: it is
+        created again, as ``table`` creates a missing one. A lagging catalog refuses the
+        creation (the row exists) and the load after it finds the table; where it still does
+        not show it, ``TableNotShownError`` (retried by the caller's commit loop).
+        ``recreate=False`` (``table``'s own schema and property updates): not created again."""
         try:
             return self.catalog.load_table((NAMESPACE, name))
         except NoSuchTableError as exc:
+            missing = exc
+        self._ready.discard(name)
+        try:
+            if not recreate:
+                raise missing
+            return self.table(name)
+        except NoSuchTableError as exc:
             raise TableNotShownError(f"table {name!r} is not in the catalog, though this lake "
-                                     f"loaded or created it moments ago") from exc
+                                     f"loaded or created it moments ago"
+                                     f"{self._catalog_view(name)}") from exc
+
+    def _catalog_view(self, name: str) -> str:
+        """What the embedded catalog's file holds for ``name``, read past the catalog's engine,
+        for an error that says a table is missing (empty for other catalogs)."""
+        if self.settings.database_url or self.settings.catalog_name:
+            return ""
+        import sqlite3
+
+        try:
+            con = sqlite3.connect(f"{self.settings.catalog_db.as_uri()}?mode=ro", uri=True,
+                                  timeout=1.0)
+            try:
+                rows = con.execute("SELECT catalog_name, metadata_location FROM iceberg_tables "
+                                   "WHERE table_namespace = ? AND table_name = ?",
+                                   (NAMESPACE, name)).fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error as exc:
+            return f" ({self.settings.catalog_db} could not be read directly: {exc})"
+        return f" ({self.settings.catalog_db} read directly holds {rows or 'no row for it'})"
 
     def exists(self, name: str) -> bool:
         return bool(self.catalog.table_exists((NAMESPACE, name)))

@@ -13,9 +13,10 @@ import textwrap
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 
 from factory.lake import Lake, Lineage, TableNotShownError
@@ -98,18 +99,48 @@ def test_writers_racing_to_create_a_table_all_append(catalog: str) -> None:
     assert _ids(Lake()) == sorted(f"{w}-{i}" for w in range(4) for i in range(3))
 
 
-def test_a_commit_to_a_table_the_catalog_does_not_show_is_retried(factory_home: Path) -> None:
-    """A commit's load that finds no table (``table`` saw it moments before) is tried again as
-    after a conflict, and raised once the lake's patience is spent."""
-    lake = Lake(patience_s=0.3)
-    assert not lake.exists(NAME)  # the catalog open before the patience runs
+def test_a_table_whose_creation_did_not_land_is_created_again(catalog: str) -> None:
+    """A commit whose load finds no table though ``table`` loaded it moments before (its row
+    gone from the catalog) creates it again, as an append to a missing table does."""
+    lake = Lake()
+    lake.append(NAME, _pairs("a"))
+    lake.catalog.drop_table(("factory", NAME))
+    assert lake._load(NAME).name() == ("factory", NAME)
+    lake.append(NAME, _pairs("b"))
+    assert _ids(Lake()) == ["b"]
+
+
+class _Lagging:
+    """The embedded catalog, except that its loads never show ``NAME``: a catalog whose answer
+    lags its own creations."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.real, attr)
+
+    def load_table(self, ident: Any) -> Any:
+        if tuple(ident)[-1] == NAME:
+            raise NoSuchTableError(f"Table does not exist: factory.{NAME}")
+        return self.real.load_table(ident)
+
+
+def test_a_table_the_catalog_refuses_to_create_and_does_not_show_is_retried(
+        factory_home: Path) -> None:
+    """The table exists (the catalog refuses to create it again) but the catalog's loads do not
+    show it: the commit is tried again as after a conflict, and raised once the lake's
+    patience is spent, saying what the catalog's file holds."""
+    Lake().append(NAME, _pairs("a"))
+    lake = Lake(catalog=cast(Catalog, _Lagging(Lake().catalog)), patience_s=0.3)
     tries: list[int] = []
 
     def commit() -> None:
         tries.append(1)
-        lake._load(NAME)  # never created here: the catalog never shows it
+        lake._load(NAME)
 
     with pytest.raises(TableNotShownError) as raised:
         lake._retry(commit)
-    assert isinstance(raised.value.__cause__, NoSuchTableError)
     assert len(tries) > 1
+    assert "refused to create it (it exists)" in str(raised.value)
+    assert f"{NAME}/metadata/" in str(raised.value)  # the row the file holds
