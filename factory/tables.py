@@ -340,6 +340,8 @@ TABLES: dict[str, pa.Schema] = {
         ("stopped_at", _TS),
         ("updated_at", _TS),
         ("structured_outputs", pa.string()),  # JSON: the decoding constraint its route adds
+        ("engine", pa.string()),           # the shared engine it is an adapter of (every
+                                           # version of one base on this machine), or null
     ]),
     # Shadow evaluation (factory/shadow): which client-facing model a candidate deployment
     # shadows. Append-only, the latest row per route wins; active=false ends shadowing.

@@ -21,6 +21,7 @@ import json
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from factory.app.loop import run_experiment, terminal_plot
@@ -52,7 +53,12 @@ _PROJECT = re.compile(r"""^\s*tags\['project'\]\s*=\s*'([A-Za-z0-9_.-]+)'\s*$"""
 (``demo-extract``: ``demo``; ``demo-extract-gemma``: ``demo-gemma``, so that neither experiment
 finds samples, and starts, in the other's home)."""
 SUMMARY_KEYS = ("base_score", "best_score", "best_step", "endpoint", "model", "factory_home",
-                "base_score_interval", "best_score_interval")
+                "base_score_interval", "best_score_interval", "showcase_right", "fresh_right",
+                "fresh_total")
+FRESH_REQUESTS = 20
+"""New requests the deployed model answers after the showcase, scored against the reference."""
+FRESH_SEED_OFFSET = 1_000_003
+"""Fresh requests come from ``generate_records`` at the demo's seed plus this: never traffic."""
 
 
 def _wait(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -174,14 +180,21 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
         say(f"[demo 4/4] a new request through the gateway to {model}")
         _wait(lambda: (r := gateway.app.routes.get(model)) is not None
               and r.version == out["version"], 30, f"the gateway route of {model}")
-        fresh = generate_records(1, seed + 1_000_003)[0]["request"]
+        showcase, *fresh = generate_records(1 + FRESH_REQUESTS, seed + FRESH_SEED_OFFSET)
         # Tagged like the demo's traffic: the experiment selects it for the next version's
         # dataset.
         client = _gateway_client(gateway.url, f"project={project},source=demo-check")
-        answer = client.chat.completions.create(model=model, messages=fresh["messages"],
-                                                max_tokens=96, temperature=0)
-        say(f"  user: {_one_line(fresh['messages'][-1]['content'])}")
-        say(f"  {model} ({out['version']}): {_one_line(answer.choices[0].message.content)}")
+        answer = _answer(client, model, showcase)
+        showcase_right = same_answer(answer, showcase)
+        say(f"  user: {_one_line(showcase['request']['messages'][-1]['content'])}")
+        say(f"  {model} ({out['version']}): {_one_line(answer)} "
+            f"[{'right' if showcase_right else 'wrong: expected ' + _reference(showcase)}]")
+        fresh_client = _gateway_client(gateway.url, f"project={project},source=demo-fresh")
+        with ThreadPoolExecutor(4) as pool:
+            fresh_right = sum(pool.map(lambda r: same_answer(_answer(fresh_client, model, r), r),
+                                       fresh))
+        say(f"  {fresh_right} of {len(fresh)} fresh requests answered right (every field of the "
+            "reference answer)")
         version_where = "tags['route_version'] = ? AND tags['source'] = ?"
         _wait(lambda: _count_samples(lake, version_where, [out["version"], "demo-check"]), 60,
               "the call in samples")
@@ -209,4 +222,25 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
     say(f"see it all with lineage: FACTORY_HOME={settings.home} factory ui  (then "
         "http://127.0.0.1:3000), or `factory lineage deployments`")
     say(f"demo took {time.monotonic() - started:.0f} s")
+    out.update(showcase_right=showcase_right, fresh_right=fresh_right, fresh_total=len(fresh))
     return {k: out[k] for k in SUMMARY_KEYS}
+
+
+def _answer(client: openai.OpenAI, model: str, record: dict[str, Any]) -> str:
+    """The deployed model's greedy answer to ``record``'s request."""
+    reply = client.chat.completions.create(model=model, messages=record["request"]["messages"],
+                                           max_tokens=96, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def _reference(record: dict[str, Any]) -> str:
+    return str(record["response"]["choices"][0]["message"]["content"])
+
+
+def same_answer(answer: str, record: dict[str, Any]) -> bool:
+    """Whether ``answer`` is the JSON object of ``record``'s reference answer (every key and
+    value equal; spacing and key order aside)."""
+    try:
+        return bool(json.loads(answer.strip()) == json.loads(_reference(record)))
+    except ValueError:
+        return False

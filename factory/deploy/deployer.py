@@ -32,10 +32,14 @@ from factory.deploy.hosts import (
     KUBERNETES,
     PROCESS,
     HostError,
+    Placement,
     ProcessHost,
     ServerHost,
     ServerSpec,
+    base_name,
+    engine_key,
     placement_of,
+    served_adapters,
 )
 from factory.errors import FactoryError
 from factory.gateway import Route, load_routes, register_route, unregister_route
@@ -137,6 +141,10 @@ class Deployment:
     updated_at: datetime | None = None
     structured_outputs: str | None = None
     """JSON of the decoding constraint its route adds (``Route.structured_outputs``), or None."""
+    engine: str | None = None
+    """The shared engine (``factory.deploy.hosts.engine_key``) it is an adapter of: its pid,
+    port and endpoint are the engine's, which other versions share. None: a server of its
+    own."""
 
     @property
     def constraint(self) -> dict[str, Any] | None:
@@ -148,12 +156,23 @@ class Deployment:
         return int(m.group(1)) if m else 0
 
     @property
-    def alive(self) -> bool:
+    def server_alive(self) -> bool:
         """The recorded server process still runs (and is still our server: a pid recorded
         long ago may have been recycled); False for a version served on Kubernetes, which has
         no process here."""
         return bool(self.pid) and is_alive(self.pid) and runs_command(
             int(self.pid or 0), ["--port", str(self.port)])
+
+    @property
+    def alive(self) -> bool:
+        """The version serves here: its server runs and, on a shared engine, its adapter is
+        loaded (an engine that does not answer the question counts as serving it)."""
+        if not self.server_alive:
+            return False
+        if not self.engine:
+            return True
+        adapters = served_adapters(self.endpoint, base_name(self.engine))
+        return adapters is None or self.adapter in adapters
 
     def row(self, **changes: Any) -> dict[str, Any]:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -425,36 +444,40 @@ class Deployer:
         self._hosts_of(previous)  # before a server starts: each one can be retired after
         adapter = f"{name}-{version}"
         self.serving_size = self.serving_size_of(name, ckpt)
-        now = datetime.now(UTC)
-        spec = ServerSpec(name=name, version=version, adapter=adapter, checkpoint=ckpt.path,
-                          base_model=ckpt.base_model, backend=cfg.backend,
-                          sizing=self.serving_size.sizing, threads=cfg.threads,
-                          stop_timeout_s=cfg.stop_timeout_s, started_at=now)
-        try:
-            placed = self.host.start(spec)
-        except HostError as exc:
-            raise DeploymentError(str(exc)) from None
-        dep = Deployment(name=name, version=version, checkpoint=ckpt.path,
-                         base_model=ckpt.base_model, adapter=adapter,
-                         route_model=route_model(name), endpoint=placed.endpoint,
-                         backend=cfg.backend, status="starting", pid=placed.pid,
-                         port=placed.port, log_path=placed.log_path, run_id=ckpt.run_id,
-                         step=ckpt.step, reason=reason, started_at=now,
-                         structured_outputs=structured_outputs)
-        self._write([dep.row()])
-        try:
-            self.host.wait_ready(dep, cfg.startup_timeout_s)
-        except HostError as exc:
-            reason = str(exc)
+        engine = engine_key(ckpt.base_model, cfg.backend) if self.host.shares_engines else None
+        with self._engine_lock(engine):
+            join = self._engine(engine) if engine else None
+            now = datetime.now(UTC)
+            spec = ServerSpec(name=name, version=version, adapter=adapter,
+                              checkpoint=ckpt.path, base_model=ckpt.base_model,
+                              backend=cfg.backend, sizing=self.serving_size.sizing,
+                              threads=cfg.threads, stop_timeout_s=cfg.stop_timeout_s,
+                              started_at=now, engine=engine, join=join)
             try:
-                self.host.stop(dep, timeout_s=10)
-            except HostError as stop_exc:
-                reason += f"\n(and it could not be stopped: {stop_exc})"
-            self._write([dep.row(status="failed", reason=reason[:2000],
-                                 stopped_at=datetime.now(UTC))])
-            raise DeploymentError(reason) from None
-        dep = Deployment(**dep.row(status=CANDIDATE if candidate else LIVE))
-        self._write([dep.row()])
+                placed = self.host.start(spec)
+            except HostError as exc:
+                raise DeploymentError(self._refused(str(exc), join)) from None
+            dep = Deployment(name=name, version=version, checkpoint=ckpt.path,
+                             base_model=ckpt.base_model, adapter=adapter,
+                             route_model=route_model(name), endpoint=placed.endpoint,
+                             backend=cfg.backend, status="starting", pid=placed.pid,
+                             port=placed.port, log_path=placed.log_path, run_id=ckpt.run_id,
+                             step=ckpt.step, reason=reason, started_at=now,
+                             structured_outputs=structured_outputs, engine=placed.engine)
+            self._write([dep.row()])
+            try:
+                self.host.wait_ready(dep, cfg.startup_timeout_s)
+            except HostError as exc:
+                reason = str(exc)
+                try:
+                    self.host.stop(dep, timeout_s=10)
+                except HostError as stop_exc:
+                    reason += f"\n(and it could not be stopped: {stop_exc})"
+                self._write([dep.row(status="failed", reason=reason[:2000],
+                                     stopped_at=datetime.now(UTC))])
+                raise DeploymentError(reason) from None
+            dep = Deployment(**dep.row(status=CANDIDATE if candidate else LIVE))
+            self._write([dep.row()])
         if candidate:
             self._retire_all(previous, reason=f"replaced by candidate {version}")
             return dep
@@ -465,6 +488,47 @@ class Deployer:
                        lake=self.lake, lineage=self.session.lineage)
         self._retire_all(previous, reason=f"replaced by {version}")
         return dep
+
+    @contextlib.contextmanager
+    def _engine_lock(self, engine: str | None) -> Iterator[None]:
+        """Serializes what starts, joins and stops shared engine ``engine`` (none: no lock),
+        so a version never joins an engine its last other version is stopping."""
+        if engine is None:
+            yield
+            return
+        folder = self.host.lock_dir(self.lake.settings.home)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"engine-{engine}.lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _engine(self, engine: str) -> Placement | None:
+        """The running shared engine ``engine``, from the newest active version on it whose
+        server still runs; None when there is none (a new one is started)."""
+        on = sorted((d for d in self.versions() if d.engine == engine and d.status in ACTIVE),
+                    key=lambda d: d.updated_at or datetime.min.replace(tzinfo=UTC),
+                    reverse=True)
+        found = next((d for d in on if d.server_alive), None)
+        if found is None or found.port is None:
+            return None
+        return Placement(endpoint=found.endpoint, port=found.port, log_path=found.log_path,
+                         pid=found.pid, engine=engine)
+
+    def _refused(self, error: str, join: Placement | None) -> str:
+        """A start's error; for an engine that refused an adapter, with what to do: the
+        versions on it keep serving, and an engine started for this adapter takes it."""
+        if join is None:
+            return error
+        users = sorted({d.name for d in self.versions()
+                        if d.engine == join.engine and d.status in ACTIVE})
+        return (f"{error}\nThe versions it serves keep serving. An adapter the engine was not "
+                f"started for (a LoRA rank above its maximum) needs a new engine: it starts "
+                f"with the next deploy once its versions are undeployed (factory undeploy "
+                f"{' / '.join(users) or 'NAME'}), sized for the plan of the checkpoint it "
+                f"starts with or by the deployer resource's max_lora_rank.")
 
     def serving_size_of(self, name: str, ckpt: Checkpoint) -> ServingSize:
         """How the server for ``ckpt`` is sized: ``config.sizing`` if given, else the eval
@@ -514,7 +578,8 @@ class Deployer:
             if running:
                 time.sleep(self.config.drain_s)  # one drain for all: gateways re-read routes
             for d, h in running:
-                h.stop(d, timeout_s=self.config.stop_timeout_s)
+                with self._engine_lock(d.engine):
+                    h.stop(d, timeout_s=self.config.stop_timeout_s)
         except HostError as exc:
             # Left draining: the next deploy or undeploy of the name retires them again.
             versions = ", ".join(d.version for d in deps)

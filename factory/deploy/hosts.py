@@ -19,6 +19,8 @@ share the port), it is stopped and started again on a fresh port (``on_free_port
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import time
 from abc import ABC, abstractmethod
@@ -60,6 +62,31 @@ class HostError(FactoryError):
     """A server could not be started, did not become ready, or cannot be reached to stop."""
 
 
+def engine_key(base_model: str, backend: str) -> str:
+    """The engine every version of ``base_model`` on ``backend`` shares on this machine:
+    ``<backend>-<base folder name>-<digest of the base's path>``."""
+    digest = hashlib.sha256(f"{backend}\0{base_model}".encode()).hexdigest()[:10]
+    return f"{backend}-{Path(base_model).name[:40]}-{digest}"
+
+
+def base_name(server: str) -> str:
+    """The name a server serves its base model under (``<deployment>-base``, or
+    ``<engine>-base`` for a shared engine): every other model it lists is an adapter."""
+    return f"{server}-base"
+
+
+def served_adapters(endpoint: str, base: str, timeout_s: float = 5.0) -> list[str] | None:
+    """The adapters the server at ``endpoint`` (``.../v1``) lists beside its base model
+    ``base``; None when it does not answer."""
+    try:
+        reply = httpx.get(endpoint + "/models", timeout=timeout_s)
+        reply.raise_for_status()
+        listed = [str(m.get("id")) for m in reply.json().get("data", [])]
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return [m for m in listed if m != base]
+
+
 def placement_of(dep: Deployment) -> str:
     """Where the version's server runs, read from its row: ``kubernetes`` or ``process``."""
     return KUBERNETES if (dep.log_path or "").startswith(KUBERNETES_SCHEME) else PROCESS
@@ -89,12 +116,19 @@ class ServerSpec:
     """How long the server gets to finish in-flight requests once told to stop."""
     started_at: datetime
     """When the deployer asked for it (names its log)."""
+    engine: str | None = None
+    """The shared engine (``engine_key``) the version is an adapter of; None: a server of its
+    own."""
+    join: Placement | None = None
+    """The shared engine already serving the base model, which the adapter is loaded into;
+    None: a new server is started (with this adapter)."""
 
     def server(self, *, host: str, port: int) -> InferenceServer:
         """The ``InferenceServer`` whose ``command()`` is this version's argv."""
         return InferenceServer(self.base_model, adapters={self.adapter: self.checkpoint},
-                               served_model_name=f"{self.name}-base", backend=self.backend,
-                               sizing=self.sizing, host=host, port=port, threads=self.threads)
+                               served_model_name=base_name(self.engine or self.name),
+                               backend=self.backend, sizing=self.sizing, host=host, port=port,
+                               threads=self.threads)
 
     def env(self) -> dict[str, str]:
         """Environment the server needs beyond its host's (vLLM's runtime adapter loading)."""
@@ -113,6 +147,8 @@ class Placement:
     """Its log file, or ``kubernetes://<namespace>/<object name>``."""
     pid: int | None = None
     """Its process (and process group) id, for a process on this machine."""
+    engine: str | None = None
+    """The shared engine (``engine_key``) it is, when it is one."""
 
 
 class ServerHost(ABC):
@@ -120,6 +156,9 @@ class ServerHost(ABC):
 
     kind: str
     """``process`` or ``kubernetes``: the ``placement_of`` the rows of its versions have."""
+    shares_engines: bool = False
+    """Whether the versions of one base model it runs share one server (a shared engine, each
+    version an adapter of it: ``ServerSpec.engine``/``join``)."""
 
     def lock_dir(self, home: Path) -> Path:
         """Folder of the per-name locks that serialize deploys (``home`` is the factory's)."""
@@ -142,35 +181,47 @@ class ServerHost(ABC):
     @abstractmethod
     def stop(self, dep: Deployment, *, timeout_s: float) -> None:
         """Stop ``dep``'s server (in-flight requests get ``timeout_s``) and remove what ran it;
-        nothing to stop is not an error."""
+        nothing to stop is not an error. A version of a shared engine: its adapter is unloaded,
+        and the engine stopped once it serves no adapter."""
 
 
 class ProcessHost(ServerHost):
     """Servers as detached processes on this machine, listening on ``listen`` at a port of
     their own; each one's output in ``<log_root>/<name>/<version>-<time>.log`` (a vLLM start
-    that lost its port to another process and was made again: each attempt's, in turn)."""
+    that lost its port to another process and was made again: each attempt's, in turn).
+
+    With ``share`` (the default) the versions of one base model, of every deployment, are
+    adapters of one engine: the first one's server, which the next ones' adapters are loaded
+    into (``/v1/load_lora_adapter``) and unloaded from when they retire; the engine stops with
+    its last adapter. The base is in memory once, a new version is an adapter load."""
 
     kind = PROCESS
 
     def __init__(self, *, listen: str = "127.0.0.1", log_root: Path, poll_s: float = 0.25,
                  report_timeout_s: float = 60.0, bind_timeout_s: float = 300.0,
-                 ports: Iterable[int] | None = None) -> None:
+                 ports: Iterable[int] | None = None, share: bool = True) -> None:
         """``report_timeout_s``: longest wait for the CPU server's port (it reports it before
         importing torch: 0.2-0.3 s here, so only a hung start waits this long).
         ``bind_timeout_s``: longest wait for vLLM to bind its port, which it does after its
         imports and before it loads the model; past it, ``wait_ready`` watches the server and
         a bind failure is no longer retried. ``ports``: the ports a vLLM start tries, in order
-        (default: a fresh free one each time)."""
+        (default: a fresh free one each time). ``share``: shared engines (above); False, a
+        server per version."""
         self.listen = listen
         self.log_root = log_root
         self.poll_s = poll_s
         self.report_timeout_s = report_timeout_s
         self.bind_timeout_s = bind_timeout_s
         self.ports = ports
+        self.shares_engines = share
 
     def start(self, spec: ServerSpec) -> Placement:
+        if spec.join is not None:
+            return self._load_into(spec, spec.join)
         stamp = spec.started_at.strftime("%Y%m%dT%H%M%S")
-        log = self.log_root / spec.name / f"{spec.version}-{stamp}.log"
+        log = self.log_root / (spec.engine or spec.name) / f"{spec.version}-{stamp}.log"
+        if spec.engine:
+            log = log.with_name(f"{stamp}-{spec.name}-{spec.version}.log")
         if spec.backend != "vllm":
             return self._start_reporting(spec, log)
         problem = install_problem(spec.server(host=self.listen, port=0).vllm)
@@ -191,9 +242,23 @@ class ProcessHost(ServerHost):
             hint = " (is vLLM installed on this machine?)" if spec.backend == "vllm" else ""
             raise HostError(f"{exc}{hint}") from None
 
-    def _placement(self, port: int, log: Path, pid: int) -> Placement:
+    def _placement(self, port: int, log: Path, pid: int, engine: str | None) -> Placement:
         return Placement(endpoint=f"http://{self.listen}:{port}/v1", port=port,
-                         log_path=str(log), pid=pid)
+                         log_path=str(log), pid=pid, engine=engine)
+
+    def _load_into(self, spec: ServerSpec, engine: Placement) -> Placement:
+        """Load ``spec``'s adapter into the running shared engine ``engine``."""
+        try:
+            reply = httpx.post(engine.endpoint + "/load_lora_adapter", timeout=300.0,
+                               json={"lora_name": spec.adapter, "lora_path": spec.checkpoint})
+        except httpx.HTTPError as exc:
+            raise HostError(f"the shared {spec.backend} engine at {engine.endpoint} (pid "
+                            f"{engine.pid}) did not take adapter {spec.adapter}: {exc}") from None
+        if reply.status_code >= 400:
+            raise HostError(f"the shared {spec.backend} engine at {engine.endpoint} (pid "
+                            f"{engine.pid}) refused adapter {spec.adapter} from "
+                            f"{spec.checkpoint}: HTTP {reply.status_code}: {reply.text[:500]}")
+        return engine
 
     def _start_reporting(self, spec: ServerSpec, log: Path) -> Placement:
         """The CPU server on port 0: it writes the port it bound to a pipe."""
@@ -219,7 +284,7 @@ class ProcessHost(ServerHost):
                 else f"reported {report!r}, not a port"
             raise HostError(f"the {spec.backend} server for {spec.name} {spec.version} {said};"
                             f" log tail:\n{_tail(str(log))}")
-        return self._placement(int(report), log, pid)
+        return self._placement(int(report), log, pid, spec.engine)
 
     def _start_binding(self, spec: ServerSpec, log: Path, port: int) -> Placement:
         """vLLM on ``port``, placed once it holds the port; ``PortInUseError`` (the server
@@ -240,14 +305,14 @@ class ProcessHost(ServerHost):
                 if bind_failed(output):
                     raise PortInUseError(f"the {spec.backend} server for {spec.name} "
                                          f"{spec.version} could not bind {self.listen}:{port}")
-                return self._placement(port, log, pid)
+                return self._placement(port, log, pid, spec.engine)
             try:
                 held = self._holds(pid, port)
             except PortInUseError:
                 stop_group(pid, timeout_s=10)
                 raise
             if held or time.monotonic() > deadline:
-                return self._placement(port, log, pid)
+                return self._placement(port, log, pid, spec.engine)
             time.sleep(self.poll_s)
 
     def _holds(self, pid: int, port: int) -> bool:
@@ -294,8 +359,16 @@ class ProcessHost(ServerHost):
         return dep.alive
 
     def stop(self, dep: Deployment, *, timeout_s: float) -> None:
-        if self.running(dep):
-            stop_group(int(dep.pid or 0), timeout_s=timeout_s)
+        if not dep.server_alive:
+            return
+        if dep.engine:
+            with contextlib.suppress(httpx.HTTPError):  # not loaded: nothing to unload
+                httpx.post(dep.endpoint + "/unload_lora_adapter", json={"lora_name": dep.adapter},
+                           timeout=timeout_s)
+            left = served_adapters(dep.endpoint, base_name(dep.engine))
+            if left is None or left:
+                return  # other versions' adapters serve on it (or it cannot say: kept)
+        stop_group(int(dep.pid or 0), timeout_s=timeout_s)
 
 
 def _tail(path: str, num_bytes: int = 3000) -> str:

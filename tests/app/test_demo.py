@@ -3,6 +3,7 @@ other recipe before any work."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,3 +51,19 @@ def test_a_demo_experiment_selects_one_project_tag() -> None:
     other = replace(smol, data=replace(smol.data, where="model = 'gpt-4o'"))
     with pytest.raises(FactoryError, match="must select its samples with data.where"):
         demo_project(other)
+
+
+def test_a_fresh_answer_is_right_when_every_field_of_the_reference_is() -> None:
+    from factory.app.demo import FRESH_SEED_OFFSET, same_answer
+    from factory.tasks import generate_records
+
+    record = generate_records(1, FRESH_SEED_OFFSET)[0]
+    reference = json.loads(record["response"]["choices"][0]["message"]["content"])
+    assert same_answer(json.dumps(reference), record)
+    # Key order and spacing aside; a wrong value, a missing key, prose or no JSON: wrong.
+    assert same_answer(" " + json.dumps(dict(reversed(list(reference.items()))), indent=1),
+                       record)
+    assert not same_answer(json.dumps({**reference, "intent": "refund_x"}), record)
+    assert not same_answer(json.dumps({k: v for k, v in reference.items() if k != "email"}),
+                           record)
+    assert not same_answer("The sender is " + str(reference.get("name")), record)

@@ -100,7 +100,7 @@ def _stop_leftovers(home: Path) -> None:
     except Exception:  # the lake was never created: nothing was deployed
         return
     for dep in versions:
-        if dep.alive:
+        if dep.server_alive:
             stop_group(int(dep.pid or 0), timeout_s=10)
 
 

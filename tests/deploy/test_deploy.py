@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -39,6 +40,12 @@ def _client(gateway: ServerThread) -> openai.OpenAI:
 def _route_version(gateway: ServerThread) -> str | None:
     route = gateway.app.routes.get(MODEL)
     return route.version if route else None
+
+
+def _served(endpoint: str) -> list[str]:
+    """The adapters the engine at ``endpoint`` serves."""
+    listed = httpx.get(endpoint + "/models", timeout=30).json()["data"]
+    return sorted(m["id"] for m in listed if not m["id"].endswith("-base"))
 
 
 def _captured(lake: Lake, version: str) -> int:
@@ -212,7 +219,10 @@ def test_switch_to_v2_under_continuous_requests_loses_none(
         assert seen and "exp-v1" not in seen[seen.index("exp-v2"):], (worker, seen)
     v2 = json.loads(out.stdout.strip().splitlines()[-1])
     assert v2["version"] == "v2" and is_alive(v2["pid"])  # outlives the CLI process
-    assert not is_alive(v1.pid)
+    # v2 is an adapter loaded into v1's engine (one server for the base model), and v1's
+    # adapter is unloaded from it once drained.
+    assert v2["engine"] == v1.engine and v2["pid"] == v1.pid and v1.engine
+    assert _served(v1.endpoint) == ["exp-v2"]
     versions = {d.version: d for d in Deployer().versions("exp")}
     assert versions["v1"].status == "stopped" and versions["v2"].status == "live"
     lake = Lake()
@@ -228,7 +238,8 @@ def test_rollback_then_undeploy_from_other_processes(
     assert out.returncode == 0, out.stderr[-3000:]
     back = json.loads(out.stdout.strip().splitlines()[-1])
     assert back["version"] == "v1" and back["status"] == "live"
-    assert not is_alive(v2.pid)
+    # The rollback is v1's adapter loaded into the same engine again and v2's unloaded.
+    assert back["pid"] == v2.pid and _served(v2.endpoint) == ["exp-v1"]
     wait_until(lambda: _route_version(gateway) == "v1", what="route back to v1")
     answer = _client(gateway).chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from factory.output import print_rows
 from factory.settings import get_settings
 
 COLUMNS = ["name", "version", "status", "alive", "endpoint", "route_model", "checkpoint",
-           "run_id", "step", "pid", "started_at", "stopped_at", "reason"]
+           "run_id", "step", "engine", "pid", "started_at", "stopped_at", "reason"]
 
 
 def register(sub: Any) -> None:
@@ -138,11 +138,12 @@ def _deployer(args: argparse.Namespace) -> Any:
 
 def _report(dep: Any, fmt: str, verb: str) -> None:
     if fmt == "text":
+        on = f"engine {dep.engine}, " if dep.engine else ""
         print(f"{verb} {dep.name} {dep.version}: {dep.route_model} -> {dep.endpoint} "
-              f"(checkpoint {dep.checkpoint}, pid {dep.pid})", file=sys.stderr)
+              f"(checkpoint {dep.checkpoint}, {on}pid {dep.pid})", file=sys.stderr)
     print(json.dumps({"name": dep.name, "version": dep.version, "status": dep.status,
                       "model": dep.route_model, "endpoint": dep.endpoint,
-                      "checkpoint": dep.checkpoint, "pid": dep.pid}))
+                      "checkpoint": dep.checkpoint, "pid": dep.pid, "engine": dep.engine}))
 
 
 def _deploy(args: argparse.Namespace) -> int:
