@@ -31,6 +31,7 @@ that prefix. Greedy outputs are the same token ids with the cache and without
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import warnings
 from collections import OrderedDict
@@ -143,6 +144,21 @@ def _load_tokenizer(path: str | Path, template: str | None, *, vision: bool = Fa
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                    "tokenizer.model")
+
+
+def _tokenizer_digest(path: Path) -> str:
+    """The sha256 of the tokenizer files in ``path``: equal digests, the same tokenizer."""
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        file = path / name
+        if file.is_file():
+            digest.update(name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _peft_name(name: str) -> str:
@@ -331,6 +347,8 @@ class Engine:
         self.model: Any = self.base
         self.adapters: dict[str, str] = {}
         self.adapter_tokenizers: dict[str, Any] = {}
+        self._tokenizer_digests: dict[str, str | None] = {}
+        """Each adapter's ``_tokenizer_digest`` (None: it has the base's tokenizer)."""
         self.lock = threading.RLock()
         self.prefix_cache = PrefixCache(max_entries=prefix_cache_entries,
                                         max_bytes=prefix_cache_bytes)
@@ -362,8 +380,13 @@ class Engine:
         p = Path(path)
         if not (p / "adapter_config.json").is_file():
             raise EngineError(f"lora_path: {path} has no adapter_config.json")
-        tok = (_load_tokenizer(p, None, vision=self.vision is not None)
-               if (p / "tokenizer_config.json").is_file() else self.tokenizer)
+        digest = _tokenizer_digest(p) if (p / "tokenizer_config.json").is_file() else None
+        # Adapters of one base written by the trainer carry the same tokenizer files: one
+        # tokenizer object for all of them (~20 MiB each for SmolLM2's).
+        tok = (self.tokenizer if digest is None
+               else next((self.adapter_tokenizers[n] for n, d in self._tokenizer_digests.items()
+                          if d == digest), None)
+               or _load_tokenizer(p, None, vision=self.vision is not None))
         if len(tok) != len(self.tokenizer):
             raise EngineError(f"lora_path: {path} has a tokenizer of {len(tok)} tokens, the "
                               f"base model has {len(self.tokenizer)}")
@@ -384,6 +407,7 @@ class Engine:
             self.model.eval()
             self.adapters[name] = str(p)
             self.adapter_tokenizers[name] = tok
+            self._tokenizer_digests[name] = digest
             self.prefix_cache.drop(name)  # a name served before computed other keys and values
 
     def unload_adapter(self, name: str) -> None:
@@ -400,6 +424,7 @@ class Engine:
                 self.model.delete_adapter(_peft_name(name))
             del self.adapters[name]
             del self.adapter_tokenizers[name]
+            del self._tokenizer_digests[name]
             self.prefix_cache.drop(name)
 
     def _new_cache(self) -> DynamicCache:
