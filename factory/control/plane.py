@@ -44,6 +44,7 @@ import fsspec.core
 from factory.control import scheduler
 from factory.control.base import Handle, Provider
 from factory.lake import RUN_ID, Lake, Lineage
+from factory.process import is_alive
 from factory.trainer import checkpoint as ckpt
 from factory.trainer.config import ExitCode, TrainerJob
 from factory.trainer.pids import owner_alive
@@ -847,13 +848,25 @@ def ownerless_runs(lake: Lake) -> list[str]:
                   and owner_alive(json.loads(r["job"]).get("owner")) is False)
 
 
-def observe_once(plane: ControlPlane) -> list[str]:
+def observe_once(plane: ControlPlane, *, exit_wait_s: float = 30.0) -> list[str]:
     """Sync the events and observe once, nothing launched (no dispatch, rollover or recovery):
-    a run whose owner or trainers died ends. The runs that ended (their ids)."""
+    a run whose owner or trainers died ends. The runs that ended (their ids).
+
+    A trainer this observation stopped checkpoints the step it is at and exits: its events are
+    synced again once the local ones have exited (``exit_wait_s`` at most), so the checkpoint
+    it wrote is in ``training_events`` though nothing follows the run afterwards."""
     before = {k for k, r in plane.runs().items() if r.status in RUN_ACTIVE}
     states = plane.provider_states()  # before the events, as ``tick`` reads them
     plane.sync_events()
+    live = {s.segment_id for s in plane.segments() if s.live}
     plane.observe(states)
+    stopped = [s for s in plane.segments() if s.segment_id in live and not s.live]
+    if stopped:
+        pids = [p for s in stopped if isinstance(p := s.handle.info.get("pid"), int)]
+        deadline = time.monotonic() + exit_wait_s
+        while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        plane.sync_events()
     after = plane.runs()
     return sorted(k for k in before if after[k].status not in RUN_ACTIVE)
 

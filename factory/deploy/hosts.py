@@ -64,7 +64,10 @@ class HostError(FactoryError):
 
 def engine_key(base_model: str, backend: str) -> str:
     """The engine every version of ``base_model`` on ``backend`` shares on this machine:
-    ``<backend>-<base folder name>-<digest of the base's path>``."""
+    ``<backend>-<base folder name>-<digest of the base's path>``. A local base is named by its
+    real path: adapters naming one folder through different links share its engine."""
+    if Path(base_model).exists():
+        base_model = os.path.realpath(base_model)
     digest = hashlib.sha256(f"{backend}\0{base_model}".encode()).hexdigest()[:10]
     return f"{backend}-{Path(base_model).name[:40]}-{digest}"
 

@@ -24,9 +24,16 @@ MESSAGES = [{"role": "user", "content": "Extract the fields: Hi, I am Ana from A
 
 @pytest.fixture()
 def models(factory_home: Path, tiny_model_dir: Path, tmp_path: Path) -> dict[str, Path]:
-    """Two adapters of the tiny model and one whose config names layers it does not have."""
+    """Two adapters of the tiny model (the second naming it through a link, as a trainer whose
+    models folder links to it does) and one whose config names layers it does not have."""
     a = make_adapter(tiny_model_dir, tmp_path / "a", seed=1)
     b = make_adapter(tiny_model_dir, tmp_path / "b", seed=2)
+    link = tmp_path / "models" / "smollm2-135m-instruct"
+    link.parent.mkdir()
+    link.symlink_to(tiny_model_dir)
+    config = json.loads((b / "adapter_config.json").read_text())
+    (b / "adapter_config.json").write_text(json.dumps({**config,
+                                                       "base_model_name_or_path": str(link)}))
     broken = tmp_path / "broken"
     shutil.copytree(a, broken)
     config = json.loads((broken / "adapter_config.json").read_text())
@@ -51,7 +58,8 @@ def test_versions_of_one_base_are_adapters_of_one_engine(models: dict[str, Path]
     deployer = Deployer(config=DeployConfig(threads=1, drain_s=0.0))
     a1 = deployer.deploy("alpha", str(models["a"]))
     assert a1.engine and a1.engine.startswith("transformers-tiny") and is_alive(a1.pid)
-    # Another experiment on the same base: its adapter joins the running engine.
+    # Another experiment on the same base (named through a link): its adapter joins the
+    # running engine.
     b1 = deployer.deploy("beta", str(models["b"]))
     assert (b1.engine, b1.pid, b1.endpoint) == (a1.engine, a1.pid, a1.endpoint)
     assert _served(a1.endpoint) == ["alpha-v1", "beta-v1"]
