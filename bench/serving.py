@@ -13,7 +13,8 @@ block, a short user turn, a tool call or a short answer back):
   requests;
 - peak memory: the server's process group's peak RSS (``/proc``, sampled every 0.2 s).
 
-Engines and settings (``--engines``): ``ours`` (the factory's server, its defaults), ``vllm``
+Engines and settings (``--engines``): ``ours`` (the factory's server, its defaults; ``ours:ARG=VALUE``
+for its own flags, e.g. ``ours:--dtype=bfloat16``), ``vllm``
 (the factory's vLLM command: float32, ``VLLM_CPU_KVCACHE_SPACE=1``, one unbound OpenMP thread per
 ``--threads``), and vLLM variants given as ``vllm:ARG=VALUE,...`` (extra server arguments, e.g.
 ``vllm:--no-enable-prefix-caching`` or ``vllm:--max-num-batched-tokens=512``) or ``vllm:env.NAME=
@@ -90,7 +91,7 @@ def ask(url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
 
 
 def _server(spec: str, base: Path, adapter: Path, threads: int) -> InferenceServer:
-    backend = "transformers" if spec == "ours" else "vllm"
+    backend = "transformers" if spec.split(":", 1)[0] == "ours" else "vllm"
     env: dict[str, str] = {}
     extra: list[str] = []
     if ":" in spec:
