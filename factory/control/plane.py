@@ -210,6 +210,11 @@ def _stale_segment(prev: dict[str, Any], row: dict[str, Any]) -> bool:
     return prev["status"] == "ended" and row["status"] != "ended"
 
 
+STOPPED_EXIT_WAIT_S = 30.0
+"""How long an observation that failed an ownerless run waits for the trainers it stopped to
+checkpoint and exit (a local provider SIGKILLs after its ``grace_s``, 10 s by default)."""
+
+
 def events_file_for(job: TrainerJob, segment_id: str) -> str:
     """Each segment writes its own events file, so events map to segments exactly."""
     if job.is_local_output:
@@ -474,10 +479,24 @@ class ControlPlane:
         SIGTERM) and it is never resumed. Its trainer, when it notices first, ends ``owner_gone`` itself."""
         if owner_alive(run.job.owner) is not False:
             return
-        self._stop_live(segs, now)
+        stopped = self._stop_live(segs, now)
         self._write_run(replace(run, status="failed", not_before=None,
                                 reason=f"owner gone: the process following the run "
                                        f"({run.job.owner}, its training_run step) died"))
+        # Nothing follows the run any more: the checkpoint a stopped trainer writes as it exits
+        # reaches training_events only if this observation syncs it.
+        self._sync_after_exit(stopped)
+
+    def _sync_after_exit(self, segs: list[Segment]) -> None:
+        """Wait for the local trainers of ``segs`` (just stopped) to exit, at most
+        ``STOPPED_EXIT_WAIT_S``, and sync the events they wrote on the way out."""
+        pids = [p for s in segs if isinstance(p := s.handle.info.get("pid"), int)]
+        if not pids:
+            return
+        deadline = time.monotonic() + STOPPED_EXIT_WAIT_S
+        while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.sync_events()
 
     def _one_finisher(self, changed: list[Segment],
                       by_seg: dict[str, list[dict[str, Any]]]) -> list[Segment]:
@@ -500,7 +519,8 @@ class ControlPlane:
         return [replace(s, end_reason="superseded") if s.segment_id in losers else s
                 for s in changed]
 
-    def _stop_live(self, segs: Iterable[Segment], now: float) -> None:
+    def _stop_live(self, segs: Iterable[Segment], now: float) -> list[Segment]:
+        """Stop the live ones of ``segs`` and record them ended; returns them."""
         stopped = []
         for s in segs:
             if s.live:
@@ -508,6 +528,7 @@ class ControlPlane:
                     self.by_name[s.provider].stop(s.handle)
                 stopped.append(replace(s, status="ended", end_reason="stopped", ended_at=now))
         self._write_segments(stopped)
+        return stopped
 
     def _fail_unhealable(self, run: TrainingRun, seg: Segment,
                          events: list[dict[str, Any]]) -> None:
@@ -848,25 +869,13 @@ def ownerless_runs(lake: Lake) -> list[str]:
                   and owner_alive(json.loads(r["job"]).get("owner")) is False)
 
 
-def observe_once(plane: ControlPlane, *, exit_wait_s: float = 30.0) -> list[str]:
+def observe_once(plane: ControlPlane) -> list[str]:
     """Sync the events and observe once, nothing launched (no dispatch, rollover or recovery):
-    a run whose owner or trainers died ends. The runs that ended (their ids).
-
-    A trainer this observation stopped checkpoints the step it is at and exits: its events are
-    synced again once the local ones have exited (``exit_wait_s`` at most), so the checkpoint
-    it wrote is in ``training_events`` though nothing follows the run afterwards."""
+    a run whose owner or trainers died ends. The runs that ended (their ids)."""
     before = {k for k, r in plane.runs().items() if r.status in RUN_ACTIVE}
     states = plane.provider_states()  # before the events, as ``tick`` reads them
     plane.sync_events()
-    live = {s.segment_id for s in plane.segments() if s.live}
     plane.observe(states)
-    stopped = [s for s in plane.segments() if s.segment_id in live and not s.live]
-    if stopped:
-        pids = [p for s in stopped if isinstance(p := s.handle.info.get("pid"), int)]
-        deadline = time.monotonic() + exit_wait_s
-        while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        plane.sync_events()
     after = plane.runs()
     return sorted(k for k in before if after[k].status not in RUN_ACTIVE)
 
