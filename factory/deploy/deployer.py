@@ -421,9 +421,16 @@ class Deployer:
     # -- internals -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _lock(self, name: str) -> Iterator[None]:
+        """Serializes the operations on deployment ``name``."""
+        with self._file_lock(f"{name}.lock"):
+            yield
+
+    @contextlib.contextmanager
+    def _file_lock(self, filename: str) -> Iterator[None]:
+        """An exclusive lock on ``filename`` in the host's lock folder, for the block."""
         folder = self.host.lock_dir(self.lake.settings.home)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"{name}.lock", "w") as fh:
+        with open(folder / filename, "w") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
@@ -496,14 +503,8 @@ class Deployer:
         if engine is None:
             yield
             return
-        folder = self.host.lock_dir(self.lake.settings.home)
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"engine-{engine}.lock", "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        with self._file_lock(f"{engine}.engine-lock"):
+            yield
 
     def _engine(self, engine: str) -> Placement | None:
         """The running shared engine ``engine``, from the newest active version on it whose
