@@ -446,3 +446,72 @@ def test_a_data_error_fails_the_run_at_once_and_is_never_retried(factory_home, m
     # A crash is transient: recovered as before.
     assert runs["crash"].status == "running" and runs["crash"].num_recoveries == 1
     assert [s.segment_id for s in plane.segments("crash")] == ["crash-s000", "crash-s001"]
+
+
+_TRAINER = """
+import json, os, signal, sys, time
+path, run_id, seg = sys.argv[1:4]
+os.makedirs(os.path.dirname(path), exist_ok=True)
+
+def stop(*_):
+    time.sleep(0.5)  # the checkpoint takes a while: the observation must wait for it
+    with open(path, "a") as f:
+        f.write(json.dumps({"event_id": "ckpt-" + seg, "run_id": run_id, "type": "checkpoint",
+                            "step": 3, "seq": 1, "segment": seg, "time": time.time()}) + "\\n")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+class Stoppable(Scripted):
+    """``Scripted``, each segment a real process that writes a checkpoint event to its events
+    file when it is told to stop (SIGTERM), as a trainer does, and then exits."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+
+    def launch(self, job: TrainerJob, *, segment_id: str, num_gpus: int = 1) -> Handle:
+        handle = super().launch(job, segment_id=segment_id, num_gpus=num_gpus)
+        assert job.events_file
+        proc = subprocess.Popen([sys.executable, "-c", _TRAINER, job.events_file, job.run_id,
+                                 segment_id], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        self.procs[segment_id] = proc
+        return replace(handle, info={**handle.info, "pid": proc.pid})
+
+    def stop(self, handle: Handle) -> None:
+        super().stop(handle)
+        self.procs[handle.handle_id].terminate()
+
+
+def test_the_checkpoint_a_stopped_trainer_of_an_ownerless_run_writes_is_synced(
+        factory_home, make_job) -> None:
+    """The observation that fails a run whose owner died stops its trainer and waits for the
+    checkpoint the trainer writes on its way out: nothing follows the run afterwards to sync it."""
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    p = Stoppable("local")
+    plane, lake = _plane(p)
+    try:
+        plane.submit(replace(make_job("r"), owner=owner_token(owner.pid)))
+        plane.tick()
+        [seg] = plane.segments("r")
+        assert seg.live and "pid" in seg.handle.info
+        owner.kill()
+        owner.wait()
+        plane.tick()
+        assert plane.runs()["r"].reason.startswith("owner gone")
+        assert p.stopped == ["r-s000"] and p.procs["r-s000"].poll() == 0
+        events = {e["type"] for e in lake.read("training_events").to_pylist()
+                  if e["run_id"] == "r"}
+        assert "checkpoint" in events
+    finally:
+        owner.kill()
+        for proc in p.procs.values():
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
