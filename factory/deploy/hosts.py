@@ -250,7 +250,14 @@ class ProcessHost(ServerHost):
                          log_path=str(log), pid=pid, engine=engine)
 
     def _load_into(self, spec: ServerSpec, engine: Placement) -> Placement:
-        """Load ``spec``'s adapter into the running shared engine ``engine``."""
+        """Load ``spec``'s adapter into the running shared engine ``engine``. One the engine
+        still lists under that name (a retired version whose unload failed, and whose tag a
+        rollback reuses) is unloaded first: the name serves the checkpoint asked for."""
+        listed = served_adapters(engine.endpoint, base_name(engine.engine or spec.name))
+        if listed and spec.adapter in listed:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(engine.endpoint + "/unload_lora_adapter", timeout=60.0,
+                           json={"lora_name": spec.adapter})
         try:
             reply = httpx.post(engine.endpoint + "/load_lora_adapter", timeout=300.0,
                                json={"lora_name": spec.adapter, "lora_path": spec.checkpoint})

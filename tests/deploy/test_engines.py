@@ -82,11 +82,16 @@ def test_versions_of_one_base_are_adapters_of_one_engine(models: dict[str, Path]
     assert deployer.live("beta") == versions[("beta", "v1")]
     assert _answers(a1.endpoint, "beta-v1") == "beta-v1"
 
-    # Rollback: v1's adapter loaded into the same engine again, in seconds (no server start).
+    # Rollback: v1's adapter loaded into the same engine again, in seconds (no server start),
+    # even where a failed unload left another checkpoint under v1's name.
+    httpx.post(a1.endpoint + "/load_lora_adapter", timeout=60,
+               json={"lora_name": "alpha-v1", "lora_path": str(models["b"])}).raise_for_status()
     started = time.monotonic()
     back = deployer.rollback("alpha")
     assert back.version == "v1" and back.pid == a1.pid and time.monotonic() - started < 30
     assert _served(a1.endpoint) == ["alpha-v1", "beta-v1"]
+    roots = {m["id"]: m["root"] for m in httpx.get(a1.endpoint + "/models").json()["data"]}
+    assert roots["alpha-v1"] == str(models["a"])
 
     # The engine outlives every version but its last.
     deployer.undeploy("alpha")
