@@ -149,8 +149,10 @@ def _report(dep: Any, fmt: str, verb: str) -> None:
 def _deploy(args: argparse.Namespace) -> int:
     deployer = _deployer(args)
     if args.format == "text":
-        print(f"deploying {args.experiment}: starting the {deployer.config.backend} server...",
-              file=sys.stderr, flush=True)
+        what = (f"loading it into the {deployer.config.backend} engine of its base model "
+                "(started first when none runs)" if deployer.host.shares_engines
+                else f"starting the {deployer.config.backend} server")
+        print(f"deploying {args.experiment}: {what}...", file=sys.stderr, flush=True)
     # As the deployment asset does: the experiment's deploy policy (a candidate shadowing its
     # route under deploy: {shadow: ...}) unless --candidate or --live says, and the answer
     # constraint its evals ran under on the route.
