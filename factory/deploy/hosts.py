@@ -34,6 +34,7 @@ import httpx
 
 from factory.errors import FactoryError
 from factory.inference import InferenceServer, ServeSizing
+from factory.inference.client import InferenceClient, InferenceClientError
 from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
 from factory.inference.vllm import VLLM_ENV, install_problem
 from factory.process import (
@@ -81,12 +82,13 @@ def base_name(server: str) -> str:
 def served_adapters(endpoint: str, base: str, timeout_s: float = 5.0) -> list[str] | None:
     """The adapters the server at ``endpoint`` (``.../v1``) lists beside its base model
     ``base``; None when it does not answer."""
+    client = InferenceClient(endpoint, timeout_s=timeout_s)
     try:
-        reply = httpx.get(endpoint + "/models", timeout=timeout_s)
-        reply.raise_for_status()
-        listed = [str(m.get("id")) for m in reply.json().get("data", [])]
-    except (httpx.HTTPError, ValueError, AttributeError):
+        listed = client.models()
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
+    finally:
+        client.close()
     return [m for m in listed if m != base]
 
 
@@ -190,8 +192,10 @@ class ServerHost(ABC):
 
 class ProcessHost(ServerHost):
     """Servers as detached processes on this machine, listening on ``listen`` at a port of
-    their own; each one's output in ``<log_root>/<name>/<version>-<time>.log`` (a vLLM start
-    that lost its port to another process and was made again: each attempt's, in turn).
+    their own; each one's output in ``<log_root>/<name>/<version>-<time>.log``, a shared
+    engine's in ``<log_root>/<engine>/<time>-<name>-<version>.log`` of the version that started
+    it (a vLLM start that lost its port to another process and was made again: each attempt's,
+    in turn).
 
     With ``share`` (the default) the versions of one base model, of every deployment, are
     adapters of one engine: the first one's server, which the next ones' adapters are loaded
@@ -222,9 +226,8 @@ class ProcessHost(ServerHost):
         if spec.join is not None:
             return self._load_into(spec, spec.join)
         stamp = spec.started_at.strftime("%Y%m%dT%H%M%S")
-        log = self.log_root / (spec.engine or spec.name) / f"{spec.version}-{stamp}.log"
-        if spec.engine:
-            log = log.with_name(f"{stamp}-{spec.name}-{spec.version}.log")
+        log = (self.log_root / spec.engine / f"{stamp}-{spec.name}-{spec.version}.log"
+               if spec.engine else self.log_root / spec.name / f"{spec.version}-{stamp}.log")
         if spec.backend != "vllm":
             return self._start_reporting(spec, log)
         problem = install_problem(spec.server(host=self.listen, port=0).vllm)
@@ -253,21 +256,21 @@ class ProcessHost(ServerHost):
         """Load ``spec``'s adapter into the running shared engine ``engine``. One the engine
         still lists under that name (a retired version whose unload failed, and whose tag a
         rollback reuses) is unloaded first: the name serves the checkpoint asked for."""
+        where = f"the shared {spec.backend} engine at {engine.endpoint} (pid {engine.pid})"
         listed = served_adapters(engine.endpoint, base_name(engine.engine or spec.name))
-        if listed and spec.adapter in listed:
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.post(engine.endpoint + "/unload_lora_adapter", timeout=60.0,
-                           json={"lora_name": spec.adapter})
+        client = InferenceClient(engine.endpoint, timeout_s=300.0)
         try:
-            reply = httpx.post(engine.endpoint + "/load_lora_adapter", timeout=300.0,
-                               json={"lora_name": spec.adapter, "lora_path": spec.checkpoint})
+            if listed and spec.adapter in listed:
+                with contextlib.suppress(InferenceClientError, httpx.HTTPError):
+                    client.unload_adapter(spec.adapter)
+            client.load_adapter(spec.adapter, spec.checkpoint)
+        except InferenceClientError as exc:
+            raise HostError(f"{where} refused adapter {spec.adapter} from {spec.checkpoint}: "
+                            f"{exc}") from None
         except httpx.HTTPError as exc:
-            raise HostError(f"the shared {spec.backend} engine at {engine.endpoint} (pid "
-                            f"{engine.pid}) did not take adapter {spec.adapter}: {exc}") from None
-        if reply.status_code >= 400:
-            raise HostError(f"the shared {spec.backend} engine at {engine.endpoint} (pid "
-                            f"{engine.pid}) refused adapter {spec.adapter} from "
-                            f"{spec.checkpoint}: HTTP {reply.status_code}: {reply.text[:500]}")
+            raise HostError(f"{where} did not take adapter {spec.adapter}: {exc}") from None
+        finally:
+            client.close()
         return engine
 
     def _start_reporting(self, spec: ServerSpec, log: Path) -> Placement:
@@ -372,9 +375,10 @@ class ProcessHost(ServerHost):
         if not dep.server_alive:
             return
         if dep.engine:
-            with contextlib.suppress(httpx.HTTPError):  # not loaded: nothing to unload
-                httpx.post(dep.endpoint + "/unload_lora_adapter", json={"lora_name": dep.adapter},
-                           timeout=timeout_s)
+            client = InferenceClient(dep.endpoint, timeout_s=timeout_s)
+            with contextlib.suppress(InferenceClientError, httpx.HTTPError):  # not loaded
+                client.unload_adapter(dep.adapter)
+            client.close()
             left = served_adapters(dep.endpoint, base_name(dep.engine))
             if left is None or left:
                 return  # other versions' adapters serve on it (or it cannot say: kept)
