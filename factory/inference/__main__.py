@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 
+from factory.inference.resolver import RESOLVER_DIR_ENV
 from factory.trainer.cores import CoreShare
 
 
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
                              "descriptor (a pipe from the launcher), then close it")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH")
+    parser.add_argument("--lora-resolver-dir", default=os.environ.get(RESOLVER_DIR_ENV) or None,
+                        metavar="DIR",
+                        help="a request naming an adapter the server has not loaded loads "
+                             "DIR/<name>, as vLLM's filesystem LoRA resolver does (default "
+                             f"${RESOLVER_DIR_ENV})")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=8, help="largest batch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         except EngineError as e:
             print(f"--lora-modules: {e}", file=sys.stderr)
             return 2
-    app = create_app(engine, max_batch_size=args.max_num_seqs, cores=cores)
+    app = create_app(engine, max_batch_size=args.max_num_seqs, cores=cores,
+                     resolver_dir=args.lora_resolver_dir)
     serve(app, sock)
     return 0
 

@@ -32,7 +32,10 @@ server against them.
   equivalence gate scores the trainer's token ids with ``echo`` + ``logprobs``.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and
   ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: vLLM's runtime LoRA API, same bodies, same
-  plain-text success replies.
+  plain-text success replies. With a resolver folder (``--lora-resolver-dir``, default
+  ``$VLLM_LORA_RESOLVER_CACHE_DIR``), a completion naming a model the server does not know loads
+  the adapter of that name from it first, by vLLM's filesystem resolver's rule
+  (``factory.inference.resolver``).
 - ``GET /metrics``: Prometheus text; the prefix cache's counters per served model under vLLM's
   names (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``: prompt tokens
   looked up and reused), and ``factory:prefix_cache_requests_total`` (``result`` ``hit`` or
@@ -83,6 +86,7 @@ from factory.inference.protocol import (
     chat_template_input,
     reply_message,
 )
+from factory.inference.resolver import find
 from factory.normalize.canon import NormalizeError
 from factory.trainer.cores import CoreShare
 from factory.trainer.vision import ImageInput, expand_pads
@@ -286,10 +290,25 @@ class _PrefixCacheCollector:
 
 
 def create_app(engine: Engine, *, max_batch_size: int = 8,
-               cores: CoreShare | None = None) -> Starlette:
+               cores: CoreShare | None = None, resolver_dir: str | None = None) -> Starlette:
     """The ASGI app serving ``engine``; ``cores``: this server's claim on the machine's cores,
-    held while it has requests in flight (``BatchScheduler``)."""
+    held while it has requests in flight (``BatchScheduler``); ``resolver_dir``: a request naming
+    a model the engine does not know loads the adapter of that name there, as vLLM's filesystem
+    resolver does (``factory.inference.resolver``)."""
     scheduler = BatchScheduler(engine, max_batch_size=max_batch_size, cores=cores)
+    resolving = asyncio.Lock()
+
+    async def resolve(model: str) -> None:
+        """Load ``model`` from ``resolver_dir`` when the engine does not know it (one load at a
+        time: two requests for a new adapter load it once)."""
+        if resolver_dir is None or model in engine.model_names():
+            return
+        async with resolving:
+            if model in engine.model_names():
+                return
+            path = find(resolver_dir, model, engine.model_path)
+            if path is not None:
+                await asyncio.to_thread(engine.load_adapter, model, path)
     created = int(time.time())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_PrefixCacheCollector(engine))
@@ -336,6 +355,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
         try:
             body = await _body(request)
             model = _str(body, "model")
+            await resolve(model)
             max_tokens = _int(body, "max_completion_tokens", None, 1)
             max_tokens = _int(body, "max_tokens", max_tokens or DEFAULT_MAX_TOKENS, 1)
             assert max_tokens is not None
@@ -390,6 +410,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
         try:
             body = await _body(request)
             model = _str(body, "model")
+            await resolve(model)
             tok = engine.tokenizer_for(model)
             if body.get("stream"):
                 raise EngineError("stream: text completions are not streamed by this server")

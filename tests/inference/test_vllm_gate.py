@@ -45,6 +45,7 @@ from factory.gateway.routes import Route, RoutingTable
 from factory.inference import InferenceServer, InferenceServerError, ServeSizing
 from factory.inference.contract import check
 from factory.inference.protocol import canonical_request
+from factory.inference.resolver import publish, resolver_env, withdraw
 from factory.inference.vllm import ENGINE_OVERHEAD_THREADS, VLLM_SERVER_MODULE, local_vllm
 from factory.tasks import generate_conversations
 from factory.trainer.chat import IGNORE_INDEX
@@ -109,15 +110,22 @@ def caller(smollm2_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_server(smollm2_dir: Path, caller: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[InferenceServer]:
-    """vLLM on SmolLM2 with the trained adapter as ``caller`` from the start."""
+def resolver_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's engine resolves adapters published here (``factory.inference.resolver``)."""
+    return tmp_path_factory.mktemp("resolver")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(smollm2_dir: Path, caller: Path, resolver_folder: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceServer]:
+    """vLLM on SmolLM2 with the trained adapter as ``caller`` from the start, and its filesystem
+    LoRA resolver reading ``resolver_folder``."""
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     cores = tmp_path_factory.mktemp("cores")  # this module's claims folder, no other process's
     with InferenceServer(smollm2_dir, adapters={"caller": str(caller)}, served_model_name="base",
                          backend="vllm", sizing=SIZING, threads=THREADS,
                          startup_timeout_s=600, log_path=log,
-                         env={ENV_FOLDER: str(cores)}) as server:
+                         env={ENV_FOLDER: str(cores), **resolver_env(resolver_folder)}) as server:
         yield server
 
 
@@ -240,6 +248,38 @@ def test_the_equivalence_gate_passes_on_vllm(vllm_server: InferenceServer, calle
             return_tokens_as_token_ids=True, prompt_logprobs=1))
     finally:
         client.unload_adapter("step-1")
+    assert set(client.models()) == {"base", "caller"}
+
+
+def test_vllm_resolves_an_adapter_the_deployer_published(
+        vllm_server: InferenceServer, resolver_folder: Path, smollm2_dir: Path,
+        tmp_path: Path) -> None:
+    """How a shared engine on Kubernetes learns a new version in every replica: the deployer
+    publishes the checkpoint in the engine's resolver folder and the first request naming it
+    loads it, with the weights the checkpoint holds (the same answer as a load by hand)."""
+    adapter = make_adapter(smollm2_dir, tmp_path / "step-2", seed=4)
+    client = vllm_server.client()
+    url = vllm_server.base_url + "/chat/completions"
+    body = {"model": "exp-v2", "messages": QUESTION, "max_tokens": 8, "temperature": 0}
+    assert httpx.post(url, json=body, timeout=120).status_code == 404
+    publish(resolver_folder, "exp-v2", adapter, vllm_server.model)  # as its --model names it
+    publish(resolver_folder, "stranger", adapter, "another-base")
+    try:
+        resolved = httpx.post(url, json=body, timeout=300)
+        assert resolved.status_code == 200, (resolved.text, vllm_server.log_tail())
+        assert "exp-v2" in client.models()
+        assert httpx.post(url, json={**body, "model": "stranger"}, timeout=120).status_code == 404
+        client.unload_adapter("exp-v2")
+        client.load_adapter("by-hand", str(adapter))
+        try:
+            by_hand = client.chat("by-hand", QUESTION, max_tokens=8, temperature=0)
+        finally:
+            client.unload_adapter("by-hand")
+        assert resolved.json()["choices"][0]["message"]["content"] == \
+            by_hand["choices"][0]["message"]["content"]
+    finally:
+        withdraw(resolver_folder, "exp-v2")
+        withdraw(resolver_folder, "stranger")
     assert set(client.models()) == {"base", "caller"}
 
 
