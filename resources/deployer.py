@@ -59,9 +59,10 @@ _KubernetesHostFields: Any = config_class(KubernetesHost, base=dg.ConfigurableRe
 
 
 class KubernetesDeployerResource(_KubernetesHostFields, DeployerResource):
-    """Deployments as a Kubernetes Deployment and Service per version (the fields of
-    ``KubernetesHost``: API server and login, image, namespace, node pool, shared volume,
-    secrets); the server is a subclass's."""
+    """Deployments on Kubernetes: one Deployment and Service per base model, each version an
+    adapter of it (``share``; a Deployment and Service per version without it), with the
+    fields of ``KubernetesHost``: API server and login, image, namespace, node pool, shared
+    volume, secrets; the server is a subclass's."""
 
     def host(self) -> ServerHost:
         return from_config(KubernetesHost, self)

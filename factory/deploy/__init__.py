@@ -3,8 +3,9 @@
 ``Deployer`` boots the inference server for a checkpoint, records the version in
 ``deployments`` and points the gateway route ``factory/<experiment>`` at it; a new version takes
 the traffic only once healthy, and the old one drains and stops. Where the servers run is a
-``ServerHost`` (``factory.deploy.hosts``): detached processes on this machine, or a Deployment
-and Service per version on Kubernetes (``factory.deploy.kubernetes``).
+``ServerHost`` (``factory.deploy.hosts``): detached processes on this machine, or Deployments
+and Services on Kubernetes (``factory.deploy.kubernetes``); on both, by default, every version
+on one base model is an adapter of one engine.
 """
 
 from factory.deploy.deployer import (

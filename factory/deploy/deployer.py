@@ -508,11 +508,12 @@ class Deployer:
 
     def _engine(self, engine: str) -> Placement | None:
         """The running shared engine ``engine``, from the newest active version on it whose
-        server still runs; None when there is none (a new one is started)."""
+        engine still runs (``ServerHost.engine_running``); None when there is none (a new one is
+        started)."""
         on = sorted((d for d in self.versions() if d.engine == engine and d.status in ACTIVE),
                     key=lambda d: d.updated_at or datetime.min.replace(tzinfo=UTC),
                     reverse=True)
-        found = next((d for d in on if d.server_alive), None)
+        found = next((d for d in on if self.host.engine_running(d)), None)
         if found is None or found.port is None:
             return None
         return Placement(endpoint=found.endpoint, port=found.port, log_path=found.log_path,

@@ -4,7 +4,8 @@ servers through, and its local implementation.
 ``Deployer`` decides which versions exist, when the gateway route moves and what the
 ``deployments`` table says; a ``ServerHost`` only runs one version's server. ``ProcessHost``
 runs it as a detached process on this machine (the embedded default);
-``factory.deploy.kubernetes.KubernetesHost`` runs it as a Kubernetes Deployment and Service.
+``factory.deploy.kubernetes.KubernetesHost`` runs it as a Kubernetes Deployment and Service
+(one per base model, each version an adapter of it, by default).
 Each version's row names where it runs (``placement_of``), so a version is always stopped by a
 host of its own kind.
 
@@ -128,9 +129,11 @@ class ServerSpec:
     """The shared engine already serving the base model, which the adapter is loaded into;
     None: a new server is started (with this adapter)."""
 
-    def server(self, *, host: str, port: int) -> InferenceServer:
-        """The ``InferenceServer`` whose ``command()`` is this version's argv."""
-        return InferenceServer(self.base_model, adapters={self.adapter: self.checkpoint},
+    def server(self, *, host: str, port: int, with_adapter: bool = True) -> InferenceServer:
+        """The ``InferenceServer`` whose ``command()`` is this version's argv (without its
+        adapter: the engine's, which learns its adapters at run time)."""
+        return InferenceServer(self.base_model,
+                               adapters={self.adapter: self.checkpoint} if with_adapter else {},
                                served_model_name=base_name(self.engine or self.name),
                                backend=self.backend, sizing=self.sizing, host=host, port=port,
                                threads=self.threads)
@@ -182,6 +185,11 @@ class ServerHost(ABC):
     @abstractmethod
     def running(self, dep: Deployment) -> bool:
         """True while ``dep``'s server (or what runs it) exists."""
+
+    def engine_running(self, dep: Deployment) -> bool:
+        """True while the shared engine ``dep`` is a version of still runs, whichever adapters
+        it serves: a version joining it is loaded into it."""
+        return dep.server_alive
 
     @abstractmethod
     def stop(self, dep: Deployment, *, timeout_s: float) -> None:

@@ -1,4 +1,5 @@
-"""Deployed versions on Kubernetes: each one an ``apps/v1`` Deployment and a ``v1`` Service.
+"""Deployed versions on Kubernetes: one ``apps/v1`` Deployment and ``v1`` Service per base model,
+every version an adapter of it (or, with ``share`` off, a Deployment and Service per version).
 
 ``KubernetesHost`` is the ``ServerHost`` (``factory.deploy.hosts``) of a cluster. A version's
 pod runs exactly the argv ``InferenceServer(...).command()`` builds (the factory's CPU server
@@ -16,6 +17,21 @@ pulled, a secret it cannot read) fails the deploy at once; otherwise the deploye
 timeout does, and either way the reason is the pods' status as the API reports it. Stopping a
 version deletes its Deployment, Service and ConfigMap (the Service and ConfigMap are also owned
 by the Deployment, so the cluster's garbage collector removes them if a delete is missed).
+
+**One engine per base model** (``share``, the default where the shared volume is mounted): the
+versions of every deployment on one base model and backend (``factory.deploy.hosts.engine_key``)
+are adapters of one engine, a Deployment started without adapters whose servers find them by
+name in a folder of the shared volume, ``<shared>/engines/<engine>/adapters`` (vLLM's
+filesystem LoRA resolver; the CPU server reads the same folder the same way:
+``factory.inference.resolver``). A version is published there (``publish``: links to its
+checkpoint's files), so every replica, and one started later, serves it by name with no call to
+each replica; the deploy is ready once the engine's Service answers a one-token completion for
+it through the API server's service proxy (the request that makes a replica load it), and the
+route then moves. A version retired is withdrawn from the folder; the engine's objects are
+deleted with the last one. A vLLM engine's ``--max-lora-rank`` is fixed at its start: an adapter
+of a higher rank is refused before it is published, the versions on it untouched. The engine
+belongs to the versions published in its folder (their ``deployments`` rows), never to the run
+that started it.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -40,6 +57,7 @@ from factory.deploy.hosts import (
     ServerHost,
     ServerSpec,
 )
+from factory.inference.resolver import adapter_rank, publish, published, resolver_env, withdraw
 from factory.inference.vllm import IMAGE
 from factory.settings import env_json_object, get_settings
 
@@ -73,13 +91,30 @@ def object_name(name: str, version: str, suffix: str) -> str:
     return f"inference-{safe}{tail}"
 
 
+def engine_object_name(engine: str, suffix: str) -> str:
+    """``inference-<backend>-<base>-<digest>-<suffix>`` for shared engine ``engine``
+    (``<backend>-<base folder name>-<digest>``): a DNS label of at most 63 characters, the base's
+    name cut first."""
+    head, _, digest = engine.rpartition("-")
+    tail = f"-{digest}-{suffix}"
+    safe = re.sub(r"[^a-z0-9-]+", "-", f"inference-{head}".lower())
+    return safe[:63 - len(tail)].strip("-") + tail
+
+
 def _located(dep: Deployment) -> tuple[str, str]:
     """``(namespace, object name)`` of a version from its ``log_path``."""
-    rest = (dep.log_path or "")[len(KUBERNETES_SCHEME):]
+    try:
+        return _located_path(dep.log_path)
+    except HostError as exc:
+        raise HostError(f"{dep.name} {dep.version}: {exc}") from None
+
+
+def _located_path(log_path: str | None) -> tuple[str, str]:
+    rest = (log_path or "")[len(KUBERNETES_SCHEME):]
     namespace, _, obj = rest.partition("/")
-    if not (dep.log_path or "").startswith(KUBERNETES_SCHEME) or not namespace or not obj:
-        raise HostError(f"{dep.name} {dep.version}: {dep.log_path!r} does not name a Kubernetes "
-                        "object (kubernetes://<namespace>/<name>)")
+    if not (log_path or "").startswith(KUBERNETES_SCHEME) or not namespace or not obj:
+        raise HostError(f"{log_path!r} does not name a Kubernetes object "
+                        "(kubernetes://<namespace>/<name>)")
     return namespace, obj
 
 
@@ -153,10 +188,17 @@ class KubernetesHost(ServerHost):
     """CA bundle path for the API server."""
     poll_s: float = 2.0
     """Seconds between two reads of a starting version's Deployment and pods."""
+    share: bool = True
+    """One engine per base model, each version an adapter of it (the module's docstring); it
+    needs ``shared_claim`` (the adapters are published on the shared volume): without one, or
+    with False, a Deployment per version."""
+    probe_timeout_s: float = 300.0
+    """Longest wait for one probe of a joining adapter through the service proxy (its load)."""
 
     kind = KUBERNETES
 
     def __post_init__(self) -> None:
+        self.shares_engines = self.share and self.shared_claim is not None
         if not 0 < self.port < 65536:
             raise ValueError(f"port: must be 1-65535, got {self.port!r}")
         if self.poll_s <= 0:
@@ -181,13 +223,23 @@ class KubernetesHost(ServerHost):
         from kubernetes import client as k
 
         self._check_paths(spec)
-        obj = object_name(spec.name, spec.version, suffix)
-        labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": obj,
-                  "factory/deployment": _label_value(spec.name), "factory/version": spec.version}
-        server = spec.server(host="0.0.0.0", port=self.port)  # noqa: S104 - the pod's interface
+        extra = dict(spec.env())
+        if spec.engine:
+            # The engine starts without adapters: it finds each one by name in its folder.
+            obj = engine_object_name(spec.engine, suffix)
+            labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": obj,
+                      "factory/engine": _label_value(spec.engine)}
+            extra.update(resolver_env(self.adapter_folder(spec.engine)))
+        else:
+            obj = object_name(spec.name, spec.version, suffix)
+            labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": obj,
+                      "factory/deployment": _label_value(spec.name),
+                      "factory/version": spec.version}
+        server = spec.server(host="0.0.0.0", port=self.port,  # noqa: S104 - the pod's interface
+                             with_adapter=not spec.engine)
         argv = server.command(vllm=IMAGE)  # the pod runs a vLLM image, not this machine's venv
         env = [*secret_env(self.secrets), *(k.V1EnvVar(name=key, value=value)
-                                            for key, value in sorted(spec.env().items()))]
+                                            for key, value in sorted(extra.items()))]
         gpus = ({self.gpu_resource: str(spec.sizing.tensor_parallel_size)}
                 if spec.backend == "vllm" else {})
         mounts: list[Any] = []
@@ -242,6 +294,11 @@ class KubernetesHost(ServerHost):
                 ports=[k.V1ServicePort(name="http", port=self.port, target_port="http")]))
         return deployment, service, config_map
 
+    def adapter_folder(self, engine: str) -> Path:
+        """The folder shared engine ``engine``'s servers resolve adapters from, on the shared
+        volume."""
+        return get_settings().shared / "engines" / engine / "adapters"
+
     def _check_paths(self, spec: ServerSpec) -> None:
         """Refuse a checkpoint or local base model the pod could not open."""
         if not self.shared_claim:
@@ -255,6 +312,49 @@ class KubernetesHost(ServerHost):
 
     # -- ServerHost ------------------------------------------------------------------------------
     def start(self, spec: ServerSpec) -> Placement:
+        if spec.engine is None:
+            return self._create(spec)
+        folder = self.adapter_folder(spec.engine)
+        if spec.join is not None:
+            self._check_rank(spec, spec.join)
+            self._check_paths(spec)
+            self._publish(folder, spec)
+            return spec.join
+        self._publish(folder, spec)
+        try:
+            return self._create(spec)
+        except HostError:
+            withdraw(folder, spec.adapter)
+            raise
+
+    @staticmethod
+    def _publish(folder: Path, spec: ServerSpec) -> None:
+        try:
+            publish(folder, spec.adapter, spec.checkpoint, spec.base_model)
+        except (ValueError, OSError) as exc:
+            raise HostError(f"cannot publish adapter {spec.adapter} in {folder}: {exc}") from None
+
+    def _check_rank(self, spec: ServerSpec, engine: Placement) -> None:
+        """Refuse an adapter of a rank above the running vLLM engine's ``--max-lora-rank``
+        (fixed when it started), before anything is published."""
+        if spec.backend != "vllm":
+            return
+        from kubernetes import client as k
+
+        namespace, obj = _located_path(engine.log_path)
+        with self._api() as api, _calling(f"reading Deployment {obj}"):
+            found = k.AppsV1Api(api).read_namespaced_deployment(obj, namespace)
+        argv = found.spec.template.spec.containers[0].command or []
+        if "--max-lora-rank" not in argv:
+            return
+        maximum = int(argv[argv.index("--max-lora-rank") + 1])
+        rank = adapter_rank(Path(spec.checkpoint))
+        if rank is not None and rank > maximum:
+            raise HostError(f"the shared vllm engine {obj} was started with --max-lora-rank "
+                            f"{maximum}; adapter {spec.adapter} from {spec.checkpoint} has rank "
+                            f"{rank}")
+
+    def _create(self, spec: ServerSpec) -> Placement:
         from kubernetes import client as k
 
         deployment, service, config_map = self.build(spec, suffix=uuid.uuid4().hex[:6])
@@ -277,7 +377,8 @@ class KubernetesHost(ServerHost):
                     self._delete(core, apps, self.namespace, obj)
                     raise
         return Placement(endpoint=f"http://{obj}.{self.namespace}.svc:{self.port}/v1",
-                         port=self.port, log_path=f"{KUBERNETES_SCHEME}{self.namespace}/{obj}")
+                         port=self.port, log_path=f"{KUBERNETES_SCHEME}{self.namespace}/{obj}",
+                         engine=spec.engine)
 
     def wait_ready(self, dep: Deployment, timeout_s: float) -> None:
         from kubernetes import client as k
@@ -291,7 +392,16 @@ class KubernetesHost(ServerHost):
                 with _calling(f"reading Deployment {obj}"):
                     status = apps.read_namespaced_deployment_status(obj, namespace).status
                 if status is not None and (status.available_replicas or 0) >= 1:
-                    return
+                    if not dep.engine:
+                        return
+                    answer = self._probe(api, namespace, obj, dep.adapter)
+                    if answer is None:
+                        return
+                    if time.monotonic() > deadline:
+                        raise HostError(f"{what} did not serve adapter {dep.adapter} after "
+                                        f"{timeout_s:.0f} s: {answer}")
+                    time.sleep(self.poll_s)
+                    continue
                 with _calling(f"listing the pods of {obj}"):
                     pods = core.list_namespaced_pod(
                         namespace, label_selector=f"app.kubernetes.io/instance={obj}").items
@@ -305,7 +415,43 @@ class KubernetesHost(ServerHost):
                     raise HostError(f"{what} {why}: {report}")
             time.sleep(self.poll_s)
 
+    def _probe(self, api: Any, namespace: str, obj: str, adapter: str) -> str | None:
+        """Ask engine ``obj``'s Service, through the API server's service proxy, for one token
+        from ``adapter`` (a replica that has not loaded it resolves it now): None when it
+        answers, else what it said; ``HostError`` when the engine refused the adapter (400: it
+        found it and could not load it)."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        path = f"/api/v1/namespaces/{namespace}/services/{obj}:http/proxy/v1/completions"
+        try:
+            response = api.call_api(
+                path, "POST", header_params={"Content-Type": "application/json",
+                                             "Accept": "application/json"},
+                body={"model": adapter, "prompt": "ok", "max_tokens": 1},
+                auth_settings=["BearerToken"], _preload_content=False,
+                _return_http_data_only=True, _request_timeout=self.probe_timeout_s)
+            response.release_conn()
+            return None
+        except ApiException as exc:
+            said = f"{exc.status} {exc.reason}: {str(exc.body or '')[:500]}"
+            if exc.status == 400:
+                raise HostError(f"the engine {obj} refused adapter {adapter}: {said}") from None
+            return said
+        except HTTPError as exc:
+            return f"the Kubernetes API cannot be reached ({exc})"
+
+    def engine_running(self, dep: Deployment) -> bool:
+        return self._exists(dep)
+
     def running(self, dep: Deployment) -> bool:
+        if dep.engine:
+            return (dep.adapter in published(self.adapter_folder(dep.engine))
+                    and self._exists(dep))
+        return self._exists(dep)
+
+    def _exists(self, dep: Deployment) -> bool:
+        """Whether the Deployment ``dep``'s row names exists."""
         from kubernetes import client as k
         from kubernetes.client.exceptions import ApiException
 
@@ -324,6 +470,11 @@ class KubernetesHost(ServerHost):
         from kubernetes import client as k
 
         namespace, obj = _located(dep)
+        if dep.engine:
+            folder = self.adapter_folder(dep.engine)
+            withdraw(folder, dep.adapter)
+            if published(folder):
+                return  # other versions are adapters of the engine
         with self._api() as api:
             self._delete(k.CoreV1Api(api), k.AppsV1Api(api), namespace, obj)
 

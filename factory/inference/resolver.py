@@ -106,3 +106,18 @@ def published(folder: str | Path) -> list[str]:
         return []
     return sorted(p.name for p in root.iterdir()
                   if not p.name.startswith(".") and (p / CONFIG).is_file())
+
+
+def adapter_rank(checkpoint: str | Path) -> int | None:
+    """The highest LoRA rank of adapter ``checkpoint`` (``r``, or a larger one in
+    ``rank_pattern``), what an engine's ``--max-lora-rank`` must hold; None when its config does
+    not say."""
+    try:
+        config = json.loads((Path(checkpoint) / CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    ranks = [config.get("r"), *((config.get("rank_pattern") or {}).values())]
+    found = [int(r) for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
+    return max(found) if found else None

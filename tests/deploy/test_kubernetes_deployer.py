@@ -1,8 +1,13 @@
-"""Deployments on Kubernetes: each version a Deployment and a Service, followed through a fake
-API server on 127.0.0.1 that keeps the objects posted to it and reports the status a test sets.
+"""Deployments on Kubernetes, followed through a fake API server on 127.0.0.1 that keeps the
+objects posted to it and reports the status a test sets: one engine (a Deployment and a
+Service) per base model whose versions are adapters published on the shared volume (the
+default), and a Deployment and Service per version (``share=False``).
 
-The deployer, the lake and the gateway routes are the real ones; only the cluster is a stand-in.
-Tests wait on the fake's state (an object created, a status read), never on the clock.
+The deployer, the lake, the gateway routes and the adapter folder are the real ones; only the
+cluster is a stand-in. Its service proxy answers a completion the way the engine's resolver
+would (``factory.inference.resolver.find`` on the folder and ``--model`` the Deployment names),
+or forwards it to a real CPU server (``engine_url``). Tests wait on the fake's state (an object
+created, a status read), never on the clock.
 """
 
 from __future__ import annotations
@@ -18,19 +23,24 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import httpx
 import pytest
 import yaml
 
 from factory.control.providers import SecretEnv
 from factory.deploy import DeployConfig, Deployer, Deployment, DeploymentError
+from factory.deploy.hosts import engine_key
 from factory.deploy.kubernetes import KubernetesHost, object_name
 from factory.gateway import load_routes
 from factory.inference import InferenceServer
+from factory.inference.resolver import RESOLVER_DIR_ENV, find, published, resolver_env
 from factory.inference.vllm import VLLM_ENV
 from factory.lake import Lake
+from tests.inference.conftest import make_adapter
 from tests.kube_schema import assert_valid
 
 ROOT = Path(__file__).resolve().parents[2]
+PROXY = re.compile(r"^/api/v1/namespaces/([^/]+)/services/([^/:]+):http/proxy(/.*)$")
 PATH = re.compile(r"^/(api/v1|apis/apps/v1)/namespaces/([^/]+)/([a-z]+)(?:/([^/]+))?(?:/([a-z]+))?$")
 GROUPS = {"api/v1": "", "apis/apps/v1": "apps"}
 
@@ -52,6 +62,10 @@ class FakeCluster:
         self.pods_for: Callable[[str], list[dict[str, Any]]] = lambda obj: []
         self.log = ""
         """Every pod's log."""
+        self.refuse: set[str] = set()
+        """Adapters an engine finds and cannot load (its proxy answers 400)."""
+        self.engine_url: str | None = None
+        """A real server the service proxy forwards to (None: it answers as the resolver)."""
         self.changed = threading.Condition()
         self.url = ""
 
@@ -100,7 +114,44 @@ def _handler(cluster: FakeCluster) -> type[BaseHTTPRequestHandler]:
                 cluster.changed.notify_all()
             return resource, name or "", sub or "", parts.query, body
 
+        def _proxy(self, m: re.Match[str]) -> None:
+            """A request to a Service through the API server: forwarded to ``engine_url``, or
+            answered as the engine's resolver would (503 while its Deployment has no ready
+            replica)."""
+            namespace, service, path = m.groups()
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n)) if n else {}
+            with cluster.changed:
+                cluster.calls.append(("POST", "", "services/proxy", service))
+                cluster.bodies.append(body)
+                cluster.changed.notify_all()
+                deployment = cluster.objects.get(("deployments", service))
+                ready = service in cluster.available
+            if cluster.engine_url is not None:
+                r = httpx.post(cluster.engine_url + path, json=body, timeout=120)
+                self._reply(r.text, r.status_code)
+                return
+            if deployment is None or not ready:
+                self._reply({"kind": "Status", "code": 503, "message": "no endpoints available"},
+                            503)
+                return
+            [container] = deployment["spec"]["template"]["spec"]["containers"]
+            env = {e["name"]: e.get("value") for e in container.get("env") or []}
+            model = body.get("model", "")
+            if model in cluster.refuse:
+                self._reply({"error": {"message": f"cannot load {model}"}}, 400)
+            elif find(env.get(RESOLVER_DIR_ENV) or "/nonexistent", model,
+                      _model_of(container["command"])):
+                self._reply({"object": "text_completion", "model": model,
+                             "choices": [{"index": 0, "text": "k"}]})
+            else:
+                self._reply({"error": {"message": f"The model `{model}` does not exist."}}, 404)
+
         def do_POST(self) -> None:  # noqa: N802
+            proxied = PROXY.match(urlsplit(self.path).path)
+            if proxied:
+                self._proxy(proxied)
+                return
             resource, _, _, _, body = self._route("POST")
             name = body["metadata"]["name"]
             with cluster.changed:
@@ -154,6 +205,14 @@ def _handler(cluster: FakeCluster) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _model_of(argv: list[str]) -> str:
+    """The base model a server's argv serves: ``vllm serve MODEL``, ``... -m
+    factory.inference MODEL``."""
+    if argv[:2] == ["vllm", "serve"]:
+        return argv[2]
+    return argv[argv.index("factory.inference") + 1]
+
+
 @pytest.fixture()
 def cluster() -> Iterator[FakeCluster]:
     fake = FakeCluster()
@@ -203,9 +262,9 @@ def _host(cluster: FakeCluster, **changes: Any) -> KubernetesHost:
     return KubernetesHost(**{**values, **changes})
 
 
-def _deployer(cluster: FakeCluster, **config: Any) -> Deployer:
+def _deployer(cluster: FakeCluster, *, share: bool = True, **config: Any) -> Deployer:
     cfg = DeployConfig(**{"drain_s": 0.0, "startup_timeout_s": 60.0, **config})
-    return Deployer(config=cfg, host=_host(cluster))
+    return Deployer(config=cfg, host=_host(cluster, share=share))
 
 
 def _rows(name: str = "exp") -> dict[str, Deployment]:
@@ -220,7 +279,7 @@ def _obj(dep: Deployment) -> str:
 
 def test_deploy_waits_for_an_available_replica_then_routes_to_the_service(
         cluster: FakeCluster, setup: Setup) -> None:
-    deployer = _deployer(cluster)
+    deployer = _deployer(cluster, share=False)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(deployer.deploy, "exp", str(setup.checkpoints[0]))
         cluster.wait_for(lambda: bool(cluster.names("deployments")))
@@ -281,7 +340,7 @@ def test_deploy_waits_for_an_available_replica_then_routes_to_the_service(
 def test_a_new_version_retires_the_old_ones_objects_and_rollback_and_undeploy_work(
         cluster: FakeCluster, setup: Setup) -> None:
     cluster.auto_ready = True
-    deployer = _deployer(cluster)
+    deployer = _deployer(cluster, share=False)
     v1 = deployer.deploy("exp", str(setup.checkpoints[0]))
     v2 = deployer.deploy("exp", str(setup.checkpoints[1]))
     rows = _rows()
@@ -308,7 +367,7 @@ def test_a_new_version_retires_the_old_ones_objects_and_rollback_and_undeploy_wo
 def test_a_candidate_serves_beside_the_live_version_until_promoted(
         cluster: FakeCluster, setup: Setup) -> None:
     cluster.auto_ready = True
-    deployer = _deployer(cluster)
+    deployer = _deployer(cluster, share=False)
     live = deployer.deploy("exp", str(setup.checkpoints[0]))
     candidate = deployer.deploy("exp", str(setup.checkpoints[1]), candidate=True)
     assert candidate.status == "candidate"
@@ -330,7 +389,7 @@ def test_a_candidate_serves_beside_the_live_version_until_promoted(
 def test_a_version_that_never_gets_ready_fails_with_the_pods_status(
         cluster: FakeCluster, setup: Setup) -> None:
     cluster.auto_ready = True
-    live = _deployer(cluster).deploy("exp", str(setup.checkpoints[0]))
+    live = _deployer(cluster, share=False).deploy("exp", str(setup.checkpoints[0]))
     cluster.auto_ready = False
     cluster.pods_for = lambda obj: [] if obj == _obj(live) else [{
         "metadata": {"name": f"{obj}-7d9f-x2"},
@@ -338,7 +397,8 @@ def test_a_version_that_never_gets_ready_fails_with_the_pods_status(
             "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
             "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}]
     with pytest.raises(DeploymentError, match="was not ready after 1 s") as err:
-        _deployer(cluster, startup_timeout_s=1.0).deploy("exp", str(setup.checkpoints[1]))
+        _deployer(cluster, share=False, startup_timeout_s=1.0).deploy(
+            "exp", str(setup.checkpoints[1]))
     assert "PodScheduled=False Unschedulable: 0/3 nodes are available: 3 Insufficient " \
            "nvidia.com/gpu." in str(err.value)
     rows = _rows()
@@ -365,7 +425,8 @@ def test_a_crash_looping_server_fails_at_once_with_its_log(cluster: FakeCluster,
     cluster.log = "--lora-modules: adapter exp-v1: no such directory\n"
     # The startup timeout is ten minutes: only the pod's state can end this deploy.
     with pytest.raises(DeploymentError, match=r"cannot start \(CrashLoopBackOff\)") as err:
-        _deployer(cluster, startup_timeout_s=600.0).deploy("exp", str(setup.checkpoints[0]))
+        _deployer(cluster, share=False, startup_timeout_s=600.0).deploy(
+            "exp", str(setup.checkpoints[0]))
     text = str(err.value)
     assert "exited 2 (Error), 3 restart(s)" in text
     assert "--lora-modules: adapter exp-v1: no such directory" in text
@@ -380,7 +441,7 @@ def test_vllm_servers_get_gpus_and_their_chat_template(cluster: FakeCluster,
     cluster.auto_ready = True
     deployer = Deployer(config=DeployConfig(backend="vllm", drain_s=0.0,
                                             overrides={"tensor_parallel_size": 2}),
-                        host=_host(cluster))
+                        host=_host(cluster, share=False))
     dep = deployer.deploy("exp", str(setup.checkpoints[0]))
     [deployment] = cluster.created("deployments")
     [config_map] = cluster.created("configmaps")
@@ -423,7 +484,7 @@ def test_an_api_server_that_cannot_be_reached_is_a_clear_error(setup: Setup) -> 
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     host = KubernetesHost(api_server=f"http://127.0.0.1:{port}", image="i",
-                          shared_claim="factory-shared")
+                          shared_claim="factory-shared", share=False)
     with pytest.raises(DeploymentError, match="creating Deployment inference-exp-v1-.*: the "
                                               "Kubernetes API cannot be reached"):
         Deployer(config=DeployConfig(drain_s=0.0), host=host).deploy(
@@ -442,6 +503,142 @@ def test_a_local_deployer_refuses_to_retire_a_version_on_the_cluster(
     assert load_routes(Lake())["factory/exp"].base_url == live.endpoint
 
 
+# --- one engine per base model ------------------------------------------------------------------
+
+def _folder(setup: Setup, backend: str = "transformers") -> Path:
+    return _host_folder(engine_key(str(setup.base), backend))
+
+
+def _host_folder(engine: str) -> Path:
+    return KubernetesHost(api_server="http://unused", image="i",
+                          shared_claim="factory-shared").adapter_folder(engine)
+
+
+def test_versions_of_every_deployment_on_one_base_are_adapters_of_one_engine(
+        cluster: FakeCluster, setup: Setup) -> None:
+    cluster.auto_ready = True
+    deployer = _deployer(cluster)
+    v1 = deployer.deploy("exp", str(setup.checkpoints[0]))
+    [obj] = cluster.names("deployments")
+    engine = engine_key(str(setup.base), "transformers")
+    assert obj.startswith("inference-transformers-base-") and len(obj) <= 63
+    assert (v1.engine, _obj(v1), v1.endpoint) == (engine, obj, f"http://{obj}.ml.svc:8000/v1")
+    folder = _folder(setup)
+    assert str(folder).startswith(str(setup.shared))  # on the volume every replica mounts
+    assert published(folder) == ["exp-v1"]
+    # The route names the adapter; the engine answered for it through the service proxy first.
+    route = load_routes(Lake())["factory/exp"]
+    assert (route.base_url, route.deployment) == (v1.endpoint, "exp-v1")
+    assert ("POST", "", "services/proxy", obj) in cluster.calls
+    [deployment] = cluster.created("deployments")
+    assert_valid(deployment)
+    assert deployment["metadata"]["labels"]["factory/engine"] == engine[:63].strip("-_.")
+    [c] = deployment["spec"]["template"]["spec"]["containers"]
+    # The engine starts without adapters and finds each one in its folder by name.
+    assert "--lora-modules" not in c["command"]
+    assert c["command"][c["command"].index("--served-model-name") + 1] == f"{engine}-base"
+    assert {"name": RESOLVER_DIR_ENV, "value": str(folder)} in c["env"]
+
+    # A new version, another experiment on the same base, a rollback: adapters, no new objects.
+    v2 = deployer.deploy("exp", str(setup.checkpoints[1]))
+    other = deployer.deploy("other", str(setup.checkpoints[0]))
+    assert cluster.names("deployments") == cluster.names("services") == {obj}
+    assert (v2.endpoint, other.endpoint) == (v1.endpoint, v1.endpoint)
+    assert published(folder) == ["exp-v2", "other-v1"]  # v1 withdrawn when v2 replaced it
+    back = deployer.rollback("exp")
+    assert (back.version, back.endpoint) == ("v1", v1.endpoint)
+    assert published(folder) == ["exp-v1", "other-v1"]
+    rows = _rows()
+    assert (rows["v1"].status, rows["v2"].status) == ("live", "stopped")
+    assert len(cluster.created("deployments")) == 1
+
+    # The engine outlives every version but its last.
+    deployer.undeploy("exp")
+    assert cluster.names("deployments") == {obj} and published(folder) == ["other-v1"]
+    deployer.undeploy("other")
+    assert cluster.names("deployments") == cluster.names("services") == set()
+    assert published(folder) == []
+    # The checkpoints themselves are untouched: only links were published and withdrawn.
+    assert all((ck / "adapter_config.json").is_file() for ck in setup.checkpoints)
+
+
+def test_an_adapter_the_engine_refuses_fails_its_deploy_and_the_live_version_keeps_serving(
+        cluster: FakeCluster, setup: Setup) -> None:
+    cluster.auto_ready = True
+    deployer = _deployer(cluster)
+    live = deployer.deploy("exp", str(setup.checkpoints[0]))
+    cluster.refuse = {"exp-v2"}
+    with pytest.raises(DeploymentError, match="refused adapter exp-v2") as err:
+        deployer.deploy("exp", str(setup.checkpoints[1]))
+    assert "400" in str(err.value) and "cannot load exp-v2" in str(err.value)
+    rows = _rows()
+    assert (rows["v1"].status, rows["v2"].status) == ("live", "failed")
+    assert published(_folder(setup)) == ["exp-v1"]
+    assert cluster.names("deployments") == {_obj(live)}
+    assert load_routes(Lake())["factory/exp"].deployment == "exp-v1"
+
+
+def test_a_vllm_engine_refuses_an_adapter_above_its_rank_before_publishing_it(
+        cluster: FakeCluster, setup: Setup) -> None:
+    cluster.auto_ready = True
+    deployer = Deployer(config=DeployConfig(backend="vllm", drain_s=0.0), host=_host(cluster))
+    live = deployer.deploy("exp", str(setup.checkpoints[0]))
+    [c] = cluster.created("deployments")[0]["spec"]["template"]["spec"]["containers"]
+    maximum = int(c["command"][c["command"].index("--max-lora-rank") + 1])
+    config = setup.checkpoints[1] / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "r": maximum * 2}))
+    with pytest.raises(DeploymentError, match=f"started with --max-lora-rank {maximum}; adapter "
+                                              f"exp-v2 .* has rank {maximum * 2}") as err:
+        deployer.deploy("exp", str(setup.checkpoints[1]))
+    assert "factory undeploy exp" in str(err.value)  # what to do: a new engine sized for it
+    assert published(_folder(setup, "vllm")) == ["exp-v1"]
+    assert _rows()["v1"].status == "live" and cluster.names("deployments") == {_obj(live)}
+
+
+def test_a_failed_engine_start_withdraws_its_adapter(setup: Setup) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    host = KubernetesHost(api_server=f"http://127.0.0.1:{port}", image="i",
+                          shared_claim="factory-shared")
+    with pytest.raises(DeploymentError, match="creating Deployment inference-transformers-base-"
+                                              ".*: the Kubernetes API cannot be reached"):
+        Deployer(config=DeployConfig(drain_s=0.0), host=host).deploy(
+            "exp", str(setup.checkpoints[0]))
+    assert published(_folder(setup)) == [] and _rows() == {}
+
+
+def test_a_real_engine_behind_the_service_serves_the_version_it_resolved(
+        cluster: FakeCluster, factory_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    """The proxy forwards to a real CPU server started as the engine's pod would be (no
+    adapter, the engine's folder in its environment): the deploy waits until it answers for
+    the published adapter, and it then serves it by name."""
+    shared = tmp_path / "shared"
+    monkeypatch.setenv("FACTORY_SHARED_DIR", str(shared))
+    (shared / "models").mkdir(parents=True)
+    base = shared / "models" / "tiny"
+    base.symlink_to(tiny_model_dir)
+    ckpt = make_adapter(base, shared / "runs" / "r1" / "step-2", seed=1)
+    Lake().existing_tables()
+    engine = engine_key(str(base), "transformers")
+    folder = _host_folder(engine)
+    folder.mkdir(parents=True)
+    cluster.auto_ready = True
+    with InferenceServer(str(base), served_model_name=f"{engine}-base", threads=1,
+                         log_path=tmp_path / "engine.log", startup_timeout_s=240,
+                         env=resolver_env(folder)) as server:
+        cluster.engine_url = server.url
+        dep = _deployer(cluster).deploy("exp", str(ckpt))
+        assert dep.status == "live" and dep.engine == engine
+        client = server.client()
+        assert client.models() == [f"{engine}-base", "exp-v1"]  # loaded by the deploy's probe
+        answer = client.chat("exp-v1", [{"role": "user", "content": "hi"}], max_tokens=4)
+        assert answer["model"] == "exp-v1"
+
+
 def test_object_names_are_dns_labels() -> None:
     name = object_name("a_" + "x" * 62, "v12", "abc123")
     assert len(name) <= 63 and name.endswith("-v12-abc123")
@@ -449,21 +646,27 @@ def test_object_names_are_dns_labels() -> None:
 
 
 def test_every_call_is_allowed_by_the_deployer_role(cluster: FakeCluster, setup: Setup) -> None:
-    """The calls of a deploy, a replacement, a failure and an undeploy, each allowed by the
-    Role ``deploy/k8s/rbac.yaml`` binds to the code location's account."""
-    cluster.auto_ready = True
-    deployer = Deployer(config=DeployConfig(backend="vllm", drain_s=0.0), host=_host(cluster))
-    deployer.deploy("exp", str(setup.checkpoints[0]))
-    deployer.deploy("exp", str(setup.checkpoints[1]))
-    cluster.auto_ready = False
-    cluster.pods_for = lambda obj: [{"metadata": {"name": "p"}, "status": {
-        "phase": "Running", "containerStatuses": [{
-            "name": "server", "image": "i", "imageID": "", "ready": False, "restartCount": 1,
-            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-            "lastState": {"terminated": {"exitCode": 1}}}]}}]
-    with pytest.raises(DeploymentError):
+    """The calls of a deploy, a replacement, a failure and an undeploy, a Deployment per version
+    and one engine per base model (its adapter probed through the service proxy, its rank
+    read), each allowed by the Role ``deploy/k8s/rbac.yaml`` binds to the code location's
+    account."""
+    for share in (False, True):
+        cluster.auto_ready = True
+        cluster.pods_for = lambda obj: []
+        deployer = Deployer(config=DeployConfig(backend="vllm", drain_s=0.0),
+                            host=_host(cluster, share=share))
         deployer.deploy("exp", str(setup.checkpoints[0]))
-    deployer.undeploy("exp")
+        deployer.deploy("exp", str(setup.checkpoints[1]))
+        if not share:
+            cluster.auto_ready = False
+            cluster.pods_for = lambda obj: [{"metadata": {"name": "p"}, "status": {
+                "phase": "Running", "containerStatuses": [{
+                    "name": "server", "image": "i", "imageID": "", "ready": False,
+                    "restartCount": 1, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 1}}}]}}]
+            with pytest.raises(DeploymentError):
+                deployer.deploy("exp", str(setup.checkpoints[0]))
+        deployer.undeploy("exp")
 
     docs = [d for d in yaml.safe_load_all((ROOT / "deploy/k8s/rbac.yaml").read_text()) if d]
     [role] = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "factory-deployer"]
@@ -474,7 +677,8 @@ def test_every_call_is_allowed_by_the_deployer_role(cluster: FakeCluster, setup:
             for method, group, resource, name in cluster.calls}
     assert used - allowed == set()
     assert {("apps", "deployments", "create"), ("", "services", "delete"),
-            ("", "pods/log", "get")} <= used
+            ("", "pods/log", "get"), ("", "services/proxy", "create"),
+            ("apps", "deployments", "get")} <= used
 
 
 def test_the_deployment_asset_runs_on_the_cluster_factory_deployer_names(
