@@ -17,25 +17,24 @@ from typing import Any
 
 from factory.evals.judges import EvalItem, LLMJudge, ScoreRow, answer_from_message
 from factory.evals.rubric import Answer, Criterion, Rubric, infer_rubric, structured_outputs
-
-CONSTRAIN_AUTO = False
-"""What ``eval.constrain: auto`` does. Off: on triage's dev split (100 held-out-frame tickets
-per seed, SmolLM2-135M LoRA checkpoints of three seeds, greedy, on the CPU server) constraining
-to the labels left the trained checkpoints' exact-label rate as it was or raised it (0.80 ->
-0.82, 0.61 -> 0.61, 0.83 -> 0.83: it only removed the 1-2 answers per 100 outside the set), but
-it lifted the base model's from 0.00 to 0.17, so the margin over the base that runs report
-shrinks; JSON tasks are not measured yet. An experiment asks for it with ``on``."""
+from factory.experiments import CONSTRAIN_AUTO
 
 
-def eval_constraint(rubric: Rubric, mode: str) -> dict[str, Any] | None:
+def eval_constraint(rubric: Rubric, mode: str, *,
+                    auto: frozenset[str] = CONSTRAIN_AUTO) -> dict[str, Any] | None:
     """The ``structured_outputs`` eval answers are generated under: the rubric's closed answer
-    set when ``mode`` (``eval.constrain``) is ``on``, or ``auto`` and ``CONSTRAIN_AUTO``;
-    None when off or the task is not closed (tool calls, free text)."""
+    set when ``mode`` (``eval.constrain``) is ``on``, or ``auto`` and the set is of a kind in
+    ``auto`` (default ``factory.experiments.CONSTRAIN_AUTO``: what ``auto`` means now; a run
+    planned earlier keeps the meaning its plan recorded); None when off or the task is not
+    closed (tool calls, free text)."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"eval.constrain: must be auto, on or off, got {mode!r}")
-    if mode == "off" or (mode == "auto" and not CONSTRAIN_AUTO):
+    if mode == "off":
         return None
-    return structured_outputs(rubric)
+    out = structured_outputs(rubric)
+    if mode == "auto" and (out is None or not set(out) <= auto):
+        return None
+    return out
 
 
 def _loads(v: Any) -> Any:

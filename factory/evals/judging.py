@@ -43,7 +43,7 @@ from factory.evals.report import plot_png, record_early_stop
 from factory.evals.reuse import borrow_scores
 from factory.evals.rubric import Rubric, stored_rubric
 from factory.evals.selection import EarlyStop, StepScore, summarize
-from factory.experiments import EvalSpec, load_experiment
+from factory.experiments import CONSTRAIN_AUTO, EvalSpec, load_experiment
 from factory.inference.launcher import InferenceServer, InferenceServerError
 from factory.inference.sizing import ServingSize, plan_of_run
 from factory.lake import LakeSession, Lineage
@@ -123,15 +123,20 @@ def planned_eval(plan: Mapping[str, Any] | None, experiment: str) -> EvalSpec:
     was not planned (a ready job file)."""
     recorded = (plan or {}).get("eval")
     if recorded is not None:
-        return EvalSpec(**recorded)
+        return EvalSpec(**{k: v for k, v in recorded.items() if k != "constrain_auto"})
     return load_experiment(experiment).eval
 
 
 def answer_constraint(rubric: Rubric, plan: Mapping[str, Any] | None,
                       experiment: str) -> dict[str, Any] | None:
     """The ``structured_outputs`` a run's eval answers are generated under: the rubric's closed
-    answer set when the run's ``eval.constrain`` (``planned_eval``) turns it on, else None."""
-    return eval_constraint(rubric, planned_eval(plan, experiment).constrain)
+    answer set when the run's ``eval.constrain`` (``planned_eval``) turns it on, else None.
+    ``auto`` means what the plan recorded it to mean (``constrain_auto``; a plan that did not
+    record it was made when ``auto`` was off); without a plan, what it means now."""
+    recorded = (plan or {}).get("eval")
+    auto = (CONSTRAIN_AUTO if recorded is None
+            else frozenset(recorded.get("constrain_auto") or ()))
+    return eval_constraint(rubric, planned_eval(plan, experiment).constrain, auto=auto)
 
 
 def serving_constraint(session: LakeSession, experiment: str) -> dict[str, Any] | None:

@@ -13,7 +13,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from factory.control.jobs import mix_source_rows, planned_run_id, traffic_group_rows
-from factory.experiments import Experiment, experiment_sha, run_key, sweep_points
+from factory.experiments import (
+    CONSTRAIN_AUTO,
+    Experiment,
+    experiment_sha,
+    run_key,
+    sweep_points,
+)
 from factory.planner.plan import Plan, make_plan
 from factory.planner.profile import DatasetProfile, read_profile
 
@@ -49,9 +55,11 @@ def plan_row(plan: Plan, experiment: Experiment, dataset_version: str | None) ->
         "estimated_hours": plan.estimates.get("hours"),
         "train_config": json.dumps(cfg, sort_keys=True),
         # The eval settings travel with the plan: a run's checkpoints are judged as planned,
-        # whatever the experiment file says later (or if it is gone).
-        "plan": json.dumps({**plan.to_dict(), "eval": dataclasses.asdict(experiment.eval)},
-                           sort_keys=True, default=str),
+        # whatever the experiment file says later (or if it is gone), and with them what
+        # ``eval.constrain: auto`` means today.
+        "plan": json.dumps({**plan.to_dict(), "eval": {
+            **dataclasses.asdict(experiment.eval), "constrain_auto": sorted(CONSTRAIN_AUTO)}},
+            sort_keys=True, default=str),
     }
 
 

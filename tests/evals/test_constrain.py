@@ -17,7 +17,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from factory.evals.answers import (
-    CONSTRAIN_AUTO,
     build_rubric,
     eval_constraint,
     generate_answers,
@@ -31,6 +30,7 @@ from factory.evals.rubric import (
     normalize_label,
     structured_outputs,
 )
+from factory.experiments import CONSTRAIN_AUTO
 from factory.inference import InferenceServer
 from factory.inference.constrain import build_constraint, parse_structured_outputs
 from factory.tasks import generate_conversations, ticket_triage
@@ -52,7 +52,7 @@ def test_a_label_task_is_closed_over_its_labels_in_every_casing() -> None:
     assert {"billing", "Billing", "BUG", "Bug"} <= set(out["choice"])
     assert eval_constraint(rubric, "on") == out
     assert eval_constraint(rubric, "off") is None
-    assert not CONSTRAIN_AUTO and eval_constraint(rubric, "auto") is None  # off until measured
+    assert "choice" in CONSTRAIN_AUTO and eval_constraint(rubric, "auto") == out  # measured
     with pytest.raises(ValueError, match="eval.constrain: must be auto, on or off"):
         eval_constraint(rubric, "yes")
 
@@ -65,6 +65,11 @@ def test_a_run_is_constrained_as_its_plan_recorded() -> None:
         structured_outputs(rubric)
     assert answer_constraint(rubric, {"eval": {**recorded, "constrain": "off"}}, "x") is None
     assert answer_constraint(rubric, {"eval": recorded}, "x") is None  # planned before the field
+    # ``auto`` means what the plan recorded: on for labels now, off in a plan made before.
+    assert answer_constraint(rubric, {"eval": {**recorded, "constrain": "auto",
+                                               "constrain_auto": ["choice"]}}, "x") == \
+        structured_outputs(rubric)
+    assert answer_constraint(rubric, {"eval": {**recorded, "constrain": "auto"}}, "x") is None
 
 
 def test_a_json_task_is_closed_over_its_keys_in_the_references_order(tiny_model_dir: Path
@@ -78,6 +83,8 @@ def test_a_json_task_is_closed_over_its_keys_in_the_references_order(tiny_model_
     schema = out["json"]
     assert list(schema["properties"]) == ["name", "email", "company", "intent"]
     jsonschema.validate(json.loads(refs[0]), schema)
+    assert eval_constraint(rubric, "auto") is None  # JSON: not measured on a dev split, off
+    assert eval_constraint(rubric, "on") == out
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**json.loads(refs[0]), "name": 3}, schema)  # the references' type
     # the grammar the server builds from it takes a reference, compact or spaced
