@@ -19,13 +19,13 @@ Why bigrams at 0.3 of the smaller and 0.1 of the larger (``bench/phrasing_split.
 triage tickets of 77 core frames, 600 agent requests of 91 frames, two seeds each, the
 generators' frame of each sample as the truth; CLINC150 at 10 and 30 queries per intent): the
 share of eval samples whose frame also trains (*frame leak*) is 0.96-1.00 for the trace/prefix
-split, 0.13-0.28 here. Other linkings measured: the smaller's share alone left one cluster of
+split, 0.13-0.32 here. Other linkings measured: the smaller's share alone left one cluster of
 2,855 of CLINC150's 4,500 queries (short queries chain); the larger's share or Jaccard alone
 (>= 0.2-0.3) leaked 0.40-0.94 of triage's frames; word unigrams >= 0.6 leaked 0.10-0.20 on
 triage but 0.56-0.58 on agent requests and could not split CLINC150; all-MiniLM-L6-v2 embedding
 clusters (cosine >= 0.75) leaked 0.33-0.82. What leaks is a frame whose fills differ enough to
-form two clusters: a memorizing 1-nearest-neighbour classifier scores 0.69-0.78 on this eval
-set, 1.00 on the trace/prefix one, and 0.54-0.59 on triage's held-out frames.
+form two clusters: a memorizing 1-nearest-neighbour classifier scores 0.69-0.80 on this eval
+set, 1.00 on the trace/prefix one, and 0.54-0.62 on triage's held-out frames.
 
 ``assign`` then picks the eval clusters (``eval_fraction`` of the samples, every label present
 where a label lives in more than one cluster) and falls back to the trace/prefix split, labelled
@@ -103,10 +103,13 @@ KEY = "~k:"
 _MASKS = (
     (re.compile(r"\S+@\S+\.\w+"), " qqemail "),
     (re.compile(r"(?:https?://|www\.)\S+"), " qqurl "),
-    (re.compile(r"\"[^\"\n]{1,80}\"|'[^'\n]{1,80}'|«[^»\n]{1,80}»|„[^“\n]{1,80}“"), " qqquote "),
+    # a single quote inside a word is an apostrophe (I'd, it's, d'annuler), not a quote mark
+    (re.compile(r"\"[^\"\n]{1,80}\"|(?<!\w)'[^'\n]{1,80}'(?!\w)|«[^»\n]{1,80}»|„[^“\n]{1,80}“"),
+     " qqquote "),
     (re.compile(r"[\w$€£¥.,:/#+-]*\d[\w$€£¥.,:/#+-]*"), " qqnum "),
-    # a capitalized word after a lower-case word or a comma: a name, a place, a product
-    (re.compile(r"(?<=[a-zà-ÿ,;] )[A-ZÀ-Þ][\w'’-]+"), "qqname"),
+    # a capitalized word after a lower-case word or a comma: a name, a place, a product (not
+    # English "I" with its contractions: I'd, I'm)
+    (re.compile(r"(?<=[a-zà-ÿ,;] )(?!I['’])[A-ZÀ-Þ][\w'’-]+"), "qqname"),
 )
 
 

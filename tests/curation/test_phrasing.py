@@ -27,6 +27,11 @@ def test_skeleton_masks_what_varies_between_fills() -> None:
     # names inside a sentence, quoted values; the sentence's first word and "I" stay
     assert phrasing.skeleton("I keep seeing 'Something went wrong' on Safari since Monday") == \
         "i keep seeing qqquote on qqname since qqname"
+    # an apostrophe inside a word is no quote mark: the text between two of them stays
+    assert phrasing.skeleton("Merci d'annuler la commande 12, j'ai changé d'avis.") == \
+        "merci d annuler la commande qqnum j ai changé d avis"
+    assert phrasing.skeleton("It's broken, I'd like a 'refund' today") == \
+        "it s broken i d like a qqquote today"
 
 
 @pytest.mark.parametrize(("messages", "label"), [
@@ -97,7 +102,7 @@ def test_triage_clusters_hold_out_whole_phrasings_with_every_label() -> None:
         sides.setdefault(split.group[s], set()).add(split.side[s])
     assert all(len(v) == 1 for v in sides.values())
     # the frames of the eval set mostly never train: 13-28% of them do in bench/phrasing_split.py
-    # (22% here), against every one with the trace/prefix split
+    # (13% here), against every one with the trace/prefix split
     train_frames = {c["template"] for c, e in zip(convs, ev, strict=True) if not e}
     leak = sum(1 for c, e in zip(convs, ev, strict=True) if e and c["template"] in train_frames)
     assert leak / sum(ev) <= 0.3
@@ -113,8 +118,8 @@ def test_a_memorizer_scores_closer_to_new_phrasings_on_the_phrasing_split() -> N
     # A 1-nearest-neighbour classifier (word and bigram Jaccard) recalls every template it has
     # seen and generalizes little: the recall split scores it 1.0, new phrasings (the held-out
     # frames) far lower; the phrasing split must close most of that gap. It does not close
-    # all of it (0.69 / 0.78 / 0.77 against 0.54 / 0.55 / 0.59 over seeds 0-2; the frame leak
-    # of 13-28% is what a memorizer exploits), so the test holds half.
+    # all of it (0.69 / 0.80 / 0.77 against 0.54 / 0.62 / 0.59 over seeds 0-2; the frame leak
+    # of 13-32% is what a memorizer exploits), so the test holds half.
     convs = ticket_triage.generate_conversations(500, 0)
     texts = [c["messages"][1]["content"] for c in convs]
     labels = [c["label"] for c in convs]
