@@ -73,10 +73,10 @@ from factory.evals.rubric import Rubric
 from factory.evals.shadow import FREE_TEXT_PASS
 from factory.gateway.keys import gateway_api_url, headers_for
 from factory.inference.client import InferenceClient, InferenceClientError
-from factory.inference.protocol import wire_messages, wire_tools
 from factory.lake import LakeSession
 from factory.normalize.canon import NormalizeError
 from factory.normalize.openai import normalize_call
+from factory.normalize.request import wire_messages, wire_tools
 from factory.settings import Settings, get_settings
 from factory.tables import TABLES
 

@@ -28,7 +28,7 @@ from typing import Any
 from factory.blobs import BlobStore
 from factory.errors import FactoryError
 from factory.evals.answers import to_openai_messages, to_openai_tools
-from factory.inference.protocol import holds_image
+from factory.normalize.request import holds_image
 from factory.trainer.chat import IGNORE_INDEX, encode, load_tokenizer
 from factory.trainer.progress import quiet_progress_bars
 

@@ -45,6 +45,7 @@ from factory.gateway.upstream import (
 )
 from factory.lake import Lake
 from factory.normalize.otlp import split_otlp
+from factory.normalize.request import as_trained
 from factory.settings import Settings, get_settings
 
 log = logging.getLogger("factory.gateway")
@@ -377,17 +378,19 @@ class Gateway:
             base = target.base_url
             if target.version:
                 tags = {**tags, "route_version": target.version}
-            if target.deployment:
-                if provider == "gemini":
-                    path = f"{_GEMINI_PREFIX}{target.deployment}:{route}"
-                else:
-                    upstream_body = orjson.dumps({**request, "model": target.deployment})
-            if target.structured_outputs and provider == "openai" \
-                    and "structured_outputs" not in request:
-                # The deployment answers its closed task constrained, as it was evaluated.
-                upstream_body = orjson.dumps({**request, "model": target.deployment
-                                              or request.get("model"),
-                                              "structured_outputs": target.structured_outputs})
+            if target.deployment and provider == "gemini":
+                path = f"{_GEMINI_PREFIX}{target.deployment}:{route}"
+            elif target.deployment or (target.structured_outputs and provider == "openai"):
+                sent = {**request, "model": target.deployment or request.get("model")}
+                if target.deployment and route == "chat.completions":
+                    # A factory deployment gets the conversation as its trainer rendered it:
+                    # vLLM renders what it is sent (spaced tool-call arguments are other tokens).
+                    sent.update(as_trained(request) or {})
+                if target.structured_outputs and provider == "openai" \
+                        and "structured_outputs" not in request:
+                    # The deployment answers its closed task constrained, as it was evaluated.
+                    sent["structured_outputs"] = target.structured_outputs
+                upstream_body = orjson.dumps(sent)
 
         forward = [(k, v) for k, v in headers.items()
                    if k not in _DROP_REQUEST and not k.startswith(b"x-factory-")]

@@ -18,7 +18,7 @@ import httpx
 
 from factory.errors import FactoryError
 from factory.inference.contract import TOKEN_ID_PREFIX
-from factory.inference.protocol import ImageURL, wire_messages, wire_tools
+from factory.normalize.request import ImageURL, wire_messages, wire_tools
 
 
 class InferenceClientError(FactoryError):

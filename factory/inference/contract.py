@@ -64,7 +64,7 @@ _MESSAGE = {
                            "function": {"type": "object", "required": ["name", "arguments"],
                                         "properties": {"name": _STR, "arguments": _STR}}}}},
         "tool_call_id": _STR}}
-"""A message as the factory sends it: text only (``factory.inference.protocol.wire_messages``
+"""A message as the factory sends it: text only (``factory.normalize.request.wire_messages``
 writes canonical reasoning and image parts as the text the trainer renders for them)."""
 
 SCHEMAS: dict[str, dict[str, Any]] = {

@@ -52,7 +52,6 @@ from factory import codepin
 from factory.blobs import BlobStore
 from factory.errors import FactoryError
 from factory.inference.client import InferenceClient
-from factory.inference.protocol import image_data_urls
 from factory.inference.vllm import (
     BUILD_HINT,
     IMAGE,
@@ -65,6 +64,7 @@ from factory.inference.vllm import (
     vllm_serve_command,
 )
 from factory.lifeline import guard, release
+from factory.normalize.request import image_data_urls
 from factory.settings import get_settings
 from factory.trainer.chat import CHAT_TEMPLATE, chat_format, chat_template
 from factory.trainer.cores import claim_for, folder_of

@@ -12,8 +12,8 @@ server against them.
   ``"none"``), calls the model writes in the trainer's format come back as OpenAI's
   ``message.tool_calls`` (``content`` null when nothing else was said, ``finish_reason``
   ``"tool_calls"``), streamed as OpenAI streams tool-call deltas; a malformed call is returned
-  as content. ``factory.inference.protocol`` says how, and how a request's messages become the
-  canonical conversation that is rendered. Any other ``tool_choice`` is served as ``"auto"``:
+  as content. ``factory.inference.protocol`` says how, and ``factory.normalize.request`` how a
+  request's messages become the canonical conversation that is rendered. Any other ``tool_choice`` is served as ``"auto"``:
   generation is not constrained. vLLM's extra parameters ``add_generation_prompt`` (default
   true), ``return_token_ids`` (the response's ``prompt_token_ids`` and ``choices[0].token_ids``)
   and ``prompt_logprobs`` (non-streamed) are honoured: the equivalence gate reads the rendered
@@ -79,15 +79,10 @@ from factory.inference.engine import (
     TokenConstraint,
     TokenLogprob,
 )
-from factory.inference.protocol import (
-    FIRST_DELTA,
-    ReplyStream,
-    canonical_request,
-    chat_template_input,
-    reply_message,
-)
+from factory.inference.protocol import FIRST_DELTA, ReplyStream, reply_message
 from factory.inference.resolver import find
 from factory.normalize.canon import NormalizeError
+from factory.normalize.request import canonical_request, chat_template_input
 from factory.trainer.cores import CoreShare
 from factory.trainer.vision import ImageInput, expand_pads
 

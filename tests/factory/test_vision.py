@@ -292,7 +292,7 @@ def test_the_server_answers_image_url_parts(vl_dir: Path, tmp_path: Path,
 
 def test_the_wire_carries_images_as_data_urls_only_for_a_vision_model(factory_home: Path
                                                                        ) -> None:
-    from factory.inference.protocol import image_data_urls, wire_messages
+    from factory.normalize.request import image_data_urls, wire_messages
 
     sha = BlobStore().put(RED_GREEN)
     message = {"role": "user", "content": [

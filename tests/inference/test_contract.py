@@ -14,7 +14,7 @@ import torch
 
 from factory.inference import InferenceServer
 from factory.inference.contract import SCHEMAS, ContractError, check
-from factory.inference.protocol import wire_messages, wire_tools
+from factory.normalize.request import wire_messages, wire_tools
 from factory.trainer.chat import load_tokenizer, render
 
 MESSAGES: list[Any] = [{"role": "system", "content": "Reply briefly."},

@@ -14,15 +14,10 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from factory.inference.protocol import (
-    FIRST_DELTA,
-    ReplyStream,
-    canonical_request,
-    chat_template_input,
-    reply_message,
-)
+from factory.inference.protocol import FIRST_DELTA, ReplyStream, reply_message
 from factory.normalize import NormalizeError
 from factory.normalize.openai import normalize
+from factory.normalize.request import as_trained, canonical_request, chat_template_input
 from factory.trainer.chat import install_chat_template, load_tokenizer, parse_assistant, render
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -116,6 +111,26 @@ def test_served_prompt_is_byte_equal_to_the_trainers_rendering(tok: Any) -> None
     assert raw != render(CANONICAL["messages"], CANONICAL["tools"], add_generation_prompt=True)
     assert '"unit": "C", "city": "Zürich"' in raw and '"strict": true' in raw
     assert "<|im_start|>developer" in raw
+
+
+def test_the_gateway_sends_a_deployment_what_its_template_renders_as_the_trainer(tok: Any
+                                                                                ) -> None:
+    """A request on a route to a factory deployment goes out as ``as_trained`` writes it: the
+    template given that, as vLLM applies it to what it is sent, renders the trainer's prompt."""
+    sent = as_trained(OPENAI_REQUEST)
+    assert sent is not None
+    served = tok.apply_chat_template(sent["messages"], tools=sent["tools"], tokenize=False,
+                                     add_generation_prompt=True)
+    assert served == render(CANONICAL["messages"], CANONICAL["tools"], add_generation_prompt=True)
+    assert as_trained({"messages": OPENAI_REQUEST["messages"]}) == {
+        "messages": sent["messages"]}  # no tools sent, none added
+    # What cannot be read as a conversation goes as it is (the server says why), and so does a
+    # request holding an image (its pixels travel only in its own parts).
+    assert as_trained({"messages": "hello"}) is None
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
+               "+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="}}]}
+    assert as_trained({"messages": [image]}) is None
 
 
 def test_canonical_messages_from_the_evals_render_unchanged(tok: Any) -> None:

@@ -19,7 +19,7 @@ from openai import OpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from factory.inference import InferenceServer
-from factory.inference.protocol import canonical_request
+from factory.normalize.request import canonical_request
 from factory.trainer.chat import encode, install_chat_template, render
 from tests.conftest import _models_cache
 

@@ -44,9 +44,9 @@ from factory.gateway import Gateway, GatewayConfig, ServerThread
 from factory.gateway.routes import Route, RoutingTable
 from factory.inference import InferenceServer, InferenceServerError, ServeSizing
 from factory.inference.contract import check
-from factory.inference.protocol import canonical_request
 from factory.inference.resolver import publish, resolver_env, withdraw
 from factory.inference.vllm import ENGINE_OVERHEAD_THREADS, VLLM_SERVER_MODULE, local_vllm
+from factory.normalize.request import canonical_request
 from factory.tasks import generate_conversations
 from factory.trainer.chat import IGNORE_INDEX
 from factory.trainer.cores import ENV_FOLDER, CoreShare, folder_of
@@ -221,6 +221,29 @@ def test_the_adapter_answers_through_the_gateway(vllm_server: InferenceServer,
     # vLLM's hermes parser keeps the text before <tool_call> as it is, newline included (the
     # CPU server strips it), and re-serializes the arguments: compare them parsed.
     assert choice.message.content == "Checking.\n"
+
+
+def test_the_gateway_sends_vllm_the_conversation_as_the_trainer_rendered_it(
+        vllm_server: InferenceServer, factory_home: Path) -> None:
+    """vLLM renders a request as it is sent: AGENT_TURN's tool-call arguments and results with
+    spaces are other tokens than the canonical (compact) JSON the adapter was trained on. On a
+    route to a deployment the gateway sends the conversation canonical, so vLLM renders what
+    the trainer rendered."""
+    client = vllm_server.client()
+    messages, tools = canonical_request(AGENT_TURN, TOOLS)
+    trained = client.rendered_ids("caller", messages, tools)
+    assert client.rendered_ids("caller", AGENT_TURN, TOOLS) != trained  # sent raw: skewed
+    route = Route(model="factory/tools", provider="openai", base_url=vllm_server.url,
+                  deployment="caller", version="v1")
+    config = GatewayConfig(port=0, openai_base_url=vllm_server.url, upstream_timeout_s=60.0)
+    gateway = Gateway(config, routes=RoutingTable({route.model: route}),
+                      lake_factory=lambda: None, ingest=Collected())
+    with ServerThread(gateway) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "model": "factory/tools", "messages": AGENT_TURN, "tools": TOOLS, "max_tokens": 1,
+            "add_generation_prompt": False, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == trained
 
 
 def test_the_equivalence_gate_passes_on_vllm(vllm_server: InferenceServer, caller: Path,
