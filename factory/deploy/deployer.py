@@ -477,7 +477,8 @@ class Deployer:
             except HostError as exc:
                 reason = str(exc)
                 try:
-                    self.host.stop(dep, timeout_s=10)
+                    # A version that started its engine is its only one (the lock is held).
+                    self.host.stop(dep, timeout_s=10, last=join is None)
                 except HostError as stop_exc:
                     reason += f"\n(and it could not be stopped: {stop_exc})"
                 self._write([dep.row(status="failed", reason=reason[:2000],
@@ -579,9 +580,17 @@ class Deployer:
             running = [(d, h) for d, h in zip(deps, hosts, strict=True) if h.running(d)]
             if running:
                 time.sleep(self.config.drain_s)  # one drain for all: gateways re-read routes
+            # The versions each shared engine still serves once these are stopped, by the rows.
+            on_engine: dict[str, set[tuple[str, str]]] = {}
+            for v in self.versions() if any(d.engine for d in deps) else []:
+                if v.engine and v.status in ACTIVE:
+                    on_engine.setdefault(v.engine, set()).add((v.name, v.version))
             for d, h in running:
                 with self._engine_lock(d.engine):
-                    h.stop(d, timeout_s=self.config.stop_timeout_s)
+                    others = on_engine.get(d.engine or "", set()) - {(d.name, d.version)}
+                    h.stop(d, timeout_s=self.config.stop_timeout_s, last=not others)
+                if d.engine:
+                    on_engine.get(d.engine, set()).discard((d.name, d.version))
         except HostError as exc:
             # Left draining: the next deploy or undeploy of the name retires them again.
             versions = ", ".join(d.version for d in deps)

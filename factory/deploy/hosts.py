@@ -192,10 +192,12 @@ class ServerHost(ABC):
         return dep.server_alive
 
     @abstractmethod
-    def stop(self, dep: Deployment, *, timeout_s: float) -> None:
+    def stop(self, dep: Deployment, *, timeout_s: float, last: bool = False) -> None:
         """Stop ``dep``'s server (in-flight requests get ``timeout_s``) and remove what ran it;
         nothing to stop is not an error. A version of a shared engine: its adapter is unloaded,
-        and the engine stopped once it serves no adapter."""
+        and the engine stopped once it serves no adapter. ``last``: no other active version
+        names the engine (the ``deployments`` rows say so), so an engine that cannot say what
+        it serves is stopped too."""
 
 
 class ProcessHost(ServerHost):
@@ -379,7 +381,7 @@ class ProcessHost(ServerHost):
     def running(self, dep: Deployment) -> bool:
         return dep.alive
 
-    def stop(self, dep: Deployment, *, timeout_s: float) -> None:
+    def stop(self, dep: Deployment, *, timeout_s: float, last: bool = False) -> None:
         if not dep.server_alive:
             return
         if dep.engine:
@@ -388,8 +390,10 @@ class ProcessHost(ServerHost):
                 client.unload_adapter(dep.adapter)
             client.close()
             left = served_adapters(dep.endpoint, base_name(dep.engine))
-            if left is None or left:
-                return  # other versions' adapters serve on it (or it cannot say: kept)
+            if left or (left is None and not last):
+                # Other versions' adapters serve on it; or it cannot say, and other versions'
+                # rows name it: kept. An engine no version names is stopped even when hung.
+                return
         stop_group(int(dep.pid or 0), timeout_s=timeout_s)
 
 

@@ -465,8 +465,10 @@ class KubernetesHost(ServerHost):
                 raise
         return True
 
-    def stop(self, dep: Deployment, *, timeout_s: float) -> None:
+    def stop(self, dep: Deployment, *, timeout_s: float, last: bool = False) -> None:
         # The pods' grace period (the stop timeout at creation) is what in-flight requests get.
+        # An engine's versions are the adapters published in its folder, which say whether
+        # others remain (``last`` is not needed).
         from kubernetes import client as k
 
         namespace, obj = _located(dep)

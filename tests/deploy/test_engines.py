@@ -101,3 +101,30 @@ def test_versions_of_one_base_are_adapters_of_one_engine(models: dict[str, Path]
     while is_alive(a1.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not is_alive(a1.pid)
+
+
+def test_an_engine_that_stops_answering_is_stopped_with_its_last_version(
+        models: dict[str, Path]) -> None:
+    """A hung engine cannot say which adapters it serves: while another version's row names it,
+    it is kept; once none does, undeploying the last version stops it (no process left)."""
+    import os
+    import signal
+
+    deployer = Deployer(config=DeployConfig(threads=1, drain_s=0.0, stop_timeout_s=2.0))
+    a1 = deployer.deploy("alpha", str(models["a"]))
+    deployer.deploy("beta", str(models["b"]))
+    assert a1.pid is not None
+    os.kill(a1.pid, signal.SIGSTOP)  # it keeps its port and answers nothing
+    try:
+        deployer.undeploy("alpha")
+        assert is_alive(a1.pid)  # beta's row still names it
+        deployer.undeploy("beta")
+        deadline = time.monotonic() + 60
+        while is_alive(a1.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not is_alive(a1.pid)
+    finally:
+        if is_alive(a1.pid):
+            os.kill(a1.pid, signal.SIGCONT)
+            os.killpg(a1.pid, signal.SIGKILL)
+    assert {d.status for d in deployer.versions()} == {"stopped"}
