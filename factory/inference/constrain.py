@@ -18,10 +18,16 @@ docs: vLLM's "Structured Outputs"), so one request constrains either server:
   (``factory.evals.rubric.structured_outputs`` lists them as the references write them).
 
 Any other key of ``structured_outputs`` (vLLM's ``regex``, ``grammar``...) is refused with a
-400 that names what this server supports. Tool calls are not constrained here: the trainer's
-call format is text around JSON (``<tool_call>{...}</tool_call>``), and a task whose references
-call tools also holds answers that call none (``factory.evals.rubric``), so a closed grammar
-over calls would forbid the right answer there.
+400 that names what this server supports.
+
+A chat request's OpenAI ``tool_choice`` constrains too (``tool_choice_constraint``), as vLLM
+enforces it: ``"required"`` makes the reply one or more calls of the request's tools, a named
+function (``{"type": "function", "function": {"name": ...}}``) one call of that tool, each in
+the trainer's call format (``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``,
+calls one per line) with arguments valid against the tool's ``parameters``: an ``llguidance``
+Lark grammar around the JSON. ``"auto"`` and ``"none"`` constrain nothing. The evals do not ask
+for it: a task whose references call tools also holds answers that call none
+(``factory.evals.rubric``), which a required call would forbid.
 
 A constraint is one object per request, advanced by the engine after every token it picks
 (``Engine.generate``): the server builds it from the request and the model's tokenizer
@@ -143,23 +149,18 @@ class ChoiceConstraint:
             self._node = self._children[self._node].get(token_id)
 
 
-class JSONConstraint:
-    """The completion is JSON valid against a schema: an ``llguidance`` matcher."""
+class GrammarConstraint:
+    """The completion is in an ``llguidance`` grammar (``where``: the request field it came
+    from, for errors)."""
 
-    def __init__(self, schema: dict[str, Any], tokenizer: Any, stop_ids: Iterable[int], *,
-                 compact: bool = False) -> None:
+    def __init__(self, grammar: str, tokenizer: Any, stop_ids: Iterable[int], *,
+                 where: str) -> None:
         import llguidance
 
         lltok = _ll_tokenizer(tokenizer, sorted(set(stop_ids)))
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": not compact})
-        except ValueError as e:
-            raise EngineError(f"structured_outputs.json: {e}") from None
         problem = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if problem and not problem.startswith("WARNING"):
-            raise EngineError(f"structured_outputs.json: not a schema this server can "
-                              f"enforce: {problem}")
+            raise EngineError(f"{where}: not a schema this server can enforce: {problem}")
         self.vocab_size = lltok.vocab_size
         self.stops = sorted(set(stop_ids))
         self._matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
@@ -170,6 +171,89 @@ class JSONConstraint:
 
     def advance(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)
+
+
+class JSONConstraint(GrammarConstraint):
+    """The completion is JSON valid against a schema."""
+
+    def __init__(self, schema: dict[str, Any], tokenizer: Any, stop_ids: Iterable[int], *,
+                 compact: bool = False) -> None:
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": not compact})
+        except ValueError as e:
+            raise EngineError(f"structured_outputs.json: {e}") from None
+        super().__init__(grammar, tokenizer, stop_ids, where="structured_outputs.json")
+
+
+def _sorted_properties(schema: Any) -> Any:
+    """``schema`` with every object's ``properties`` in key order: canonical arguments are JSON
+    with sorted keys, and the grammar writes properties in the schema's order."""
+    if isinstance(schema, list):
+        return [_sorted_properties(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _sorted_properties(v) for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = dict(sorted(out["properties"].items()))
+    return out
+
+
+def tool_call_grammar(tools: Sequence[dict[str, Any]], *, name: str | None = None) -> str:
+    """The Lark grammar of a reply made of calls in the trainer's format, byte for byte as it
+    renders them (``factory.trainer.chat``: ``{"name": "...", "arguments": ARGS}``, ARGS the
+    canonical compact JSON with sorted keys): one or more calls of any of ``tools`` (canonical:
+    ``{name, description, parameters}``), one per line, or with ``name`` exactly one call of
+    that tool; arguments valid against the tool's ``parameters`` (any object where it has
+    none)."""
+    chosen = [t for t in tools if name is None or t["name"] == name]
+    rules = []
+    for k, tool in enumerate(chosen):
+        params = _sorted_properties(tool.get("parameters") or {"type": "object"})
+        params = {**params, "x-guidance": {"whitespace_flexible": False, "item_separator": ",",
+                                           "key_separator": ":"}}
+        head = json.dumps(json.dumps(tool["name"], ensure_ascii=False) + ', "arguments": ',
+                          ensure_ascii=False)
+        rules.append(f"body{k}: {head} %json {json.dumps(params, ensure_ascii=False)}")
+    calls = "call" if name is not None else 'call ("\\n" call)*'
+    bodies = " | ".join(f"body{k}" for k in range(len(chosen)))
+    return "\n".join([f"start: {calls}",
+                      'call: "<tool_call>\\n{\\"name\\": " (' + bodies
+                      + ') "}\\n</tool_call>"', *rules]) + "\n"
+
+
+def tool_choice_constraint(tool_choice: Any, tools: Sequence[dict[str, Any]], tokenizer: Any,
+                           stop_ids: Iterable[int]) -> TokenConstraint | None:
+    """A chat request's ``tool_choice`` over its canonical ``tools`` as a constraint (None for
+    ``auto``, ``none`` or none given); ``EngineError`` naming the field when it is not one of
+    OpenAI's forms, names no tool of the request, or asks for a call with no tools."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    name: str | None = None
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        if tool_choice.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise EngineError('tool_choice: a named tool is {"type": "function", "function": '
+                              '{"name": "..."}}')
+        name = fn["name"]
+    elif tool_choice != "required":
+        raise EngineError('tool_choice: must be "auto", "none", "required" or {"type": '
+                          f'"function", "function": {{"name": "..."}}}}, got {tool_choice!r}')
+    if not tools:
+        raise EngineError(f"tool_choice: {json.dumps(tool_choice)} needs tools in the request")
+    if name is not None and name not in {t["name"] for t in tools}:
+        raise EngineError(f"tool_choice.function.name: the request has no tool {name!r} "
+                          f"(tools: {', '.join(t['name'] for t in tools)})")
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(tools, name=name))
+    except ValueError as e:
+        raise EngineError(f"tool_choice: {e}") from None
+    return GrammarConstraint(grammar, tokenizer, stop_ids, where="tool_choice")
 
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = \

@@ -13,8 +13,10 @@ server against them.
   ``message.tool_calls`` (``content`` null when nothing else was said, ``finish_reason``
   ``"tool_calls"``), streamed as OpenAI streams tool-call deltas; a malformed call is returned
   as content. ``factory.inference.protocol`` says how, and ``factory.normalize.request`` how a
-  request's messages become the canonical conversation that is rendered. Any other ``tool_choice`` is served as ``"auto"``:
-  generation is not constrained. vLLM's extra parameters ``add_generation_prompt`` (default
+  request's messages become the canonical conversation that is rendered. ``tool_choice``
+  ``"required"`` or a named function constrains the reply to calls of the request's tools (of
+  that one), arguments valid against their parameters (``factory.inference.constrain``), as
+  vLLM enforces it; ``"auto"`` constrains nothing. vLLM's extra parameters ``add_generation_prompt`` (default
   true), ``return_token_ids`` (the response's ``prompt_token_ids`` and ``choices[0].token_ids``)
   and ``prompt_logprobs`` (non-streamed) are honoured: the equivalence gate reads the rendered
   prompt's token ids with them. OpenAI ``image_url`` parts (``data:`` URLs; canonical image
@@ -69,7 +71,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from factory.inference.constrain import build_constraint, parse_structured_outputs
+from factory.inference.constrain import (
+    build_constraint,
+    parse_structured_outputs,
+    tool_choice_constraint,
+)
 from factory.inference.contract import TOKEN_ID_PREFIX
 from factory.inference.engine import (
     BatchScheduler,
@@ -219,9 +225,9 @@ def _completion_logprobs(tok: Any, ids: list[int], entries: list[TokenLogprob | 
 
 
 def _prompt(engine: Engine, model: str, body: dict[str, Any], *,
-            add_generation_prompt: bool) -> tuple[str, bool, list[ImageInput]]:
-    """The request's conversation rendered for ``model``, whether it declared tools, and its
-    images through a vision model's processor (each one's pads expanded in the text)."""
+            add_generation_prompt: bool) -> tuple[str, list[dict[str, Any]], list[ImageInput]]:
+    """The request's conversation rendered for ``model``, the tools it declared (canonical), and
+    its images through a vision model's processor (each one's pads expanded in the text)."""
     engine.tokenizer_for(model)
     blobs: dict[str, bytes] = {}
     messages, tools = canonical_request(body.get("messages"), body.get("tools"), blobs=blobs)
@@ -233,18 +239,25 @@ def _prompt(engine: Engine, model: str, body: dict[str, Any], *,
             text = expand_pads(text, images)
         except ValueError as e:
             raise EngineError(str(e)) from None
-    return text, bool(tools), images
+    return text, tools, images
 
 
-async def _constraint(engine: Engine, model: str, body: dict[str, Any]
-                      ) -> TokenConstraint | None:
-    """The request's ``structured_outputs`` as a constraint over ``model``'s tokens (None when
-    it has none); built off the event loop (a JSON Schema's first one per tokenizer: ~1 s)."""
+async def _constraint(engine: Engine, model: str, body: dict[str, Any],
+                      tools: list[dict[str, Any]] | None = None) -> TokenConstraint | None:
+    """The request's ``structured_outputs``, or a chat request's ``tool_choice`` over its
+    ``tools``, as a constraint over ``model``'s tokens (None when neither constrains); built off
+    the event loop (a grammar's first one per tokenizer: ~1 s)."""
     spec = parse_structured_outputs(body.get("structured_outputs"))
+    tokenizer, stops = engine.tokenizer_for(model), engine.stop_token_ids(model)
+    if tools is not None and body.get("tool_choice") not in (None, "auto", "none"):
+        if spec is not None:
+            raise EngineError("structured_outputs: not with a tool_choice that asks for a "
+                              "call (one constraint per request)")
+        return await asyncio.to_thread(tool_choice_constraint, body.get("tool_choice"), tools,
+                                       tokenizer, stops)
     if spec is None:
         return None
-    return await asyncio.to_thread(build_constraint, spec, engine.tokenizer_for(model),
-                                   engine.stop_token_ids(model))
+    return await asyncio.to_thread(build_constraint, spec, tokenizer, stops)
 
 
 def _request_error(e: ValueError) -> JSONResponse:
@@ -361,13 +374,14 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
             prompt_lps = _int(body, "prompt_logprobs", None, 0)
             if prompt_lps is not None and body.get("stream"):
                 raise EngineError("prompt_logprobs: not available when stream is true")
-            prompt, has_tools, images = _prompt(
+            prompt, tools, images = _prompt(
                 engine, model, body,
                 add_generation_prompt=_bool(body, "add_generation_prompt", True))
+            has_tools = bool(tools)
             req = GenerationRequest(model=model, prompt_ids=engine.encode(model, prompt),
                                     max_tokens=max_tokens, top_logprobs=top_logprobs,
                                     images=images, constraint=await _constraint(
-                                        engine, model, body), **_sampling(body))
+                                        engine, model, body, tools), **_sampling(body))
         except (EngineError, NormalizeError) as e:
             return _request_error(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -138,6 +138,100 @@ def test_constrained_and_free_requests_share_a_batch(engine: Engine) -> None:
     jsonschema.validate(json.loads(batch[2].text), SCHEMA)
 
 
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Zürich"]}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}}}]
+"""Arguments bounded, so a random model's calls end within the token budget."""
+
+
+def _valid_calls(message: dict[str, Any], names: set[str]) -> list[str]:
+    """The names of the message's calls, each checked against its tool's parameters."""
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    out = []
+    for call in message["tool_calls"]:
+        name = call["function"]["name"]
+        assert name in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), params[name])
+        out.append(name)
+    return out
+
+
+def test_tool_choice_required_or_named_makes_the_reply_calls(cpu_server: InferenceServer
+                                                            ) -> None:
+    """OpenAI's ``tool_choice``, enforced as vLLM enforces it: ``required``, one or more calls of
+    the request's tools; a named function, one call of it; arguments valid against the tool's
+    parameters. Unconstrained, the random model writes no call at all."""
+    for messages in _prompts(3):
+        free = _chat(cpu_server, messages, tools=TOOLS, max_tokens=60).json()
+        assert not free["choices"][0]["message"].get("tool_calls")
+        named = _chat(cpu_server, messages, tools=TOOLS, max_tokens=60, tool_choice={
+            "type": "function", "function": {"name": "get_time"}})
+        assert named.status_code == 200, named.text
+        choice = named.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert _valid_calls(choice["message"], {"get_time"}) == ["get_time"]
+        required = _chat(cpu_server, messages, tools=TOOLS, max_tokens=200,
+                         tool_choice="required").json()["choices"][0]
+        assert _valid_calls(required["message"], {"get_weather", "get_time"})
+        # more calls may follow until the budget: whatever was cut stays as content
+        assert required["finish_reason"] == "tool_calls" or required["finish_reason"] == "length"
+
+
+def test_the_call_grammar_is_the_trainers_rendering_of_calls(tiny_model_dir: Path) -> None:
+    """What the trainer renders for calls (``factory.trainer.chat``: arguments compact, keys
+    sorted) is what the constraint lets through, token by token; spaced arguments are not."""
+    from transformers import AutoTokenizer
+
+    from factory.inference.constrain import tool_choice_constraint
+    from factory.normalize.request import canonical_request
+    from factory.trainer.chat import render
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    messages, tools = canonical_request(
+        [{"role": "user", "content": "hi"},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "1", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Zürich"}'}},
+             {"id": "2", "type": "function", "function": {
+                 "name": "get_time", "arguments": '{"zone": "UTC"}'}}]}], TOOLS)
+    rendered = render(messages, tools)
+    reply = rendered[rendered.rindex("assistant\n"):]
+    calls = reply[reply.index("<tool_call>"):reply.rindex("</tool_call>") + len("</tool_call>")]
+
+    def accepted(text: str) -> bool:
+        c = tool_choice_constraint("required", tools, tok, [tok.eos_token_id])
+        assert c is not None
+        for t in tok.encode(text, add_special_tokens=False):
+            if not bool(c.mask()[t]):
+                return False
+            c.advance(t)
+        return bool(c.mask()[tok.eos_token_id])  # and it may end there
+
+    assert accepted(calls)
+    assert not accepted(calls.replace('{"city":"Zürich"}', '{"city": "Zürich"}'))
+
+
+@pytest.mark.parametrize(("tool_choice", "tools", "error"), [
+    ({"type": "function", "function": {"name": "nope"}}, TOOLS, "has no tool 'nope'"),
+    ("required", None, "needs tools"),
+    ("always", TOOLS, 'must be "auto", "none", "required"'),
+    ({"type": "function"}, TOOLS, "a named tool is"),
+])
+def test_a_tool_choice_that_cannot_be_kept_is_a_400(cpu_server: InferenceServer,
+                                                   tool_choice: Any, tools: Any,
+                                                   error: str) -> None:
+    r = _chat(cpu_server, _prompts(1)[0], tool_choice=tool_choice,
+              **({"tools": tools} if tools else {}))
+    assert r.status_code == 400 and error in r.json()["error"]["message"], r.text
+    both = _chat(cpu_server, _prompts(1)[0], tools=TOOLS, tool_choice="required",
+                 structured_outputs={"choice": CHOICES})
+    assert both.status_code == 400 and "one constraint per request" in both.text
+
+
 def test_structured_outputs_is_read_as_vllm_writes_it() -> None:
     assert parse_structured_outputs(None) is None
     spec = parse_structured_outputs({"choice": ["a", "b", "a"], "json": None})

@@ -223,6 +223,18 @@ def test_the_adapter_answers_through_the_gateway(vllm_server: InferenceServer,
     assert choice.message.content == "Checking.\n"
 
 
+def test_vllm_keeps_tool_choice_as_the_cpu_server_does(vllm_server: InferenceServer) -> None:
+    """``tool_choice`` required or named: vLLM answers with calls of the request's tools (the
+    CPU server's constraint, tests/inference/test_constrain.py, does the same)."""
+    client = vllm_server.client()
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        out = client.chat("caller", QUESTION, tools=TOOLS, max_tokens=80, temperature=0,
+                          tool_choice=choice)["choices"][0]
+        calls = out["message"]["tool_calls"]
+        assert calls and {c["function"]["name"] for c in calls} == {"get_weather"}
+        assert all("city" in json.loads(c["function"]["arguments"]) for c in calls)
+
+
 def test_the_gateway_sends_vllm_the_conversation_as_the_trainer_rendered_it(
         vllm_server: InferenceServer, factory_home: Path) -> None:
     """vLLM renders a request as it is sent: AGENT_TURN's tool-call arguments and results with
