@@ -358,9 +358,10 @@ def _git(*args: str) -> bytes:
 def commit() -> str:
     """``git rev-parse --short HEAD``, plus ``-dirty:HASH`` when the tree differs from it (HASH:
     8 hex digits of the tracked changes and the untracked files' paths and contents), so that
-    two runs share a label only when they ran the same code."""
+    two runs share a label only when they ran the same code. The test ledger is left out: the
+    bench appends to it itself, which made every run after a session's first one "dirty"."""
     sha = _git("rev-parse", "--short", "HEAD").decode().strip()
-    diff = _git("diff", "HEAD", "--binary")
+    diff = _git("diff", "HEAD", "--binary", "--", ".", f":(exclude){splits.LEDGER_PATH}")
     untracked = sorted(p for p in _git("ls-files", "--others", "--exclude-standard", "-z")
                        .decode().split("\0") if p)
     if not diff and not untracked:

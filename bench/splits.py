@@ -42,6 +42,8 @@ LEDGER = Path(__file__).resolve().parent / "test_ledger.jsonl"
 """Every test-split score taken, one JSON object a line (``record``)."""
 
 ROOT = Path(__file__).resolve().parent.parent
+LEDGER_PATH = LEDGER.relative_to(ROOT).as_posix()
+"""The ledger's path in the repository (what the commit label leaves out)."""
 
 
 def heldout_seed(seed: int, split: str) -> int:
@@ -53,12 +55,15 @@ def heldout_seed(seed: int, split: str) -> int:
 
 
 def commit() -> str:
-    """The checkout's short commit, ``-dirty`` when the tree differs from it."""
+    """The checkout's short commit, ``-dirty`` when the tree differs from it (the ledger aside:
+    the benches append to it themselves)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
                               check=False).stdout.strip()
     sha = git("rev-parse", "--short", "HEAD") or "unknown"
-    return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                  f":(exclude){LEDGER_PATH}")
+    return sha + ("-dirty" if changed else "")
 
 
 def record(*, bench: str, task: str, config: Mapping[str, Any], seed: int, heldout: str,
