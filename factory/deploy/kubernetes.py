@@ -315,9 +315,9 @@ class KubernetesHost(ServerHost):
         if spec.engine is None:
             return self._create(spec)
         folder = self.adapter_folder(spec.engine)
+        self._check_paths(spec)  # before anything is published
         if spec.join is not None:
             self._check_rank(spec, spec.join)
-            self._check_paths(spec)
             self._publish(folder, spec)
             return spec.join
         self._publish(folder, spec)

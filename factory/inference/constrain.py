@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from factory.inference.engine import EngineError, TokenConstraint
+from factory.trainer.chat import _call as render_call
 
 SUPPORTED: tuple[str, ...] = ("choice", "json")
 """The ``structured_outputs`` keys that say what to constrain to (one per request)."""
@@ -214,14 +215,15 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]], *, name: str | None = Non
         params = _sorted_properties(tool.get("parameters") or {"type": "object"})
         params = {**params, "x-guidance": {"whitespace_flexible": False, "item_separator": ",",
                                            "key_separator": ":"}}
-        head = json.dumps(json.dumps(tool["name"], ensure_ascii=False) + ', "arguments": ',
-                          ensure_ascii=False)
-        rules.append(f"body{k}: {head} %json {json.dumps(params, ensure_ascii=False)}")
-    calls = "call" if name is not None else 'call ("\\n" call)*'
-    bodies = " | ".join(f"body{k}" for k in range(len(chosen)))
-    return "\n".join([f"start: {calls}",
-                      'call: "<tool_call>\\n{\\"name\\": " (' + bodies
-                      + ') "}\\n</tool_call>"', *rules]) + "\n"
+        # The text around the arguments is the trainer's own rendering of a call to this tool.
+        head, _, tail = render_call({"name": tool["name"], "arguments": "\0"}).partition("\0")
+        rules.append(f"call{k}: {json.dumps(head, ensure_ascii=False)} %json "
+                     f"{json.dumps(params, ensure_ascii=False)} "
+                     f"{json.dumps(tail, ensure_ascii=False)}")
+    call = " | ".join(f"call{k}" for k in range(len(chosen)))
+    # The trainer puts a newline between calls.
+    start = f"({call})" if name is not None else f'({call}) ("\\n" ({call}))*'
+    return "\n".join([f"start: {start}", *rules]) + "\n"
 
 
 def tool_choice_constraint(tool_choice: Any, tools: Sequence[dict[str, Any]], tokenizer: Any,

@@ -16,8 +16,8 @@ server against them.
   request's messages become the canonical conversation that is rendered. ``tool_choice``
   ``"required"`` or a named function constrains the reply to calls of the request's tools (of
   that one), arguments valid against their parameters (``factory.inference.constrain``), as
-  vLLM enforces it; ``"auto"`` constrains nothing. vLLM's extra parameters ``add_generation_prompt`` (default
-  true), ``return_token_ids`` (the response's ``prompt_token_ids`` and ``choices[0].token_ids``)
+  vLLM enforces it; ``"auto"`` constrains nothing. vLLM's extra parameters
+  ``add_generation_prompt`` (default true), ``return_token_ids`` (the response's ``prompt_token_ids`` and ``choices[0].token_ids``)
   and ``prompt_logprobs`` (non-streamed) are honoured: the equivalence gate reads the rendered
   prompt's token ids with them. OpenAI ``image_url`` parts (``data:`` URLs; canonical image
   parts by sha256 read from the blob store) go through a vision-language model's processor and
@@ -248,15 +248,17 @@ async def _constraint(engine: Engine, model: str, body: dict[str, Any],
     ``tools``, as a constraint over ``model``'s tokens (None when neither constrains); built off
     the event loop (a grammar's first one per tokenizer: ~1 s)."""
     spec = parse_structured_outputs(body.get("structured_outputs"))
+    calls = tools is not None and body.get("tool_choice") not in (None, "auto", "none")
+    if spec is None and not calls:
+        return None  # most requests: no tokenizer work
     tokenizer, stops = engine.tokenizer_for(model), engine.stop_token_ids(model)
-    if tools is not None and body.get("tool_choice") not in (None, "auto", "none"):
+    if tools is not None and calls:
         if spec is not None:
             raise EngineError("structured_outputs: not with a tool_choice that asks for a "
                               "call (one constraint per request)")
         return await asyncio.to_thread(tool_choice_constraint, body.get("tool_choice"), tools,
                                        tokenizer, stops)
-    if spec is None:
-        return None
+    assert spec is not None
     return await asyncio.to_thread(build_constraint, spec, tokenizer, stops)
 
 
