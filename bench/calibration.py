@@ -24,8 +24,12 @@ seeds, so it is a different draw for every run, never a training request):
 
 - ``triage`` (``factory.tasks.ticket_triage``, 500 records as ``bench/loop.py``): ``disjoint``,
   tickets phrased with frames the training data never used (``generate_heldout``, seed + 1: the
-  calibration figure), and ``unseen``, fresh tickets of the training frames, none a
-  near-duplicate of a training one (``generate_unseen``, seed + 2); exact label.
+  calibration figure), ``unseen``, fresh tickets of the training frames, none a
+  near-duplicate of a training one (``generate_unseen``, seed + 2), and ``new-requests``,
+  tickets whose core (the request) is a frame the training data never used, in the training
+  data's detail and aside sentences (``generate_heldout(held=("core",))``, seed + 3: new
+  phrasings of the traffic's requests, what a hold-out of the traffic can measure; the disjoint
+  set changes those sentences too); exact label.
 - ``agent`` (``factory.tasks.agent_orders``, 600 records as ``bench/agent.py``): ``disjoint``,
   requests phrased with templates the training data never used (``generate_heldout``, seed + 1);
   exact tool name and arguments (``exact_tool_call``), the experiment's tools sent.
@@ -145,6 +149,8 @@ PRIMARY = {"triage": "disjoint", "agent": "disjoint", "extraction": "unseen",
 TEST_SETS = {
     "disjoint": "phrased with frames/templates the training data never used",
     "unseen": "fresh requests of the training frames, no near-duplicate of a training one",
+    "new-requests": "requests phrased with frames the training data never used, in its other "
+                    "sentences",
     "test": "the official test split, a fixed number per intent",
 }
 
@@ -269,7 +275,7 @@ def clinc_test(n: int, seed: int, training: list[dict[str, Any]], split: str = "
 def test_sets(task: str, n: int, seed: int, training: list[dict[str, Any]],
               split: str = "test") -> dict[str, list[Request]]:
     """The task's held-out sets (the primary first) on ``split`` (``bench/splits.py``: the
-    generators' seed + 1 and + 2 on test, as bench/loop.py and bench/agent.py draw them, those
+    generators' seed + 1 to + 3 on test, as bench/loop.py and bench/agent.py draw them, those
     plus ``DEV_OFFSET`` on dev; CLINC150's official test or validation split)."""
     def at(offset: int) -> int:
         return splits.heldout_seed(seed + offset, split)
@@ -278,7 +284,8 @@ def test_sets(task: str, n: int, seed: int, training: list[dict[str, Any]],
         from factory.tasks import ticket_triage
 
         return {"disjoint": ticket_triage.generate_heldout(n, at(1)),
-                "unseen": ticket_triage.generate_unseen(n, at(2), training)}
+                "unseen": ticket_triage.generate_unseen(n, at(2), training),
+                "new-requests": ticket_triage.generate_heldout(n, at(3), held=("core",))}
     if task == "agent":
         from factory.tasks import agent_orders
 

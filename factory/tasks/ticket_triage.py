@@ -352,10 +352,21 @@ def _style(rng: random.Random) -> str:
     return "medium" if x < STYLE_SHARES["short"] + STYLE_SHARES["medium"] else "long"
 
 
-def _ticket(rng: random.Random, label: str, split: str) -> dict[str, Any]:
-    """One ticket of ``label`` from ``split``'s frames: its text, the frames it used, the clean
-    text of its core and its style."""
-    frames = TEMPLATES[split]
+def _frames(held: tuple[str, ...]) -> dict[str, dict[str, tuple[str, ...]]]:
+    """Frames of each part: ``TEMPLATES["heldout"]``'s for the parts in ``held``, the training
+    ones for the rest."""
+    unknown = set(held) - set(TEMPLATES["train"])
+    if unknown:
+        raise ValueError(f"held: unknown parts {sorted(unknown)}; the parts are "
+                         f"{', '.join(TEMPLATES['train'])}")
+    return {part: TEMPLATES["heldout" if part in held else "train"][part]
+            for part in TEMPLATES["train"]}
+
+
+def _ticket(rng: random.Random, label: str, frames: Mapping[str, Mapping[str, Any]]
+            ) -> dict[str, Any]:
+    """One ticket of ``label`` from ``frames`` (part -> label -> frames, as a ``TEMPLATES``
+    entry): its text, the frames it used, the clean text of its core and its style."""
     slots = _slots(rng)
     style = _style(rng)
     core_frame = choice(rng, frames["core"][label])
@@ -401,13 +412,14 @@ def _check_n(n: Any) -> None:
         raise ValueError(f"n: must be an integer >= 0, got {n!r}")
 
 
-def _tickets(n: int, seed: int, split: str) -> list[dict[str, Any]]:
+def _tickets(n: int, seed: int, frames: Mapping[str, Mapping[str, Any]]
+             ) -> list[dict[str, Any]]:
     _check_n(n)
     rng = random.Random(seed)
     labels = schedule(rng, n, {label: 1 / len(LABELS) for label in LABELS})
     out = []
     for label in labels:
-        ticket = _ticket(rng, label, split)
+        ticket = _ticket(rng, label, frames)
         out.append({"messages": [{"role": "system", "content": SYSTEM_PROMPT},
                                  {"role": "user", "content": ticket.pop("text")}],
                     "label": label, **ticket})
@@ -419,7 +431,7 @@ def generate_conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
     the reference assistant turn: the label), ``"label"``, ``"template"`` (the core frame),
     ``"core"`` (the core's text before noise), ``"frames"`` (part -> frame used), ``"style"``
     (short/medium/long), ``"noise"``\\ ``}``."""
-    convs = _tickets(n, seed, "train")
+    convs = _tickets(n, seed, TEMPLATES["train"])
     for conv in convs:
         conv["messages"].append({"role": "assistant", "content": conv["label"]})
     return convs
@@ -442,11 +454,20 @@ def generate_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return records
 
 
-def generate_heldout(n: int, seed: int = 0) -> list[dict[str, Any]]:
+def generate_heldout(n: int, seed: int = 0,
+                     held: tuple[str, ...] = ("core", "detail", "aside")) -> list[dict[str, Any]]:
     """``n`` held-out tickets in equal label shares, phrased with ``TEMPLATES["heldout"]`` frames
-    only: ``{"messages"`` (system + user), ``"label"`` (the expected answer), ``"template"``,
-    ``"core"``, ``"frames"``, ``"style"``, ``"noise"``\\ ``}``."""
-    return _tickets(n, seed, "heldout")
+    for the parts in ``held`` (by default every part: the disjoint set) and the training frames
+    for the others: ``{"messages"`` (system + user), ``"label"`` (the expected answer),
+    ``"template"``, ``"core"``, ``"frames"``, ``"style"``, ``"noise"``\\ ``}``.
+
+    ``held=("core",)`` gives *new requests*: every ticket asks with a core frame the traffic
+    never used, inside the detail and aside sentences the traffic has (new phrasings of the
+    same traffic). The disjoint set also changes those sentences, so no hold-out of the traffic
+    can show it: a memorizing classifier scores 0.79 on the phrasing split's eval set, 0.78 on
+    new requests and 0.55 on the disjoint set, means over five traffic seeds
+    (``tests/curation/test_phrasing.py``)."""
+    return _tickets(n, seed, _frames(held))
 
 
 def _user_text(conv: Mapping[str, Any]) -> str:
@@ -487,7 +508,7 @@ def generate_unseen(n: int, seed: int, training: list[dict[str, Any]]) -> list[d
     out = []
     for label in labels:
         for _ in range(1000):
-            ticket = _ticket(rng, label, "train")
+            ticket = _ticket(rng, label, TEMPLATES["train"])
             near = nearest(shingles([ticket["text"]])[0])
             if near < config.near_dup_threshold and ticket["text"] not in texts:
                 break

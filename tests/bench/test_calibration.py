@@ -55,7 +55,8 @@ def test_fresh_extractions_are_unlike_every_training_message() -> None:
 def test_test_sets_put_the_primary_first_and_draw_apart_from_training() -> None:
     training = cal.training_examples("triage", 40, 0, 0)
     sets = cal.test_sets("triage", 10, 0, training)
-    assert list(sets)[0] == cal.PRIMARY["triage"] and set(sets) == {"disjoint", "unseen"}
+    assert list(sets)[0] == cal.PRIMARY["triage"] and set(sets) == {
+        "disjoint", "unseen", "new-requests"}
     train_texts = {c["messages"][1]["content"] for c in training}
     assert all(r["messages"][1]["content"] not in train_texts for s in sets.values() for r in s)
     assert len(cal.training_records("triage", 40, 0, 0)) == 40

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -108,45 +109,67 @@ def test_triage_clusters_hold_out_whole_phrasings_with_every_label() -> None:
     assert leak / sum(ev) <= 0.3
 
 
-def _nearest_label(train: list[tuple[set[str], str]], text: str) -> str:
+def _features(text: str) -> set[str]:
     w = words(text)
-    f = set(w) | {" ".join(w[i:i + 2]) for i in range(len(w) - 1)}
-    return max(train, key=lambda r: len(f & r[0]) / (len(f | r[0]) or 1))[1]
+    return set(w) | {" ".join(w[i:i + 2]) for i in range(len(w) - 1)}
 
 
-def test_a_memorizer_scores_closer_to_new_phrasings_on_the_phrasing_split() -> None:
-    # A 1-nearest-neighbour classifier (word and bigram Jaccard) recalls every template it has
-    # seen and generalizes little: the recall split scores it 1.0, new phrasings (the held-out
-    # frames) far lower; the phrasing split must close most of that gap. It does not close
-    # all of it (0.69 / 0.80 / 0.77 against 0.54 / 0.62 / 0.59 over seeds 0-2; the frame leak
-    # of 13-32% is what a memorizer exploits), so the test holds half.
-    convs = ticket_triage.generate_conversations(500, 0)
-    texts = [c["messages"][1]["content"] for c in convs]
-    labels = [c["label"] for c in convs]
-    split = _assign(texts, list(labels))
-    config = CurationConfig()
-    ids = [f"{i:04d}" for i in range(len(texts))]
+def _memorizer(train: list[tuple[str, str]], test: list[tuple[str, str]]) -> float:
+    """Accuracy on ``test`` of a 1-nearest-neighbour classifier over ``train`` (word and
+    bigram Jaccard): it recalls every phrasing it has seen and generalizes little."""
+    rows = [(_features(t), lbl) for t, lbl in train]
 
-    def score(side: dict[str, str]) -> float:
-        train = []
-        for s, t, lbl in zip(ids, texts, labels, strict=True):
-            if side[s] == TRAIN:
-                w = words(t)
-                train.append((set(w) | {" ".join(w[i:i + 2]) for i in range(len(w) - 1)}, lbl))
-        ev = [(t, lbl) for s, t, lbl in zip(ids, texts, labels, strict=True) if side[s] == EVAL]
-        return sum(_nearest_label(train, t) == lbl for t, lbl in ev) / len(ev)
+    def nearest(text: str) -> str:
+        f = _features(text)
+        return max(rows, key=lambda r: len(f & r[0]) / (len(f | r[0]) or 1))[1]
 
-    recall = score({s: split_side(s, config) for s in ids})
-    by_phrasing = score(split.side)
-    held = ticket_triage.generate_heldout(200, 100)
-    train_all = []
-    for t, lbl in zip(texts, labels, strict=True):
-        w = words(t)
-        train_all.append((set(w) | {" ".join(w[i:i + 2]) for i in range(len(w) - 1)}, lbl))
-    disjoint = sum(_nearest_label(train_all, h["messages"][1]["content"]) == h["label"]
-                   for h in held) / len(held)
-    assert recall == 1.0 and disjoint < 0.7
-    assert by_phrasing - disjoint <= (recall - disjoint) / 2
+    return sum(nearest(t) == lbl for t, lbl in test) / len(test)
+
+
+def test_the_phrasing_split_scores_a_memorizer_as_new_requests_do() -> None:
+    """Issue 43's check of the split on a templated dataset: triage traffic (500 tickets of 77
+    core frames in shared detail, aside, greeting and sign-off sentences), scored by a
+    memorizer. The trace/prefix split's eval set scores it 1.0: every eval ticket's frame also
+    trains. New requests (``generate_heldout(held=("core",))``: core frames the traffic never
+    used, in the traffic's own sentences) score it 0.78; the phrasing split's eval set
+    must score within 5 points of that, as a mean over traffic seeds 0-4 and split seeds 0-2
+    (0.79; one split holds out ~8 frames: 0.69-0.88 each; links at 0.9 instead of 0.3 give
+    0.97). The disjoint set also changes the detail
+    and aside sentences, which every traffic frame shares: no hold-out of the traffic reaches
+    it (0.55)."""
+    recall, by_phrasing, new_requests, disjoint = [], [], [], []
+    for seed in range(5):
+        convs = ticket_triage.generate_conversations(500, seed)
+        texts = [c["messages"][1]["content"] for c in convs]
+        labels = [c["label"] for c in convs]
+        data = list(zip(texts, labels, strict=True))
+        ids = [f"{i:04d}" for i in range(len(texts))]
+        for split_seed in range(3):
+            config = CurationConfig(seed=split_seed)
+            v, o = phrasing.skeleton_ngrams([phrasing.skeleton(t) for t in texts])
+            links = [(ids[i], ids[j]) for i, j in phrasing.linked_pairs(
+                v.view(np.int64), o, config.phrasing_threshold or 0.0)]
+            split = phrasing.assign(
+                {s: s for s in ids}, {s: split_side(s, config) for s in ids},
+                keys={s: phrasing.phrasing_key(phrasing.skeleton(t))
+                      for s, t in zip(ids, texts, strict=True)},
+                links=links, labels=dict(zip(ids, labels, strict=True)),
+                eval_fraction=config.eval_fraction, seed=split_seed)
+            assert split.kind == phrasing.PHRASING
+            for sides, out in ((split.side, by_phrasing),
+                               ({s: split_side(s, config) for s in ids}, recall)):
+                out.append(_memorizer([d for s, d in zip(ids, data, strict=True)
+                                       if sides[s] == TRAIN],
+                                      [d for s, d in zip(ids, data, strict=True)
+                                       if sides[s] == EVAL]))
+        for held, out in ((("core",), new_requests), (("core", "detail", "aside"), disjoint)):
+            test = ticket_triage.generate_heldout(200, 100 + seed, held=held)
+            out.append(_memorizer(data, [(h["messages"][1]["content"], h["label"])
+                                         for h in test]))
+    mean = statistics.mean
+    assert mean(recall) == 1.0 and mean(new_requests) < 0.9
+    assert abs(mean(by_phrasing) - mean(new_requests)) <= 0.05, (by_phrasing, new_requests)
+    assert mean(disjoint) < mean(new_requests) - 0.1
 
 
 def test_the_pipeline_records_how_the_eval_set_was_held_out(smollm2_dir: Path) -> None:

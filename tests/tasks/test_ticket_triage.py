@@ -119,6 +119,24 @@ def test_heldout_frames_are_disjoint_from_training_ones() -> None:
     assert not training_texts & {r["messages"][-1]["content"] for r in requests}
 
 
+def test_new_requests_hold_out_the_core_only() -> None:
+    """``held=("core",)``: every ticket asks with a held-out core frame, in the training detail
+    and aside sentences; a part that does not exist is refused by name."""
+    train, heldout = task.TEMPLATES["train"], task.TEMPLATES["heldout"]
+    requests = task.generate_heldout(300, seed=7, held=("core",))
+    assert {r["template"] for r in requests} == {f for fs in heldout["core"].values() for f in fs}
+    parts = set()
+    for request in requests:
+        for part, frame in request["frames"].items():
+            parts.add(part)
+            assert frame in (heldout if part == "core" else train)[part][request["label"]]
+    assert parts == {"core", "detail", "aside"}
+    assert task.generate_heldout(50, seed=7) == task.generate_heldout(
+        50, seed=7, held=("core", "detail", "aside"))
+    with pytest.raises(ValueError, match="unknown parts \\['cores'\\]"):
+        task.generate_heldout(5, held=("cores",))
+
+
 def test_conversation_and_heldout_shapes() -> None:
     for conv in task.generate_conversations(60, seed=1):
         assert [m["role"] for m in conv["messages"]] == ["system", "user", "assistant"]
