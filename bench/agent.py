@@ -169,6 +169,17 @@ def _row(label: str, s: dict[str, Any]) -> str:
     return f"| {label} | " + " | ".join(cells) + f" | {s['seconds']:.0f} |"
 
 
+def route_constraint(lake: Any, experiment: str) -> dict[str, Any] | None:
+    """The decoding constraint the live deployment's route adds to requests that send none
+    (``structured_outputs``: a label task's labels under ``eval.constrain: auto``), or None:
+    a bench scores the deployment as its users get it, and the base model the same way, as
+    the factory's evals do."""
+    from factory.deploy import Deployer
+
+    live = Deployer(lake).live(experiment)
+    return live.constraint if live is not None else None
+
+
 def models_to_score(lake: Any, experiment: str, *, deployed: bool, home: Path,
                     threads: int | None, recipe: str = "smollm2-135m-lora"
                     ) -> tuple[str, dict[str, str], Any]:

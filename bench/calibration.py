@@ -9,9 +9,11 @@ the factory's eval score of the deployed (best) checkpoint with its 95% interval
 (``best_checkpoints``, ``factory.app.loop.summary``: also the base model's score and the eval
 split's kind, ``phrasing`` or ``recall only``), and on the deployment's server (the base model
 beside the adapter, ``bench/agent.py``'s ``models_to_score``) the accuracy of the deployment
-and of the base model on a test set drawn apart from the training data. The gap is eval score
-minus test accuracy; the goal: within 5 points, and the test accuracy inside the eval score's
-interval, on every task.
+and of the base model on a test set drawn apart from the training data, each request with the
+decoding constraint the deployment's route adds (``route_constraint``: a label task's labels
+under ``eval.constrain: auto``), as users get it and as the factory's evals score both
+models. The gap is eval score minus test accuracy; the goal: within 5 points, and the test
+accuracy inside the eval score's interval, on every task.
 
     FACTORY_MODELS_DIR=.cache/test-models .venv/bin/python bench/calibration.py \\
         --tasks triage --seeds 0,1,2 --records 300 --home /tmp/calib
@@ -91,7 +93,13 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(ROOT))
 
 from bench import public_data, splits  # noqa: E402
-from bench.agent import last_json, loadavg, models_to_score, run_cli  # noqa: E402
+from bench.agent import (  # noqa: E402
+    last_json,
+    loadavg,
+    models_to_score,
+    route_constraint,
+    run_cli,
+)
 from bench.loop import ask_all  # noqa: E402
 
 RECIPE = "smollm2-135m-lora"
@@ -104,8 +112,9 @@ CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16")
 """The ``/proc/cpuinfo`` flags that decide the trainer's speed and precision here."""
 
 Request = dict[str, Any]
-Scorer = Callable[[str, str, list[Request], int], dict[str, Any]]
-"""(base URL, served model, test requests, concurrency) -> ``{"accuracy", "num", ...}``."""
+Scorer = Callable[[str, str, list[Request], int, dict[str, Any] | None], dict[str, Any]]
+"""(base URL, served model, test requests, concurrency, the route's constraint or None) ->
+``{"accuracy", "num", ...}``."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,21 +312,24 @@ bench/loop.py's 8 and bench/agent.py's 96."""
 
 
 def score_extraction(base_url: str, model: str, requests: list[Request],
-                     concurrency: int) -> dict[str, Any]:
+                     concurrency: int, constraint: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
     """Share of the four fields right per request (``field_accuracy``), its mean, and the share
     with all four right."""
     from factory.tasks.support_extract import field_accuracy
 
-    answers, secs = ask_all(base_url, model, requests, MAX_TOKENS["extraction"], concurrency)
+    answers, secs = ask_all(base_url, model, requests, MAX_TOKENS["extraction"], concurrency,
+                            constraint)
     scores = [field_accuracy(a, r["reference"]) for a, r in zip(answers, requests, strict=True)]
     return {"model": model, "scores": scores, "exact": sum(s == 1.0 for s in scores) / len(scores),
             "num": len(scores), "seconds": round(secs, 1)}
 
 
 def score_clinc(base_url: str, model: str, requests: list[Request],
-                concurrency: int) -> dict[str, Any]:
+                concurrency: int, constraint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Exact label (``public_data.score``) per request."""
-    answers, secs = ask_all(base_url, model, requests, MAX_TOKENS["clinc150"], concurrency)
+    answers, secs = ask_all(base_url, model, requests, MAX_TOKENS["clinc150"], concurrency,
+                            constraint)
     scores = [float(public_data.score("clinc150", {"label": r["label"]}, a))
               for a, r in zip(answers, requests, strict=True)]
     return {"model": model, "scores": scores, "exact": sum(scores) / len(scores),
@@ -335,7 +347,8 @@ def scorer(task: str) -> Scorer:
         from bench.agent import _score
         from factory.tasks.agent_orders import TOOLS
 
-        return lambda url, model, reqs, conc: _score(url, model, reqs, TOOLS, conc)
+        # a tool task's route adds no constraint (``eval.constrain: auto`` leaves tool calls)
+        return lambda url, model, reqs, conc, _constraint: _score(url, model, reqs, TOOLS, conc)
     return score_extraction if task == "extraction" else score_clinc
 
 
@@ -481,9 +494,11 @@ def run_one(task: Task, seed: int, args: argparse.Namespace, home: Path) -> dict
     try:
         base_url, models, server = models_to_score(lake, task.experiment, deployed=True,
                                                    home=home, threads=None, recipe=RECIPE)
+        constraint = route_constraint(lake, task.experiment)
+        row["constraint"] = constraint
         started = time.monotonic()
         row["test"] = {kind: {label: accuracy(score(base_url, model, requests,
-                                                    args.concurrency))
+                                                    args.concurrency, constraint))
                               for label, model in models.items()}
                        for kind, requests in tests.items()}
         row["score_s"] = round(time.monotonic() - started, 1)

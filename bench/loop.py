@@ -29,6 +29,11 @@ steps of ``train_run_job``), evals (``checkpoint_evals`` runs and ``best_checkpo
 second counts for the earliest of these phases running then, so evals that overlap training
 count as training and the phases add up to the span.
 
+The trainer's pace within the run (issue 46 item 1) comes from its progress events
+(``step_pace``): the mean seconds a step of the 30 steps after 6 warm-up steps against the last
+30, and the peak RSS at the end of that first window against the run's peak; goals at most
+1.10x and 1.15x. A 300-step run of the triage plan: ``--overrides '{"num_steps": 300}'``.
+
 It then scores two sets of ``--heldout`` tickets (``--heldout-sets`` picks one or both) through
 the ``openai`` SDK, on the endpoint's server, which serves the base model beside the deployed
 adapter: exact label (``exact_label``: the answer stripped and lower-cased equals the label) for
@@ -73,7 +78,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import splits  # noqa: E402
-from bench.agent import last_json, loadavg, models_to_score, run_cli  # noqa: E402
+from bench.agent import (  # noqa: E402
+    last_json,
+    loadavg,
+    models_to_score,
+    route_constraint,
+    run_cli,
+)
 
 EXPERIMENT = "ticket-triage"
 RECIPE = "smollm2-135m-lora"
@@ -198,20 +209,70 @@ def _record_times(report: dict[str, Any], began: float, ingested: float,
     report["chain_runs"] = runs
 
 
+PACE_WARMUP = 5
+"""Steps left out at the start of the pace windows: the first steps pay for allocator and
+thread-pool warm-up."""
+PACE_WINDOW = 30
+"""Steps per pace window (issue 46: the first 30 after warm-up against the last 30)."""
+GOAL_PACE = 1.10
+GOAL_RSS = 1.15
+
+
+def step_pace(events: list[dict[str, Any]], *, warmup: int = PACE_WARMUP,
+              window: int = PACE_WINDOW) -> dict[str, Any] | None:
+    """The trainer's pace within its run, from its ``progress`` events (one per optimizer step,
+    with its wall time and the process's peak RSS): the mean seconds of the ``window`` steps
+    after ``warmup`` against the last ``window`` (a step's seconds: its event's time minus the
+    previous one's, so a checkpoint save or an eval beside it counts in the step after), and
+    the peak RSS at the first window's end against the run's. None when the run has fewer
+    than ``warmup + 2 * window`` steps (the windows would overlap)."""
+    prog = sorted((e for e in events if e.get("type") == "progress"),
+                  key=lambda e: (e["step"], e["time"]))
+    by_step: dict[int, dict[str, Any]] = {}
+    for e in prog:  # a resumed segment repeats steps: the last report of a step wins
+        by_step[int(e["step"])] = e
+    steps = sorted(by_step)
+    if len(steps) < warmup + 2 * window + 1:
+        return None
+    secs = {b: by_step[b]["time"] - by_step[a]["time"]
+            for a, b in zip(steps[:-1], steps[1:], strict=True) if b == a + 1}
+    first = [secs[s] for s in steps[warmup + 1:warmup + 1 + window] if s in secs]
+    last = [secs[s] for s in steps[-window:] if s in secs]
+    rss_at = by_step[steps[warmup + window]]["memory"]["peak_rss_bytes"]
+    rss_end = max(by_step[s]["memory"]["peak_rss_bytes"] for s in steps)
+    first_s, last_s = sum(first) / len(first), sum(last) / len(last)
+    return {"steps": len(steps), "first_window": [steps[warmup + 1], steps[warmup + window]],
+            "first_s": round(first_s, 3), "last_s": round(last_s, 3),
+            "pace_ratio": round(last_s / first_s, 3),
+            "rss_first_window_gb": round(rss_at / 1e9, 3), "rss_peak_gb": round(rss_end / 1e9, 3),
+            "rss_ratio": round(rss_end / rss_at, 3)}
+
+
+def run_events(home: Path, run_id: str) -> list[dict[str, Any]]:
+    """Every event of the run's trainer segments (``checkpoints/RUN/events/RUN-sNNN.jsonl``)."""
+    from factory.trainer.webhooks import read_events
+
+    folder = home / "checkpoints" / run_id / "events"
+    return [e for path in sorted(folder.glob(f"{run_id}-s*.jsonl")) for e in read_events(path)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Scoring through the OpenAI SDK.
 
 def ask_all(base_url: str, model: str, requests: list[dict[str, Any]], max_tokens: int,
-            concurrency: int) -> tuple[list[str], float]:
+            concurrency: int, constraint: dict[str, Any] | None = None
+            ) -> tuple[list[str], float]:
     """Each request's answer (temperature 0) through the OpenAI SDK, ``concurrency`` in
-    flight, and the seconds taken."""
+    flight, and the seconds taken; ``constraint``: the ``structured_outputs`` each request
+    carries (the one a deployment's route adds, ``bench.agent.route_constraint``)."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=900)
 
     def one(request: dict[str, Any]) -> str:
-        reply = client.chat.completions.create(model=model, messages=request["messages"],
-                                               temperature=0, max_tokens=max_tokens)
+        reply = client.chat.completions.create(
+            model=model, messages=request["messages"], temperature=0, max_tokens=max_tokens,
+            extra_body={"structured_outputs": constraint} if constraint else None)
         return reply.choices[0].message.content or ""
 
     started = time.monotonic()
@@ -221,11 +282,12 @@ def ask_all(base_url: str, model: str, requests: list[dict[str, Any]], max_token
 
 
 def score(base_url: str, model: str, requests: list[dict[str, Any]],
-          concurrency: int) -> dict[str, Any]:
-    """Send every held-out ticket to ``model``; the exact-label rate overall and per label."""
+          concurrency: int, constraint: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Send every held-out ticket to ``model`` (with ``constraint``, as ``ask_all``); the
+    exact-label rate overall and per label."""
     from factory.tasks.ticket_triage import exact_label
 
-    answers, seconds = ask_all(base_url, model, requests, MAX_TOKENS, concurrency)
+    answers, seconds = ask_all(base_url, model, requests, MAX_TOKENS, concurrency, constraint)
     hits: Counter[str] = Counter()
     sizes: Counter[str] = Counter()
     said: Counter[str] = Counter()
@@ -475,6 +537,8 @@ def main() -> int:
                                                          "version", "run_id")},
                              "loadavg_before": load, "loadavg_after": loadavg()}
             _record_times(report, began, ingested, ended)
+            if run.get("run_id"):
+                report["pace"] = step_pace(run_events(home, str(run["run_id"])))
             report.update(_dataset_and_plan(lake, EXPERIMENT))
             print(json.dumps({k: report.get(k) for k in ("run", "wall_s", "split_s", "busy_s",
                                                           "dataset", "plan")}, default=str),
@@ -487,7 +551,9 @@ def main() -> int:
                                                    recipe=args.recipe)
         if args.skip_base and ok_run:
             models.pop("base")
-        scores = {kind: {label: score(base_url, model, tickets, args.concurrency)
+        constraint = route_constraint(lake, EXPERIMENT) if ok_run else None
+        report["constraint"] = constraint
+        scores = {kind: {label: score(base_url, model, tickets, args.concurrency, constraint)
                          for label, model in models.items()}
                   for kind, tickets in heldouts.items()}
     finally:
@@ -519,6 +585,16 @@ def main() -> int:
         print("busy (seconds some run of the phase was running): "
               + ", ".join(f"{k} {v:.0f}" for k, v in report["busy_s"].items()))
         goals["wall_at_most_600s"] = report["wall_s"] <= GOAL_WALL_S
+    pace = report.get("pace")
+    if pace:
+        print(f"trainer pace: steps {pace['first_window'][0]}-{pace['first_window'][1]} "
+              f"{pace['first_s']:.2f} s/step, last {PACE_WINDOW} {pace['last_s']:.2f} s/step "
+              f"({pace['pace_ratio']:.2f}x; goal at most {GOAL_PACE:.2f}x); peak RSS "
+              f"{pace['rss_first_window_gb']:.2f} GB at step {pace['first_window'][1]}, "
+              f"{pace['rss_peak_gb']:.2f} GB at the end ({pace['rss_ratio']:.2f}x; goal at most "
+              f"{GOAL_RSS:.2f}x), {pace['steps']} steps")
+        goals["pace_within_10pct"] = pace["pace_ratio"] <= GOAL_PACE
+        goals["rss_within_15pct"] = pace["rss_ratio"] <= GOAL_RSS
     report["scores"] = {}
     for kind, by_model in scores.items():
         print()
