@@ -159,6 +159,40 @@ def _retry(fn: Any, *args: Any, deadline: float | None = None, **kwargs: Any) ->
 
 _CATALOG_INIT_LOCK = threading.Lock()
 
+_LOG_LOCK = threading.Lock()
+_LOG_CACHE: dict[tuple[str, str], tuple[int, list[dict[str, Any]]]] = {}
+"""``Lake.log_rows``: (table uuid, name) -> (the snapshot read, its rows)."""
+_LOG_CHAIN = 10_000
+"""``_appended_files`` walks at most this many snapshots back before it reads anew."""
+
+
+def _appended_files(tbl: Table, since: int, now: int) -> list[str] | None:
+    """The data files the commits after snapshot ``since`` up to ``now`` added, when each of
+    them is an append and ``since`` is an ancestor of ``now``; None otherwise."""
+    from pyiceberg.manifest import ManifestEntryStatus
+    from pyiceberg.table.snapshots import Operation
+
+    new: set[int] = set()
+    at = tbl.snapshot_by_id(now)
+    while at is not None and at.snapshot_id != since and len(new) < _LOG_CHAIN:
+        if at.summary is None or at.summary.operation != Operation.APPEND:
+            return None
+        new.add(at.snapshot_id)
+        at = (tbl.snapshot_by_id(at.parent_snapshot_id)
+              if at.parent_snapshot_id is not None else None)
+    if at is None or at.snapshot_id != since:
+        return None
+    current = tbl.snapshot_by_id(now)
+    assert current is not None
+    files = []
+    for manifest in current.manifests(tbl.io):
+        if manifest.added_snapshot_id not in new:
+            continue
+        for entry in manifest.fetch_manifest_entry(tbl.io, discard_deleted=True):
+            if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id in new:
+                files.append(entry.data_file.file_path)
+    return files
+
 
 def _open_sql_catalog(settings: Settings, deadline: float | None = None) -> Catalog:
     """The embedded SQLite catalog. Its constructor creates the catalog tables when absent,
@@ -421,6 +455,39 @@ class Lake:
         if columns:
             kwargs["selected_fields"] = tuple(columns)
         return tbl.scan(**kwargs).to_arrow()
+
+    def log_rows(self, name: str) -> list[dict[str, Any]]:
+        """Every row of ``name`` at its current snapshot as Python dicts, kept per process and
+        table: when every commit since this process last read the table was an append, only the
+        data files those commits added are read.
+
+        For the append-only logs a frequent reader re-reads while a writer appends (the control
+        loop's ``training_events`` and ``training_segments``, read by two sensors every 15
+        s and appended about as often during a run): a full scan costs one manifest and one
+        data file per commit, so each tick cost more than the last and the sensors took more
+        of the cores from the trainer as a run went on. Any other commit since (an overwrite,
+        a delete, a table created anew) reads the whole table. The list is shared: do not
+        change it or its rows.
+        """
+        tbl = self.table(name)
+        snap = tbl.current_snapshot()
+        if snap is None:
+            return []
+        key = (str(tbl.metadata.table_uuid), name)
+        with _LOG_LOCK:
+            hit = _LOG_CACHE.get(key)
+        if hit is not None and hit[0] == snap.snapshot_id:
+            return hit[1]
+        rows: list[dict[str, Any]] | None = None
+        if hit is not None:
+            added = _appended_files(tbl, hit[0], snap.snapshot_id)
+            if added is not None:
+                rows = hit[1] + self.read_files(name, added).to_pylist() if added else hit[1]
+        if rows is None:
+            rows = tbl.scan(snapshot_id=snap.snapshot_id).to_arrow().to_pylist()
+        with _LOG_LOCK:
+            _LOG_CACHE[key] = (snap.snapshot_id, rows)
+        return rows
 
     # -- writes --------------------------------------------------------------------------------
     def append(self, name: str, data: pa.Table | Sequence[Mapping[str, Any]], *,

@@ -239,7 +239,6 @@ class ControlPlane:
         self.config = config or ControlConfig()
         self.config.validate()
         self.clock = clock
-        self._cache: dict[str, tuple[int | None, list[dict[str, Any]]]] = {}
         self._last_stamp = 0.0
 
     def _stamp(self) -> float:
@@ -248,14 +247,9 @@ class ControlPlane:
         return self._last_stamp
 
     def _rows(self, name: str) -> list[dict[str, Any]]:
-        """Rows of a control table, re-read only when its snapshot changed (ticks are frequent)."""
-        snap = self.lake.snapshot_id(name)
-        hit = self._cache.get(name)
-        if hit is not None and hit[0] == snap:
-            return hit[1]
-        rows = self.lake.read(name).to_pylist()
-        self._cache[name] = (snap, rows)
-        return rows
+        """Rows of a control table (``Lake.log_rows``: ticks are frequent, and only what was
+        appended since this process's last read is read)."""
+        return self.lake.log_rows(name)
 
     # -- state -------------------------------------------------------------------------------
     def runs(self) -> dict[str, TrainingRun]:
@@ -291,7 +285,7 @@ class ControlPlane:
             if row["event_id"] in seen or (run_id is not None and row["run_id"] != run_id):
                 continue
             seen.add(row["event_id"])
-            out.append(row)
+            out.append(dict(row))  # the lake's rows are shared (``Lake.log_rows``)
         return sorted(out, key=lambda r: (r["event_time"], r["segment_id"] or "", r["seq"]))
 
     def _write_run(self, run: TrainingRun, lineage: Lineage | None = None) -> None:

@@ -371,3 +371,37 @@ def test_pyiceberg_s_idle_reader_pool_is_stopped_only_when_its_threads_are_the_o
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_log_rows_reads_only_what_appends_added_since_the_last_read(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Lake.log_rows`` keeps a table's rows per process: after appends only their new data
+    files are read, after any other commit the whole table; either way the rows are the
+    table's, as a full scan gives them."""
+    lake = Lake()
+    lake.append("raw_traces", [_trace(1), _trace(2)])
+    assert sorted(r["raw_trace_id"] for r in lake.log_rows("raw_traces")) == ["id-1", "id-2"]
+    read: list[list[str]] = []
+    real = Lake.read_files
+
+    def spy(self: Lake, name: str, locations: list[str]) -> pa.Table:
+        read.append(list(locations))
+        return real(self, name, locations)
+
+    monkeypatch.setattr(Lake, "read_files", spy)
+    assert lake.log_rows("raw_traces") is lake.log_rows("raw_traces")  # unchanged: no read
+    assert read == []
+    for i in (3, 4):
+        lake.append("raw_traces", [_trace(i)])
+    other = Lake()  # another Lake of the same process shares what was read
+    rows = other.log_rows("raw_traces")
+    assert len(read) == 1 and len(read[0]) == 2  # the two appended files, nothing else
+    full = sorted(r["raw_trace_id"] for r in lake.read("raw_traces").to_pylist())
+    assert sorted(r["raw_trace_id"] for r in rows) == full == ["id-1", "id-2", "id-3", "id-4"]
+    lake.overwrite("raw_traces", [_trace(9)], where="raw_trace_id = 'id-1'")
+    lake.append("raw_traces", [_trace(5)])
+    rows = lake.log_rows("raw_traces")
+    assert len(read) == 1  # not an append since: read whole, not by files
+    assert sorted(r["raw_trace_id"] for r in rows) == sorted(
+        r["raw_trace_id"] for r in lake.read("raw_traces").to_pylist())
+    assert "id-1" not in {r["raw_trace_id"] for r in rows}
