@@ -210,8 +210,8 @@ def _record_times(report: dict[str, Any], began: float, ingested: float,
 
 
 PACE_WARMUP = 5
-"""Steps left out at the start of the pace windows: the first steps pay for allocator and
-thread-pool warm-up."""
+"""Steps left out of the first pace window after step 1 (which no earlier event times): the
+first steps pay for allocator and thread-pool warm-up, so the window is steps 7-36."""
 PACE_WINDOW = 30
 """Steps per pace window (issue 46: the first 30 after warm-up against the last 30)."""
 GOAL_PACE = 1.10
