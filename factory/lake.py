@@ -33,6 +33,7 @@ import pyarrow as pa
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.table import Table, TableMetadata, Transaction
+from pyiceberg.table.snapshots import Snapshot
 
 from factory import __version__
 from factory.datafiles import FileTarget
@@ -166,14 +167,14 @@ _LOG_CHAIN = 10_000
 """``_appended_files`` walks at most this many snapshots back before it reads anew."""
 
 
-def _appended_files(tbl: Table, since: int, now: int) -> list[str] | None:
+def _appended_files(tbl: Table, since: int, now: Snapshot) -> list[str] | None:
     """The data files the commits after snapshot ``since`` up to ``now`` added, when each of
     them is an append and ``since`` is an ancestor of ``now``; None otherwise."""
     from pyiceberg.manifest import ManifestEntryStatus
     from pyiceberg.table.snapshots import Operation
 
     new: set[int] = set()
-    at = tbl.snapshot_by_id(now)
+    at: Snapshot | None = now
     while at is not None and at.snapshot_id != since and len(new) < _LOG_CHAIN:
         if at.summary is None or at.summary.operation != Operation.APPEND:
             return None
@@ -182,10 +183,8 @@ def _appended_files(tbl: Table, since: int, now: int) -> list[str] | None:
               if at.parent_snapshot_id is not None else None)
     if at is None or at.snapshot_id != since:
         return None
-    current = tbl.snapshot_by_id(now)
-    assert current is not None
     files = []
-    for manifest in current.manifests(tbl.io):
+    for manifest in now.manifests(tbl.io):
         if manifest.added_snapshot_id not in new:
             continue
         for entry in manifest.fetch_manifest_entry(tbl.io, discard_deleted=True):
@@ -480,7 +479,7 @@ class Lake:
             return hit[1]
         rows: list[dict[str, Any]] | None = None
         if hit is not None:
-            added = _appended_files(tbl, hit[0], snap.snapshot_id)
+            added = _appended_files(tbl, hit[0], snap)
             if added is not None:
                 rows = hit[1] + self.read_files(name, added).to_pylist() if added else hit[1]
         if rows is None:

@@ -17,8 +17,9 @@ server against them.
   ``"required"`` or a named function constrains the reply to calls of the request's tools (of
   that one), arguments valid against their parameters (``factory.inference.constrain``), as
   vLLM enforces it; ``"auto"`` constrains nothing. vLLM's extra parameters
-  ``add_generation_prompt`` (default true), ``return_token_ids`` (the response's ``prompt_token_ids`` and ``choices[0].token_ids``)
-  and ``prompt_logprobs`` (non-streamed) are honoured: the equivalence gate reads the rendered
+  ``add_generation_prompt`` (default true), ``return_token_ids`` (the response's
+  ``prompt_token_ids`` and ``choices[0].token_ids``) and ``prompt_logprobs`` (non-streamed) are
+  honoured: the equivalence gate reads the rendered
   prompt's token ids with them. OpenAI ``image_url`` parts (``data:`` URLs; canonical image
   parts by sha256 read from the blob store) go through a vision-language model's processor and
   are fed with the prompt; a remote URL (never fetched) or an image missing from the blob store

@@ -65,9 +65,10 @@ def test_a_phrasing_inside_a_longer_ticket_links_and_a_shared_greeting_does_not(
     assert not links & {(1, 2), (1, 3), (2, 3), (0, 2), (0, 3)}
 
 
-def _assign(texts: list[str], labels: list[str | None], **kw: Any) -> phrasing.EvalSplit:
+def _assign(texts: list[str], labels: list[str | None], *, seed: int = CurationConfig().seed,
+            **kw: Any) -> phrasing.EvalSplit:
     ids = [f"{i:04d}" for i in range(len(texts))]
-    config = CurationConfig()
+    config = CurationConfig(seed=seed)
     v, o = phrasing.skeleton_ngrams([phrasing.skeleton(t) for t in texts])
     links = [(ids[i], ids[j]) for i, j in phrasing.linked_pairs(v.view(np.int64), o, 0.3)]
     return phrasing.assign(
@@ -146,15 +147,7 @@ def test_the_phrasing_split_scores_a_memorizer_as_new_requests_do() -> None:
         ids = [f"{i:04d}" for i in range(len(texts))]
         for split_seed in range(3):
             config = CurationConfig(seed=split_seed)
-            v, o = phrasing.skeleton_ngrams([phrasing.skeleton(t) for t in texts])
-            links = [(ids[i], ids[j]) for i, j in phrasing.linked_pairs(
-                v.view(np.int64), o, config.phrasing_threshold or 0.0)]
-            split = phrasing.assign(
-                {s: s for s in ids}, {s: split_side(s, config) for s in ids},
-                keys={s: phrasing.phrasing_key(phrasing.skeleton(t))
-                      for s, t in zip(ids, texts, strict=True)},
-                links=links, labels=dict(zip(ids, labels, strict=True)),
-                eval_fraction=config.eval_fraction, seed=split_seed)
+            split = _assign(texts, list(labels), seed=split_seed)
             assert split.kind == phrasing.PHRASING
             for sides, out in ((split.side, by_phrasing),
                                ({s: split_side(s, config) for s in ids}, recall)):
