@@ -29,9 +29,12 @@ trainer reading the claims before each step (3.3 s) pays 0.2% for it.
 Alone on the machine, or beside idle servers, a process keeps every core; the split happens
 only while another claim is live, and ends with it (the next ``adjust`` after that process
 releases its claim or exits, or after its claim is found to name a dead pid, which is then
-removed). A trainer reads the claims before every step (work that starts mid-step finds the
-trainer at its old count until that step ends), the CPU server before every batch, and the
-server claims and releases around its work: measured on dev-cpu, ``share`` beside one claim
+removed). A trainer reads the claims before every step and, within it, as each decoder layer's
+forward starts and as its input's gradient arrives, at most every ``POLL_S`` (``poll``): an eval
+that starts mid-step splits the cores within a layer or two, where waiting for the step's end
+made training and eval together slower than one after the other (``bench/eval_overlap.py``).
+The CPU server reads them before every batch, and claims and releases around its work: measured
+on dev-cpu, ``share`` beside one claim
 takes 32 us, a ``join`` and ``release`` together 32 us, and a changed ``torch.set_num_threads``
 4 us more on the next matmul, against steps and requests of 0.1-5 s.
 """
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -55,6 +59,13 @@ ENV_SWITCH = "FACTORY_CORE_SHARE"
 
 BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 """The Prometheus gauges whose sum says a busy-while claim's server has work (vLLM's names)."""
+
+POLL_S = 0.5
+"""How often, at most, ``poll`` reads the claims again (the trainer's layers call it)."""
+
+ENV_POLL = "FACTORY_CORE_POLL"
+"""``0``: the trainer reads the claims between steps only, not within them (a baseline for
+``bench/eval_overlap.py``)."""
 
 BUSY_TIMEOUT_S = 1.0
 """How long a reader waits for a busy-while claim's ``/metrics``; past it the claim counts (a
@@ -145,6 +156,7 @@ class CoreShare:
         self.threads: int | None = None
         """Threads last set by ``adjust`` (None: never set)."""
         self._before: int | None = None  # torch's threads before the first adjust
+        self._polled = 0.0  # time.monotonic() of poll's last adjust
 
     @classmethod
     def for_this_process(cls, *, pinned: int | None = None) -> CoreShare | None:
@@ -232,3 +244,13 @@ class CoreShare:
             torch.set_num_threads(n)
             self.threads = n
         return n
+
+    def poll(self) -> None:
+        """``adjust``, unless this process did within the last ``POLL_S`` seconds: what the
+        trainer's decoder layers call within a step, so that a claim made mid-step (an eval
+        server's first request) splits the cores within a layer or two instead of after the
+        step, which the oversubscription itself slows (BENCHMARKS.md, "CPU sharing")."""
+        now = time.monotonic()
+        if now - self._polled >= POLL_S:
+            self._polled = now
+            self.adjust()

@@ -34,7 +34,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import ExitCode, TrainConfig, TrainerJob
-from .cores import CoreShare
+from .cores import ENV_POLL, CoreShare
 from .data import (
     MicroBatchStream,
     MixtureStream,
@@ -480,6 +480,8 @@ class Trainer:
             # eval server beside the trainer) while the loop runs: trainer/cores.py. Not for a
             # deterministic plan: CPU kernels reproduce bitwise only at a fixed thread count.
             self.cores = CoreShare.for_this_process()
+            if self.cores is not None and os.environ.get(ENV_POLL, "1") != "0":
+                _poll_within_steps(self.loss_module, self.cores)
         window_t = time.perf_counter()
         window_tokens = window_computed = 0.0
         while self.step < self.num_steps:
@@ -563,6 +565,31 @@ class Trainer:
         reporter.emit("preempted", step=self.step, signal=self.stop.signal,
                       checkpoint=info.path if info else None,
                       seconds_since_signal=time.time() - self.stop.at)
+
+
+
+def _poll_within_steps(loss_module: torch.nn.Module, cores: CoreShare) -> None:
+    """Have each decoder layer read the core claims again (``CoreShare.poll``: at most every
+    ``POLL_S``) as its forward starts and as the gradient of its input arrives in the backward
+    pass (the autograd engine runs a CPU graph on the thread that called ``backward``, whose
+    thread count ``adjust`` sets). A claim made mid-step then splits the cores within a layer
+    or two, not after the step."""
+    decoder: Any = getattr(loss_module, "decoder", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        return
+
+    def on_grad(grad: torch.Tensor) -> None:
+        cores.poll()
+
+    def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cores.poll()
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(on_grad)
+
+    for layer in layers:
+        layer.register_forward_pre_hook(before, with_kwargs=True)
 
 
 def _kernel_summary(model: Any) -> dict[str, int] | None:

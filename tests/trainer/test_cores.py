@@ -208,6 +208,41 @@ def test_a_cpu_trainer_takes_half_the_threads_beside_another_claim(
     assert sorted(p.name for p in folder.iterdir()) == [str(other.pid)]  # the trainer left
 
 
+
+def test_a_claim_made_mid_step_splits_the_cores_within_that_step(
+        tiny_model_dir: Path, tmp_path: Path, other: subprocess.Popen[bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eval server's first request arrives mid-step: the trainer's decoder layers read the
+    claims again (``_poll_within_steps``), so the rest of that step's forward runs at the split
+    count, and its backward pass takes the cores back once the claim is gone; not only the next
+    step, after one spent oversubscribed."""
+    import torch
+
+    from factory.trainer import cores
+    from factory.trainer.config import TrainConfig
+    from factory.trainer.model import CausalLMLoss, load_model
+    from factory.trainer.train import _poll_within_steps
+
+    monkeypatch.setattr(cores, "POLL_S", 0.0)  # every layer reads; the trainer's: 0.5 s
+    plan = TrainConfig(base_model=str(tiny_model_dir), max_seq_len=64, learning_rate=1e-3,
+                       num_steps=1, lora_rank=4)
+    loss_module = CausalLMLoss(load_model(plan, torch.device("cpu")))
+    layers = loss_module.decoder.layers
+    assert len(layers) >= 2
+    seen: list[int] = []
+    with CoreShare(folder=tmp_path, cores=2) as share:
+        assert share.adjust() == 2  # alone, as the step starts
+        _poll_within_steps(loss_module, share)
+        layers[0].register_forward_hook(lambda *_: _claim(tmp_path, other.pid) and None)
+        layers[-1].register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+        ids = torch.randint(0, 100, (1, 16))
+        loss = loss_module(ids, torch.arange(16)[None], None, ids)
+        assert seen == [1]  # the claim appeared after layer 0; the last layer ran split
+        (tmp_path / str(other.pid)).unlink()  # the eval ends before the backward pass
+        loss.backward()
+        assert torch.get_num_threads() == 2 and share.threads == 2
+
+
 def _fresh_threads() -> int:
     """torch's thread count in a fresh process without ``OMP_NUM_THREADS``."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
