@@ -44,8 +44,9 @@ if TYPE_CHECKING:
     from factory.experiments import Experiment
 
 EXPERIMENT = "demo-extract"
-NUM_RECORDS = 240
-"""Demo traffic: enough for a train split that teaches the format and a 10% eval split."""
+NUM_RECORDS = 480
+"""Demo traffic: a train split with enough messages of each kind (a missing name is one in ten)
+to answer new requests, and a 10% eval split."""
 GATEWAY_SHARE = 4
 """One record in this many goes through the gateway; the rest is uploaded."""
 _PROJECT = re.compile(r"""^\s*tags\['project'\]\s*=\s*'([A-Za-z0-9_.-]+)'\s*$""")

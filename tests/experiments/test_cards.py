@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from factory.planner.render import committed_cards, main
@@ -22,8 +23,9 @@ def test_a_card_shows_what_the_file_changes(tmp_path: Path) -> None:
     exp_dir = tmp_path / "experiments"
     exp_dir.mkdir()
     source = (ROOT / "experiments" / "demo-extract.yaml").read_text(encoding="utf-8")
-    (exp_dir / "demo-extract.yaml").write_text(
-        source.replace("num_steps: 8", "num_steps: 11"), encoding="utf-8")
+    changed = re.sub(r"num_steps: \d+", "num_steps: 11", source)
+    assert changed != source
+    (exp_dir / "demo-extract.yaml").write_text(changed, encoding="utf-8")
     assert main([str(exp_dir), str(tmp_path / "cards")]) == 0
     card = (tmp_path / "cards" / "demo-extract.md").read_text(encoding="utf-8")
     assert "- `num_steps`: 11" in card
