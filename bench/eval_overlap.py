@@ -90,14 +90,19 @@ def _run(name: str, work: Path, base: str, data: Path, args: argparse.Namespace,
                                     str(work / f"{name}.json")], env={**os.environ, **env},
                                    stdout=subprocess.DEVNULL, stderr=log)
         eval_s = eval_end = None
-        if args.at is not None and requests:
-            events = work / name / "events.jsonl"
-            while _steps(events) < args.at and trainer.poll() is None:
-                time.sleep(0.05)
-            eval_s = _eval(url, requests, args.clients, args.max_tokens)
-            eval_end = time.time()
-        if trainer.wait() != 0:
-            raise SystemExit(f"{name}: the trainer failed; see {work / name}.log")
+        try:
+            if args.at is not None and requests:
+                events = work / name / "events.jsonl"
+                while _steps(events) < args.at and trainer.poll() is None:
+                    time.sleep(0.05)
+                eval_s = _eval(url, requests, args.clients, args.max_tokens)
+                eval_end = time.time()
+            if trainer.wait() != 0:
+                raise SystemExit(f"{name}: the trainer failed; see {work / name}.log")
+        finally:  # an interrupted bench leaves no trainer behind
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
     train_end = time.time()
     return {"way": name, "train_s": round(train_end - t0, 1),
             "eval_s": None if eval_s is None else round(eval_s, 1),

@@ -567,7 +567,6 @@ class Trainer:
                       seconds_since_signal=time.time() - self.stop.at)
 
 
-
 def _poll_within_steps(loss_module: torch.nn.Module, cores: CoreShare) -> None:
     """Have each decoder layer read the core claims again (``CoreShare.poll``: at most every
     ``POLL_S``) as its forward starts and as the gradient of its input arrives in the backward
