@@ -29,8 +29,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,35 +45,24 @@ def _eval(url: str, requests: list[list[dict[str, str]]], clients: int,
     """Send ``requests`` to the server at ``url``, ``clients`` at a time; the wall seconds."""
     import httpx
 
-    todo = list(enumerate(requests))
-    lock = threading.Lock()
-
-    def worker() -> None:
+    def ask(messages: list[dict[str, str]]) -> None:
+        body = {"model": "base", "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0}
         with httpx.Client(timeout=600) as client:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    _, messages = todo.pop()
-                body = {"model": "base", "messages": messages, "max_tokens": max_tokens,
-                        "temperature": 0}
-                client.post(url + "/v1/chat/completions", json=body).raise_for_status()
+            client.post(url + "/v1/chat/completions", json=body).raise_for_status()
 
     t0 = time.time()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(ask, requests))
     return time.time() - t0
 
 
 def _steps(events_file: Path) -> int:
-    if not events_file.is_file():
-        return 0
-    steps = [json.loads(x).get("step", 0) for x in events_file.read_text().splitlines()
-             if x.strip() and '"progress"' in x]
-    return max(steps, default=0)
+    """The last step the trainer's events file reports (0 before the first)."""
+    from factory.trainer.webhooks import read_events
+
+    return max((e["step"] for e in read_events(events_file) if e.get("type") == "progress"),
+               default=0)
 
 
 def _run(name: str, work: Path, base: str, data: Path, args: argparse.Namespace,

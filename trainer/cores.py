@@ -34,9 +34,9 @@ forward starts and as its input's gradient arrives, at most every ``POLL_S`` (``
 that starts mid-step splits the cores within a layer or two, where waiting for the step's end
 made training and eval together slower than one after the other (``bench/eval_overlap.py``).
 The CPU server reads them before every batch, and claims and releases around its work: measured
-on dev-cpu, ``share`` beside one claim
-takes 32 us, a ``join`` and ``release`` together 32 us, and a changed ``torch.set_num_threads``
-4 us more on the next matmul, against steps and requests of 0.1-5 s.
+on dev-cpu, ``share`` beside one claim takes 32 us, a ``join`` and ``release`` together 32 us,
+and a changed ``torch.set_num_threads`` 4 us more on the next matmul, against steps and requests
+of 0.1-5 s.
 """
 
 from __future__ import annotations

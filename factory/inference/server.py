@@ -19,11 +19,11 @@ server against them.
   vLLM enforces it; ``"auto"`` constrains nothing. vLLM's extra parameters
   ``add_generation_prompt`` (default true), ``return_token_ids`` (the response's
   ``prompt_token_ids`` and ``choices[0].token_ids``) and ``prompt_logprobs`` (non-streamed) are
-  honoured: the equivalence gate reads the rendered
-  prompt's token ids with them. OpenAI ``image_url`` parts (``data:`` URLs; canonical image
-  parts by sha256 read from the blob store) go through a vision-language model's processor and
-  are fed with the prompt; a remote URL (never fetched) or an image missing from the blob store
-  is a 400. A text-only model renders an image as ``[image]``, the text it was trained on.
+  honoured: the equivalence gate reads the rendered prompt's token ids with them. OpenAI
+  ``image_url`` parts (``data:`` URLs; canonical image parts by sha256 read from the blob store)
+  go through a vision-language model's processor and are fed with the prompt; a remote URL
+  (never fetched) or an image missing from the blob store is a 400. A text-only model renders an
+  image as ``[image]``, the text it was trained on.
   vLLM's ``structured_outputs`` (``{"choice": [...]}`` or ``{"json": SCHEMA}``) constrains
   decoding to one of the strings or to JSON of the schema (``factory.inference.constrain``);
   its other keys are a 400.

@@ -208,7 +208,6 @@ def test_a_cpu_trainer_takes_half_the_threads_beside_another_claim(
     assert sorted(p.name for p in folder.iterdir()) == [str(other.pid)]  # the trainer left
 
 
-
 def test_a_claim_made_mid_step_splits_the_cores_within_that_step(
         tiny_model_dir: Path, tmp_path: Path, other: subprocess.Popen[bytes],
         monkeypatch: pytest.MonkeyPatch) -> None:
