@@ -3,7 +3,8 @@
 Partitioned by the dynamic partitions ``runs``, whose keys are the stable run keys of
 ``factory.experiments.run_key`` (``<experiment>`` or ``<experiment>/k=v/...``); the experiments
 sensor and ``factory sweep`` add them. The asset reads the experiment's newest
-``dataset_profile`` row, plans the run, refuses a plan that cannot run (the run fails with a
+``dataset_profile`` row, plans the run (its time model calibrated on this host, the one that
+trains a CPU plan: ``factory.planner.host``), refuses a plan that cannot run (the run fails with a
 message saying what to change, before any compute is asked for) and appends the plan to
 ``training_plans``. Metadata: the value + reason table, the experiment card and the trainer
 config.
@@ -16,6 +17,7 @@ import dagster as dg
 from factory.errors import FactoryError
 from factory.experiments import load_experiment
 from factory.partitions import RUNS
+from factory.planner.host import plan_time_home
 from factory.planner.profile import read_profile
 from factory.planner.render import experiment_card, plan_table
 from factory.planner.service import mix_rows, plan_for_key, plan_row, profile_version
@@ -43,7 +45,8 @@ def training_plan(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.M
     try:
         profile = read_profile(session, experiment.name)
         plan = plan_for_key(experiment, profile, key,
-                            source_rows=mix_rows(experiment, session.lake))
+                            source_rows=mix_rows(experiment, session.lake),
+                            time_home=plan_time_home())
     except (FactoryError, ValueError) as exc:
         # A refused plan is the user's to fix: show the message, not a traceback.
         raise dg.Failure(description=str(exc), allow_retries=False) from None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -50,6 +51,32 @@ MAX_TOKENS = 96
 """The longest reference turn of 600 training samples is 79 tokens (an address change, end token
 included; a text answer at most 66): 96 lets every right answer finish, and caps a rambling one
 (the base model runs to the limit on most requests)."""
+
+
+CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The ``/proc/cpuinfo`` flags that decide the trainer's speed and precision here."""
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU's model name, which of ``CPU_FLAGS`` it has, the trainer's bf16 verdict
+    (``trainer.precision.cpu_bf16``) and the core count."""
+    from factory.trainer.precision import cpu_bf16
+
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    native, why = cpu_bf16()
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags],
+            "bf16": ("native: " if native else "emulated: ") + why, "cpus": os.cpu_count()}
 
 
 def loadavg() -> list[float]:
@@ -240,8 +267,8 @@ def main() -> int:
 
     from factory.tasks import agent_orders as task
 
-    report: dict[str, Any] = {"split": args.split, "cpus": os.cpu_count(),
-                              "loadavg_before": loadavg(),
+    report: dict[str, Any] = {"command": shlex.join([sys.executable, *sys.argv]),
+                              "split": args.split, "cpu": cpu(), "loadavg_before": loadavg(),
                               "factory_home": str(home), "records": args.records,
                               "heldout": args.heldout}
     print(json.dumps(report), flush=True)

@@ -94,6 +94,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import public_data, splits  # noqa: E402
 from bench.agent import (  # noqa: E402
+    cpu,
     last_json,
     loadavg,
     models_to_score,
@@ -108,9 +109,6 @@ GOAL_GAP = 0.05
 PLUMBING_OVERRIDES = {"num_steps": 4, "eval_every_steps": 2}
 PLUMBING_RECORDS = 60
 PLUMBING_TEST = 20
-CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16")
-"""The ``/proc/cpuinfo`` flags that decide the trainer's speed and precision here."""
-
 Request = dict[str, Any]
 Scorer = Callable[[str, str, list[Request], int, dict[str, Any] | None], dict[str, Any]]
 """(base URL, served model, test requests, concurrency, the route's constraint or None) ->
@@ -393,28 +391,6 @@ def commit() -> str:
         if file.is_file():
             digest.update(file.read_bytes())
     return f"{sha}-dirty:{digest.hexdigest()[:8]}"
-
-
-def cpu() -> dict[str, Any]:
-    """The CPU's model name, which of ``CPU_FLAGS`` it has, the trainer's bf16 verdict
-    (``trainer.precision.cpu_bf16``) and the core count."""
-    from factory.trainer.precision import cpu_bf16
-
-    model, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() in ("flags", "Features"):
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    native, why = cpu_bf16()
-    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags],
-            "bf16": ("native: " if native else "emulated: ") + why, "cpus": os.cpu_count()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -79,6 +80,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import splits  # noqa: E402
 from bench.agent import (  # noqa: E402
+    cpu,
     last_json,
     loadavg,
     models_to_score,
@@ -246,6 +248,40 @@ def step_pace(events: list[dict[str, Any]], *, warmup: int = PACE_WARMUP,
             "pace_ratio": round(last_s / first_s, 3),
             "rss_first_window_gb": round(rss_at / 1e9, 3), "rss_peak_gb": round(rss_end / 1e9, 3),
             "rss_ratio": round(rss_end / rss_at, 3)}
+
+
+def time_model(lake: Any, name: str, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The plan's predicted training seconds against the run's (issue 46 item 3), as the
+    ``training_run`` step logs and records them (``factory.planner.pace``): the newest plan's
+    ``train_seconds`` and which constants made it; the prediction corrected by the run's first
+    ``MIN_STEPS`` steps, as the step's log first says it; the trainer's measured seconds (its
+    first event to its last). None without a plan or events."""
+    from factory.planner.pace import MIN_STEPS, PaceWatch, corrected
+
+    row = _latest(lake, "training_plans", "plan", name)
+    plan = json.loads((row or {}).get("plan") or "{}")
+    estimates = plan.get("estimates")
+    if not estimates or not events:
+        return None
+    rows = [{"payload": json.dumps(e)} for e in events]
+    measured = PaceWatch(estimates=estimates, evals_share_devices=True,
+                         say=lambda _: None).metadata(rows).get("measured_train_s")
+    early = [e for e in events if e.get("type") != "progress" or e["step"] <= MIN_STEPS + 1]
+    bare = {**estimates, "evals_seconds": 0.0, "wall_seconds": estimates["train_seconds"]}
+    pace = corrected(bare, early, evals_share_devices=True)
+    decision = (plan.get("reasons") or {}).get("time_model") or {}
+    out: dict[str, Any] = {"constants": (plan.get("values") or {}).get("time_model"),
+                           "why": decision.get("reason"),
+                           "predicted_train_s": round(estimates["train_seconds"], 1),
+                           "predicted_step_s": estimates["step_seconds"],
+                           "measured_train_s": measured}
+    if measured:
+        out["ratio"] = round(estimates["train_seconds"] / measured, 3)
+    if pace is not None:
+        out[f"after_{MIN_STEPS}_steps_train_s"] = round(pace.train_s, 1)
+        if measured:
+            out[f"after_{MIN_STEPS}_steps_ratio"] = round(pace.train_s / measured, 3)
+    return out
 
 
 def run_events(home: Path, run_id: str) -> list[dict[str, Any]]:
@@ -476,7 +512,8 @@ def main() -> int:
 
     from factory.tasks import ticket_triage as task
 
-    report: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": loadavg(),
+    report: dict[str, Any] = {"command": shlex.join([sys.executable, *sys.argv]), "cpu": cpu(),
+                              "loadavg_before": loadavg(),
                               "factory_home": str(home), "records": args.records,
                               "heldout": args.heldout, "split": args.split,
                               "overrides": args.overrides, "recipe": args.recipe}
@@ -538,7 +575,9 @@ def main() -> int:
                              "loadavg_before": load, "loadavg_after": loadavg()}
             _record_times(report, began, ingested, ended)
             if run.get("run_id"):
-                report["pace"] = step_pace(run_events(home, str(run["run_id"])))
+                events = run_events(home, str(run["run_id"]))
+                report["pace"] = step_pace(events)
+                report["time_model"] = time_model(lake, EXPERIMENT, events)
             report.update(_dataset_and_plan(lake, EXPERIMENT))
             print(json.dumps({k: report.get(k) for k in ("run", "wall_s", "split_s", "busy_s",
                                                           "dataset", "plan")}, default=str),
@@ -595,6 +634,15 @@ def main() -> int:
               f"{GOAL_RSS:.2f}x), {pace['steps']} steps")
         goals["pace_within_10pct"] = pace["pace_ratio"] <= GOAL_PACE
         goals["rss_within_15pct"] = pace["rss_ratio"] <= GOAL_RSS
+    tm = report.get("time_model")
+    if tm and tm.get("measured_train_s"):
+        after = [k for k in tm if k.startswith("after_") and k.endswith("_train_s")]
+        print(f"time model ({tm['constants']}): plan {tm['predicted_train_s']:.0f} s of training "
+              f"({tm['predicted_step_s']:.3g} s a step), measured {tm['measured_train_s']:.0f} s "
+              f"(predicted / measured {tm['ratio']:.2f})"
+              + (f"; corrected after {after[0].split('_')[1]} steps {tm[after[0]]:.0f} s "
+                 f"({tm[after[0].replace('train_s', 'ratio')]:.2f})" if after else "")
+              + " (goal: within 25%)")
     report["scores"] = {}
     for kind, by_model in scores.items():
         print()

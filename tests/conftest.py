@@ -20,6 +20,10 @@ import torch
 # imported (importing a transformers model class can import it): set it before anything else.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Plans made through the asset and the CLI calibrate their time model on this host by default (a
+# real model step, seconds); the suite plans with the reference constants, the same on every
+# machine, except where a test of calibration unsets this (tests/experiments/test_dagster.py).
+os.environ.setdefault("FACTORY_TIME_MODEL", "reference")
 
 from collections.abc import Iterator
 from pathlib import Path

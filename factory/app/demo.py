@@ -218,7 +218,8 @@ def run_demo(*, experiment: str = EXPERIMENT, num_records: int = NUM_RECORDS, se
     if out["curve_png"]:
         say(f"curve: {out['curve_png']}")
     say(f"endpoint: {out['endpoint']} (deployment {out['version']}, running in the "
-        f"background); stable name: run `factory serve`, then model {model} at "
+        f"background until `FACTORY_HOME={settings.home} factory undeploy {experiment}`); "
+        f"stable name: run `factory serve`, then model {model} at "
         "http://127.0.0.1:8787/v1 (`factory chat " + model + "`)")
     say(f"see it all with lineage: FACTORY_HOME={settings.home} factory ui  (then "
         "http://127.0.0.1:3000), or `factory lineage deployments`")

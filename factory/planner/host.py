@@ -36,6 +36,11 @@ after 3 steps, came within 25% on this shared host.
 A calibration measures the host as loaded when it runs (the cache records the load); what the
 load does during a run shows in the run's own steps, and ``factory.planner.pace`` corrects the
 prediction from them.
+
+The factory's own plans (the ``training_plan`` asset, ``factory plan``) use this host's constants
+(``plan_time_home``: the cache under ``$FACTORY_HOME``); ``FACTORY_TIME_MODEL=reference`` plans
+with the reference constants instead, the same on every machine (the experiment cards under
+docs/ are rendered so, and so is the test suite's every plan but those testing calibration).
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ from factory.planner.timing import (
 )
 from factory.recipes import Architecture, Recipe
 from factory.trainer.precision import effective_precision
+
+TIME_MODEL_ENV = "FACTORY_TIME_MODEL"
+"""``host`` (the default): plans calibrate on this host; ``reference``: the reference constants."""
+TIME_MODELS = ("host", "reference")
 
 CALIBRATION_ROWS = 1
 CALIBRATION_TOKENS = 256
@@ -375,7 +384,7 @@ def host_constants(recipe: Recipe, hw: Hardware, *, home: Path, precision: str =
         cached = {"host": asdict(key), "entries": {**(cached.get("entries") or {}),
                                                    entry: asdict(calibration)}}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # plans of a sweep may calibrate at once
         tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
         tmp.replace(path)
     else:
@@ -384,3 +393,19 @@ def host_constants(recipe: Recipe, hw: Hardware, *, home: Path, precision: str =
     base = time_constants(recipe.name, recipe.architecture, hw, judge=judge)
     return HostConstants(constants=constants_from(calibration, key, base), fresh=fresh,
                          cache=path)
+
+
+def plan_time_home(home: Path | None = None) -> Path | None:
+    """Where the factory's plans cache this host's constants: ``home`` (default
+    ``$FACTORY_HOME``), or None under ``FACTORY_TIME_MODEL=reference``; ``SettingsError`` for
+    any other value."""
+    from factory.errors import SettingsError
+    from factory.settings import get_settings
+
+    mode = os.environ.get(TIME_MODEL_ENV, "").strip() or "host"
+    if mode not in TIME_MODELS:
+        raise SettingsError(f"{TIME_MODEL_ENV}={mode!r}: use host (calibrate on this machine, "
+                            "the default) or reference (the reference constants)")
+    if mode == "reference":
+        return None
+    return home if home is not None else get_settings().home

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from factory.control.jobs import mix_source_rows, planned_run_id, traffic_group_rows
@@ -25,18 +26,23 @@ from factory.planner.profile import DatasetProfile, read_profile
 
 
 def plan_runs(experiment: Experiment, profile: DatasetProfile, *,
-              source_rows: Mapping[str, int] | None = None) -> list[Plan]:
-    """One plan per sweep point (a single plan without a sweep)."""
-    return [make_plan(experiment, profile, point=p, source_rows=source_rows)
+              source_rows: Mapping[str, int] | None = None,
+              time_home: Path | None = None) -> list[Plan]:
+    """One plan per sweep point (a single plan without a sweep); ``time_home`` as
+    ``make_plan``'s (``factory.planner.host.plan_time_home``: this host's constants)."""
+    return [make_plan(experiment, profile, point=p, source_rows=source_rows,
+                      time_home=time_home)
             for p in sweep_points(experiment)]
 
 
 def plan_for_key(experiment: Experiment, profile: DatasetProfile, key: str, *,
-                 source_rows: Mapping[str, int] | None = None) -> Plan:
+                 source_rows: Mapping[str, int] | None = None,
+                 time_home: Path | None = None) -> Plan:
     """The plan of the run with stable key ``key``; ``ValueError`` if the sweep has no such run."""
     for point in sweep_points(experiment):
         if run_key(experiment.name, point) == key:
-            return make_plan(experiment, profile, point=point, source_rows=source_rows)
+            return make_plan(experiment, profile, point=point, source_rows=source_rows,
+                             time_home=time_home)
     raise ValueError(f"experiment {experiment.name} has no run {key!r} (its sweep changed?)")
 
 
@@ -86,10 +92,11 @@ def mix_rows(experiment: Experiment, lake: Any) -> dict[str, int]:
     return rows
 
 
-def plan_experiment(experiment: Experiment, lake: Any) -> list[Plan]:
+def plan_experiment(experiment: Experiment, lake: Any, *,
+                    time_home: Path | None = None) -> list[Plan]:
     """Plan every run of the experiment from its newest ``dataset_profile`` row."""
     return plan_runs(experiment, read_profile(lake, experiment.name),
-                     source_rows=mix_rows(experiment, lake))
+                     source_rows=mix_rows(experiment, lake), time_home=time_home)
 
 
 def sweep_comparison(lake: Any, experiment: Experiment) -> list[dict[str, Any]]:

@@ -13,8 +13,11 @@ import pytest
 
 from factory.assets.planning import training_plan
 from factory.lake import Lake
+from factory.planner.host import cache_path, host_key, size_class
+from factory.recipes import load_recipe
 from factory.resources.lake import LakeResource
 from factory.sensors.experiments import MIN_INTERVAL_S, evaluate, experiments_sensor
+from factory.trainer.precision import effective_precision
 
 EXP = """\
 name: sup
@@ -64,6 +67,56 @@ def test_training_plan_asset_writes_plan_with_reasons(exp_dir: Path) -> None:
     cfg = json.loads(rows[0]["train_config"])
     assert cfg["learning_rate"] == 2e-4 and cfg["packing"] is True
     assert rows[0]["dataset_version"] == "v1"
+
+
+def test_the_asset_plans_with_this_hosts_time_model(exp_dir: Path, factory_home: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default (no ``FACTORY_TIME_MODEL``) the plan's time model is this host's: the
+    calibration cached under ``$FACTORY_HOME`` (seeded here with known rates, so nothing is
+    measured), and its step time follows those rates; ``reference`` plans as every machine
+    would; anything else fails the step saying what to set."""
+    monkeypatch.delenv("FACTORY_TIME_MODEL", raising=False)
+    recipe = load_recipe("smollm2-135m-lora")
+    key = host_key()
+    entry = f"{size_class(recipe.architecture)}|{effective_precision('bf16-autocast', 'cpu')[0]}"
+    path = cache_path(factory_home, key)
+    path.parent.mkdir(parents=True)
+
+    def seed(train_tflops: float) -> None:
+        path.write_text(json.dumps({"host": {}, "entries": {entry: {
+            "method": "model", "precision": entry.split("|")[1], "train_tflops": train_tflops,
+            "forward_tflops": 0.5, "prefill_tflops": 0.1, "seconds": 3.0, "load": 0.5,
+            "measured_at": "2026-12-06T00:00:00+00:00", "torch_threads": 2}}}))
+
+    Lake().append("dataset_profile", [PROFILE])
+    instance = dg.DagsterInstance.ephemeral()
+    keys = ["sup/learning_rate=0.0001", "sup/learning_rate=0.0002"]
+    instance.add_dynamic_partitions("runs", keys)
+
+    def plan_of(partition: str) -> dict[str, Any]:
+        result = dg.materialize([training_plan], partition_key=partition,
+                                resources={"lake": LakeResource()}, instance=instance,
+                                raise_on_error=False)
+        if not result.success:
+            failure: Any = next(e for e in result.all_events
+                                if e.event_type_value == "STEP_FAILURE")
+            return {"error": failure.event_specific_data.error.message}
+        rows = [r for r in Lake().read("training_plans").to_pylist() if r["run_key"] == partition]
+        return dict(json.loads(max(rows, key=lambda r: r["created_at"])["plan"]))
+
+    seed(1.0)
+    fast = plan_of(keys[0])
+    assert fast["values"]["time_model"] == "calibrated"
+    assert fast["reasons"]["time_model"]["reason"].startswith(
+        f"calibrated on this host ({key.label}) at 2026-12-06")
+    seed(0.25)  # a host a quarter as fast: the same plan's steps take longer
+    slow = plan_of(keys[0])
+    assert slow["estimates"]["step_seconds"] > 2 * fast["estimates"]["step_seconds"]
+    monkeypatch.setenv("FACTORY_TIME_MODEL", "reference")
+    reference = plan_of(keys[1])
+    assert reference["values"]["time_model"] == "measured"
+    monkeypatch.setenv("FACTORY_TIME_MODEL", "laptop")
+    assert "FACTORY_TIME_MODEL='laptop': use host" in plan_of(keys[1])["error"]
 
 
 def test_plan_refused_before_compute(exp_dir: Path) -> None:
