@@ -20,10 +20,6 @@ import torch
 # imported (importing a transformers model class can import it): set it before anything else.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Plans made through the asset and the CLI calibrate their time model on this host by default (a
-# real model step, seconds); the suite plans with the reference constants, the same on every
-# machine, except where a test of calibration unsets this (tests/experiments/test_dagster.py).
-os.environ.setdefault("FACTORY_TIME_MODEL", "reference")
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,7 +122,8 @@ def factory_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     # any of them)
     for name in ("FACTORY_DATABASE_URL", "FACTORY_WAREHOUSE", "FACTORY_SHARED_DIR",
                  "FACTORY_CATALOG", "FACTORY_DEPLOYER", "FACTORY_JUDGE", "FACTORY_PROVIDERS",
-                 "FACTORY_SPARK_MASTER", "FACTORY_GATEWAY_URL", "FACTORY_GATEWAY_KEY"):
+                 "FACTORY_SPARK_MASTER", "FACTORY_GATEWAY_URL", "FACTORY_GATEWAY_KEY",
+                 "FACTORY_TIME_MODEL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FACTORY_MODELS_DIR", str(_models_cache()))
     monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))

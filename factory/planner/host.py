@@ -37,10 +37,14 @@ A calibration measures the host as loaded when it runs (the cache records the lo
 load does during a run shows in the run's own steps, and ``factory.planner.pace`` corrects the
 prediction from them.
 
-The factory's own plans (the ``training_plan`` asset, ``factory plan``) use this host's constants
-(``plan_time_home``: the cache under ``$FACTORY_HOME``); ``FACTORY_TIME_MODEL=reference`` plans
-with the reference constants instead, the same on every machine (the experiment cards under
-docs/ are rendered so, and so is the test suite's every plan but those testing calibration).
+The factory's own plans (the ``training_plan`` asset, ``factory plan``) use the reference
+constants unless ``FACTORY_TIME_MODEL=host`` (``plan_time_home``: this host's constants, cached
+under ``$FACTORY_HOME``). Not the default, measured in the loop (``bench/loop.py``, an AVX2 host,
+2026-12-06): the calibration took 35 s of the first plan, predicted 1.54x the training's measured
+seconds (the reference constants: 0.23x), and one made while another process used the cores took
+180 s, measured a ninth of the rate and was cached for good (its plan: 9 evals instead of 1).
+What held on every host is the correction from the run's own first steps (``pace``: 0.93-0.98 in
+the loop, 1.01 in ``bench/time_model.py``), which the ``training_run`` step logs and records.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ from factory.recipes import Architecture, Recipe
 from factory.trainer.precision import effective_precision
 
 TIME_MODEL_ENV = "FACTORY_TIME_MODEL"
-"""``host`` (the default): plans calibrate on this host; ``reference``: the reference constants."""
+"""``reference`` (the default): the reference constants; ``host``: plans calibrate on this host."""
 TIME_MODELS = ("host", "reference")
 
 CALIBRATION_ROWS = 1
@@ -396,16 +400,16 @@ def host_constants(recipe: Recipe, hw: Hardware, *, home: Path, precision: str =
 
 
 def plan_time_home(home: Path | None = None) -> Path | None:
-    """Where the factory's plans cache this host's constants: ``home`` (default
-    ``$FACTORY_HOME``), or None under ``FACTORY_TIME_MODEL=reference``; ``SettingsError`` for
-    any other value."""
+    """Where the factory's plans cache this host's constants under ``FACTORY_TIME_MODEL=host``:
+    ``home`` (default ``$FACTORY_HOME``); None (the reference constants) when it is unset or
+    ``reference``; ``SettingsError`` for any other value."""
     from factory.errors import SettingsError
     from factory.settings import get_settings
 
-    mode = os.environ.get(TIME_MODEL_ENV, "").strip() or "host"
+    mode = os.environ.get(TIME_MODEL_ENV, "").strip() or "reference"
     if mode not in TIME_MODELS:
-        raise SettingsError(f"{TIME_MODEL_ENV}={mode!r}: use host (calibrate on this machine, "
-                            "the default) or reference (the reference constants)")
+        raise SettingsError(f"{TIME_MODEL_ENV}={mode!r}: use reference (the reference "
+                            "constants, the default) or host (calibrate on this machine)")
     if mode == "reference":
         return None
     return home if home is not None else get_settings().home

@@ -340,7 +340,12 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     ratio = recipe.lora_alpha / recipe.lora_rank
     dec.set("lora_alpha", _sig(ratio * rank), "lora.alpha_ratio",
             f"alpha = {ratio:g} x rank, the recipe's ratio (keeps the update scale)")
-    if n < 1_000:
+    if hw.name == "CPU":
+        dec.set("lora_dropout", 0.0, "lora.no_dropout_cpu",
+                "CPU: LoRA dropout draws a random mask for every adapted layer's input, about a "
+                "third of a CPU step, and gained nothing on the dev requests of the demo and "
+                "the triage loop (BENCHMARKS.md)")
+    elif n < 1_000:
         dec.set("lora_dropout", max(recipe.lora_dropout, 0.1), "lora.dropout_small_dataset",
                 f"only {n} samples: dropout 0.1 against overfitting")
     else:

@@ -69,13 +69,13 @@ def test_training_plan_asset_writes_plan_with_reasons(exp_dir: Path) -> None:
     assert rows[0]["dataset_version"] == "v1"
 
 
-def test_the_asset_plans_with_this_hosts_time_model(exp_dir: Path, factory_home: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default (no ``FACTORY_TIME_MODEL``) the plan's time model is this host's: the
-    calibration cached under ``$FACTORY_HOME`` (seeded here with known rates, so nothing is
-    measured), and its step time follows those rates; ``reference`` plans as every machine
-    would; anything else fails the step saying what to set."""
-    monkeypatch.delenv("FACTORY_TIME_MODEL", raising=False)
+def test_the_asset_plans_with_the_hosts_time_model_when_asked(
+        exp_dir: Path, factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``FACTORY_TIME_MODEL=host`` the plan's time model is this host's: the calibration
+    cached under ``$FACTORY_HOME`` (seeded here with known rates, so nothing is measured), and
+    its step time follows those rates; unset or ``reference``, the reference constants, as
+    every machine would plan; anything else fails the step saying what to set."""
+    monkeypatch.setenv("FACTORY_TIME_MODEL", "host")
     recipe = load_recipe("smollm2-135m-lora")
     key = host_key()
     entry = f"{size_class(recipe.architecture)}|{effective_precision('bf16-autocast', 'cpu')[0]}"
@@ -112,11 +112,12 @@ def test_the_asset_plans_with_this_hosts_time_model(exp_dir: Path, factory_home:
     seed(0.25)  # a host a quarter as fast: the same plan's steps take longer
     slow = plan_of(keys[0])
     assert slow["estimates"]["step_seconds"] > 2 * fast["estimates"]["step_seconds"]
+    monkeypatch.delenv("FACTORY_TIME_MODEL")
+    assert plan_of(keys[1])["values"]["time_model"] == "measured"
     monkeypatch.setenv("FACTORY_TIME_MODEL", "reference")
-    reference = plan_of(keys[1])
-    assert reference["values"]["time_model"] == "measured"
+    assert plan_of(keys[1])["values"]["time_model"] == "measured"
     monkeypatch.setenv("FACTORY_TIME_MODEL", "laptop")
-    assert "FACTORY_TIME_MODEL='laptop': use host" in plan_of(keys[1])["error"]
+    assert "FACTORY_TIME_MODEL='laptop': use reference" in plan_of(keys[1])["error"]
 
 
 def test_plan_refused_before_compute(exp_dir: Path) -> None:
