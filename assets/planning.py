@@ -4,8 +4,8 @@ Partitioned by the dynamic partitions ``runs``, whose keys are the stable run ke
 ``factory.experiments.run_key`` (``<experiment>`` or ``<experiment>/k=v/...``); the experiments
 sensor and ``factory sweep`` add them. The asset reads the experiment's newest
 ``dataset_profile`` row, plans the run (with this host's calibrated time model under
-``FACTORY_TIME_MODEL=host``: ``factory.planner.host``), refuses a plan that cannot run (the run fails with a
-message saying what to change, before any compute is asked for) and appends the plan to
+``FACTORY_TIME_MODEL=host``: ``factory.planner.host``), refuses a plan that cannot run (the run
+fails with a message saying what to change, before any compute is asked for) and appends the plan to
 ``training_plans``. Metadata: the value + reason table, the experiment card and the trainer
 config.
 """

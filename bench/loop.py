@@ -256,16 +256,15 @@ def time_model(lake: Any, name: str, events: list[dict[str, Any]]) -> dict[str, 
     ``train_seconds`` and which constants made it; the prediction corrected by the run's first
     ``MIN_STEPS`` steps, as the step's log first says it; the trainer's measured seconds (its
     first event to its last). None without a plan or events."""
-    from factory.planner.pace import MIN_STEPS, PaceWatch, corrected
+    from factory.planner.pace import MIN_STEPS, corrected, measured_train_seconds
 
     row = _latest(lake, "training_plans", "plan", name)
     plan = json.loads((row or {}).get("plan") or "{}")
     estimates = plan.get("estimates")
     if not estimates or not events:
         return None
-    rows = [{"payload": json.dumps(e)} for e in events]
-    measured = PaceWatch(estimates=estimates, evals_share_devices=True,
-                         say=lambda _: None).metadata(rows).get("measured_train_s")
+    seconds = measured_train_seconds(events)
+    measured = round(seconds, 1) if seconds is not None else None
     early = [e for e in events if e.get("type") != "progress" or e["step"] <= MIN_STEPS + 1]
     bare = {**estimates, "evals_seconds": 0.0, "wall_seconds": estimates["train_seconds"]}
     pace = corrected(bare, early, evals_share_devices=True)

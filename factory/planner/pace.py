@@ -86,6 +86,14 @@ def pace_line(pace: Pace) -> str:
             f"(plan {duration(pace.predicted_wall_s)}), training ~{duration(pace.train_s)}")
 
 
+def measured_train_seconds(events: Iterable[Mapping[str, Any]]) -> float | None:
+    """Seconds from the trainer's first event to its last (``started``, ``progress``,
+    ``finished``; every segment's wait between included); None before two."""
+    times = [float(e["time"]) for e in events
+             if e.get("type") in ("started", "progress", "finished") and e.get("time") is not None]
+    return max(times) - min(times) if len(times) > 1 else None
+
+
 RATIO_MOVE = 0.10
 """A pace is said again once its ratio to the plan moved by more than this share."""
 
@@ -129,11 +137,8 @@ class PaceWatch:
         events = trainer_events(rows)
         out: dict[str, Any] = {"predicted_train_s": self.estimates["train_seconds"],
                                "predicted_step_s": self.estimates["step_seconds"]}
-        times = [float(e["time"]) for e in events
-                 if e.get("type") in ("started", "progress", "finished")
-                 and e.get("time") is not None]
-        if len(times) > 1 and self.estimates["train_seconds"] > 0:
-            measured = max(times) - min(times)
+        measured = measured_train_seconds(events)
+        if measured is not None and self.estimates["train_seconds"] > 0:
             out["measured_train_s"] = round(measured, 1)
             out["train_s_ratio"] = round(measured / self.estimates["train_seconds"], 3)
         pace = corrected(self.estimates, events, evals_share_devices=self.evals_share_devices)

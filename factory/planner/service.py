@@ -92,11 +92,10 @@ def mix_rows(experiment: Experiment, lake: Any) -> dict[str, int]:
     return rows
 
 
-def plan_experiment(experiment: Experiment, lake: Any, *,
-                    time_home: Path | None = None) -> list[Plan]:
+def plan_experiment(experiment: Experiment, lake: Any) -> list[Plan]:
     """Plan every run of the experiment from its newest ``dataset_profile`` row."""
     return plan_runs(experiment, read_profile(lake, experiment.name),
-                     source_rows=mix_rows(experiment, lake), time_home=time_home)
+                     source_rows=mix_rows(experiment, lake))
 
 
 def sweep_comparison(lake: Any, experiment: Experiment) -> list[dict[str, Any]]:
