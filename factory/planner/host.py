@@ -60,6 +60,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from factory.errors import SettingsError
 from factory.planner.hardware import Hardware
 from factory.planner.timing import (
     TimeConstants,
@@ -68,6 +69,7 @@ from factory.planner.timing import (
     training_flops_per_token,
 )
 from factory.recipes import Architecture, Recipe
+from factory.settings import get_settings
 from factory.trainer.precision import effective_precision
 
 TIME_MODEL_ENV = "FACTORY_TIME_MODEL"
@@ -403,9 +405,6 @@ def plan_time_home(home: Path | None = None) -> Path | None:
     """Where the factory's plans cache this host's constants under ``FACTORY_TIME_MODEL=host``:
     ``home`` (default ``$FACTORY_HOME``); None (the reference constants) when it is unset or
     ``reference``; ``SettingsError`` for any other value."""
-    from factory.errors import SettingsError
-    from factory.settings import get_settings
-
     mode = os.environ.get(TIME_MODEL_ENV, "").strip() or "reference"
     if mode not in TIME_MODELS:
         raise SettingsError(f"{TIME_MODEL_ENV}={mode!r}: use reference (the reference "

@@ -34,8 +34,7 @@ def register(sub: Any) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     # the planner loads factory.evals and httpx (0.5 s): the CLI's other commands start without
-    from factory.planner import profile, render, service
-    from factory.planner.host import plan_time_home
+    from factory.planner import host, profile, render, service
 
     experiment = load_experiment(args.experiment)
     recipe = load_recipe(experiment.recipe)
@@ -51,7 +50,7 @@ def _plan(args: argparse.Namespace) -> int:
         dataset_profile = profile.read_profile(lake, experiment.name)
         source_rows = service.mix_rows(experiment, lake)
     plans = service.plan_runs(experiment, dataset_profile, source_rows=source_rows,
-                              time_home=plan_time_home())
+                              time_home=host.plan_time_home())
     if args.run:
         plans = [p for p in plans if p.run_key == args.run]
         if not plans:
