@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "(vLLM's flag; on by default, as in vLLM)")
     parser.add_argument("--prefix-cache-mib", type=int, default=128,
                         help="memory the prefix cache may hold")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=None, metavar="N",
+                        help="draft tokens a greedy request served alone checks a forward pass "
+                             "(prompt lookup; 0: one token a pass; default 8)")
     args = parser.parse_args(argv)
 
     try:
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     # torch and the server (~2 s) load after the port is reported: the caller waits on the port
     import torch
 
-    from factory.inference.engine import Engine, EngineError
+    from factory.inference.engine import PROMPT_LOOKUP_TOKENS, Engine, EngineError
     from factory.inference.server import create_app, serve
 
     if args.threads:
@@ -90,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                     max_model_len=args.max_model_len, base_chat_template=template,
                     prefix_cache_entries=8 if args.enable_prefix_caching else 0,
-                    prefix_cache_bytes=args.prefix_cache_mib * 2**20)
+                    prefix_cache_bytes=args.prefix_cache_mib * 2**20,
+                    prompt_lookup_tokens=(PROMPT_LOOKUP_TOKENS if args.prompt_lookup_tokens is None
+                                          else args.prompt_lookup_tokens))
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")
         if not sep:

@@ -27,6 +27,14 @@ prompt begins with a recent prompt's first tokens (the system prompt and tools b
 requests all carry) prefills only the rest of it, on its own or in a batch whose rows all share
 that prefix. Greedy outputs are the same token ids with the cache and without
 (tests/inference/test_prefix_cache.py, on the tiny model and on SmolLM2's real weights).
+
+A greedy request served alone checks several tokens a forward pass (prompt lookup decoding, as
+vLLM's ``ngram`` speculative method): what followed the latest earlier occurrence of the text's
+last tokens is fed as a draft with the token just chosen, and is kept for as long as it agrees
+with what the model chooses at each position. A tool call's names and keys come from the tools
+block, its values from the user's turn, so a draft often holds; a pass of several tokens costs
+about what a pass of one does on a CPU. The outputs are the tokens one-a-pass decoding chooses
+(tests/inference/test_prompt_lookup.py).
 """
 
 from __future__ import annotations
@@ -168,6 +176,13 @@ def _peft_name(name: str) -> str:
     return name.replace("%", "%25").replace(".", "%2E")
 
 
+PROMPT_LOOKUP_TOKENS = 8
+"""Draft tokens a greedy request checks a forward pass by default (``Engine``'s
+``prompt_lookup_tokens``)."""
+
+PROMPT_LOOKUP_NGRAM = 3
+"""Longest run of last tokens ``_lookup`` looks for earlier in the text."""
+
 MIN_PREFIX_TOKENS = 32
 """Shortest cached prefix a prompt reuses. Every prompt of a chat format opens with the same few
 tokens (``<|im_start|>system\\n``): reusing those saves nothing and would count as a hit. 32
@@ -186,6 +201,24 @@ class PrefixCacheStats:
     """Requests that reused a cached prefix."""
     miss_requests: int = 0
     """Requests prefilled in full."""
+
+
+@dataclass
+class LookupStats:
+    """Prompt lookup's counters since the engine started (vLLM's ``spec_decode`` ones)."""
+
+    drafts: int = 0
+    """Forward passes that checked a draft of at least one token."""
+    draft_tokens: int = 0
+    """Tokens drafted."""
+    accepted_tokens: int = 0
+    """Drafted tokens the model chose too (each a forward pass saved)."""
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
 
 
 @dataclass(frozen=True)
@@ -327,9 +360,16 @@ class Engine:
     def __init__(self, model: str | Path, *, served_model_name: str | None = None,
                  dtype: str = "float32", max_model_len: int = 4096,
                  base_chat_template: str = "trainer", prefix_cache_entries: int = 8,
-                 prefix_cache_bytes: int = 128 * 2**20) -> None:
+                 prefix_cache_bytes: int = 128 * 2**20,
+                 prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS) -> None:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: must be float32 or bfloat16, got {dtype!r}")
+        if prompt_lookup_tokens < 0:
+            raise ValueError(f"prompt_lookup_tokens: must be >= 0, got {prompt_lookup_tokens}")
+        self.prompt_lookup = prompt_lookup_tokens
+        """Most draft tokens a greedy request checks a forward pass (0: one token a pass)."""
+        self.lookup_stats = LookupStats()
+        """Drafts checked and their tokens taken since the engine started."""
         self.model_path = str(model)
         self.served_model_name = served_model_name or self.model_path
         self.max_model_len = max_model_len
@@ -539,6 +579,50 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------
 
+    def _lookup_decode(self, prompt: list[int], logits: torch.Tensor, cache: DynamicCache,
+                       position: int, budget: int, choose: Callable[[int, torch.Tensor], int],
+                       emit: Callable[[int, int, torch.Tensor], bool]) -> None:
+        """Greedy decoding of one request, checking up to ``self.prompt_lookup`` drafted tokens
+        a forward pass (prompt lookup): the draft is what followed the latest earlier
+        occurrence of the text's last few tokens (``_lookup``), the pass feeds the token just
+        chosen and the draft, and each position's logits choose the next token as a pass of
+        one would, through the request's constraint; the draft's tokens count while they agree,
+        the first that does not is replaced by the chosen one, and the keys and values of the
+        rest are cut from ``cache``. ``logits``: the prompt's last position's; ``position``:
+        the first generated token's; ``budget``: most tokens to generate."""
+        history = list(prompt)
+        t = choose(0, logits)
+        history.append(t)
+        if emit(0, t, logits):
+            return
+        made = 1
+        while True:
+            draft = _lookup(history, min(self.prompt_lookup, budget - made - 1))
+            length = cache.get_seq_length()
+            ids = torch.tensor([[t, *draft]])
+            out = self.model(input_ids=ids,
+                             attention_mask=torch.ones((1, length + ids.shape[1]),
+                                                       dtype=torch.long),
+                             position_ids=torch.arange(position, position + ids.shape[1])[None],
+                             cache=cache, use_cache=True)
+            rows = out.logits[0].float()
+            agreed = 0
+            for j in range(len(draft) + 1):
+                t = choose(0, rows[j])
+                history.append(t)
+                made += 1
+                taken = j < len(draft) and t == draft[j]
+                agreed += taken
+                if emit(0, t, rows[j]):
+                    self.lookup_stats.record(len(draft), agreed)
+                    return
+                if not taken:
+                    break
+            position += agreed + 1
+            self.lookup_stats.record(len(draft), agreed)
+            if agreed < len(draft):
+                cache.crop(agreed - len(draft))  # a negative count: tokens off the end
+
     def _keep_prompts(self, model: str, prompts: list[list[int]], cache: DynamicCache,
                       mask: torch.Tensor) -> None:
         """Store the prompts of a batch just prefilled into ``cache`` (``mask``: their tokens)
@@ -619,46 +703,54 @@ class Engine:
             if caching:
                 self._keep_prompts(model, prompts, cache, mask)
             logits = out.logits[:, -1].float()
+
+            def emit(i: int, t: int, row: torch.Tensor) -> bool:
+                """Take ``t`` as row ``i``'s next token (``row``: the logits it was chosen
+                from, for its log-prob); whether the row has finished."""
+                r = requests[i]
+                out_ids[i].append(t)
+                if r.constraint is not None:
+                    r.constraint.advance(t)
+                if r.top_logprobs is not None:
+                    logprobs[i].append(_token_logprob(torch.log_softmax(row, dim=-1), t,
+                                                      r.top_logprobs))
+                if t in stops:
+                    finish[i] = "stop"
+                    return True
+                text = tok.decode(out_ids[i], skip_special_tokens=False)
+                cut = _first_stop(text, r.stop)
+                if cut is not None:
+                    text, finish[i] = text[:cut], "stop"
+                elif len(out_ids[i]) >= budget[i]:
+                    finish[i] = "length"
+                texts[i] = text
+                # Hold back a trailing partial UTF-8 character (and text a stop string might
+                # still claim) until the next token completes it.
+                safe = len(text) if finish[i] else _safe_prefix(text, r.stop)
+                if r.on_token is not None and safe > emitted[i]:
+                    r.on_token(t, text[emitted[i]:safe])
+                    emitted[i] = safe
+                elif r.on_token is not None and finish[i] is None:
+                    r.on_token(t, "")
+                return finish[i] is not None
+
+            def choose(i: int, row: torch.Tensor) -> int:
+                r = requests[i]
+                if r.constraint is not None and finish[i] is None:
+                    row = _masked(row, r.constraint.mask(), stops)
+                if r.temperature > 0:
+                    return int(_sample(row, r.temperature, r.top_p, gens[i]))
+                return int(row.argmax())
+
+            if (n == 1 and requests[0].temperature <= 0 and self.prompt_lookup > 0
+                    and self._prefix_cacheable and not extra):
+                self._lookup_decode(prompts[0], logits[0], cache, int(positions[0, -1]) + 1,
+                                    budget[0], choose, emit)
             while any(f is None for f in finish):
-                next_ids = torch.empty(n, dtype=torch.long)
-                want_lp = any(r.top_logprobs is not None for r in requests)
-                lsm = torch.log_softmax(logits, dim=-1) if want_lp else None
-                for i, r in enumerate(requests):
-                    row = logits[i]
-                    if r.constraint is not None and finish[i] is None:
-                        row = _masked(row, r.constraint.mask(), stops)
-                    if r.temperature > 0:
-                        next_ids[i] = _sample(row, r.temperature, r.top_p, gens[i])
-                    else:
-                        next_ids[i] = int(row.argmax())
-                for i, r in enumerate(requests):
-                    if finish[i] is not None:
-                        continue
-                    t = int(next_ids[i])
-                    out_ids[i].append(t)
-                    if r.constraint is not None:
-                        r.constraint.advance(t)
-                    if r.top_logprobs is not None:
-                        assert lsm is not None
-                        logprobs[i].append(_token_logprob(lsm[i], t, r.top_logprobs))
-                    if t in stops:
-                        finish[i] = "stop"
-                        continue
-                    text = tok.decode(out_ids[i], skip_special_tokens=False)
-                    cut = _first_stop(text, r.stop)
-                    if cut is not None:
-                        text, finish[i] = text[:cut], "stop"
-                    elif len(out_ids[i]) >= budget[i]:
-                        finish[i] = "length"
-                    texts[i] = text
-                    # Hold back a trailing partial UTF-8 character (and text a stop string
-                    # might still claim) until the next token completes it.
-                    safe = len(text) if finish[i] else _safe_prefix(text, r.stop)
-                    if r.on_token is not None and safe > emitted[i]:
-                        r.on_token(t, text[emitted[i]:safe])
-                        emitted[i] = safe
-                    elif r.on_token is not None and finish[i] is None:
-                        r.on_token(t, "")
+                next_ids = torch.tensor([choose(i, logits[i]) for i in range(n)])
+                for i in range(n):
+                    if finish[i] is None:
+                        emit(i, int(next_ids[i]), logits[i])
                 if all(f is not None for f in finish):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
@@ -675,6 +767,27 @@ class Engine:
                 num_prompt_tokens=len(r.prompt_ids),
                 logprobs=logprobs[i] if r.top_logprobs is not None else None))
         return results
+
+
+def _lookup(history: list[int], most: int, longest: int = PROMPT_LOOKUP_NGRAM) -> list[int]:
+    """Up to ``most`` tokens that followed the latest earlier occurrence of ``history``'s last
+    ``longest`` tokens (or fewer, down to its last token alone): a tool call's names and keys
+    are in the tools block, its values in the user's turn, a label in the system prompt's list.
+    A copy that reaches the end of ``history`` goes on from its own start (text that repeats
+    itself is drafted ``most`` tokens at a time). [] when nothing matches."""
+    if most <= 0:
+        return []
+    end = len(history)
+    for n in range(min(longest, end - 1), 0, -1):
+        tail = history[end - n:]
+        last = tail[-1]
+        for at in range(end - 2, n - 2, -1):
+            if history[at] == last and history[at - n + 1:at + 1] == tail:
+                draft: list[int] = []
+                for i in range(at + 1, at + 1 + most):
+                    draft.append(history[i] if i < end else draft[i - end])
+                return draft
+    return []
 
 
 def _masked(logits: torch.Tensor, allowed: torch.Tensor, stops: set[int]) -> torch.Tensor:

@@ -42,7 +42,9 @@ server against them.
 - ``GET /metrics``: Prometheus text; the prefix cache's counters per served model under vLLM's
   names (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``: prompt tokens
   looked up and reused), and ``factory:prefix_cache_requests_total`` (``result`` ``hit`` or
-  ``miss``), ``factory:prefix_cache_entries`` and ``factory:prefix_cache_bytes``.
+  ``miss``), ``factory:prefix_cache_entries`` and ``factory:prefix_cache_bytes``; prompt
+  lookup's drafts under vLLM's speculative decoding names (``vllm:spec_decode_num_drafts_total``,
+  ``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total``).
 - ``POST /reset_prefix_cache``: forgets every cached prefix (vLLM's route of the same name);
   the counters keep counting.
 
@@ -269,8 +271,9 @@ def _request_error(e: ValueError) -> JSONResponse:
     return _error(400, str(e))
 
 
-class _PrefixCacheCollector:
-    """The engine's prefix-cache counters as Prometheus metrics, read when scraped."""
+class _EngineCollector:
+    """The engine's prefix-cache and prompt-lookup counters as Prometheus metrics, read when
+    scraped."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -298,6 +301,15 @@ class _PrefixCacheCollector:
         yield GaugeMetricFamily("factory:prefix_cache_bytes",
                                 "Bytes of the cached prefixes' keys and values.",
                                 value=cache.nbytes)
+        lookup = self.engine.lookup_stats
+        yield CounterMetricFamily("vllm:spec_decode_num_drafts",
+                                  "Forward passes that checked a prompt-lookup draft.",
+                                  value=lookup.drafts)
+        yield CounterMetricFamily("vllm:spec_decode_num_draft_tokens",
+                                  "Prompt-lookup tokens drafted.", value=lookup.draft_tokens)
+        yield CounterMetricFamily("vllm:spec_decode_num_accepted_tokens",
+                                  "Drafted tokens the model chose too.",
+                                  value=lookup.accepted_tokens)
 
 
 def create_app(engine: Engine, *, max_batch_size: int = 8,
@@ -322,7 +334,7 @@ def create_app(engine: Engine, *, max_batch_size: int = 8,
                 await asyncio.to_thread(engine.load_adapter, model, path)
     created = int(time.time())
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_PrefixCacheCollector(engine))
+    registry.register(_EngineCollector(engine))
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
