@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory the prefix cache may hold")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=None, metavar="N",
                         help="draft tokens a greedy request served alone checks a forward pass "
-                             "(prompt lookup; 0: one token a pass; default 8)")
+                             "(prompt lookup; 0: one token a pass; default 3)")
     args = parser.parse_args(argv)
 
     try:

@@ -66,7 +66,7 @@ def _request(engine: Engine, model: str, user: str, *, system: str = SYSTEM,
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path) -> tuple[Engine, Engine]:
     """The tiny model drafting 8 tokens a pass, and one token a pass."""
-    return (Engine(tiny_model_dir, served_model_name="base"),
+    return (Engine(tiny_model_dir, served_model_name="base", prompt_lookup_tokens=8),
             Engine(tiny_model_dir, served_model_name="base", prompt_lookup_tokens=0))
 
 
@@ -206,7 +206,7 @@ def test_smollm2_tool_calls_are_the_same_in_fewer_passes(smollm2_dir: Path,
     and fewer than half the passes of one token each."""
     cache = smollm2_dir.parent / "smollm2-tool-caller-lora-v1"
     adapter = train_adapter(smollm2_dir, cache, _tool_sample(), name=cache.name)
-    lookup = Engine(smollm2_dir, served_model_name="base")
+    lookup = Engine(smollm2_dir, served_model_name="base", prompt_lookup_tokens=8)
     plain = Engine(smollm2_dir, served_model_name="base", prompt_lookup_tokens=0)
     for e in (lookup, plain):
         e.load_adapter("caller", adapter)
