@@ -744,8 +744,8 @@ class Engine:
                     return int(_sample(row, r.temperature, r.top_p, gens[i]))
                 return int(row.argmax())
 
-            if (n == 1 and requests[0].temperature <= 0 and self.prompt_lookup > 0
-                    and self._prefix_cacheable and not extra):
+            if (n == 1 and finish[0] is None and requests[0].temperature <= 0
+                    and self.prompt_lookup > 0 and self._prefix_cacheable and not extra):
                 self._lookup_decode(prompts[0], logits[0], cache, int(positions[0, -1]) + 1,
                                     budget[0], choose, emit)
             while any(f is None for f in finish):

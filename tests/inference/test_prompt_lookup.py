@@ -142,7 +142,7 @@ def test_stops_budgets_constraints_and_streams_are_kept(tiny: tuple[Engine, Engi
                                         on_token=lambda _t, d: streams[1].append(d), **kw)])[0]
         return got, want, *streams
 
-    for budget in (1, 2, 3, 7):
+    for budget in (0, 1, 2, 3, 7):
         got, want, s1, s2 = both(max_tokens=budget)
         assert got.token_ids == want.token_ids and len(got.token_ids) == budget
         assert "".join(s1) == got.text == "".join(s2)
