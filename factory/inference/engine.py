@@ -33,7 +33,7 @@ vLLM's ``ngram`` speculative method): what followed the latest earlier occurrenc
 last tokens is fed as a draft with the token just chosen, and is kept for as long as it agrees
 with what the model chooses at each position. A tool call's names and keys come from the tools
 block, its values from the user's turn, so a draft often holds; a pass of several tokens costs
-about what a pass of one does on a CPU. The outputs are the tokens one-a-pass decoding chooses
+less than as many passes of one (reading the weights once). The outputs are the tokens one-a-pass decoding chooses
 (tests/inference/test_prompt_lookup.py).
 """
 
@@ -179,8 +179,9 @@ def _peft_name(name: str) -> str:
 PROMPT_LOOKUP_TOKENS = 3
 """Draft tokens a greedy request checks a forward pass by default (``Engine``'s
 ``prompt_lookup_tokens``). Chosen on the tool-calling adapter's answers to 16 agent requests
-(BENCHMARKS.md, "Serving"): 3 is within 5% of the best length both where a pass of n tokens
-costs what a pass of one does and on the AVX2 host, where each drafted token adds a third."""
+(BENCHMARKS.md, "Serving"): 3 is within about 10% of the best length both where a pass of n
+tokens costs what a pass of one does and on the AVX2 host, where each drafted token adds a
+third of a pass."""
 
 PROMPT_LOOKUP_NGRAM = 3
 """Longest run of last tokens ``_lookup`` looks for earlier in the text."""
