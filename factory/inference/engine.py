@@ -33,8 +33,8 @@ vLLM's ``ngram`` speculative method): what followed the latest earlier occurrenc
 last tokens is fed as a draft with the token just chosen, and is kept for as long as it agrees
 with what the model chooses at each position. A tool call's names and keys come from the tools
 block, its values from the user's turn, so a draft often holds; a pass of several tokens costs
-less than as many passes of one (reading the weights once). The outputs are the tokens one-a-pass decoding chooses
-(tests/inference/test_prompt_lookup.py).
+less than as many passes of one (reading the weights once). The outputs are the tokens
+one-a-pass decoding chooses (tests/inference/test_prompt_lookup.py).
 """
 
 from __future__ import annotations
@@ -582,8 +582,9 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------
 
-    def _lookup_decode(self, prompt: list[int], logits: torch.Tensor, cache: DynamicCache,
-                       position: int, budget: int, choose: Callable[[int, torch.Tensor], int],
+    def _lookup_decode(self, prompt: list[int], generated: list[int], logits: torch.Tensor,
+                       cache: DynamicCache, position: int, budget: int,
+                       choose: Callable[[int, torch.Tensor], int],
                        emit: Callable[[int, int, torch.Tensor], bool]) -> None:
         """Greedy decoding of one request, checking up to ``self.prompt_lookup`` drafted tokens
         a forward pass (prompt lookup): the draft is what followed the latest earlier
@@ -591,16 +592,15 @@ class Engine:
         chosen and the draft, and each position's logits choose the next token as a pass of
         one would, through the request's constraint; the draft's tokens count while they agree,
         the first that does not is replaced by the chosen one, and the keys and values of the
-        rest are cut from ``cache``. ``logits``: the prompt's last position's; ``position``:
-        the first generated token's; ``budget``: most tokens to generate."""
-        history = list(prompt)
+        rest are cut from ``cache``. ``generated``: the request's tokens so far, which ``emit``
+        appends to; ``logits``: the prompt's last position's; ``position``: the first generated
+        token's; ``budget``: most tokens to generate."""
         t = choose(0, logits)
-        history.append(t)
         if emit(0, t, logits):
             return
-        made = 1
         while True:
-            draft = _lookup(history, min(self.prompt_lookup, budget - made - 1))
+            draft = _lookup(prompt + generated,
+                            min(self.prompt_lookup, budget - len(generated) - 1))
             length = cache.get_seq_length()
             ids = torch.tensor([[t, *draft]])
             out = self.model(input_ids=ids,
@@ -612,8 +612,6 @@ class Engine:
             agreed = 0
             for j in range(len(draft) + 1):
                 t = choose(0, rows[j])
-                history.append(t)
-                made += 1
                 taken = j < len(draft) and t == draft[j]
                 agreed += taken
                 if emit(0, t, rows[j]):
@@ -747,8 +745,8 @@ class Engine:
 
             if (n == 1 and finish[0] is None and requests[0].temperature <= 0
                     and self.prompt_lookup > 0 and self._prefix_cacheable and not extra):
-                self._lookup_decode(prompts[0], logits[0], cache, int(positions[0, -1]) + 1,
-                                    budget[0], choose, emit)
+                self._lookup_decode(prompts[0], out_ids[0], logits[0], cache,
+                                    int(positions[0, -1]) + 1, budget[0], choose, emit)
             while any(f is None for f in finish):
                 next_ids = torch.tensor([choose(i, logits[i]) for i in range(n)])
                 for i in range(n):
