@@ -64,9 +64,9 @@ from factory.errors import SettingsError
 from factory.planner.hardware import Hardware
 from factory.planner.timing import (
     TimeConstants,
-    forward_flops_per_token,
+    forward_flops,
     time_constants,
-    training_flops_per_token,
+    training_flops,
 )
 from factory.recipes import Architecture, Recipe
 from factory.settings import get_settings
@@ -81,6 +81,9 @@ CALIBRATION_TOKENS = 256
 """Rows and tokens per row of a calibration step: 256 tokens, a forward of SmolLM2-135M in
 ~0.15 s (bf16) to ~0.35 s (fp32) on the bf16 host at load 3: long enough that Python's
 per-layer overhead is a small part of it, short enough to time each rate twice in seconds."""
+CALIBRATION_TARGETS = 64
+"""Trained tokens of a calibration row (its last quarter, an answer after its prompt): the
+trainer's loss runs the LM head on those only, as a real step does."""
 CALIBRATION_REPEATS = 2
 """Timed steps after one warm-up; the best is kept (another process's burst only slows one)."""
 METHODS = ("model", "matmul")
@@ -215,9 +218,10 @@ def calibrate(recipe: Recipe, *, method: str = "model", precision: str = "bf16-a
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=ran == "bf16-autocast")
     arch = recipe.architecture
     tokens = CALIBRATION_ROWS * CALIBRATION_TOKENS
-    train_flops = tokens * training_flops_per_token(arch, span=CALIBRATION_TOKENS,
-                                                    recompute=False)
-    fwd_flops = tokens * forward_flops_per_token(arch, span=CALIBRATION_TOKENS)
+    targets = CALIBRATION_ROWS * CALIBRATION_TARGETS
+    train_flops = training_flops(arch, tokens=tokens, targets=targets, span=CALIBRATION_TOKENS,
+                                 recompute=False)
+    fwd_flops = forward_flops(arch, tokens=tokens, targets=targets, span=CALIBRATION_TOKENS)
     threads = torch.get_num_threads()
     if method == "model":
         train_s, fwd_s, prefill_s = _time_model(recipe, autocast, ran, repeats)
@@ -264,16 +268,26 @@ def _time_model(recipe: Recipe, autocast: Any, ran: str, repeats: int
             if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
                 module.to(torch.bfloat16)
     ids = torch.randint(0, arch.vocab_size, (CALIBRATION_ROWS, CALIBRATION_TOKENS))
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    # As the trainer's loss (factory.trainer.model.CausalLMLoss): the decoder over every token,
+    # the head on the trained positions only (the row's last CALIBRATION_TARGETS).
+    trained = slice(CALIBRATION_TOKENS - CALIBRATION_TARGETS - 1, CALIBRATION_TOKENS - 1)
+    answer = ids[:, trained.start + 1:].reshape(-1)
+
+    def loss() -> Any:
+        hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[:, trained]
+        logits = head(hidden.reshape(-1, hidden.shape[-1])).float()
+        return torch.nn.functional.cross_entropy(logits, answer, reduction="sum")
 
     def train() -> None:
         with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+            value = loss()
+        value.backward()
         model.zero_grad(set_to_none=True)
 
     def forward() -> None:
         with torch.no_grad(), autocast:
-            model(input_ids=ids, labels=ids)
+            loss()
 
     train_s, fwd_s = _best(train, repeats), _best(forward, repeats)
     if ran == "bf16-autocast":
@@ -291,10 +305,12 @@ def _time_model(recipe: Recipe, autocast: Any, ran: str, repeats: int
 def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int
                   ) -> tuple[float, float, float]:
     """The model's linear layers' products alone (one layer's, times the layer count, and the
-    output head): frozen weights, so the backward computes input gradients only."""
+    output head's on the trained tokens): frozen weights, so the backward computes input
+    gradients only."""
     import torch
 
     tokens = CALIBRATION_ROWS * CALIBRATION_TOKENS
+    targets = CALIBRATION_ROWS * CALIBRATION_TARGETS
     h, q, kv, i = (arch.hidden_size, arch.num_heads * arch.head_dim,
                    arch.num_kv_heads * arch.head_dim, arch.intermediate_size)
     dtype = torch.bfloat16 if ran == "bf16-autocast" else torch.float32
@@ -302,29 +318,33 @@ def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int
     weights = [torch.randn(o, n, dtype=dtype) * 0.02 for n, o in layer]
     head = torch.randn(arch.vocab_size, h, dtype=dtype) * 0.02
     inputs = {n: torch.randn(tokens, n, requires_grad=True) for n in {n for n, _ in layer}}
+    trained = torch.randn(targets, h, requires_grad=True)
 
-    def products(grad: bool) -> None:
+    def products(grad: bool, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with autocast, torch.set_grad_enabled(grad):
-            outs = [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights]
-            outs.append(torch.nn.functional.linear(inputs[h], head))
+            outs = [torch.nn.functional.linear(x, w) for x, w in pairs]
         if grad:
             torch.autograd.backward([o.float().sum() for o in outs])
 
-    one_train = _best(lambda: products(True), repeats)
-    one_fwd = _best(lambda: products(False), repeats)
-    # The head ran once with each layer's products; it is a share of a layer's cost.
-    head_share = arch.vocab_size * h / (arch.vocab_size * h + sum(n * o for n, o in layer))
-    per = arch.num_layers * (1 - head_share) + head_share
+    body = [(inputs[w.shape[1]], w) for w in weights]
+    last = [(trained, head)]
+    train_s = arch.num_layers * _best(lambda: products(True, body), repeats) \
+        + _best(lambda: products(True, last), repeats)
+    fwd_s = arch.num_layers * _best(lambda: products(False, body), repeats) \
+        + _best(lambda: products(False, last), repeats)
     weights = [w.float() for w in weights]
     head = head.float()
 
-    def fp32() -> None:
+    def fp32(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
-            for w in weights:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
-            torch.nn.functional.linear(inputs[h], head)
+            for x, w in pairs:
+                torch.nn.functional.linear(x, w)
 
-    return one_train * per, one_fwd * per, _one_thread(fp32, max(1, repeats - 1)) * per
+    # The server's prefill: every prompt token through the layers and the head (2N a token).
+    prefill_s = arch.num_layers * _one_thread(
+        lambda: fp32([(inputs[w.shape[1]], w) for w in weights]), max(1, repeats - 1)) \
+        + _one_thread(lambda: fp32([(inputs[h], head)]), max(1, repeats - 1))
+    return train_s, fwd_s, prefill_s
 
 
 def constants_from(calibration: Calibration, key: HostKey, base: TimeConstants

@@ -45,7 +45,7 @@ from factory.planner.timing import (
     eval_seconds,
     final_eval_seconds,
     fits,
-    forward_flops_per_token,
+    forward_flops,
     run_time,
     step_seconds,
     time_constants,
@@ -689,14 +689,18 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
     row = int(seq_len * 0.95) if packing else min(seq_len, profile.length_p99)
     span = min(profile.length_p50, seq_len) if packing else row
     tokens_per_step = real_batch * row
+    # Samples a step trains: a packed row holds ~95% of its tokens' worth of mean samples.
+    samples_per_row = seq_len * 0.95 / profile.length_mean if packing else 1.0
+    targets_per_step = real_batch * samples_per_row * profile.completion_tokens_p50
     if plan["share_prefix"]:
         # A micro-batch is one unpadded row: its shared prefix once, then every sample's rest.
         mean = profile.length_mean
         shared = min(profile.shared_prefix_tokens, int(mean))
-        per_row = seq_len * 0.95 / mean if packing else 1.0
         micro_batches = real_batch // plan["micro_batch_size"]
-        tokens_per_step = round(real_batch * per_row * (mean - shared) + micro_batches * shared)
-    step_s = step_seconds(c, arch, tokens_per_step=tokens_per_step, span=span,
+        tokens_per_step = round(real_batch * samples_per_row * (mean - shared)
+                                + micro_batches * shared)
+    step_s = step_seconds(c, arch, tokens_per_step=tokens_per_step,
+                          targets_per_step=targets_per_step, span=span,
                           recompute=plan["gradient_checkpointing"], num_devices=devices,
                           precision=plan["precision"], share_prefix=plan["share_prefix"])
     budget_train_s = c.train_fixed_s + total * step_s
@@ -930,15 +934,16 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
             value=num_eval, rule="eval.final_none",
             reason=f"no final evals: {why}; the choice is made on those {num_eval} samples")
     loss_span = min(profile.length_p50, seq_len)
-    loss_pass_s = available * loss_span * forward_flops_per_token(arch, span=loss_span) \
-        / (c.forward_tflops * 1e12 * devices)
+    loss_pass_s = forward_flops(arch, tokens=available * loss_span,
+                                targets=available * profile.completion_tokens_p50,
+                                span=loss_span) / (c.forward_tflops * 1e12 * devices)
     rt = run_time(hw, c, step_s=step_s, num_steps=total, loss_passes=total // eval_every,
                   loss_pass_s=loss_pass_s, first_eval_s=first_s, eval_s=eval_s,
                   num_evals=num_evals, num_devices=devices, eval_devices=eval_devices,
                   final_eval_s=final_eval_s)
     plan.estimates = {
         "step_seconds": round(step_s, 3), "steps": float(total),
-        "tokens_per_step": round(tokens_per_step),
+        "tokens_per_step": round(tokens_per_step), "targets_per_step": round(targets_per_step),
         "train_seconds": round(rt.train_s, 1), "num_evals": float(num_evals),
         "first_eval_seconds": round(first_s, 1), "eval_seconds": round(eval_s, 1),
         "final_evals_seconds": round(rt.final_eval_s, 1), "evals_seconds": round(rt.evals_s, 1), "wall_seconds": round(rt.wall_s, 1),

@@ -14,8 +14,10 @@ corrects a running plan's prediction from its own steps.
 
 What the model counts (BENCHMARKS.md, "Planner time model", compares it with real runs):
 - a training step: the planner's FLOP count of the rows it trains (unpacked rows pad to the
-  longest row of their micro-batch, taken as the p99 sample) at the achieved rate; the run adds
-  a fixed launch-and-load cost and the trainer's held-out loss pass at each eval step;
+  longest row of their micro-batch, taken as the p99 sample) at the achieved rate: every token
+  through the decoder, the LM head only on the trained (assistant) tokens, as the trainer's loss
+  computes it (``factory.trainer.model.CausalLMLoss``); the run adds a fixed launch-and-load
+  cost and the trainer's held-out loss pass at each eval step;
 - an eval (``checkpoint_evals``): a fixed cost (run launch, server boot, adapter, the trainer-side
   model of the equivalence check), the equivalence check's two samples scored on both sides, then
   per batch of ``eval_batch_size`` answers a prefill of the batch's prompts (left-padded to the
@@ -113,10 +115,10 @@ class TimeConstants:
 
 MEASURED: dict[tuple[str, str], TimeConstants] = {
     ("smollm2-135m-lora", "CPU"): TimeConstants(
-        # Steps: 4.72 s for 8 rows padded to ~197 tokens (make demo) and 21.44 s for 8 rows of
-        # ~800 (agent task): 0.186 and 0.185 TFLOP/s. Held-out loss: 3.84 s for 27 x 177 tokens,
-        # 32.5 s for 54 x 675: 0.342 and 0.328.
-        train_tflops=0.185, forward_tflops=0.33,
+        # Steps: 4.72 s for 8 rows padded to ~197 tokens, 33 trained each (make demo), and
+        # 21.44 s for 8 rows of ~800, 40 trained (agent task): 0.155 and 0.153 TFLOP/s.
+        # Held-out loss: 3.84 s for 27 x 177 tokens, 32.5 s for 54 x 675: 0.285 and 0.268.
+        train_tflops=0.154, forward_tflops=0.276,
         # 1 thread, CPU-seconds (what load moves least), fp32 as the server runs: batch of 8
         # prompts of 150 / 700 tokens at 486 / 408 tokens/s (x 2 x 134.5M FLOPs); a decode step
         # 0.058-0.068 s at batch 1, 0.132-0.141 s at batch 8.
@@ -130,8 +132,8 @@ MEASURED: dict[tuple[str, str], TimeConstants] = {
         # 50.4 s of eval and 9.1 s of training as the model gives them alone: (88.9 - 9.1) / 50.4.
         overlap_factor=1.58, measured=True,
         # bench/shared_prefix.py (the triage plan, 366 tokens a step): 1.539 s per step where
-        # train_tflops gives 1.089 s.
-        shared_prefix_rate=0.71,
+        # train_tflops gives 1.06 s.
+        shared_prefix_rate=0.69,
         provenance="measured on dev-cpu (2 cores): the steps, evals and run launches of the "
                    "`make demo` and agent-task runs in BENCHMARKS.md (idle machine), the "
                    "generation rates with the CPU server's engine on one thread"),
@@ -221,29 +223,49 @@ def time_constants(recipe: str, arch: Architecture, hw: Hardware, *,
     return found
 
 
-def training_flops_per_token(arch: Architecture, *, span: int, recompute: bool) -> float:
-    """FLOPs per trained token of a LoRA step: forward 2N, backward through the frozen weights
-    2N (no weight gradients), recomputation another 2N; causal attention over ``span`` tokens."""
-    params = arch.num_parameters - arch.vision_parameters
+def head_parameters(arch: Architecture) -> int:
+    """Parameters of the LM head (the embedding matrix where they are tied)."""
+    return arch.vocab_size * arch.hidden_size
+
+
+def body_parameters(arch: Architecture) -> int:
+    """Parameters every token multiplies through: the decoder's, without the input embedding
+    (a lookup), the LM head or the vision tower."""
+    embeddings = head_parameters(arch) * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_parameters - arch.vision_parameters - embeddings
+
+
+def training_flops(arch: Architecture, *, tokens: float, targets: float, span: int,
+                   recompute: bool) -> float:
+    """FLOPs of a LoRA step over ``tokens`` tokens of which ``targets`` are trained: through the
+    decoder forward 2N, backward through the frozen weights 2N (no weight gradients),
+    recomputation another 2N, causal attention over ``span`` tokens; the frozen LM head on the
+    targets only, its logits and their gradient with respect to the hidden states (4 x its
+    parameters: the trainer's fused loss computes both in forward, and never recomputes them)."""
     attention = 6 * arch.num_layers * span * arch.num_heads * arch.head_dim
-    return (6 if recompute else 4) * params + attention
+    per_token = (6 if recompute else 4) * body_parameters(arch) + attention
+    return tokens * per_token + targets * 4 * head_parameters(arch)
 
 
-def forward_flops_per_token(arch: Architecture, *, span: int) -> float:
-    """FLOPs per token of a forward pass (the held-out loss)."""
-    params = arch.num_parameters - arch.vision_parameters
-    return 2 * params + 2 * arch.num_layers * span * arch.num_heads * arch.head_dim
+def forward_flops(arch: Architecture, *, tokens: float, targets: float, span: int) -> float:
+    """FLOPs of a forward pass with the loss on ``targets`` of its ``tokens`` (the held-out
+    loss)."""
+    per_token = 2 * body_parameters(arch) + 2 * arch.num_layers * span * arch.num_heads \
+        * arch.head_dim
+    return tokens * per_token + targets * 2 * head_parameters(arch)
 
 
-def step_seconds(c: TimeConstants, arch: Architecture, *, tokens_per_step: float, span: int,
-                 recompute: bool, num_devices: int, precision: str,
-                 share_prefix: bool = False) -> float:
-    """Seconds of one optimizer step (``tokens_per_step``: the tokens its rows compute)."""
+def step_seconds(c: TimeConstants, arch: Architecture, *, tokens_per_step: float,
+                 targets_per_step: float, span: int, recompute: bool, num_devices: int,
+                 precision: str, share_prefix: bool = False) -> float:
+    """Seconds of one optimizer step (``tokens_per_step``: the tokens its rows compute,
+    ``targets_per_step`` of them trained)."""
     slower = precision == "fp32" and c.measured and c.train_precision != "fp32"
     rate = c.train_tflops * (CPU_FP32_SLOWDOWN if slower else 1.0)
     if share_prefix:
         rate *= c.shared_prefix_rate
-    flops = tokens_per_step * training_flops_per_token(arch, span=span, recompute=recompute)
+    flops = training_flops(arch, tokens=tokens_per_step, targets=targets_per_step, span=span,
+                           recompute=recompute)
     return flops / (rate * 1e12 * num_devices)
 
 

@@ -91,8 +91,9 @@ def test_a_cpu_plan_names_its_constants_source(tmp_path: Path) -> None:
     span = min(profile().length_p50, plan["max_seq_len"])
     tokens = plan.estimates["tokens_per_step"]
     assert plan.estimates["step_seconds"] == pytest.approx(step_seconds(
-        c, TINY, tokens_per_step=tokens, span=span, recompute=plan["gradient_checkpointing"],
-        num_devices=1, precision=plan["precision"]), rel=0.01)
+        c, TINY, tokens_per_step=tokens, targets_per_step=plan.estimates["targets_per_step"],
+        span=span, recompute=plan["gradient_checkpointing"], num_devices=1,
+        precision=plan["precision"]), rel=0.01)
     # Without a home the plan is the reference's, the same whatever machine renders it.
     reference = make_plan(experiment(), profile(), recipe=recipe).decisions["time_model"]
     assert (reference.value, reference.rule) == ("measured", "time.measured")
@@ -122,8 +123,9 @@ def test_fp32_measured_rates_are_not_slowed_again() -> None:
     arch = load_recipe("smollm2-135m-lora").architecture
 
     def step(c: object, precision: str) -> float:
-        return step_seconds(c, arch, tokens_per_step=1000, span=200,  # type: ignore[arg-type]
-                            recompute=False, num_devices=1, precision=precision)
+        return step_seconds(c, arch, tokens_per_step=1000,  # type: ignore[arg-type]
+                            targets_per_step=100, span=200, recompute=False, num_devices=1,
+                            precision=precision)
 
     fp32_host = replace(ref, calibrated=True, train_precision="fp32")
     assert step(fp32_host, "fp32") == step(fp32_host, "bf16-autocast")

@@ -270,7 +270,7 @@ def test_plan_shows_the_predicted_wall_time(factory_home: Path, tmp_path: Path,
     from factory.app.cli import main
 
     p = make_plan(experiment(**DEMO), DatasetProfile.from_row(DEMO_PROFILE))
-    assert "Predicted wall time: **2.9 min**: training 62 s (~8 steps of ~4.76 s), evals " \
+    assert "Predicted wall time: **2.9 min**: training 62 s (~8 steps of ~4.75 s), evals " \
            "1.9 min (2 of ~34 s, the first ~51 s, on the training cores)" in plan_table(p)
     exp = tmp_path / "e.yaml"
     exp.write_text("recipe: smollm2-135m-lora\n")
@@ -278,5 +278,5 @@ def test_plan_shows_the_predicted_wall_time(factory_home: Path, tmp_path: Path,
     prof.write_text(json.dumps(AGENT_PROFILE))
     assert main(["plan", str(exp), "--profile", str(prof)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("## e: predicted wall 1.5 h: training 73.8 min + evals 18.0 min")
+    assert out.startswith("## e: predicted wall 1.5 h: training 73.3 min + evals 17.7 min")
     assert "Predicted wall time: **1.5 h**" in out
