@@ -17,7 +17,7 @@ import dagster as dg
 from factory.errors import FactoryError
 from factory.experiments import load_experiment
 from factory.partitions import RUNS
-from factory.planner.host import plan_time_home
+from factory.planner.host import time_model_cache
 from factory.planner.profile import read_profile
 from factory.planner.render import experiment_card, plan_table
 from factory.planner.service import mix_rows, plan_for_key, plan_row, profile_version
@@ -46,7 +46,7 @@ def training_plan(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.M
         profile = read_profile(session, experiment.name)
         plan = plan_for_key(experiment, profile, key,
                             source_rows=mix_rows(experiment, session.lake),
-                            time_home=plan_time_home())
+                            time_cache=time_model_cache())
     except (FactoryError, ValueError) as exc:
         # A refused plan is the user's to fix: show the message, not a traceback.
         raise dg.Failure(description=str(exc), allow_retries=False) from None

@@ -1,7 +1,7 @@
 """Check the planner's time model on this host: plan a job, run ``python -m factory.trainer``, compare.
 
 Synthetic chats are profiled with SmolLM2-135M's tokenizer and planned three ways: with the
-reference constants (``timing.MEASURED``, no ``time_home``), and calibrated on this host
+reference constants (``timing.MEASURED``, no ``time_cache``), and calibrated on this host
 (``factory.planner.host``) by each method, ``model`` and ``matmul``, each in a fresh cache so
 that it measures (its seconds are printed). The plan's job then runs once, a short real training
 run, and every prediction is compared with it:
@@ -91,10 +91,10 @@ def main() -> int:
             # Each method calibrates into a cache of its own, which its plan then reads.
             home = Path(tmp) / method
             t0 = time.perf_counter()
-            host_constants(recipe, HARDWARE["CPU"], home=home, precision="bf16-autocast",
+            host_constants(recipe, HARDWARE["CPU"], cache=home, precision="bf16-autocast",
                            method=method)
             calibration_s[method] = time.perf_counter() - t0
-            plans[method] = plan_for(config, recipe, profile, time_home=home)
+            plans[method] = plan_for(config, recipe, profile, time_cache=home)
         for name, plan in plans.items():
             print(f"- {name}: time_model {plan['time_model']}: "
                   f"{plan.decisions['time_model'].reason}")

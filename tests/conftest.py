@@ -35,6 +35,10 @@ from tests.postgres import Cluster, server_bin
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Plans in tests use the reference time constants: the same plan on every machine, and no
+# calibration run inside a test (tests of the host's time model set FACTORY_TIME_MODEL=host).
+os.environ["FACTORY_TIME_MODEL"] = "reference"
+
 
 def _models_cache() -> Path:
     path = Path(os.environ.get("FACTORY_TEST_MODELS") or ROOT / ".cache" / "test-models")
@@ -123,8 +127,9 @@ def factory_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     for name in ("FACTORY_DATABASE_URL", "FACTORY_WAREHOUSE", "FACTORY_SHARED_DIR",
                  "FACTORY_CATALOG", "FACTORY_DEPLOYER", "FACTORY_JUDGE", "FACTORY_PROVIDERS",
                  "FACTORY_SPARK_MASTER", "FACTORY_GATEWAY_URL", "FACTORY_GATEWAY_KEY",
-                 "FACTORY_TIME_MODEL"):
+                 "FACTORY_TIME_MODEL_CACHE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FACTORY_TIME_MODEL", "reference")
     monkeypatch.setenv("FACTORY_MODELS_DIR", str(_models_cache()))
     monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))
     (home / "dagster").mkdir()

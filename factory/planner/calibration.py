@@ -287,8 +287,8 @@ def profile_of(samples: list[dict[str, Any]], tokenizer: Any) -> DatasetProfile:
 
 
 def plan_for(config: MeasureConfig, recipe: Recipe, profile: DatasetProfile, *,
-             time_home: Path | None = None) -> Plan:
-    """The planner's plan for an experiment with ``config``'s overrides (``time_home``: as
+             time_cache: Path | None = None) -> Plan:
+    """The planner's plan for an experiment with ``config``'s overrides (``time_cache``: as
     ``make_plan``'s, this host's calibrated time constants)."""
     overrides: dict[str, Any] = {"micro_batch_size": config.micro_batch_size,
                                  "grad_accum_steps": 1, "num_steps": config.num_steps}
@@ -299,7 +299,7 @@ def plan_for(config: MeasureConfig, recipe: Recipe, profile: DatasetProfile, *,
     raw = {"name": "memory-check", "recipe": "smollm2-135m-lora",
            "data": {"where": "true", "max_tokens": config.seq_len}, "overrides": overrides}
     experiment = parse_experiment(yaml.safe_dump(raw), Path("memory-check.yaml"))
-    return make_plan(experiment, profile, recipe=recipe, time_home=time_home)
+    return make_plan(experiment, profile, recipe=recipe, time_cache=time_cache)
 
 
 def write_job(plan: Plan, data_file: Path, out_dir: Path) -> Path:

@@ -33,18 +33,16 @@ step's per-step costs outside the model (optimizer, packed attention's per-sampl
 data): on steps this small they are half of the step, and only the pace correction, 0.91-1.02
 after 3 steps, came within 25% on this shared host.
 
-A calibration measures the host as loaded when it runs (the cache records the load); what the
-load does during a run shows in the run's own steps, and ``factory.planner.pace`` corrects the
-prediction from them.
-
-The factory's own plans (the ``training_plan`` asset, ``factory plan``) use the reference
-constants unless ``FACTORY_TIME_MODEL=host`` (``plan_time_home``: this host's constants, cached
-under ``$FACTORY_HOME``). Not the default, measured in the loop (``bench/loop.py``, an AVX2 host,
-2026-12-06): the calibration took 35 s of the first plan, predicted 1.54x the training's measured
-seconds (the reference constants: 0.23x), and one made while another process used the cores took
-180 s, measured a ninth of the rate and was cached for good (its plan: 9 evals instead of 1).
-What held on every host is the correction from the run's own first steps (``pace``: 0.93-0.98 in
-the loop, 1.01 in ``bench/time_model.py``), which the ``training_run`` step logs and records.
+The factory's own plans (the ``training_plan`` asset, ``factory plan``) use this host's
+constants (``time_model_cache``): the first plan of a model size on a host calibrates (~30 s
+for SmolLM2 on a 2-core AVX2 host), later plans read the cache, which lives per user and host
+(``~/.cache/factory/time-model``), not per factory home. ``FACTORY_TIME_MODEL=reference`` plans
+with the reference constants instead, the same plan on every machine (the tests do). A
+calibration made while another process held the cores measures a fraction of the rate (one
+beside a test measured a ninth); its CPU share shows it (``Calibration.contended``), and such a
+measurement serves its own plan but is not cached. What the load does during a run shows in the
+run's own steps, and ``factory.planner.pace`` corrects the prediction from them (0.93-1.01 of
+the measured seconds after 3 steps, the ``training_run`` step logs and records it).
 """
 
 from __future__ import annotations
@@ -69,12 +67,16 @@ from factory.planner.timing import (
     training_flops,
 )
 from factory.recipes import Architecture, Recipe
-from factory.settings import get_settings
 from factory.trainer.precision import effective_precision
 
 TIME_MODEL_ENV = "FACTORY_TIME_MODEL"
-"""``reference`` (the default): the reference constants; ``host``: plans calibrate on this host."""
+"""``host`` (the default): plans calibrate on this host; ``reference``: the reference constants."""
 TIME_MODELS = ("host", "reference")
+TIME_MODEL_CACHE_ENV = "FACTORY_TIME_MODEL_CACHE"
+"""The folder of the host's cached constants (``time_model_cache``)."""
+MIN_CPU_SHARE = 0.8
+"""Share of its threads' wall seconds a calibration must get on the CPU to be cached: below it,
+another process held the cores while it measured (an idle host gives it ~0.95)."""
 
 CALIBRATION_ROWS = 1
 CALIBRATION_TOKENS = 256
@@ -163,6 +165,14 @@ class Calibration:
     """ISO time of the measurement (UTC)."""
     torch_threads: int
     """Threads torch trained with."""
+    cpu_share: float = 1.0
+    """CPU seconds the timed training and forward steps got over their wall seconds times
+    ``torch_threads`` (below ``MIN_CPU_SHARE``: another process held the cores)."""
+
+    @property
+    def contended(self) -> bool:
+        """Whether it measured a host busy with something else (then it is not cached)."""
+        return self.cpu_share < MIN_CPU_SHARE
 
 
 def size_class(arch: Architecture) -> str:
@@ -176,6 +186,22 @@ def _load() -> float:
         return os.getloadavg()[0]
     except OSError:
         return float("nan")
+
+
+@dataclass
+class _Meter:
+    """CPU and wall seconds of the timed multi-threaded steps (the CPU share they got)."""
+
+    cpu: float = 0.0
+    wall: float = 0.0
+
+    def best(self, fn: Any, repeats: int) -> float:
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            return _best(fn, repeats)
+        finally:
+            self.cpu += time.process_time() - cpu
+            self.wall += time.perf_counter() - wall
 
 
 def _best(fn: Any, repeats: int) -> float:
@@ -223,16 +249,18 @@ def calibrate(recipe: Recipe, *, method: str = "model", precision: str = "bf16-a
                                  recompute=False)
     fwd_flops = forward_flops(arch, tokens=tokens, targets=targets, span=CALIBRATION_TOKENS)
     threads = torch.get_num_threads()
+    meter = _Meter()
     if method == "model":
-        train_s, fwd_s, prefill_s = _time_model(recipe, autocast, ran, repeats)
+        train_s, fwd_s, prefill_s = _time_model(recipe, autocast, ran, repeats, meter)
     else:
-        train_s, fwd_s, prefill_s = _time_matmuls(arch, autocast, ran, repeats)
+        train_s, fwd_s, prefill_s = _time_matmuls(arch, autocast, ran, repeats, meter)
     return Calibration(
         method=method, precision=ran, train_tflops=train_flops / train_s / 1e12,
         forward_tflops=fwd_flops / fwd_s / 1e12,
         prefill_tflops=tokens * 2 * arch.num_parameters / prefill_s / 1e12,
         seconds=time.perf_counter() - start, load=load,
-        measured_at=datetime.now(UTC).isoformat(timespec="seconds"), torch_threads=threads)
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"), torch_threads=threads,
+        cpu_share=meter.cpu / max(1e-9, meter.wall * threads))
 
 
 def _one_thread(fn: Any, repeats: int) -> float:
@@ -246,7 +274,7 @@ def _one_thread(fn: Any, repeats: int) -> float:
         torch.set_num_threads(threads)
 
 
-def _time_model(recipe: Recipe, autocast: Any, ran: str, repeats: int
+def _time_model(recipe: Recipe, autocast: Any, ran: str, repeats: int, meter: _Meter
                 ) -> tuple[float, float, float]:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -289,7 +317,7 @@ def _time_model(recipe: Recipe, autocast: Any, ran: str, repeats: int
         with torch.no_grad(), autocast:
             loss()
 
-    train_s, fwd_s = _best(train, repeats), _best(forward, repeats)
+    train_s, fwd_s = meter.best(train, repeats), meter.best(forward, repeats)
     if ran == "bf16-autocast":
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
@@ -302,7 +330,7 @@ def _time_model(recipe: Recipe, autocast: Any, ran: str, repeats: int
     return train_s, fwd_s, _one_thread(prefill, max(1, repeats - 1))
 
 
-def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int
+def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int, meter: _Meter
                   ) -> tuple[float, float, float]:
     """The model's linear layers' products alone (one layer's, times the layer count, and the
     output head's on the trained tokens): frozen weights, so the backward computes input
@@ -328,10 +356,10 @@ def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int
 
     body = [(inputs[w.shape[1]], w) for w in weights]
     last = [(trained, head)]
-    train_s = arch.num_layers * _best(lambda: products(True, body), repeats) \
-        + _best(lambda: products(True, last), repeats)
-    fwd_s = arch.num_layers * _best(lambda: products(False, body), repeats) \
-        + _best(lambda: products(False, last), repeats)
+    train_s = arch.num_layers * meter.best(lambda: products(True, body), repeats) \
+        + meter.best(lambda: products(True, last), repeats)
+    fwd_s = arch.num_layers * meter.best(lambda: products(False, body), repeats) \
+        + meter.best(lambda: products(False, last), repeats)
     weights = [w.float() for w in weights]
     head = head.float()
 
@@ -377,23 +405,26 @@ class HostConstants:
     """The cache file (None: the defaults, no calibration applies)."""
 
 
-def cache_path(home: Path, key: HostKey) -> Path:
-    return home / "cache" / "time-model" / f"{key.slug}.json"
+def cache_path(cache: Path, key: HostKey) -> Path:
+    """The cache file of ``key``'s host under the cache folder ``cache``."""
+    return cache / f"{key.slug}.json"
 
 
-def host_constants(recipe: Recipe, hw: Hardware, *, home: Path, precision: str = "bf16-autocast",
-                   judge: str = "embedded", key: HostKey | None = None,
-                   method: str = "model") -> HostConstants:
-    """This host's constants for ``recipe`` on ``hw``, calibrated on first use and cached.
+def host_constants(recipe: Recipe, hw: Hardware, *, cache: Path,
+                   precision: str = "bf16-autocast", judge: str = "embedded",
+                   key: HostKey | None = None, method: str = "model") -> HostConstants:
+    """This host's constants for ``recipe`` on ``hw``, calibrated on first use and cached in the
+    folder ``cache``.
 
     Only a CPU plan is calibrated (the planning host is the training host); a GPU plan gets
-    ``timing.time_constants`` unchanged.
+    ``timing.time_constants`` unchanged. A calibration that did not get its cores
+    (``Calibration.contended``) serves this plan and is not cached: the next plan measures again.
     """
     if not hw.evals_share_devices:
         return HostConstants(constants=time_constants(recipe.name, recipe.architecture, hw,
                                                       judge=judge), fresh=False, cache=None)
     key = key or host_key()
-    path = cache_path(home, key)
+    path = cache_path(cache, key)
     # What the trainer runs here (FACTORY_CPU_BF16 can change it), not what the plan says.
     entry = f"{size_class(recipe.architecture)}|{effective_precision(precision, 'cpu')[0]}"
     cached: dict[str, Any] = {}
@@ -407,12 +438,13 @@ def host_constants(recipe: Recipe, hw: Hardware, *, home: Path, precision: str =
     fresh = found is None
     if fresh:
         calibration = calibrate(recipe, method=method, precision=precision)
-        cached = {"host": asdict(key), "entries": {**(cached.get("entries") or {}),
-                                                   entry: asdict(calibration)}}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # plans of a sweep may calibrate at once
-        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-        tmp.replace(path)
+        if not calibration.contended:
+            cached = {"host": asdict(key), "entries": {**(cached.get("entries") or {}),
+                                                       entry: asdict(calibration)}}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # a sweep's plans may calibrate at once
+            tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+            tmp.replace(path)
     else:
         assert found is not None
         calibration = Calibration(**found)
@@ -421,14 +453,19 @@ def host_constants(recipe: Recipe, hw: Hardware, *, home: Path, precision: str =
                          cache=path)
 
 
-def plan_time_home(home: Path | None = None) -> Path | None:
-    """Where the factory's plans cache this host's constants under ``FACTORY_TIME_MODEL=host``:
-    ``home`` (default ``$FACTORY_HOME``); None (the reference constants) when it is unset or
-    ``reference``; ``SettingsError`` for any other value."""
-    mode = os.environ.get(TIME_MODEL_ENV, "").strip() or "reference"
+def time_model_cache() -> Path | None:
+    """The folder where the factory's plans cache this host's constants: ``$FACTORY_TIME_MODEL_
+    CACHE``, else ``$XDG_CACHE_HOME/factory/time-model`` (``~/.cache/factory/time-model``): one
+    per user and host, shared by every factory home on it (the constants are the host's, not a
+    project's). None (the reference constants, the same on every machine) under
+    ``FACTORY_TIME_MODEL=reference``; ``SettingsError`` for any other value than ``host``."""
+    mode = os.environ.get(TIME_MODEL_ENV, "").strip() or "host"
     if mode not in TIME_MODELS:
-        raise SettingsError(f"{TIME_MODEL_ENV}={mode!r}: use reference (the reference "
-                            "constants, the default) or host (calibrate on this machine)")
+        raise SettingsError(f"{TIME_MODEL_ENV}={mode!r}: use host (calibrate on this machine, "
+                            "the default) or reference (the reference constants)")
     if mode == "reference":
         return None
-    return home if home is not None else get_settings().home
+    if folder := os.environ.get(TIME_MODEL_CACHE_ENV, "").strip():
+        return Path(folder).expanduser()
+    root = os.environ.get("XDG_CACHE_HOME", "").strip() or "~/.cache"
+    return Path(root).expanduser() / "factory" / "time-model"

@@ -222,10 +222,10 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
               point: Mapping[str, Any] | None = None, recipe: Recipe | None = None,
               settings: Settings | None = None,
               source_rows: Mapping[str, int] | None = None,
-              time_home: Path | None = None) -> Plan:
+              time_cache: Path | None = None) -> Plan:
     """Plan one run of ``experiment`` (the sweep ``point``, if any) on the data ``profile``;
     ``source_rows`` counts the rows of each ``data.mix`` source (a source left out is not
-    counted: its effective epochs are unknown). ``time_home``: where this host's calibrated
+    counted: its effective epochs are unknown). ``time_cache``: where this host's calibrated
     time constants are cached (``factory.planner.host``): given, a CPU plan predicts with this
     host's rates, calibrating on the first plan; None, with the reference constants, the same
     whatever machine renders the plan.
@@ -522,7 +522,7 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     # --- time, eval serving, eval budget and cadence, checkpoints ---------------------------
     _plan_eval_serving(plan, dec, profile, recipe, hw)
     _plan_time(plan, dec, experiment, profile, recipe, hw, steps_per_epoch=steps_per_epoch,
-               total=total, real_batch=real_batch, time_home=time_home)
+               total=total, real_batch=real_batch, time_cache=time_cache)
     undecided = [key for key in TRAIN_KEYS if key not in plan.decisions]
     if undecided:
         raise PlanError(f"no planner rule decides {', '.join(undecided)}: add one to "
@@ -666,7 +666,7 @@ def _plan_eval_serving(plan: Plan, dec: _Decider, profile: DatasetProfile, recip
 
 def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: DatasetProfile,
                recipe: Recipe, hw: Hardware, *, steps_per_epoch: int, total: int,
-               real_batch: int, time_home: Path | None = None) -> None:
+               real_batch: int, time_cache: Path | None = None) -> None:
     """The time model's decisions: eval sample count and cadence within the eval budget, the
     checkpoint cadence, and the predicted wall time (``factory.planner.timing``)."""
     arch = recipe.architecture
@@ -675,8 +675,8 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         value=judge, rule="eval.judge",
         reason="experiment eval.judge" if experiment.eval.judge != "embedded"
         else f"recipe {recipe.name} judge")
-    c = (host_constants(recipe, hw, home=time_home, precision=plan["precision"],
-                        judge=judge).constants if time_home is not None
+    c = (host_constants(recipe, hw, cache=time_cache, precision=plan["precision"],
+                        judge=judge).constants if time_cache is not None
          else time_constants(recipe.name, arch, hw, judge=judge))
     dec.set("time_model", c.source, f"time.{c.source}",
             (f"{recipe.name} on {hw.name}: reference constants " if c.source == "measured"

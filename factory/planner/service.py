@@ -27,22 +27,22 @@ from factory.planner.profile import DatasetProfile, read_profile
 
 def plan_runs(experiment: Experiment, profile: DatasetProfile, *,
               source_rows: Mapping[str, int] | None = None,
-              time_home: Path | None = None) -> list[Plan]:
-    """One plan per sweep point (a single plan without a sweep); ``time_home`` as
-    ``make_plan``'s (``factory.planner.host.plan_time_home``: this host's constants)."""
+              time_cache: Path | None = None) -> list[Plan]:
+    """One plan per sweep point (a single plan without a sweep); ``time_cache`` as
+    ``make_plan``'s (``factory.planner.host.time_model_cache``: this host's constants)."""
     return [make_plan(experiment, profile, point=p, source_rows=source_rows,
-                      time_home=time_home)
+                      time_cache=time_cache)
             for p in sweep_points(experiment)]
 
 
 def plan_for_key(experiment: Experiment, profile: DatasetProfile, key: str, *,
                  source_rows: Mapping[str, int] | None = None,
-                 time_home: Path | None = None) -> Plan:
+                 time_cache: Path | None = None) -> Plan:
     """The plan of the run with stable key ``key``; ``ValueError`` if the sweep has no such run."""
     for point in sweep_points(experiment):
         if run_key(experiment.name, point) == key:
             return make_plan(experiment, profile, point=point, source_rows=source_rows,
-                             time_home=time_home)
+                             time_cache=time_cache)
     raise ValueError(f"experiment {experiment.name} has no run {key!r} (its sweep changed?)")
 
 

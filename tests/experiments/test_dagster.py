@@ -69,17 +69,20 @@ def test_training_plan_asset_writes_plan_with_reasons(exp_dir: Path) -> None:
     assert rows[0]["dataset_version"] == "v1"
 
 
-def test_the_asset_plans_with_the_hosts_time_model_when_asked(
-        exp_dir: Path, factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``FACTORY_TIME_MODEL=host`` the plan's time model is this host's: the calibration
-    cached under ``$FACTORY_HOME`` (seeded here with known rates, so nothing is measured), and
-    its step time follows those rates; unset or ``reference``, the reference constants, as
-    every machine would plan; anything else fails the step saying what to set."""
-    monkeypatch.setenv("FACTORY_TIME_MODEL", "host")
+def test_the_asset_plans_with_the_hosts_time_model_by_default(
+        exp_dir: Path, factory_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``FACTORY_TIME_MODEL`` unset (or ``host``) the plan's time model is this host's: the
+    calibration cached in ``FACTORY_TIME_MODEL_CACHE`` (seeded here with known rates, so
+    nothing is measured), and its step time follows those rates; ``reference``, the reference
+    constants, as every machine would plan; anything else fails the step saying what to set."""
+    monkeypatch.delenv("FACTORY_TIME_MODEL")
+    cache = tmp_path / "time-model"
+    monkeypatch.setenv("FACTORY_TIME_MODEL_CACHE", str(cache))
     recipe = load_recipe("smollm2-135m-lora")
     key = host_key()
     entry = f"{size_class(recipe.architecture)}|{effective_precision('bf16-autocast', 'cpu')[0]}"
-    path = cache_path(factory_home, key)
+    path = cache_path(cache, key)
     path.parent.mkdir(parents=True)
 
     def seed(train_tflops: float) -> None:
@@ -112,12 +115,12 @@ def test_the_asset_plans_with_the_hosts_time_model_when_asked(
     seed(0.25)  # a host a quarter as fast: the same plan's steps take longer
     slow = plan_of(keys[0])
     assert slow["estimates"]["step_seconds"] > 2 * fast["estimates"]["step_seconds"]
-    monkeypatch.delenv("FACTORY_TIME_MODEL")
-    assert plan_of(keys[1])["values"]["time_model"] == "measured"
+    monkeypatch.setenv("FACTORY_TIME_MODEL", "host")
+    assert plan_of(keys[1])["values"]["time_model"] == "calibrated"
     monkeypatch.setenv("FACTORY_TIME_MODEL", "reference")
     assert plan_of(keys[1])["values"]["time_model"] == "measured"
     monkeypatch.setenv("FACTORY_TIME_MODEL", "laptop")
-    assert "FACTORY_TIME_MODEL='laptop': use reference" in plan_of(keys[1])["error"]
+    assert "FACTORY_TIME_MODEL='laptop': use host" in plan_of(keys[1])["error"]
 
 
 def test_plan_refused_before_compute(exp_dir: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.planner import HARDWARE, make_plan
+from factory.planner import HARDWARE, host, make_plan
 from factory.planner.host import HostKey, cache_path, host_constants, host_key, size_class
 from factory.planner.pace import (
     MIN_STEPS,
@@ -36,26 +36,60 @@ def tiny_recipe() -> Recipe:
     return replace(load_recipe("smollm2-135m-lora"), name="tiny-llama-lora", architecture=TINY)
 
 
+@pytest.fixture(autouse=True)
+def uncontended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These calibrations run beside other tests: each counts as having had its cores unless a
+    test says otherwise."""
+    monkeypatch.setattr(host, "MIN_CPU_SHARE", 0.0)
+
+
 def test_the_cache_is_written_once_per_host_key_and_reused(tmp_path: Path) -> None:
     recipe, cpu = tiny_recipe(), HARDWARE["CPU"]
-    first = host_constants(recipe, cpu, home=tmp_path, key=HOST_A)
+    first = host_constants(recipe, cpu, cache=tmp_path, key=HOST_A)
     assert first.fresh and first.cache == cache_path(tmp_path, HOST_A) and first.cache.exists()
     written = first.cache.read_bytes()
     stamp = first.cache.stat().st_mtime_ns
-    again = host_constants(recipe, cpu, home=tmp_path, key=HOST_A)
+    again = host_constants(recipe, cpu, cache=tmp_path, key=HOST_A)
     assert not again.fresh and again.constants == first.constants
     assert first.cache.read_bytes() == written and first.cache.stat().st_mtime_ns == stamp
     # Another host calibrates again, into its own file; the first host's is left alone.
-    other = host_constants(recipe, cpu, home=tmp_path, key=HOST_B)
+    other = host_constants(recipe, cpu, cache=tmp_path, key=HOST_B)
     assert other.fresh and other.cache is not None and other.cache != first.cache
     assert first.cache.read_bytes() == written
     assert HOST_B.label in other.constants.provenance
     # Another model size on the same host is another entry of the same file.
     bigger = replace(recipe, architecture=replace(TINY, num_layers=3, num_parameters=660_000))
-    grown = host_constants(bigger, cpu, home=tmp_path, key=HOST_A)
+    grown = host_constants(bigger, cpu, cache=tmp_path, key=HOST_A)
     assert grown.fresh and grown.cache == first.cache
     assert size_class(TINY) in first.cache.read_text()
-    assert not host_constants(bigger, cpu, home=tmp_path, key=HOST_A).fresh
+    assert not host_constants(bigger, cpu, cache=tmp_path, key=HOST_A).fresh
+
+
+def test_a_calibration_that_did_not_get_its_cores_serves_its_plan_uncached(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured while something else held the cores (here: a CPU share no run reaches), the
+    rates serve the plan that asked and are not cached: the next plan measures again."""
+    monkeypatch.setattr(host, "MIN_CPU_SHARE", 2.0)
+    first = host_constants(tiny_recipe(), HARDWARE["CPU"], cache=tmp_path, key=HOST_A)
+    assert first.fresh and first.constants.calibrated and first.cache is not None
+    assert not first.cache.exists()
+    assert host_constants(tiny_recipe(), HARDWARE["CPU"], cache=tmp_path, key=HOST_A).fresh
+    monkeypatch.setattr(host, "MIN_CPU_SHARE", 0.0)
+    assert host_constants(tiny_recipe(), HARDWARE["CPU"], cache=tmp_path, key=HOST_A).cache \
+        .exists()  # type: ignore[union-attr]
+
+
+def test_the_cache_folder_is_per_user_and_host_not_per_home(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FACTORY_TIME_MODEL")
+    monkeypatch.delenv("FACTORY_TIME_MODEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
+    assert host.time_model_cache() == tmp_path / "xdg" / "factory" / "time-model"
+    monkeypatch.setenv("FACTORY_TIME_MODEL_CACHE", str(tmp_path / "mine"))
+    assert host.time_model_cache() == tmp_path / "mine"
+    monkeypatch.setenv("FACTORY_TIME_MODEL", "reference")
+    assert host.time_model_cache() is None
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-lora", "tiny-llama-lora"])
@@ -63,7 +97,7 @@ def test_calibrated_rates_are_this_hosts_and_the_rest_uncalibrated(tmp_path: Pat
                                                                    name: str) -> None:
     """The measured reference's fixed costs where the recipe has them, else the defaults'."""
     recipe = replace(tiny_recipe(), name=name)
-    got = host_constants(recipe, HARDWARE["CPU"], home=tmp_path, key=HOST_A).constants
+    got = host_constants(recipe, HARDWARE["CPU"], cache=tmp_path, key=HOST_A).constants
     ref = time_constants(name, TINY, HARDWARE["CPU"])
     assert ref.measured == (name in {r for r, _ in MEASURED})
     assert ("as measured on dev-cpu" in got.provenance) == ref.measured
@@ -79,7 +113,7 @@ def test_calibrated_rates_are_this_hosts_and_the_rest_uncalibrated(tmp_path: Pat
 
 def test_a_cpu_plan_names_its_constants_source(tmp_path: Path) -> None:
     recipe = replace(tiny_recipe(), name="smollm2-135m-lora")  # the measured pair's name
-    plan = make_plan(experiment(), profile(), recipe=recipe, time_home=tmp_path)
+    plan = make_plan(experiment(), profile(), recipe=recipe, time_cache=tmp_path)
     model = plan.decisions["time_model"]
     assert (model.value, model.rule) == ("calibrated", "time.calibrated")
     key = host_key()
@@ -87,7 +121,7 @@ def test_a_cpu_plan_names_its_constants_source(tmp_path: Path) -> None:
     assert "by a model step in " in model.reason and "TFLOP/s" in model.reason
     assert cache_path(tmp_path, key).exists()
     # The step is the calibrated rate's: the same model, fed the cached constants.
-    c = host_constants(recipe, HARDWARE["CPU"], home=tmp_path).constants
+    c = host_constants(recipe, HARDWARE["CPU"], cache=tmp_path).constants
     span = min(profile().length_p50, plan["max_seq_len"])
     tokens = plan.estimates["tokens_per_step"]
     assert plan.estimates["step_seconds"] == pytest.approx(step_seconds(
@@ -103,17 +137,16 @@ def test_a_cpu_plan_names_its_constants_source(tmp_path: Path) -> None:
 
 def test_a_gpu_plan_is_not_calibrated_on_the_planning_host(tmp_path: Path) -> None:
     plan = make_plan(experiment(overrides={"gpu": "L4"}), profile(num_samples=100_000),
-                     time_home=tmp_path)
+                     time_cache=tmp_path)
     assert plan["time_model"] == "defaults" and "L4" in plan.decisions["time_model"].reason
-    assert not (tmp_path / "cache").exists()
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_broken_cache_says_how_to_fix_it(tmp_path: Path) -> None:
     path = cache_path(tmp_path, HOST_A)
-    path.parent.mkdir(parents=True)
     path.write_text("{not json")
     with pytest.raises(ValueError, match="delete it and the next plan calibrates again"):
-        host_constants(tiny_recipe(), HARDWARE["CPU"], home=tmp_path, key=HOST_A)
+        host_constants(tiny_recipe(), HARDWARE["CPU"], cache=tmp_path, key=HOST_A)
 
 
 def test_fp32_measured_rates_are_not_slowed_again() -> None:

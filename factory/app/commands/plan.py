@@ -50,7 +50,7 @@ def _plan(args: argparse.Namespace) -> int:
         dataset_profile = profile.read_profile(lake, experiment.name)
         source_rows = service.mix_rows(experiment, lake)
     plans = service.plan_runs(experiment, dataset_profile, source_rows=source_rows,
-                              time_home=host.plan_time_home())
+                              time_cache=host.time_model_cache())
     if args.run:
         plans = [p for p in plans if p.run_key == args.run]
         if not plans:
