@@ -700,7 +700,8 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         tokens_per_step = round(real_batch * samples_per_row * (mean - shared)
                                 + micro_batches * shared)
     step_s = step_seconds(c, arch, tokens_per_step=tokens_per_step,
-                          targets_per_step=targets_per_step, span=span,
+                          targets_per_step=targets_per_step,
+                          samples_per_step=real_batch * samples_per_row, span=span,
                           recompute=plan["gradient_checkpointing"], num_devices=devices,
                           precision=plan["precision"], share_prefix=plan["share_prefix"])
     budget_train_s = c.train_fixed_s + total * step_s

@@ -99,7 +99,11 @@ class TimeConstants:
     """Where and how they were measured, or how the defaults were derived."""
     shared_prefix_rate: float = 0.5
     """The share of ``train_tflops`` a step reaches on ``share_prefix`` rows (one row per
-    micro-batch: smaller matmuls, and a masked attention call per sample's rest)."""
+    micro-batch: smaller matmuls); the defaults' conservative guess, 1.0 where measured."""
+    shared_prefix_sample_s: float = 0.0
+    """Seconds a ``share_prefix`` step spends per sample beyond its FLOPs (an attention call per
+    sample's rest in every layer, forward and backward): a cost of calls, not of arithmetic, so
+    a calibration of this host's rates keeps it."""
     calibrated: bool = False
     """Whether the rates were measured on the host that plans (``factory.planner.host``)."""
     train_precision: str = "bf16-autocast"
@@ -132,8 +136,10 @@ MEASURED: dict[tuple[str, str], TimeConstants] = {
         # 50.4 s of eval and 9.1 s of training as the model gives them alone: (88.9 - 9.1) / 50.4.
         overlap_factor=1.58, measured=True,
         # bench/shared_prefix.py (the triage plan, 366 tokens a step): 1.539 s per step where
-        # train_tflops gives 1.06 s.
-        shared_prefix_rate=0.69,
+        # train_tflops gives 1.062 s: 0.477 s more for its 8 samples. (On an AVX2 host in fp32,
+        # 2026-12-06, the same plan's steps cost the calibrated FLOP rate's time plus 0.08 s, not
+        # the 1.45x a rate factor would give: the excess is per call.)
+        shared_prefix_rate=1.0, shared_prefix_sample_s=0.0596,
         provenance="measured on dev-cpu (2 cores): the steps, evals and run launches of the "
                    "`make demo` and agent-task runs in BENCHMARKS.md (idle machine), the "
                    "generation rates with the CPU server's engine on one thread"),
@@ -257,16 +263,19 @@ def forward_flops(arch: Architecture, *, tokens: float, targets: float, span: in
 
 def step_seconds(c: TimeConstants, arch: Architecture, *, tokens_per_step: float,
                  targets_per_step: float, span: int, recompute: bool, num_devices: int,
-                 precision: str, share_prefix: bool = False) -> float:
+                 precision: str, share_prefix: bool = False,
+                 samples_per_step: float = 0.0) -> float:
     """Seconds of one optimizer step (``tokens_per_step``: the tokens its rows compute,
-    ``targets_per_step`` of them trained)."""
+    ``targets_per_step`` of them trained, ``samples_per_step`` samples)."""
     slower = precision == "fp32" and c.measured and c.train_precision != "fp32"
     rate = c.train_tflops * (CPU_FP32_SLOWDOWN if slower else 1.0)
+    calls = 0.0
     if share_prefix:
         rate *= c.shared_prefix_rate
+        calls = samples_per_step * c.shared_prefix_sample_s
     flops = training_flops(arch, tokens=tokens_per_step, targets=targets_per_step, span=span,
                            recompute=recompute)
-    return flops / (rate * 1e12 * num_devices)
+    return (flops / (rate * 1e12) + calls) / num_devices
 
 
 def generation_seconds(c: TimeConstants, arch: Architecture, *, num_samples: int, batch: int,

@@ -104,7 +104,7 @@ def test_calibrated_rates_are_this_hosts_and_the_rest_uncalibrated(tmp_path: Pat
     assert got.calibrated and got.measured and got.source == "calibrated"
     assert all(getattr(got, r) > 0 for r in ("train_tflops", "forward_tflops", "prefill_tflops"))
     for fixed in ("train_fixed_s", "eval_fixed_s", "judge_s", "overlap_factor",
-                  "shared_prefix_rate"):
+                  "shared_prefix_rate", "shared_prefix_sample_s"):
         assert getattr(got, fixed) == getattr(ref, fixed), fixed
     # Decode scales with the prefill rate measured (both fp32 on one thread).
     assert got.decode_step_s / ref.decode_step_s == pytest.approx(
