@@ -381,6 +381,8 @@ def constants_from(calibration: Calibration, key: HostKey, base: TimeConstants
     the decode steps scale with the prefill rate (see the module docstring)."""
     slower = base.prefill_tflops / calibration.prefill_tflops
     source = base.provenance.split(":", 1)[0] if base.measured else "defaults"
+    contended = (f" < {MIN_CPU_SHARE}: another process held the cores, so it is not cached"
+                 if calibration.contended else "")
     return replace(
         base, train_tflops=calibration.train_tflops, forward_tflops=calibration.forward_tflops,
         prefill_tflops=calibration.prefill_tflops, decode_step_s=base.decode_step_s * slower,
@@ -388,7 +390,8 @@ def constants_from(calibration: Calibration, key: HostKey, base: TimeConstants
         train_precision=calibration.precision,
         provenance=(f"calibrated on this host ({key.label}) at {calibration.measured_at} "
                     f"by a {calibration.method} step in {calibration.precision} "
-                    f"({calibration.seconds:.0f} s, load {calibration.load:.1f}): train "
+                    f"({calibration.seconds:.0f} s, load {calibration.load:.1f}, CPU share "
+                    f"{calibration.cpu_share:.2f}{contended}): train "
                     f"{calibration.train_tflops:.3g}, forward {calibration.forward_tflops:.3g}, "
                     f"prefill {calibration.prefill_tflops:.3g} TFLOP/s; fixed costs, judge and "
                     f"overlap as {source}"))

@@ -73,6 +73,8 @@ def test_a_calibration_that_did_not_get_its_cores_serves_its_plan_uncached(
     first = host_constants(tiny_recipe(), HARDWARE["CPU"], cache=tmp_path, key=HOST_A)
     assert first.fresh and first.constants.calibrated and first.cache is not None
     assert not first.cache.exists()
+    assert "< 2.0: another process held the cores, so it is not cached" \
+        in first.constants.provenance
     assert host_constants(tiny_recipe(), HARDWARE["CPU"], cache=tmp_path, key=HOST_A).fresh
     monkeypatch.setattr(host, "MIN_CPU_SHARE", 0.0)
     assert host_constants(tiny_recipe(), HARDWARE["CPU"], cache=tmp_path, key=HOST_A).cache \
