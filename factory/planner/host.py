@@ -360,8 +360,8 @@ def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int, met
         + meter.best(lambda: products(True, last), repeats)
     fwd_s = arch.num_layers * meter.best(lambda: products(False, body), repeats) \
         + meter.best(lambda: products(False, last), repeats)
-    weights = [w.float() for w in weights]
-    head = head.float()
+    body32 = [(x, w.float()) for x, w in body]
+    head32 = [(inputs[h], head.float())]
 
     def fp32(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
@@ -369,9 +369,8 @@ def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int, met
                 torch.nn.functional.linear(x, w)
 
     # The server's prefill: every prompt token through the layers and the head (2N a token).
-    prefill_s = arch.num_layers * _one_thread(
-        lambda: fp32([(inputs[w.shape[1]], w) for w in weights]), max(1, repeats - 1)) \
-        + _one_thread(lambda: fp32([(inputs[h], head)]), max(1, repeats - 1))
+    prefill_s = arch.num_layers * _one_thread(lambda: fp32(body32), max(1, repeats - 1)) \
+        + _one_thread(lambda: fp32(head32), max(1, repeats - 1))
     return train_s, fwd_s, prefill_s
 
 

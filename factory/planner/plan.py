@@ -690,11 +690,11 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
     span = min(profile.length_p50, seq_len) if packing else row
     tokens_per_step = real_batch * row
     # Samples a step trains: a packed row holds ~95% of its tokens' worth of mean samples.
-    samples_per_row = seq_len * 0.95 / profile.length_mean if packing else 1.0
+    mean = profile.length_mean
+    samples_per_row = seq_len * 0.95 / mean if packing else 1.0
     targets_per_step = real_batch * samples_per_row * profile.completion_tokens_p50
     if plan["share_prefix"]:
         # A micro-batch is one unpadded row: its shared prefix once, then every sample's rest.
-        mean = profile.length_mean
         shared = min(profile.shared_prefix_tokens, int(mean))
         micro_batches = real_batch // plan["micro_batch_size"]
         tokens_per_step = round(real_batch * samples_per_row * (mean - shared)
