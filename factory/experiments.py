@@ -358,9 +358,12 @@ def value_schema(tp: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
         schema = {"type": "array", "items": {"type": "string", "minLength": 1},
                   "minItems": least,
                   "x-allowed": "a non-empty list of strings" if least else "a list of strings"}
+    elif typing.get_origin(tp) is list and typing.get_args(tp) == (int,):
+        schema = {"type": "array", "items": {"type": "integer", "minimum": 0},
+                  "uniqueItems": True, "x-allowed": "a list of distinct integers >= 0"}
     else:
         raise TypeError(f"a plan value of type {tp!r} has no schema; give the field a bool, "
-                        "int, float, str or list[str] type")
+                        "int, float, str, list[str] or list[int] type")
     if meta.get("hint"):
         schema["x-allowed"] += f" ({meta['hint']})"
     return schema

@@ -98,6 +98,12 @@ class TrainConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"],
                                            metadata={"min_len": 1, "hint": "module names"})
     """Module names to adapt (``q_proj``...), or ``["all-linear"]``."""
+    trainable_token_ids: list[int] = field(default_factory=list,
+                                           metadata={"hint": "token ids"})
+    """Token ids whose input-embedding rows train beside the adapter (PEFT's trainable tokens;
+    a tied output head follows them): a base model's chat-turn tokens, which pretraining never
+    used, so the head cannot tell ``<end_of_turn>`` from the unused tokens it was copied like.
+    Saved in the adapter as PEFT names them; empty: the embedding stays frozen."""
     precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     """``fp32``; ``bf16-autocast`` (bf16 compute, fp32 weights except frozen linear ones, kept
     in bf16 as autocast would cast them: same results); ``bf16`` (bf16 frozen base weights,
@@ -164,6 +170,15 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be a list of non-empty strings, got {value!r}")
         if not self.lora_target_modules:
             raise ValueError("lora_target_modules: must name at least one module")
+        ids = self.trainable_token_ids
+        if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
+                or len(set(ids)) != len(ids):
+            raise ValueError("trainable_token_ids: must be a list of distinct token ids >= 0, "
+                             f"got {ids!r}")
+        if ids and self.parallelism != "single":
+            raise ValueError("trainable_token_ids: trained on one device only (parallelism "
+                             f"'single'), got {self.parallelism!r}")
         if self.parallelism == "single" and self.num_devices != 1:
             raise ValueError(f"num_devices: parallelism 'single' needs 1, got {self.num_devices}")
         if self.parallelism == "fsdp2" and self.num_devices < 2:

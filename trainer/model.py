@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from .chat import IGNORE_INDEX
 from .config import PLAIN_ATTENTION_MODELS, TrainConfig
 from .progress import quiet_progress_bars
+from .token_rows import fast_token_rows, head_rows
 
 LOSS_CHUNK_TOKENS = 1024
 PACKED_ATTENTION = "factory_packed_sdpa"
@@ -91,15 +92,26 @@ def load_model(plan: TrainConfig, device: torch.device) -> Any:
     exclude = None
     if plan.frozen_modules:
         exclude = "^(" + "|".join(re.escape(p) for p in plan.frozen_modules) + r")(\..*)?$"
+    if plan.trainable_token_ids:
+        embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
+        bad = [i for i in plan.trainable_token_ids if i >= embedding.num_embeddings]
+        if bad:
+            raise ValueError(f"plan.trainable_token_ids: {bad} are not in the model's embedding "
+                             f"({embedding.num_embeddings} rows)")
+        if head is None or head.weight is not embedding.weight:
+            raise ValueError("plan.trainable_token_ids: needs a model whose output head is tied "
+                             "to its input embedding (the trained rows serve both)")
     config = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha,  # type: ignore[arg-type]  # peft accepts floats
                         lora_dropout=plan.lora_dropout, target_modules=targets,
-                        exclude_modules=exclude, bias="none", task_type="CAUSAL_LM")
+                        exclude_modules=exclude, bias="none", task_type="CAUSAL_LM",
+                        trainable_token_indices=list(plan.trainable_token_ids) or None)
     # Adapter init draws from the global generator: seeded by the caller for reproducibility.
     with warnings.catch_warnings():
         # peft 0.21 probes transformers' deprecated `is_gradient_checkpointing`.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)
         model = get_peft_model(base, config)
+    fast_token_rows(model)
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert not any(f".{f}." in f".{name}." for f in plan.frozen_modules), name
@@ -292,11 +304,14 @@ class _FusedLinearCE(torch.autograd.Function):
     The gradient with respect to ``hidden`` is computed chunk by chunk in forward, so neither
     the logits nor their gradient ever exist for more than one chunk, and backward is a scale.
     Only for a frozen head (the usual LoRA case); a trainable head uses checkpointed chunks.
+    ``idx`` and ``rows``: trained rows that replace those of ``weight`` (a tied head's trainable
+    tokens, ``token_rows.head_rows``); their gradient is computed in forward too.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor) -> torch.Tensor:
+                targets: torch.Tensor, idx: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden)
         device = hidden.device.type
@@ -304,21 +319,36 @@ class _FusedLinearCE(torch.autograd.Function):
             # The cast autocast would make for each of the two matmuls of every chunk, once:
             # the same values, one vocab x hidden copy per step instead of two per chunk.
             weight = weight.to(torch.get_autocast_dtype(device))
+        grad_rows = None
+        if idx is not None and rows is not None:
+            trained = rows.detach().to(weight.dtype)
+            change = trained - weight[idx]
+            grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         for i in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
             h, t = hidden[i:i + LOSS_CHUNK_TOKENS], targets[i:i + LOSS_CHUNK_TOKENS]
             logits = F.linear(h, weight, bias).float()
+            if grad_rows is not None:
+                logits[:, idx] = F.linear(h.to(weight.dtype), trained).float()
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
             probs = torch.exp(logits.sub_(lse[:, None]))
             probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
-            grad[i:i + LOSS_CHUNK_TOKENS] = (probs.to(weight.dtype) @ weight).to(grad.dtype)
-        ctx.save_for_backward(grad)
+            g = probs.to(weight.dtype) @ weight
+            if grad_rows is not None:
+                p = probs[:, idx].to(weight.dtype)
+                g = g + p @ change
+                grad_rows += (p.T @ h.to(weight.dtype)).float()
+            grad[i:i + LOSS_CHUNK_TOKENS] = g.to(grad.dtype)
+        ctx.save_for_backward(grad, grad_rows)
+        ctx.rows_dtype = rows.dtype if rows is not None else None
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None
+        grad, grad_rows = ctx.saved_tensors
+        scale = grad_out.to(grad.dtype)
+        rows_grad = None if grad_rows is None else (grad_rows * grad_out).to(ctx.rows_dtype)
+        return grad * scale, None, None, None, None, rows_grad
 
 
 class CausalLMLoss(nn.Module):
@@ -398,11 +428,13 @@ class CausalLMLoss(nn.Module):
         targets = labels[:, 1:]
         keep = targets != IGNORE_INDEX
         h, targets = h[keep], targets[keep]
-        weight = getattr(self.head, "weight", None)
-        if torch.is_grad_enabled() and isinstance(self.head, nn.Linear) and weight is not None \
-                and not weight.requires_grad \
-                and (self.head.bias is None or not self.head.bias.requires_grad):
-            return _FusedLinearCE.apply(h, weight, self.head.bias, targets)
+        trained = head_rows(self.head) if torch.is_grad_enabled() else None
+        if trained is not None:
+            return _FusedLinearCE.apply(h, trained[0], None, targets, trained[1], trained[2])
+        head = self.head if isinstance(self.head, nn.Linear) else None
+        if torch.is_grad_enabled() and head is not None and not head.weight.requires_grad \
+                and (head.bias is None or not head.bias.requires_grad):
+            return _FusedLinearCE.apply(h, head.weight, head.bias, targets)
         total = h.new_zeros((), dtype=torch.float32)
         for i in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
             hc, tc = h[i:i + LOSS_CHUNK_TOKENS], targets[i:i + LOSS_CHUNK_TOKENS]

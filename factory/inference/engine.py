@@ -57,6 +57,7 @@ from factory.trainer.chat import chat_format, chat_template
 from factory.trainer.cores import CoreShare
 from factory.trainer.model import auto_model_class
 from factory.trainer.progress import quiet_progress_bars
+from factory.trainer.token_rows import fast_token_rows
 from factory.trainer.vision import ImageInput, Vision, blob_reader, has_vision, stack
 
 TokenCallback = Callable[[int, str], None]
@@ -447,6 +448,7 @@ class Engine:
                                             is_trainable=False)
             except (ValueError, KeyError, RuntimeError, OSError) as e:
                 raise EngineError(f"lora_path: cannot load {path}: {e}") from None
+            fast_token_rows(self.model)  # an adapter with trained token rows: no matrix copies
             self.model.eval()
             self.adapters[name] = str(p)
             self.adapter_tokenizers[name] = tok
