@@ -147,6 +147,7 @@ class Plan:
         cfg["lora_alpha"] = float(cfg["lora_alpha"])
         cfg["lora_target_modules"] = list(cfg["lora_target_modules"])
         cfg["frozen_modules"] = list(cfg["frozen_modules"])
+        cfg["trainable_token_ids"] = list(cfg["trainable_token_ids"])
         return cfg
 
     def eval_serving(self) -> dict[str, Any]:
@@ -369,6 +370,19 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     if bad:
         raise PlanError(f"lora_target_modules {bad} are not modules of {recipe.base_model_id}; "
                         f"choose from {', '.join(arch.linear_modules)}")
+
+    # --- token rows -------------------------------------------------------------------------
+    if arch.untrained_tokens:
+        named = ", ".join(f"{token} ({i})" for token, i in arch.untrained_tokens)
+        dec.set("trainable_token_ids", sorted(i for _, i in arch.untrained_tokens),
+                "tokens.untrained_turn_tokens",
+                f"{recipe.base_model_id} was never instruction-tuned: its turn tokens {named} "
+                "have untrained embedding rows, near-copies of the unused tokens', so LoRA alone "
+                "is slow to learn to end a turn; their rows train beside the adapter (the tied "
+                "head follows)")
+    else:
+        dec.set("trainable_token_ids", [], "tokens.none",
+                "the base model's chat tokens are trained: the embedding stays frozen")
 
     # --- frozen modules ---------------------------------------------------------------------
     if arch.vision_module and profile.share_with_images == 0:

@@ -59,6 +59,10 @@ class Architecture:
     """Parameters of the vision tower."""
     supports_tools: bool = False
     """Whether the chat template renders tool schemas and tool calls."""
+    untrained_tokens: tuple[tuple[str, int], ...] = ()
+    """(token, id) of the chat format's tokens pretraining never trained (a base model that
+    was never instruction-tuned: its turn tokens' rows are untrained near-copies of the unused
+    tokens'); the planner trains their rows (``trainable_token_ids``)."""
 
     def module_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of the decoder-layer linear module ``name``."""
@@ -150,6 +154,13 @@ def load_recipe(name: str) -> Recipe:
     base = _need(raw, "base_model", path, dict)
     arch_raw = dict(_need(raw, "architecture", path, dict))
     arch_raw["linear_modules"] = tuple(arch_raw.get("linear_modules") or ())
+    untrained = arch_raw.get("untrained_tokens") or {}
+    if not isinstance(untrained, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in untrained.items()):
+        raise RecipeError(f"{path}: architecture.untrained_tokens must map tokens to their ids "
+                          f"({untrained!r})")
+    arch_raw["untrained_tokens"] = tuple(untrained.items())
     try:
         arch = Architecture(**arch_raw)
     except TypeError as exc:
