@@ -23,15 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a script, this file's folder is first on sys.path and its kernels.py would shadow the
+# ``kernels`` package transformers imports: put the checkout root there instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
-from _train import train  # noqa: E402
+from bench._train import train  # noqa: E402
 
 
 def _value(text: str) -> Any:
@@ -90,6 +95,7 @@ def main() -> None:
 
     from factory.app.demo import same_answer
     from factory.tasks import generate_records
+    from factory.trainer.checkpoint import latest_checkpoint
 
     job = json.loads(args.plan_from.read_text())
     plan = dict(job["plan"])
@@ -107,17 +113,22 @@ def main() -> None:
     for seed in args.data_seeds:
         records = generate_records(args.records, seed)
         keep = records[:round(len(records) * (1 - args.eval_fraction))]
-        name = f"dev-s{seed}-" + "-".join(s.replace("=", "") for s in args.set)
+        tag = re.sub(r"[^A-Za-z0-9._-]+", "", "-".join(s.replace("=", "") for s in args.set))
+        name = f"dev-s{seed}-{tag}"[:120]
         data = write_demo_data(args.work / f"{name}.parquet", keep)
         started = time.monotonic()
-        ckpt, events = train(name, args.work, {"data_files": [str(data)]},
-                             {**plan, "seed": seed}, None)
-        train_s = time.monotonic() - started
+        done = latest_checkpoint(str(args.work / name))
+        if done is not None and done.step == plan["num_steps"]:
+            ckpt, train_s = Path(done.path), None  # trained by an earlier call: its answers only
+        else:
+            ckpt, _ = train(name, args.work, {"data_files": [str(data)]},
+                            {**plan, "seed": seed}, None)
+            train_s = round(time.monotonic() - started, 1)
         answers = answer_all(plan["base_model"], ckpt, dev)
         right = [same_answer(a, r) for (a, _), r in zip(answers, dev, strict=True)]
         rights.append(sum(right))
         stopped = sum(f == "stop" for _, f in answers)
-        print(json.dumps({"data_seed": seed, "train_s": round(train_s, 1),
+        print(json.dumps({"data_seed": seed, "train_s": train_s,
                           "right": sum(right), "of": len(dev), "ended_turn": stopped}),
               flush=True)
         for (a, f), r, ok in zip(answers, dev, right, strict=True):

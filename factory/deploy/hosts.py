@@ -37,7 +37,7 @@ from factory.errors import FactoryError
 from factory.inference import InferenceServer, ServeSizing
 from factory.inference.client import InferenceClient, InferenceClientError
 from factory.inference.launcher import PortInUseError, bind_failed, on_free_port
-from factory.inference.vllm import VLLM_ENV, install_problem
+from factory.inference.vllm import VLLM_ENV, adapter_problem, install_problem
 from factory.process import (
     LISTEN,
     ProcessError,
@@ -233,6 +233,9 @@ class ProcessHost(ServerHost):
         self.shares_engines = share
 
     def start(self, spec: ServerSpec) -> Placement:
+        unservable = adapter_problem(spec.checkpoint) if spec.backend == "vllm" else None
+        if unservable:
+            raise HostError(f"cannot serve {spec.name} {spec.version} on vllm: {unservable}")
         if spec.join is not None:
             return self._load_into(spec, spec.join)
         stamp = spec.started_at.strftime("%Y%m%dT%H%M%S")

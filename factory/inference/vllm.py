@@ -28,6 +28,7 @@ renders every adapter with that file: an adapter's own tokenizer and template ar
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -192,6 +193,23 @@ def lora_rank_bucket(rank: int) -> int:
     raise ValueError(f"lora rank {rank} is above vLLM's largest (512)")
 
 
+def adapter_problem(path: str | Path) -> str | None:
+    """Why vLLM cannot serve the adapter in folder ``path``, or None: an adapter with trained
+    token rows (``trainable_token_ids``: PEFT's ``trainable_token_indices``), whose rows
+    vLLM's LoRA loading does not read, would be served without them. A folder without an
+    ``adapter_config.json`` (a remote path) is vLLM's to judge."""
+    config = Path(path) / "adapter_config.json"
+    try:
+        indices = json.loads(config.read_text()).get("trainable_token_indices")
+    except (OSError, ValueError):
+        return None
+    if indices:
+        return (f"the adapter at {path} trains embedding rows of tokens {indices} "
+                "(trainable_token_ids), which vLLM's LoRA support does not load; serve it with "
+                "the transformers backend")
+    return None
+
+
 def vllm_serve_command(sizing: ServeSizing, model: str, adapters: Mapping[str, str] | None = None,
                        *, chat_template: str, served_model_name: str | None = None,
                        host: str = "127.0.0.1", port: int = 8000,
@@ -230,6 +248,9 @@ def vllm_serve_command(sizing: ServeSizing, model: str, adapters: Mapping[str, s
     cmd += ["--enable-lora",
             "--max-lora-rank", str(sizing.max_lora_rank),
             "--max-loras", str(sizing.max_loras)]
+    problems = [p for p in (adapter_problem(path) for path in (adapters or {}).values()) if p]
+    if problems:
+        raise ValueError(problems[0])
     if adapters:
         cmd.append("--lora-modules")
         cmd += [f"{name}={path}" for name, path in adapters.items()]

@@ -78,3 +78,34 @@ def test_rank_bucket_and_cpu_argv() -> None:
     cmd = cpu_serve_command("m", {"a": "/p"}, served_model_name="base", port=9)
     assert cmd[1:4] == ["-m", "factory.inference", "m"]
     assert cmd[-2:] == ["--lora-modules", "a=/p"]
+
+
+def test_an_adapter_with_trained_token_rows_is_refused_for_vllm(tmp_path: Path) -> None:
+    """vLLM's LoRA loading reads no trained embedding rows: an adapter that has them (the
+    Gemma base's turn tokens) is refused by name, with the backend that serves it, instead of
+    being served without them; the hosts refuse it before starting or joining an engine."""
+    import json
+
+    from datetime import UTC, datetime
+
+    from factory.deploy.hosts import HostError, ProcessHost, ServerSpec
+    from factory.inference.vllm import adapter_problem
+
+    rows, plain = tmp_path / "rows", tmp_path / "plain"
+    for folder, config in ((rows, {"r": 16, "trainable_token_indices": [105, 106]}),
+                           (plain, {"r": 16})):
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert adapter_problem(plain) is None
+    assert adapter_problem(tmp_path / "elsewhere") is None
+    problem = adapter_problem(rows)
+    assert problem is not None and "[105, 106]" in problem and "transformers backend" in problem
+    vllm_serve_command(ServeSizing(), "m", {"a": str(plain)}, chat_template="/t.jinja")
+    with pytest.raises(ValueError, match="transformers backend"):
+        vllm_serve_command(ServeSizing(), "m", {"a": str(rows)}, chat_template="/t.jinja")
+    spec = ServerSpec(name="demo", version="v1", adapter="demo-v1", checkpoint=str(rows),
+                      base_model="m", backend="vllm", sizing=ServeSizing(),
+                      started_at=datetime.now(UTC))
+    with pytest.raises(HostError, match="transformers backend"):
+        ProcessHost(log_root=tmp_path / "logs").start(spec)
+    assert not (tmp_path / "logs").exists()  # refused before any server started
