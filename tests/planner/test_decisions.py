@@ -315,3 +315,20 @@ def test_a_recall_only_eval_split_is_named_at_plan_time_with_its_numbers() -> No
     held = make_plan(experiment(), profile(eval_split="phrasing",
                                            eval_split_reason="held out by phrasing: ..."))
     assert not any("recall only" in n for n in held.notes)
+
+
+def test_a_base_model_s_untrained_turn_tokens_train_their_rows() -> None:
+    """Gemma 3 270M was never instruction-tuned: its recipe names the turn tokens pretraining
+    never trained, and the plan trains their rows (the trainer gets their ids); an
+    instruction-tuned base keeps its embedding frozen; an experiment may turn it off."""
+    gemma = make_plan(experiment("gemma3-270m-lora"), profile(num_samples=400))
+    assert gemma["trainable_token_ids"] == [105, 106]
+    assert gemma.decisions["trainable_token_ids"].rule == "tokens.untrained_turn_tokens"
+    assert "<end_of_turn> (106)" in gemma.decisions["trainable_token_ids"].reason
+    assert TrainConfig(**gemma.train_config()).trainable_token_ids == [105, 106]
+    smol = make_plan(experiment(), profile(num_samples=400))
+    assert smol["trainable_token_ids"] == []
+    assert smol.decisions["trainable_token_ids"].rule == "tokens.none"
+    off = make_plan(experiment("gemma3-270m-lora", overrides={"trainable_token_ids": []}),
+                    profile(num_samples=400))
+    assert off.train_config()["trainable_token_ids"] == []
