@@ -114,7 +114,11 @@ def experiment_card(experiment: Experiment, recipe: Recipe, plans: Sequence[Plan
         "## What it trains", "",
         f"- Base model: `{recipe.base_model_id}` ({arch.num_parameters / 1e9:.2f} B parameters, "
         f"{arch.num_layers} layers, context {arch.max_context})",
-        f"- LoRA on {', '.join(recipe.lora_target_modules)} (recipe rank {recipe.lora_rank})",
+        f"- LoRA on {', '.join(recipe.lora_target_modules)} (recipe rank {recipe.lora_rank})"
+        + ("; the embedding rows of "
+           + ", ".join(f"`{token}`" for token, _ in arch.untrained_tokens)
+           + " train with it (a base model's untrained turn tokens)"
+           if arch.untrained_tokens else ""),
         f"- Judge: `{experiment.eval.judge if experiment.eval.judge != 'embedded' else recipe.judge_model}`"
         f", rubric `{json.dumps(experiment.eval.rubric) if isinstance(experiment.eval.rubric, dict) else experiment.eval.rubric}`",
         "", "## On which data", "",
