@@ -85,7 +85,6 @@ def test_an_adapter_with_trained_token_rows_is_refused_for_vllm(tmp_path: Path) 
     Gemma base's turn tokens) is refused by name, with the backend that serves it, instead of
     being served without them; the hosts refuse it before starting or joining an engine."""
     import json
-
     from datetime import UTC, datetime
 
     from factory.deploy.hosts import HostError, ProcessHost, ServerSpec

@@ -131,7 +131,8 @@ def test_the_saved_adapter_loads_in_peft_and_serves_in_the_engine(make_job: Any,
                                                                    tiny_model_dir: Path) -> None:
     """The trainer's checkpoints with trained rows: PEFT loads them with those rows, the CPU
     engine serves two of them side by side and answers each as PEFT's own generation with it
-    does, and a run resumed from its middle checkpoint ends with the same rows."""
+    does (and the base model as the base does), and a run resumed from its middle checkpoint
+    ends with the same rows."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -164,7 +165,6 @@ def test_the_saved_adapter_loads_in_peft_and_serves_in_the_engine(make_job: Any,
     engine.load_adapter("a", paths[0])
     engine.load_adapter("b", paths[1])
     prompt = engine.encode("a", engine.render("a", [{"role": "user", "content": "reverse: a b c"}]))
-    answers = []
     for name, path in zip(("a", "b"), paths, strict=True):
         got = engine.generate([GenerationRequest(model=name, prompt_ids=prompt,
                                                  max_tokens=8)])[0].token_ids
@@ -177,7 +177,14 @@ def test_the_saved_adapter_loads_in_peft_and_serves_in_the_engine(make_job: Any,
                                  eos_token_id=sorted(engine.stop_token_ids(name)),
                                  pad_token_id=0)[0, len(prompt):].tolist()
         assert got == want[:len(got)] and len(got) == len(want), (name, got, want)
-        answers.append(got)
+    base_got = engine.generate([GenerationRequest(model=engine.served_model_name,
+                                                  prompt_ids=prompt, max_tokens=8)])[0].token_ids
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = plain.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                              eos_token_id=sorted(engine.stop_token_ids("a")),
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    assert base_got == want  # the base model, served beside them, without their rows
 
     resumed = make_job("rows-resumed", plan={**plan, "seed": 7},
                        resume_from=str(Path(paths[0]).parent / "step-00000002"))
