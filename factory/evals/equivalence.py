@@ -77,7 +77,11 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
 
     # torch (~2 s) loads here: factory.evals's __init__ imports this module, the CLI factory.evals
     from factory.trainer import vision as trainer_vision
-    from factory.trainer.model import CausalLMLoss, auto_model_class  # torch, as above
+    from factory.trainer.model import (  # torch, as above
+        CausalLMLoss,
+        auto_model_class,
+        fast_token_rows,
+    )
 
     if base_model is None:
         cfg = json.loads((Path(checkpoint_dir) / "adapter_config.json").read_text())
@@ -89,6 +93,7 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)
         model = PeftModel.from_pretrained(base, checkpoint_dir, is_trainable=False)
+    fast_token_rows(model)  # trained token rows (a base model's turn tokens): no matrix copies
     model.eval()
     loss = CausalLMLoss(model)
     vision = None
