@@ -102,7 +102,7 @@ class TrainConfig:
                                            metadata={"hint": "token ids"})
     """Token ids whose input-embedding rows train beside the adapter (PEFT's trainable tokens;
     a tied output head follows them): a base model's chat-turn tokens, which pretraining never
-    used, so the head cannot tell ``<end_of_turn>`` from the unused tokens it was copied like.
+    used, so the head barely tells ``<end_of_turn>`` from the unused tokens it was copied like.
     Saved in the adapter as PEFT names them; empty: the embedding stays frozen."""
     precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     """``fp32``; ``bf16-autocast`` (bf16 compute, fp32 weights except frozen linear ones, kept

@@ -2,10 +2,11 @@
 
 A base model that was never instruction-tuned has never seen its chat format's turn tokens:
 their embedding rows are untrained near-copies of the unused tokens' (Gemma 3 270M:
-``<end_of_turn>`` has cosine 0.995 with them), and with a tied output head the model cannot
-learn to predict the end of its turn by LoRA alone, since every direction that raises
-``<end_of_turn>``'s logit raises those of the tokens it was copied like. Training those rows
-(``TrainConfig.trainable_token_ids``) gives the token an embedding of its own.
+``<end_of_turn>`` has cosine 0.995 with them), and with a tied output head LoRA alone is slow
+to learn to end a turn, since a direction that raises ``<end_of_turn>``'s logit raises those of
+the tokens it was copied like. Training those rows (``TrainConfig.trainable_token_ids``) gives
+the token an embedding of its own: on the Gemma demo's dev requests every answer ends its turn
+at step 8 with them and none without (by step 24 both do; BENCHMARKS.md "Model families").
 
 PEFT's ``TrainableTokensLayer`` does that by writing the trained rows into a copy of the whole
 embedding matrix on every call (``index_copy``), for the input embedding and again for a tied
