@@ -43,6 +43,7 @@ from factory.trainer.base_models import (
     build_tiny_llama,
 )
 from factory.trainer.chat import IGNORE_INDEX, encode, install_chat_template
+from factory.trainer.pids import owner_token
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -303,11 +304,15 @@ def plan_for(config: MeasureConfig, recipe: Recipe, profile: DatasetProfile, *,
 
 
 def write_job(plan: Plan, data_file: Path, out_dir: Path) -> Path:
-    """The trainer job of ``plan`` (as ``factory.control.jobs.job_from_plan`` builds it)."""
+    """The trainer job of ``plan`` (as ``factory.control.jobs.job_from_plan`` builds it), owned
+    by this process (``TrainerJob.owner``)."""
     cfg = plan.train_config()
     cfg["eval_every_steps"] = None  # no held-out rows here (as jobs.py without an eval split)
+    # Owned by this process: a trainer whose caller is killed (a test run stopped from outside)
+    # ends after its step instead of running on alone.
     job = {"run_id": "memory-check", "plan": cfg, "data_files": [str(data_file)],
-           "output_dir": str(out_dir / "out"), "tracker": {"backend": "none"}}
+           "output_dir": str(out_dir / "out"), "tracker": {"backend": "none"},
+           "owner": owner_token()}
     path = out_dir / "job.json"
     path.write_text(json.dumps(job, indent=1))
     return path

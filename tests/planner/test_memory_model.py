@@ -61,3 +61,23 @@ def test_estimate_within_25_percent_on_gemma3_270m(gemma3_dir: Path, factory_hom
     assert est is not None
     full_logits = est.total - est.logits + 2 * 512 * 262144 * 16
     assert abs(full_logits - m.measured) / m.measured > 0.25
+
+
+def test_a_measuring_trainer_is_owned_by_the_process_that_starts_it(tmp_path: Path) -> None:
+    """The measuring runs' trainer job names this process as its owner, so a trainer whose
+    caller is killed (a test run stopped from outside) stops after its step instead of running
+    on as an orphan."""
+    import json
+
+    from factory.planner.calibration import write_job
+    from factory.planner.plan import make_plan
+    from factory.trainer.config import TrainerJob
+    from factory.trainer.pids import owner_alive, owner_token
+    from tests.planner.conftest import experiment, profile
+
+    data = tmp_path / "d.parquet"
+    data.write_bytes(b"")  # the job checks the file is there, nothing reads it here
+    path = write_job(make_plan(experiment(), profile(num_samples=64)), data, tmp_path)
+    owner = json.loads(path.read_text())["owner"]
+    assert owner == owner_token() and owner_alive(owner) is True
+    assert TrainerJob.from_json(path).owner == owner
