@@ -65,16 +65,13 @@ def _forward_adapters(self: Any, x: torch.Tensor, active_adapters: Any, *args: A
     return out
 
 
-def fast_token_rows(model: nn.Module) -> int:
-    """Give every PEFT trainable-tokens layer of ``model`` the copy-free forward; how many
-    (0 for a model without trainable tokens)."""
-    n = 0
+def fast_token_rows(model: nn.Module) -> None:
+    """Give every PEFT trainable-tokens layer of ``model`` the copy-free forward (a model
+    without trainable tokens is left as it is)."""
     for module in model.modules():
-        if type(module).__name__ == "TrainableTokensLayer":
-            if "forward_adapters" not in vars(module):
-                vars(module)["forward_adapters"] = MethodType(_forward_adapters, module)
-            n += 1
-    return n
+        if type(module).__name__ == "TrainableTokensLayer" \
+                and "forward_adapters" not in vars(module):
+            vars(module)["forward_adapters"] = MethodType(_forward_adapters, module)
 
 
 def head_rows(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
