@@ -193,3 +193,18 @@ def test_the_saved_adapter_loads_in_peft_and_serves_in_the_engine(make_job: Any,
     assert info is not None
     torch.testing.assert_close(load_file(Path(info.path) / "adapter_model.safetensors")[key],
                                saved)
+
+
+def test_the_gemma_recipe_names_its_tokens_by_their_ids(tiny_gemma3_dir: Path) -> None:
+    """The recipe gives the untrained tokens' ids without loading a tokenizer; they must be
+    those tokens' ids in Gemma 3's tokenizer (the tiny Gemma carries the real one), and the
+    tokens must be the chat format's turn tokens."""
+    from tokenizers import Tokenizer
+
+    from factory.recipes import load_recipe
+    from factory.trainer.chat import GEMMA
+
+    untrained = dict(load_recipe("gemma3-270m-lora").architecture.untrained_tokens)
+    assert set(untrained) == {GEMMA.turn_start, GEMMA.turn_end}
+    tok = Tokenizer.from_file(str(tiny_gemma3_dir / "tokenizer.json"))
+    assert {t: tok.token_to_id(t) for t in untrained} == untrained
