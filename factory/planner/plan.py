@@ -309,19 +309,28 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     # --- dataset size: rows, effective batch, epochs ----------------------------------------
     n = profile.num_samples
     num_rows = (max(1, math.ceil(profile.num_tokens / (seq_len * 0.95))) if packing else n)
-    rows_note = (f"{n} samples pack into ~{num_rows} rows of {seq_len} tokens" if packing
-                 else f"{n} samples, one row each")
-    if num_rows < 100:
-        eb, size = 4, "tiny"
-    elif num_rows < 2_000:
-        eb, size = 8, "small"
-    elif num_rows < 20_000:
-        eb, size = 16, "medium"
+    # The batch is chosen in samples, so packing changes the rows a step holds, never how many
+    # samples (and so how many optimizer steps) an epoch gets: a packed row holds ~n/num_rows.
+    per_row = n / num_rows
+    if n < 100:
+        eb_samples, size = 4, "tiny"
+    elif n < 2_000:
+        eb_samples, size = 8, "small"
+    elif n < 20_000:
+        eb_samples, size = 16, "medium"
     else:
-        eb, size = 32, "large"
-    effective = dec.set("effective_batch_size", eb, f"batch.{size}_dataset",
-                        f"{size} dataset ({rows_note}): {eb} rows per optimizer step keeps "
-                        f"enough steps per epoch to learn and evaluate")
+        eb_samples, size = 32, "large"
+    if packing:
+        eb = 2 ** max(0, round(math.log2(eb_samples / per_row)))
+        why = (f"{size} dataset ({n} samples): ~{eb_samples} samples per optimizer step keeps "
+               f"enough steps per epoch to learn and evaluate; they pack into ~{num_rows} rows "
+               f"of {seq_len} tokens, ~{per_row:.1f} samples a row: {eb} rows per step "
+               f"(~{eb * per_row:.0f} samples)")
+    else:
+        eb = eb_samples
+        why = (f"{size} dataset ({n} samples, one row each): {eb} rows per optimizer step "
+               f"keeps enough steps per epoch to learn and evaluate")
+    effective = dec.set("effective_batch_size", eb, f"batch.{size}_dataset", why)
     if n < 1_000:
         epochs, erule = 3.0, "tiny"
     elif n < 10_000:
@@ -494,6 +503,11 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
             f"that fits {hw.name} memory")
     devices, mb, gc = plan["num_devices"], plan["micro_batch_size"], plan["gradient_checkpointing"]
     plan.memory = peak(mb, gc, devices)
+    if effective < devices:
+        # Long packed rows can make the batch under a row per device: every device trains one.
+        effective = dec.set("effective_batch_size", devices,
+                            plan.decisions["effective_batch_size"].rule,
+                            f"{why}; at least a row for each of the {devices} devices")
 
     accum = math.ceil(effective / (mb * devices))
     dec.set("grad_accum_steps", accum, "batch.accumulate",
@@ -501,12 +515,16 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
     real_batch = mb * devices * plan["grad_accum_steps"]
 
     # --- learning rate, steps, warmup -------------------------------------------------------
-    lr = recipe.learning_rate * math.sqrt(real_batch / recipe.reference_batch_size) \
+    # The recipe's rate is for its reference batch of unpacked samples: scale by samples a step.
+    batch_samples = real_batch * per_row
+    shown = f"{batch_samples:.3g}" if packing else f"{real_batch}"
+    lr = recipe.learning_rate * math.sqrt(batch_samples / recipe.reference_batch_size) \
         * math.sqrt(recipe.reference_rank / rank)
     dec.set("learning_rate", _sig(min(lr, 1e-3)), "lr.scaled",
             f"recipe {recipe.learning_rate:g} at batch {recipe.reference_batch_size}, rank "
-            f"{recipe.reference_rank}; x sqrt({real_batch}/{recipe.reference_batch_size}) for "
-            f"the batch, x sqrt({recipe.reference_rank}/{rank}) for the rank"
+            f"{recipe.reference_rank}; x sqrt({shown}/{recipe.reference_batch_size}) for "
+            f"the batch{' (samples in its packed rows)' if packing else ''}, "
+            f"x sqrt({recipe.reference_rank}/{rank}) for the rank"
             + (" (capped at 1e-3)" if lr > 1e-3 else ""))
     # An epoch is a pass over the primary source; in a mixture it draws 1 / share of it.
     mix = balanced_mix(experiment, source_rows or {}, notes=plan.notes)

@@ -54,11 +54,18 @@ def test_longest_beyond_max_tokens_is_capped() -> None:
     assert p.decisions["max_seq_len"].rule == "seq.cap"
 
 
+# Samples of uniform length (a median of 1,000 of ~1,100 tokens): rows are not packed, one each.
+UNPACKED = dict(prompt_tokens_p50=900, prompt_tokens_p95=950, prompt_tokens_p99=980,
+                prompt_tokens_max=1000, completion_tokens_p50=100, completion_tokens_p95=110,
+                completion_tokens_p99=120, completion_tokens_max=120)
+
+
 def test_tiny_dataset() -> None:
-    p = make_plan(experiment(), profile(num_samples=200))
+    p = make_plan(experiment(), profile(num_samples=60, **UNPACKED))
+    assert p["packing"] is False
     assert p["effective_batch_size"] == 4
     assert p.decisions["effective_batch_size"].rule == "batch.tiny_dataset"
-    assert "200 samples" in p.decisions["effective_batch_size"].reason
+    assert "60 samples" in p.decisions["effective_batch_size"].reason
     assert p["num_epochs"] == 3.0
     assert p.decisions["num_epochs"].rule == "epochs.tiny_dataset"
     # On a CPU no dropout (a third of a step); on a GPU, 0.1 against overfitting.
@@ -71,7 +78,7 @@ def test_tiny_dataset() -> None:
 
 
 def test_large_dataset() -> None:
-    p = make_plan(experiment("qwen3-8b-lora"), profile(num_samples=2_000_000))
+    p = make_plan(experiment("qwen3-8b-lora"), profile(num_samples=2_000_000, **UNPACKED))
     assert p["effective_batch_size"] == 32
     assert p.decisions["effective_batch_size"].rule == "batch.large_dataset"
     assert p["num_epochs"] == 1.0
@@ -83,10 +90,39 @@ def test_large_dataset() -> None:
     assert p.decisions["lora_target_modules"].rule == "lora.mlp_large_dataset"
 
 
+def _steps(p) -> int:  # noqa: ANN001
+    steps = re.search(r"~(\d+) steps", p.decisions["num_steps"].reason)
+    assert steps is not None
+    return int(steps[1])
+
+
+def test_packing_keeps_the_samples_per_step() -> None:
+    # The triage loop's data: 439 samples of median 92 tokens. With the longest at 126 the rows
+    # are 128 tokens, unpacked; at 140 they are 192 tokens, two samples a packed row. Either way
+    # a step trains ~8 samples, so an epoch gets the same optimizer steps at the same rate.
+    triage = dict(num_samples=439, prompt_tokens_p50=88, prompt_tokens_p95=100,
+                  prompt_tokens_p99=110, completion_tokens_p50=4, completion_tokens_p95=6,
+                  completion_tokens_p99=6, completion_tokens_max=6)
+    unpacked = make_plan(experiment(), profile(prompt_tokens_max=120, **triage))
+    packed = make_plan(experiment(), profile(prompt_tokens_max=134, **triage))
+    assert (unpacked["max_seq_len"], unpacked["packing"]) == (128, False)
+    assert (packed["max_seq_len"], packed["packing"]) == (192, True)
+    assert unpacked["effective_batch_size"] == 8 and packed["effective_batch_size"] == 4
+    assert "2.0 samples a row: 4 rows per step (~8 samples)" in \
+        packed.decisions["effective_batch_size"].reason
+    assert _steps(packed) == pytest.approx(_steps(unpacked), rel=0.1)
+    assert packed["learning_rate"] == pytest.approx(unpacked["learning_rate"], rel=0.05)
+    assert "samples in its packed rows" in packed.decisions["learning_rate"].reason
+    # Short samples in long rows: a row holds many, and the batch never drops under one row.
+    many = make_plan(experiment(), profile(num_samples=300))
+    assert many["packing"] is True and many["effective_batch_size"] == 1
+
+
 def test_learning_rate_scales_with_batch_and_rank() -> None:
-    small = make_plan(experiment(), profile(num_samples=200))
+    small = make_plan(experiment(), profile(num_samples=60, **UNPACKED))
     assert small["learning_rate"] == pytest.approx(2e-4 * (4 / 16) ** 0.5)
-    ranked = make_plan(experiment(overrides={"lora_rank": 64}), profile(num_samples=200))
+    ranked = make_plan(experiment(overrides={"lora_rank": 64}),
+                       profile(num_samples=60, **UNPACKED))
     assert ranked["learning_rate"] == pytest.approx(2e-4 * (4 / 16) ** 0.5 * (16 / 64) ** 0.5)
     assert "sqrt(16/64)" in ranked.decisions["learning_rate"].reason
 
@@ -114,9 +150,10 @@ def test_images_freeze_vision_tower_and_text_models_refuse_images() -> None:
 
 def _on(gpu: str, recipe: str = "llama-3.1-8b-lora", **kw: object):  # noqa: ANN202
     # Long (14k-token) samples, 50k of them: memory, not the batch size, limits the micro-batch.
+    # Their median is 12,000 tokens: unpacked rows, 32 a step.
     return make_plan(experiment(recipe, overrides={"gpu": gpu}, data={"max_tokens": 16384}),
-                     profile(num_samples=50_000, prompt_tokens_max=14000,
-                             prompt_tokens_p99=14000, **kw))
+                     profile(num_samples=50_000, prompt_tokens_max=14000, prompt_tokens_p50=12000,
+                             prompt_tokens_p95=13500, prompt_tokens_p99=14000, **kw))
 
 
 @pytest.mark.parametrize(("gpu", "devices", "micro", "util"), [
@@ -153,7 +190,9 @@ def test_each_gpu_type(gpu: str, devices: int, micro: int, util: float) -> None:
 def test_cpu_plan_and_gradient_checkpointing_flip() -> None:
     # With LoRA dropout (an override on a CPU), whose masks are kept for the backward.
     p = make_plan(experiment(overrides={"lora_dropout": 0.1}),
-                  profile(num_samples=200, prompt_tokens_p99=1200, completion_tokens_p99=500))
+                  profile(num_samples=60, prompt_tokens_p50=1000, prompt_tokens_p95=1100,
+                          prompt_tokens_p99=1200, completion_tokens_p50=300,
+                          completion_tokens_p99=500))
     assert p["gpu"] == "CPU" and p["precision"] == "bf16-autocast"
     assert p.decisions["precision"].rule == "precision.cpu_autocast"
     # 1728-token rows: recomputation doubles the micro-batch that fits in 16 GiB.
