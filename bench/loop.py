@@ -225,7 +225,8 @@ def step_pace(events: list[dict[str, Any]], *, warmup: int = PACE_WARMUP,
     """The trainer's pace within its run, from its ``progress`` events (one per optimizer step,
     with its wall time and the process's peak RSS): the mean seconds of the ``window`` steps
     after ``warmup`` against the last ``window`` (a step's seconds: its event's time minus the
-    previous one's, so a checkpoint save or an eval beside it counts in the step after), and
+    previous one's, less the held-out loss pass the step's event reports in ``eval_loss_s``;
+    so a checkpoint save or an eval beside it counts in the step after), and
     the peak RSS at the first window's end against the run's. None when the run has fewer
     than ``warmup + 2 * window`` steps (the windows would overlap)."""
     prog = sorted((e for e in events if e.get("type") == "progress"),
@@ -236,7 +237,7 @@ def step_pace(events: list[dict[str, Any]], *, warmup: int = PACE_WARMUP,
     steps = sorted(by_step)
     if len(steps) < warmup + 2 * window + 1:
         return None
-    secs = {b: by_step[b]["time"] - by_step[a]["time"]
+    secs = {b: by_step[b]["time"] - by_step[a]["time"] - float(by_step[b].get("eval_loss_s", 0.0))
             for a, b in zip(steps[:-1], steps[1:], strict=True) if b == a + 1}
     first = [secs[s] for s in steps[warmup + 1:warmup + 1 + window] if s in secs]
     last = [secs[s] for s in steps[-window:] if s in secs]

@@ -517,7 +517,11 @@ class Trainer:
                 if mfu is not None:
                     metrics["mfu"] = mfu
                 if eval_now:
+                    # Its seconds too: the step's event comes after it, and a pace measured
+                    # from event times leaves the held-out pass out (bench/loop.py step_pace).
+                    began = time.perf_counter()
                     metrics["eval_loss"] = self._eval_loss()
+                    metrics["eval_loss_s"] = time.perf_counter() - began
                 mem = _memory(self.device)
                 if self.cores is not None:
                     metrics["cpu_threads"] = self.cores.threads or 0
@@ -528,7 +532,10 @@ class Trainer:
                                                                 mem.items()}}, step=step)
                 window_t, window_tokens, window_computed = time.perf_counter(), 0.0, 0.0
             elif eval_now:
-                reporter.emit("progress", step=step, eval_loss=self._eval_loss())
+                began = time.perf_counter()
+                loss = self._eval_loss()
+                reporter.emit("progress", step=step, eval_loss=loss,
+                              eval_loss_s=time.perf_counter() - began)
             if saving:
                 self._checkpoint(reporter)
             if job.debug.sleep_per_step_s:

@@ -39,3 +39,16 @@ def test_a_resumed_step_counts_once_and_a_short_run_has_no_pace() -> None:
     pace = loop.step_pace(events + redo)
     assert pace is not None and pace["steps"] == 80
     assert loop.step_pace(_events([1.0] * 60, [1.0] * 60)) is None
+
+
+def test_the_held_out_loss_pass_of_a_step_is_not_its_training_time() -> None:
+    # The last step also computes the held-out loss (15 s, reported in its event): without
+    # leaving it out, the last window's mean would read 1.5 s for steps of 1.0 s.
+    secs = [5.0] * 6 + [1.0] * 93 + [16.0]
+    events = _events(secs, [1.0] * 100)
+    events[-1]["eval_loss_s"] = 15.0
+    pace = loop.step_pace(events)
+    assert pace is not None
+    assert pace["last_s"] == pytest.approx(1.0) and pace["pace_ratio"] == pytest.approx(1.0)
+    del events[-1]["eval_loss_s"]
+    assert loop.step_pace(events)["pace_ratio"] == pytest.approx(1.5)  # type: ignore[index]

@@ -29,3 +29,6 @@ def test_held_out_loss_at_each_eval_step_and_each_saved_checkpoint(make_job,
         assert saved == {3, 6, 7}
         assert set(losses) == {2, 4, 6} | saved, log_every
         assert all(math.isfinite(v) and v > 0 for v in losses.values())
+        # with the seconds the pass took, which a pace from event times leaves out
+        took = [e["eval_loss_s"] for e in events if e["type"] == "progress" and "eval_loss" in e]
+        assert len(took) == len(losses) and all(0 < s < 60 for s in took)
