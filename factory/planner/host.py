@@ -51,6 +51,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -439,6 +440,11 @@ def host_constants(recipe: Recipe, hw: Hardware, *, cache: Path,
     found: dict[str, Any] | None = (cached.get("entries") or {}).get(entry)
     fresh = found is None
     if fresh:
+        # Said before it starts: a plan's first call on a host otherwise pauses without a word.
+        size, dtype = entry.split("|")
+        print(f"planner: timing {key.label} for this model size ({size}, {dtype}), once per "
+              f"host and size (about 30 s for SmolLM2-135M); cached in {path}",
+              file=sys.stderr, flush=True)
         calibration = calibrate(recipe, method=method, precision=precision)
         if not calibration.contended:
             cached = {"host": asdict(key), "entries": {**(cached.get("entries") or {}),

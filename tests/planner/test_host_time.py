@@ -43,14 +43,19 @@ def uncontended(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host, "MIN_CPU_SHARE", 0.0)
 
 
-def test_the_cache_is_written_once_per_host_key_and_reused(tmp_path: Path) -> None:
+def test_the_cache_is_written_once_per_host_key_and_reused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     recipe, cpu = tiny_recipe(), HARDWARE["CPU"]
     first = host_constants(recipe, cpu, cache=tmp_path, key=HOST_A)
     assert first.fresh and first.cache == cache_path(tmp_path, HOST_A) and first.cache.exists()
+    # The pause is announced, with where its result goes.
+    said = capsys.readouterr().err
+    assert "planner: timing Test CPU A" in said and str(first.cache) in said
     written = first.cache.read_bytes()
     stamp = first.cache.stat().st_mtime_ns
     again = host_constants(recipe, cpu, cache=tmp_path, key=HOST_A)
     assert not again.fresh and again.constants == first.constants
+    assert capsys.readouterr().err == ""  # a cached plan says nothing
     assert first.cache.read_bytes() == written and first.cache.stat().st_mtime_ns == stamp
     # Another host calibrates again, into its own file; the first host's is left alone.
     other = host_constants(recipe, cpu, cache=tmp_path, key=HOST_B)
