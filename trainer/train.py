@@ -387,6 +387,14 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
 
+    def _held_out(self) -> dict[str, float]:
+        """The held-out loss, and the seconds its pass took (``eval_loss_s``: the step's event
+        comes after the pass, and a pace measured from event times leaves it out, as
+        ``bench/loop.py``'s ``step_pace`` does)."""
+        began = time.perf_counter()
+        loss = self._eval_loss()
+        return {"eval_loss": loss, "eval_loss_s": time.perf_counter() - began}
+
     def _eval_loss(self) -> float:
         assert self.eval_stream is not None
         total = 0.0
@@ -517,11 +525,7 @@ class Trainer:
                 if mfu is not None:
                     metrics["mfu"] = mfu
                 if eval_now:
-                    # Its seconds too: the step's event comes after it, and a pace measured
-                    # from event times leaves the held-out pass out (bench/loop.py step_pace).
-                    began = time.perf_counter()
-                    metrics["eval_loss"] = self._eval_loss()
-                    metrics["eval_loss_s"] = time.perf_counter() - began
+                    metrics.update(self._held_out())
                 mem = _memory(self.device)
                 if self.cores is not None:
                     metrics["cpu_threads"] = self.cores.threads or 0
@@ -532,10 +536,7 @@ class Trainer:
                                                                 mem.items()}}, step=step)
                 window_t, window_tokens, window_computed = time.perf_counter(), 0.0, 0.0
             elif eval_now:
-                began = time.perf_counter()
-                loss = self._eval_loss()
-                reporter.emit("progress", step=step, eval_loss=loss,
-                              eval_loss_s=time.perf_counter() - began)
+                reporter.emit("progress", step=step, **self._held_out())
             if saving:
                 self._checkpoint(reporter)
             if job.debug.sleep_per_step_s:

@@ -429,7 +429,8 @@ def host_constants(recipe: Recipe, hw: Hardware, *, cache: Path,
     key = key or host_key()
     path = cache_path(cache, key)
     # What the trainer runs here (FACTORY_CPU_BF16 can change it), not what the plan says.
-    entry = f"{size_class(recipe.architecture)}|{effective_precision(precision, 'cpu')[0]}"
+    size, dtype = size_class(recipe.architecture), effective_precision(precision, "cpu")[0]
+    entry = f"{size}|{dtype}"
     cached: dict[str, Any] = {}
     if path.exists():
         try:
@@ -441,7 +442,6 @@ def host_constants(recipe: Recipe, hw: Hardware, *, cache: Path,
     fresh = found is None
     if fresh:
         # Said before it starts: a plan's first call on a host otherwise pauses without a word.
-        size, dtype = entry.split("|")
         print(f"planner: timing {key.label} for this model size ({size}, {dtype}), once per "
               f"host and size (about 30 s for SmolLM2-135M); cached in {path}",
               file=sys.stderr, flush=True)
