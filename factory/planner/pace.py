@@ -8,8 +8,11 @@ the run can know. ``corrected`` gives the corrected training and wall seconds, `
 puts them next to the plan's figure.
 
 The first event's interval is left out (it holds the model load and oneDNN's first-call kernel
-creation, seconds that ``train_fixed_s`` counts), and so is every interval ending at an event
-with ``eval_loss`` (the held-out pass, which the plan counts apart). On a CPU the evals share
+creation, seconds that ``train_fixed_s`` counts). An interval ending at an event with
+``eval_loss`` (the held-out pass, which the plan counts apart) counts less the pass's seconds
+the event reports in ``eval_loss_s`` (``bench/loop.py``'s step pace reads them the same way);
+an event with ``eval_loss`` and no ``eval_loss_s`` (a trainer before that field) leaves its
+interval out. On a CPU the evals share
 the training cores and whatever slows the steps slows them too, so their seconds scale by the
 same ratio; on GPUs they run on their own devices and keep the plan's figure.
 """
@@ -52,16 +55,25 @@ class Pace:
 def observed_step_seconds(events: Iterable[Mapping[str, Any]]) -> tuple[int, float] | None:
     """(steps, seconds per step) of the trainer's ``progress`` events (see the module
     docstring for what is left out); None before two training events."""
-    points = sorted((int(e["step"]), float(e["time"]), "eval_loss" in e) for e in events
+    points = sorted((int(e["step"]), float(e["time"]), _held_out_seconds(e)) for e in events
                     if e.get("type") == "progress" and "loss" in e
                     and e.get("step") is not None and e.get("time") is not None)
     steps, seconds = 0, 0.0
-    for (s0, t0, _), (s1, t1, held_out) in zip(points, points[1:], strict=False):
-        if held_out or s1 <= s0:
+    for (s0, t0, _), (s1, t1, held_out_s) in zip(points, points[1:], strict=False):
+        if held_out_s is None or s1 <= s0:
             continue
         steps += s1 - s0
-        seconds += t1 - t0
+        seconds += t1 - t0 - held_out_s
     return (steps, seconds / steps) if steps else None
+
+
+def _held_out_seconds(event: Mapping[str, Any]) -> float | None:
+    """Seconds of the held-out loss pass inside ``event``'s interval (0 without one); None
+    when it ran one and did not say how long it took."""
+    if "eval_loss" not in event:
+        return 0.0
+    seconds = event.get("eval_loss_s")
+    return float(seconds) if seconds is not None else None
 
 
 def corrected(estimates: Mapping[str, float], events: Iterable[Mapping[str, Any]], *,

@@ -205,6 +205,17 @@ def test_observed_pace_leaves_out_the_first_step_and_held_out_passes(
     assert observed_step_seconds(EVENTS[:upto]) == expected
 
 
+def test_a_held_out_pass_that_reports_its_seconds_counts_its_step_without_them() -> None:
+    # The trainer's events since eval_loss_s: step 4's interval is 7 s, 5 of them the pass.
+    timed = [{**e, "eval_loss_s": 5.0} if e.get("eval_loss") and e["time"] == 120.0 else e
+             for e in EVENTS if not (e.get("eval_loss") and e["time"] == 120.5)]
+    assert observed_step_seconds(timed[:5]) == (3, 2.0)
+    assert observed_step_seconds(timed) == (5, 2.0)
+    # The same pass counted as a step would read 3.67 s for step 4's interval.
+    untimed = [{**e, "eval_loss_s": 0.0} if "eval_loss" in e else e for e in timed]
+    assert observed_step_seconds(untimed[:5]) == (3, 11.0 / 3)
+
+
 def test_the_prediction_is_corrected_after_min_steps() -> None:
     estimates = {"step_seconds": 1.0, "steps": 100.0, "train_seconds": 116.0,
                  "evals_seconds": 30.0, "wall_seconds": 146.0}
