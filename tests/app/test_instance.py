@@ -11,7 +11,9 @@ import socket
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import dagster as dg
 import pytest
 import yaml
 
@@ -109,3 +111,38 @@ def test_the_code_server_moves_to_a_fresh_port_when_its_port_is_held(factory_hom
         other.stop(grace=None)
         plain.close()
     assert "Failed to bind to address 127.0.0.1:" + str(held) in log.read_text()
+
+
+def test_an_instance_made_from_its_ref_reads_the_schema_scripts_once_per_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every sensor tick with resources makes an instance from its ref; each SQLite storage then
+    # checks its schema against the head of Dagster's migration scripts.
+    from alembic.script import ScriptDirectory
+    from dagster._core.storage import sql
+
+    from factory import dagster_runs
+
+    reads: list[str] = []
+    original = ScriptDirectory.from_config.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type, config: Any) -> Any:
+        reads.append(str(config.get_main_option("script_location")))
+        return original(cls, config)
+
+    monkeypatch.setattr(ScriptDirectory, "from_config", classmethod(counted))
+    monkeypatch.setattr(sql, "ScriptDirectory", ScriptDirectory)  # as Dagster ships it
+    monkeypatch.setattr(dagster_runs, "_SCRIPTS", {})
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as inst:
+        ref = inst.get_ref()
+    reads.clear()
+    with dg.DagsterInstance.from_ref(ref):
+        pass
+    assert len(reads) >= 2  # the run and schedule storages each read them
+    assert dagster_runs.read_schema_scripts_once() is True
+    reads.clear()
+    for _ in range(3):
+        with dg.DagsterInstance.from_ref(ref) as again:
+            run = again.add_run(dg.DagsterRun(job_name="probe"))
+            assert again.get_run_by_id(run.run_id) is not None  # the storages work as before
+    assert len(set(reads)) == len(reads) == 1  # one location, read once for all three instances
+    assert dagster_runs.read_schema_scripts_once() is True  # a second call changes nothing
