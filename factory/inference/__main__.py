@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lookup-tokens", type=int, default=None, metavar="N",
                         help="draft tokens a greedy request served alone checks a forward pass "
                              "(prompt lookup; 0: one token a pass; default 3)")
+    parser.add_argument("--merge-adapters", action=argparse.BooleanOptionalAction, default=True,
+                        help="add the served adapter's weights into the base's while its "
+                             "requests follow each other (float32; on by default)")
     args = parser.parse_args(argv)
 
     try:
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                     prefix_cache_entries=8 if args.enable_prefix_caching else 0,
                     prefix_cache_bytes=args.prefix_cache_mib * 2**20,
                     prompt_lookup_tokens=(PROMPT_LOOKUP_TOKENS if args.prompt_lookup_tokens is None
-                                          else args.prompt_lookup_tokens))
+                                          else args.prompt_lookup_tokens),
+                    merge_adapters=args.merge_adapters)
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")
         if not sep:
