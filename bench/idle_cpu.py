@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.agent import cpu, loadavg  # noqa: E402
+from factory.process import stop_group  # noqa: E402
 
 KINDS = {"daemon": "dagster._daemon", "code server": "dagster api grpc"}
 """Each measured process kind and what its command line contains."""
@@ -77,12 +77,8 @@ def measure(tree: Path, *, settle_s: float, seconds: float) -> dict[str, Any]:
         time.sleep(seconds)
         after, t1 = _home_cpu(home), time.monotonic()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc.pid, timeout_s=30)
+        proc.wait()
         shutil.rmtree(home, ignore_errors=True)
     per30 = {k: round((after[k] - before[k]) * 30 / (t1 - t0), 2) for k in KINDS}
     return {"tree": str(tree), "cpu_s_per_30s": per30, "total": round(sum(per30.values()), 2)}

@@ -20,14 +20,19 @@ def _succeed(inst: dg.DagsterInstance, run: dg.DagsterRun) -> None:
                                            job_name=run.job_name), run.run_id)
 
 
+def _training_chain(inst: dg.DagsterInstance) -> tuple[dg.DagsterRun, dg.DagsterRun]:
+    """A chain's start (done) and its training run (running), as ``chain_runs`` finds them."""
+    start = create_run_for_test(inst, job_name="start_experiment_job",
+                                status=dg.DagsterRunStatus.SUCCESS)
+    train = create_run_for_test(inst, job_name="train_run_job",
+                                status=dg.DagsterRunStatus.STARTED, tags={CHAIN_TAG: start.run_id})
+    return start, train
+
+
 def test_a_quiet_chain_is_looked_at_less_often_and_its_outcome_read_once_its_runs_ended(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with dg.DagsterInstance.ephemeral() as inst:
-        start = create_run_for_test(inst, job_name="start_experiment_job",
-                                    status=dg.DagsterRunStatus.SUCCESS)
-        train = create_run_for_test(inst, job_name="train_run_job",
-                                    status=dg.DagsterRunStatus.STARTED,
-                                    tags={CHAIN_TAG: start.run_id})
+        start, train = _training_chain(inst)
         waits: list[float] = []
         outcome_reads: list[str] = []
 
@@ -55,11 +60,7 @@ def test_a_quiet_chain_is_looked_at_less_often_and_its_outcome_read_once_its_run
 def test_a_change_brings_the_looks_back_to_the_poll_interval(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with dg.DagsterInstance.ephemeral() as inst:
-        start = create_run_for_test(inst, job_name="start_experiment_job",
-                                    status=dg.DagsterRunStatus.SUCCESS)
-        train = create_run_for_test(inst, job_name="train_run_job",
-                                    status=dg.DagsterRunStatus.STARTED,
-                                    tags={CHAIN_TAG: start.run_id})
+        start, train = _training_chain(inst)
         waits: list[float] = []
         state = {"deploy": None}
 
