@@ -14,7 +14,8 @@ block, a short user turn, a tool call or a short answer back):
 - peak memory: the server's process group's peak RSS (``/proc``, sampled every 0.2 s).
 
 Engines and settings (``--engines``): ``ours`` (the factory's server, its defaults; ``ours:ARG=VALUE``
-for its own flags, e.g. ``ours:--dtype=bfloat16``), ``vllm``
+for its own flags, e.g. ``ours:--dtype=bfloat16``, or ``ours:--no-merge-adapters``: the adapter
+computed through its LoRA layers instead of merged into the base), ``vllm``
 (the factory's vLLM command: float32, ``VLLM_CPU_KVCACHE_SPACE=1``, one unbound OpenMP thread per
 ``--threads``), and vLLM variants given as ``vllm:ARG=VALUE,...`` (extra server arguments, e.g.
 ``vllm:--no-enable-prefix-caching`` or ``vllm:--max-num-batched-tokens=512``) or ``vllm:env.NAME=
