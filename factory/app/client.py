@@ -138,15 +138,17 @@ back to ``poll_s``. One look costs ~40 ms of CPU, taken from a trainer on the sa
 
 
 def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0,
-           quiet_poll_s: float = QUIET_POLL_S) -> str:
+           quiet_poll_s: float = QUIET_POLL_S,
+           sleep: Callable[[float], None] = time.sleep) -> str:
     """Wait for the chain started by ``start_run`` to end; its outcome (``deployed``, or the
     manual policy's stop after ``best_checkpoint``). Raises ChainFailed with the reason when
     the chain stops short (a failed run: its step's message), or when no daemon moves it on
     any more (``factory ui``'s, say, stopped: its heartbeats older than ``DAEMON_STALE_S``).
 
     Looks every ``poll_s`` seconds after a run's status changed, up to every ``quiet_poll_s``
-    while none does. ``chain_sensor`` records the outcome once the chain's runs have ended, so
-    its cursors are read then, and every ``DAEMON_CHECK_S`` while one still runs."""
+    while none does (``sleep`` waits). ``chain_sensor`` records the outcome once the chain's
+    runs have ended, so its cursors are read then, and every ``DAEMON_CHECK_S`` while one still
+    runs."""
     statuses: dict[str, str] = {}
     checked = outcome_checked = time.monotonic()
     wait = poll_s
@@ -189,7 +191,7 @@ def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0
                 return outcome
             raise ChainFailed(outcome)
         wait = poll_s if changed else min(wait * 1.5, max(quiet_poll_s, poll_s))
-        time.sleep(wait)
+        sleep(wait)
         raise_pending()  # a SIGTERM whose exception a finalizer swallowed
 
 

@@ -45,11 +45,10 @@ def test_a_quiet_chain_is_looked_at_less_often_and_its_outcome_read_once_its_run
             outcome_reads.append(inst.get_run_by_id(train.run_id).status.value)
             return "deployed" if outcome_reads[-1] == "SUCCESS" else None
 
-        monkeypatch.setattr(client.time, "sleep", sleep)
         monkeypatch.setattr(client, "loop_outcome", loop_outcome)
         lines: list[str] = []
-        assert client.follow(inst, start.run_id, lines.append, poll_s=1.0,
-                             quiet_poll_s=4.0) == "deployed"
+        assert client.follow(inst, start.run_id, lines.append, poll_s=1.0, quiet_poll_s=4.0,
+                             sleep=sleep) == "deployed"
     # The first look saw both runs; each after it found nothing new: 1.5 times longer, up to 4 s.
     assert waits == [1.0, 1.5, 2.25, 3.375, 4.0, 4.0, 4.0]
     # The cursors were read once, when the training run had ended, not on every look.
@@ -74,9 +73,8 @@ def test_a_change_brings_the_looks_back_to_the_poll_interval(
             elif len(waits) == 6:
                 _succeed(inst, state["deploy"])
 
-        monkeypatch.setattr(client.time, "sleep", sleep)
         monkeypatch.setattr(client, "loop_outcome", lambda _i, _c: (
             "deployed" if len(waits) >= 6 else None))
         assert client.follow(inst, start.run_id, lambda _line: None, poll_s=1.0,
-                             quiet_poll_s=4.0) == "deployed"
+                             quiet_poll_s=4.0, sleep=sleep) == "deployed"
     assert waits == [1.0, 1.5, 2.25, 1.0, 1.5, 2.25]
