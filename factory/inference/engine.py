@@ -357,10 +357,9 @@ class Engine:
     weights are added into the base's (PEFT's ``merge_adapter``) and a forward pass computes as
     a plain model, without the LoRA layers' extra products (a SmolLM2 agent tool call's p50
     0.88x on the AVX2 host, the same tokens); a request for the base or another adapter takes
-    them out first. Each
-    merge and unmerge rounds the base's weights (within an ulp of float32 each time: a base
-    request's greedy tokens are the same after thousands of switches, tests/inference/
-    test_merge.py). An adapter with trained token rows is never merged.
+    them out first. Each merge and unmerge rounds the base's weights (within an ulp of float32
+    each time: a base request's greedy tokens are the same after hundreds of switches,
+    tests/inference/test_merge.py). An adapter with trained token rows is never merged.
 
     ``prefix_cache_entries`` and ``prefix_cache_bytes`` bound the ``PrefixCache`` of recent
     prompts' keys and values (either at 0: off). 8 entries and 128 MiB by default: a ~630-token
