@@ -262,6 +262,23 @@ def raise_pending() -> None:
         raise exc()
 
 
+_SIGINT_DEFAULT = ("import os, signal, sys\n"
+                   "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+                   "os.execvp(sys.argv[1], sys.argv[1:])\n")
+
+
+def sigint_default(argv: Sequence[str]) -> list[str]:
+    """``argv``, to be run with SIGINT at its default action. A process started in the
+    background by a shell inherits SIGINT ignored, and so do its children; Dagster's code
+    server then ignores SIGINT and SIGTERM both (``setup_interrupt_handlers`` gives SIGTERM
+    SIGINT's handler) and is only ended by SIGKILL. Where this process ignores SIGINT, the
+    command runs through a helper interpreter that resets it and execs ``argv`` (a reset in
+    ``preexec_fn`` is not safe with threads); elsewhere ``argv`` as is (exec resets handlers)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        return list(argv)
+    return [sys.executable, "-S", "-c", _SIGINT_DEFAULT, *argv]
+
+
 @contextlib.contextmanager
 def signals_ignored() -> Iterator[None]:
     """SIGINT and SIGTERM ignored inside: cleanup after a Ctrl-C (stopping what was started)

@@ -46,7 +46,7 @@ import yaml
 
 from factory.errors import FactoryError
 from factory.lifeline import guard, on_death, release
-from factory.process import LISTEN, tcp_sockets
+from factory.process import LISTEN, sigint_default, tcp_sockets
 from factory.settings import Settings, get_settings
 
 CODE_LOCATION = "factory.definitions"
@@ -290,10 +290,11 @@ def listening_sockets(port: int) -> int | None:
 def _process(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
     """``cmd`` running in a session of its own, output appended to ``log``, while the block runs;
     stopped with its whole process group when it ends, or by this process's lifeline when it
-    dies first (``factory.lifeline``)."""
+    dies first (``factory.lifeline``). SIGINT has its default action in it even where this
+    process ignores it (``sigint_default``), so that the SIGINT stopping it is not ignored."""
     with open(log, "ab") as out:
         # Its own session: Ctrl-C in the terminal reaches the caller, which stops it in order.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(sigint_default(cmd), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                 cwd=ROOT)
     guard(proc.pid)

@@ -6,8 +6,12 @@ bind port 0, is started again on a fresh port when another process holds its por
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent import futures
 from pathlib import Path
@@ -111,6 +115,32 @@ def test_the_code_server_moves_to_a_fresh_port_when_its_port_is_held(factory_hom
         other.stop(grace=None)
         plain.close()
     assert "Failed to bind to address 127.0.0.1:" + str(held) in log.read_text()
+
+
+BACKGROUND_STOP = """
+import json, signal, sys, time
+from pathlib import Path
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell starts a background job
+from factory.app import instance as fi
+
+fi.STOP_GRACE_S = 20.0
+with fi.code_server(Path(sys.argv[1]), dict(__import__("os").environ)) as (proc, port):
+    started = time.monotonic()
+print(json.dumps({"returncode": proc.returncode, "stop_s": time.monotonic() - started}))
+"""
+
+
+def test_a_code_server_started_from_a_background_job_stops_on_sigint(factory_home: Path) -> None:
+    """A caller that ignores SIGINT (``factory run`` started in the background: its children
+    inherit the ignore, and Dagster's code server then ignores SIGTERM too) still stops its code
+    server with SIGINT, not by SIGKILL after the grace: ``factory run`` ends when its chain has."""
+    out = subprocess.run([sys.executable, "-c", BACKGROUND_STOP,
+                          str(factory_home / "code-server.log")],
+                         capture_output=True, text=True, timeout=300, check=True)
+    stopped = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stopped["returncode"] != -signal.SIGKILL, stopped
+    assert stopped["stop_s"] < 20.0, stopped
 
 
 def test_an_instance_made_from_its_ref_reads_the_schema_scripts_once_per_process(

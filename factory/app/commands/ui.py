@@ -18,6 +18,7 @@ from typing import Any
 
 from factory.app.instance import RECONCILE, daemon_running, dagster_home, instance
 from factory.lifeline import guard, on_death, release
+from factory.process import sigint_default
 from factory.settings import get_settings
 
 STOP_S = 60.0
@@ -55,11 +56,11 @@ def _ui(args: argparse.Namespace) -> int:
         note = "; the instance's daemon already runs, so this starts the webserver alone"
     print(f"Dagster UI on http://{args.host}:{args.port} (state in {settings.home}{note})",
           flush=True)
-    # dagster dev inherits an ignored SIGINT when started in the background; reset it so
-    # Ctrl-C and `kill -INT <pid>` stop it. It runs in a session of its own, stopped from here
-    # (Ctrl-C, SIGTERM) or by this process's lifeline should this process be killed outright.
-    proc = subprocess.Popen(command, env=env, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # dagster dev inherits an ignored SIGINT when started in the background; it runs with
+    # SIGINT reset, so Ctrl-C and `kill -INT <pid>` stop it. It runs in a session of its own,
+    # stopped from here (Ctrl-C, SIGTERM) or by this process's lifeline should this process be
+    # killed outright.
+    proc = subprocess.Popen(sigint_default(command), env=env, start_new_session=True)
     guard(proc.pid)
     on_death(RECONCILE)
 
