@@ -119,13 +119,18 @@ def trainer_view(checkpoint_dir: str, samples: Sequence[dict[str, Any]], *,
 
 def check_equivalence(client: Any, model: str, checkpoint_dir: str,
                       samples: Sequence[dict[str, Any]], *, base_model: str | None = None,
-                      atol: float = 1e-3, blob_dir: str | None = None) -> EquivalenceResult:
+                      atol: float = 1e-3, blob_dir: str | None = None,
+                      views: Sequence[tuple[list[int], list[int], list[float]]] | None = None
+                      ) -> EquivalenceResult:
     """Compare the server behind ``client`` (an ``InferenceClient``) serving ``model`` with the
     trainer's view of ``checkpoint_dir`` on ``samples`` (canonical, reference answer last);
-    ``blob_dir``: where the trainer's view reads images (default the factory's blob store)."""
+    ``blob_dir``: where the trainer's view reads images (default the factory's blob store);
+    ``views``: that view already computed (``trainer_view`` of the same arguments), say while
+    the server started."""
     if not samples:
         raise ValueError("check_equivalence: needs at least one sample")
-    views = trainer_view(checkpoint_dir, samples, base_model=base_model, blob_dir=blob_dir)
+    if views is None:
+        views = trainer_view(checkpoint_dir, samples, base_model=base_model, blob_dir=blob_dir)
     problems: list[str] = []
     max_diff: float | None = None
     num_tokens = 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,7 +38,7 @@ from factory.evals.answers import (
     score_reference,
     worst_answers,
 )
-from factory.evals.equivalence import EquivalenceResult, check_equivalence
+from factory.evals.equivalence import EquivalenceResult, check_equivalence, trainer_view
 from factory.evals.judges import EvalItem, ScoreRow
 from factory.evals.report import plot_png, record_early_stop
 from factory.evals.reuse import borrow_scores
@@ -317,7 +318,18 @@ def evaluate_checkpoint(session: LakeSession, run_id: str, step: int, *, judge: 
     done = {r["kind"] for r in session.sql(
         "SELECT DISTINCT kind FROM eval_scores WHERE run_id = ? AND rubric_version = ?",
         [run_id, rubric.version]).to_pylist()} if session.lake.exists("eval_scores") else set()
-    server, size = start_server(inference, [ckpt], plan)
+    checked = [{"messages": r["messages"], "tools": r["tools"]}
+               for r in rows[:NUM_EQUIVALENCE_SAMPLES]]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # The trainer's side of the equivalence check needs no server: it loads the model and
+        # scores while the server boots (a subprocess), each on a core (~5 s each, SmolLM2).
+        view = pool.submit(trainer_view, ckpt.path, checked, base_model=ckpt.base_model())
+        server, size = start_server(inference, [ckpt], plan)
+        try:
+            views = view.result()
+        except BaseException:
+            server.stop()
+            raise
     serve_command = server.command()
     generation = generation_of(size)
     constraint = answer_constraint(rubric, plan, experiment)
@@ -345,12 +357,9 @@ def evaluate_checkpoint(session: LakeSession, run_id: str, step: int, *, judge: 
         # are not the model's answers, and must never reach eval_scores (best_checkpoint and
         # the curve read it in later runs, which this run's blocking check cannot stop).
         equivalence = check_equivalence(
-            client, ckpt.adapter, ckpt.path,
-            [{"messages": r["messages"], "tools": r["tools"]}
-             for r in rows[:NUM_EQUIVALENCE_SAMPLES]],
-            base_model=ckpt.base_model(),
+            client, ckpt.adapter, ckpt.path, checked, base_model=ckpt.base_model(),
             # fp32 on both sides differs by summation order only; a bf16 server by ~0.1 nats.
-            atol=1e-3 if inference.backend == "transformers" else 0.1)
+            atol=1e-3 if inference.backend == "transformers" else 0.1, views=views)
         if "base" not in done and not borrow("base"):
             _answer_and_judge(session, client, "base", items, run_id=run_id,
                               experiment=experiment, kind="base", step=0, path=None,
