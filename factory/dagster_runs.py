@@ -23,6 +23,19 @@ ROLLOVER_SENSOR = "rollover_sensor"
 RECOVERY_SENSOR = "recovery_sensor"
 CONTROL_SENSORS = (ROLLOVER_SENSOR, RECOVERY_SENSOR)
 """The sensors that tick the training control plane (``sensors/training.py``)."""
+SENSOR_PASS_S = 5
+"""Seconds between the passes Dagster's sensor daemon makes over the sensors
+(``dagster._daemon.sensor.MIN_INTERVAL_LOOP_TIME``): a sensor ticks on a pass only once its
+least interval has passed since its last tick started."""
+
+
+def every_passes(passes: int) -> int:
+    """The least interval that makes a sensor tick on every ``passes``-th pass: a second under
+    ``passes`` passes, so that a pass starting a moment early does not skip it (at exactly 5 s,
+    ``chain_sensor`` ticked 9 s apart, median)."""
+    return passes * SENSOR_PASS_S - 1
+
+
 SENSOR_STALE_S = 60.0
 """A sensor whose latest tick started longer ago than this is not being evaluated (the control
 sensors tick every 15 s)."""

@@ -40,6 +40,7 @@ from factory.dagster_runs import (
     FAILED,
     FINISHED,
     TRAINER_RUN_TAG,
+    every_passes,
     failure_message,
 )
 from factory.evals.progress import unscored_checkpoints
@@ -53,10 +54,9 @@ EVAL_TAG = "factory/eval"
 """The tag the instance's run queue runs one at a time (``factory.app.instance``): the
 checkpoint evals' (``checkpoint_sensor``) and the selection's, each booting an inference server."""
 PARTITION_TAG = "dagster/partition"
-MIN_INTERVAL_S = 4
-"""Least seconds between ticks: under the 5 s at which Dagster's sensor daemon starts a pass
-over the sensors, so every pass ticks this one and each step of a chain waits at most ~5 s for
-the next (at 5, a pass that starts a moment early skips it: 9-s gaps, measured)."""
+MIN_INTERVAL_S = every_passes(1)
+"""Least seconds between ticks: every pass of the sensor daemon ticks it, so each step of a
+chain waits at most ~5 s for the next."""
 MAX_DONE = 500
 """Ended chains remembered in the cursor (older ones are no longer looked at)."""
 

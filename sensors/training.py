@@ -20,7 +20,7 @@ from typing import Any
 import dagster as dg
 
 from factory.control import CHECKPOINT_PARTITIONS, checkpoint_partition_key
-from factory.dagster_runs import RECOVERY_SENSOR, ROLLOVER_SENSOR
+from factory.dagster_runs import RECOVERY_SENSOR, ROLLOVER_SENSOR, every_passes
 from factory.experiments import list_experiments
 from factory.lake import Lake
 from factory.resources.lake import LakeResource
@@ -38,7 +38,7 @@ def _ts(value: datetime) -> str:
 
 
 @dg.sensor(name="checkpoint_sensor", asset_selection=[CHECKPOINT_EVALS],
-           minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING,
+           minimum_interval_seconds=every_passes(2), default_status=dg.DefaultSensorStatus.RUNNING,
            description="Each new verified checkpoint requests checkpoint_evals for it, unless "
                        "it is already scored.")
 def checkpoint_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
@@ -98,7 +98,7 @@ def _cursor_after(fresh: list[dict[str, Any]], rows: list[dict[str, Any]]) -> st
 
 
 def _control_sensor(name: str, steps: tuple[str, ...], description: str) -> Any:
-    @dg.sensor(name=name, minimum_interval_seconds=15,
+    @dg.sensor(name=name, minimum_interval_seconds=every_passes(3),
                default_status=dg.DefaultSensorStatus.RUNNING, description=description)
     def control(context: dg.SensorEvaluationContext, lake: LakeResource,
                 provider: ProviderResource):

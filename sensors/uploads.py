@@ -14,6 +14,7 @@ from typing import Any
 
 import dagster as dg
 
+from factory.dagster_runs import every_passes
 from factory.ingest import FILE_SUFFIXES
 from factory.settings import get_settings
 
@@ -30,7 +31,7 @@ def build_uploads_sensor(job: Any = ingest_uploads_job, *, settle_s: float = 2.0
                          max_files: int = 100) -> dg.SensorDefinition:
     """The sensor, for ``job``; ``settle_s``: how long a file must be unmodified first."""
 
-    @dg.sensor(job=job, name="uploads_sensor", minimum_interval_seconds=15,
+    @dg.sensor(job=job, name="uploads_sensor", minimum_interval_seconds=every_passes(3),
                default_status=dg.DefaultSensorStatus.RUNNING,
                description="Ingests each new or changed file in $FACTORY_HOME/uploads.")
     def uploads_sensor(context: dg.SensorEvaluationContext):

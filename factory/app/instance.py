@@ -258,10 +258,14 @@ def code_server(log: Path, env: dict[str, str], *, ports: Iterable[int] | None =
                 proc = attempt.enter_context(_process(code_server_command(port), log, env))
                 deadline = time.monotonic() + DAEMON_START_S
                 while True:
+                    # The ping first: once it answers, the code server listens, so the count
+                    # after it sees any listener beside it (counted first, a server that bound
+                    # between the count and the ping passed as alone).
+                    answers = code_server_answers(port)
                     if (listening_sockets(port) or 0) > 1:
                         raise PortInUseError(f"another server listens on 127.0.0.1:{port} "
                                              "beside the code server (SO_REUSEPORT)")
-                    if code_server_answers(port):
+                    if answers:
                         break
                     if proc.poll() is not None:
                         with open(log, "rb") as f:

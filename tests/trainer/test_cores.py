@@ -273,8 +273,10 @@ def test_a_trainer_beside_an_idle_cpu_server_gets_every_thread(
 
         with CoreShare(folder=folder, cores=4) as trainer:  # a trainer's pick, on the claims
             assert trainer.share() == 4
+            # Long enough to be still in flight after its first line: 8 tokens of the tiny
+            # model could all be generated (and the claim released) before the test read it.
             body = {"model": "base", "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 8, "stream": True}
+                    "max_tokens": 256, "stream": True}
             with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
                               timeout=120) as r:
                 assert r.status_code == 200
