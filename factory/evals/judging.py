@@ -320,10 +320,11 @@ def evaluate_checkpoint(session: LakeSession, run_id: str, step: int, *, judge: 
         [run_id, rubric.version]).to_pylist()} if session.lake.exists("eval_scores") else set()
     checked = [{"messages": r["messages"], "tools": r["tools"]}
                for r in rows[:NUM_EQUIVALENCE_SAMPLES]]
+    base_model = ckpt.base_model()
     with ThreadPoolExecutor(max_workers=1) as pool:
         # The trainer's side of the equivalence check needs no server: it loads the model and
         # scores while the server boots (a subprocess), each on a core (~5 s each, SmolLM2).
-        view = pool.submit(trainer_view, ckpt.path, checked, base_model=ckpt.base_model())
+        view = pool.submit(trainer_view, ckpt.path, checked, base_model=base_model)
         server, size = start_server(inference, [ckpt], plan)
         try:
             views = view.result()
@@ -357,7 +358,7 @@ def evaluate_checkpoint(session: LakeSession, run_id: str, step: int, *, judge: 
         # are not the model's answers, and must never reach eval_scores (best_checkpoint and
         # the curve read it in later runs, which this run's blocking check cannot stop).
         equivalence = check_equivalence(
-            client, ckpt.adapter, ckpt.path, checked, base_model=ckpt.base_model(),
+            client, ckpt.adapter, ckpt.path, checked, base_model=base_model,
             # fp32 on both sides differs by summation order only; a bf16 server by ~0.1 nats.
             atol=1e-3 if inference.backend == "transformers" else 0.1, views=views)
         if "base" not in done and not borrow("base"):

@@ -118,14 +118,14 @@ def test_the_code_server_moves_to_a_fresh_port_when_its_port_is_held(factory_hom
 
 
 BACKGROUND_STOP = """
-import json, signal, sys, time
+import json, os, signal, sys, time
 from pathlib import Path
 
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell starts a background job
 from factory.app import instance as fi
 
 fi.STOP_GRACE_S = 20.0
-with fi.code_server(Path(sys.argv[1]), dict(__import__("os").environ)) as (proc, port):
+with fi.code_server(Path(sys.argv[1]), dict(os.environ)) as (proc, port):
     started = time.monotonic()
 print(json.dumps({"returncode": proc.returncode, "stop_s": time.monotonic() - started}))
 """
