@@ -14,7 +14,8 @@ value of its last run, which is bitwise the same in deterministic mode) and what
 and dropped, by reason (``num_dropped_too_long_for_plan``...), and the plan's predicted training
 seconds beside the measured ones. While the run trains, the step's log says the pace it observes
 against the plan's (``factory.planner.pace``: the prediction corrected by the run's own steps)
-as soon as three steps show it, and again when it moves. A run that fails (a data error of
+as soon as three steps show it, and again when it moves; a run that ended well on this machine
+leaves its pace for the host's next plans (``factory.planner.pace.record_run_pace``). A run that fails (a data error of
 the trainer's, say) fails the step with the run's reason; a run the evals stopped early ends the
 step once the trainer's stop checkpoint is in the lake. Interrupted (Ctrl-C, or the Dagster run
 terminated), the step cancels the trainer run before it ends.
@@ -28,10 +29,11 @@ import dagster as dg
 from factory.control.follow import RunTimedOut, follow_run
 from factory.control.jobs import job_from_plan, latest_plan
 from factory.control.plane import cancel_run
+from factory.control.providers import LocalProvider, SandboxProvider
 from factory.dagster_runs import TRAINER_RUN_TAG, sensors_ticking
 from factory.errors import FactoryError
 from factory.partitions import CHECKPOINTS, RUNS
-from factory.planner.pace import PaceWatch
+from factory.planner.pace import PaceWatch, record_run_pace, trainer_events
 from factory.process import signals_ignored
 from factory.resources.lake import LakeResource
 from factory.resources.providers import ProviderResource
@@ -118,6 +120,12 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         with signals_ignored():  # a second Ctrl-C must not cut the cleanup short
             cancel_run(plane, job.run_id, reason="interrupted")
         raise
+    on_this_host = all(isinstance(plane.by_name.get(s.provider), LocalProvider | SandboxProvider)
+                       for s in followed.segments)
+    if watch is not None and followed.failure is None and on_this_host:
+        kept = record_run_pace(plan, trainer_events(followed.events), run_id=job.run_id)
+        if kept:
+            context.log.info(kept)
     metadata = {**followed.metadata(checked),
                 **(watch.metadata(followed.events) if watch else {}),
                 "segments": dg.MetadataValue.md(followed.segments_table()),

@@ -43,6 +43,15 @@ beside a test measured a ninth); its CPU share shows it (``Calibration.contended
 measurement serves its own plan but is not cached. What the load does during a run shows in the
 run's own steps, and ``factory.planner.pace`` corrects the prediction from them (0.93-1.01 of
 the measured seconds after 3 steps, the ``training_run`` step logs and records it).
+
+A calibration times one shape of step; the trainer's batches are other shapes, and a step holds
+costs no rate of matrix products counts (the optimizer, per-sample attention calls, the data).
+So each finished run on this host teaches the next plans: ``record_pace`` (called by the
+``training_run`` asset at a run's end) keeps the run's observed seconds a step over what the
+calibrated rates predicted for it, the newest ``PACE_RUNS`` per (host, model size, precision),
+and ``host_constants`` multiplies a step's predicted seconds by their median
+(``TimeConstants.step_factor``; the plan's provenance names it and the runs behind it). A pace
+belongs to the calibration it was measured against: a new calibration starts without any.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -89,6 +99,10 @@ CALIBRATION_TARGETS = 64
 trainer's loss runs the LM head on those only, as a real step does."""
 CALIBRATION_REPEATS = 2
 """Timed steps after one warm-up; the best is kept (another process's burst only slows one)."""
+PACE_RUNS = 5
+"""Finished runs whose pace a host's entry keeps (the newest); their median corrects a step."""
+PACE_MIN_STEPS = 20
+"""Steps a run's pace must be observed over to be kept (a short run's steps are mostly warm-up)."""
 METHODS = ("model", "matmul")
 
 
@@ -428,16 +442,8 @@ def host_constants(recipe: Recipe, hw: Hardware, *, cache: Path,
                                                       judge=judge), fresh=False, cache=None)
     key = key or host_key()
     path = cache_path(cache, key)
-    # What the trainer runs here (FACTORY_CPU_BF16 can change it), not what the plan says.
-    size, dtype = size_class(recipe.architecture), effective_precision(precision, "cpu")[0]
-    entry = f"{size}|{dtype}"
-    cached: dict[str, Any] = {}
-    if path.exists():
-        try:
-            cached = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"time-model cache {path} is not JSON ({exc}): delete it and the "
-                             "next plan calibrates again") from None
+    entry, size, dtype = _entry(recipe, precision)
+    cached = _read(path)
     found: dict[str, Any] | None = (cached.get("entries") or {}).get(entry)
     fresh = found is None
     if fresh:
@@ -447,18 +453,81 @@ def host_constants(recipe: Recipe, hw: Hardware, *, cache: Path,
               file=sys.stderr, flush=True)
         calibration = calibrate(recipe, method=method, precision=precision)
         if not calibration.contended:
-            cached = {"host": asdict(key), "entries": {**(cached.get("entries") or {}),
-                                                       entry: asdict(calibration)}}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # a sweep's plans may calibrate at once
-            tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-            tmp.replace(path)
+            cached = {**cached, "host": asdict(key),
+                      "entries": {**(cached.get("entries") or {}), entry: asdict(calibration)}}
+            _write(path, cached)
     else:
         assert found is not None
         calibration = Calibration(**found)
     base = time_constants(recipe.name, recipe.architecture, hw, judge=judge)
-    return HostConstants(constants=constants_from(calibration, key, base), fresh=fresh,
-                         cache=path)
+    constants = constants_from(calibration, key, base)
+    ratios = [p["ratio"] for p in _paces(cached, entry, calibration)]
+    if ratios:
+        factor = statistics.median(ratios)
+        constants = replace(
+            constants, step_factor=factor,
+            provenance=f"{constants.provenance}; a step's seconds x{factor:.2f}: the median pace "
+                       f"of this host's last {len(ratios)} finished run"
+                       f"{'s' if len(ratios) > 1 else ''} against these rates "
+                       f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    return HostConstants(constants=constants, fresh=fresh, cache=path)
+
+
+def _entry(recipe: Recipe, precision: str) -> tuple[str, str, str]:
+    """(cache entry, size class, precision) of ``recipe`` planned in ``precision``: the
+    precision the trainer runs here (FACTORY_CPU_BF16 can change it), not the plan's."""
+    size, dtype = size_class(recipe.architecture), effective_precision(precision, "cpu")[0]
+    return f"{size}|{dtype}", size, dtype
+
+
+def _read(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"time-model cache {path} is not JSON ({exc}): delete it and the "
+                         "next plan calibrates again") from None
+    return found if isinstance(found, dict) else {}
+
+
+def _write(path: Path, cached: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # a sweep's plans may write at once
+    tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def _paces(cached: dict[str, Any], entry: str, calibration: Calibration
+           ) -> list[dict[str, Any]]:
+    """The entry's kept paces measured against ``calibration`` (not an older one's)."""
+    return [p for p in (cached.get("paces") or {}).get(entry) or []
+            if p.get("calibration") == calibration.measured_at][-PACE_RUNS:]
+
+
+def record_pace(cache: Path, recipe: Recipe, precision: str, *, ratio: float, steps: int,
+                run_id: str, key: HostKey | None = None) -> Path | None:
+    """Keep a finished run's pace on this host: ``ratio``, its observed seconds a step over what
+    the calibrated rates alone (no ``step_factor``) predicted, over ``steps`` steps. Kept only
+    where this host has a cached calibration of ``recipe``'s size and precision (the one the
+    plan used) and the run was observed over ``PACE_MIN_STEPS`` steps or more: returns the
+    cache file then, else None. A run recorded again replaces its pace."""
+    if steps < PACE_MIN_STEPS or not ratio > 0:
+        return None
+    path = cache_path(cache, key or host_key())
+    entry = _entry(recipe, precision)[0]
+    cached = _read(path)
+    found = (cached.get("entries") or {}).get(entry)
+    if found is None:
+        return None
+    calibration = Calibration(**found)
+    kept = [p for p in _paces(cached, entry, calibration) if p.get("run_id") != run_id]
+    kept.append({"run_id": run_id, "ratio": round(ratio, 4), "steps": steps,
+                 "calibration": calibration.measured_at,
+                 "measured_at": datetime.now(UTC).isoformat(timespec="seconds")})
+    cached["paces"] = {**(cached.get("paces") or {}), entry: kept[-PACE_RUNS:]}
+    _write(path, cached)
+    return path
 
 
 def time_model_cache() -> Path | None:

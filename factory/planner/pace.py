@@ -15,15 +15,22 @@ an event with ``eval_loss`` and no ``eval_loss_s`` (a trainer before that field)
 interval out. On a CPU the evals share
 the training cores and whatever slows the steps slows them too, so their seconds scale by the
 same ratio; on GPUs they run on their own devices and keep the plan's figure.
+
+At a run's end ``record_run_pace`` keeps its pace on this host for the next plans
+(``factory.planner.host.record_pace``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from factory.planner.timing import duration
+
+if TYPE_CHECKING:
+    from factory.recipes import Recipe
 
 MIN_STEPS = 3
 """Steps (past the first logged one) before the observed pace replaces the plan's."""
@@ -157,3 +164,39 @@ class PaceWatch:
         if pace is not None:
             out["pace"] = pace_line(pace)
         return out
+
+
+def record_run_pace(plan: Mapping[str, Any], events: Iterable[Mapping[str, Any]], *,
+                    run_id: str, cache: Path | None = None, recipe: Recipe | None = None
+                    ) -> str | None:
+    """Keep a finished run's pace for this host's next plans (``factory.planner.host.
+    record_pace``): its observed seconds a step over what the plan's calibrated rates predicted
+    (the plan's ``step_seconds`` less its ``step_factor``). Only for a CPU plan made with this
+    host's calibrated constants (``time_model`` ``calibrated``) whose trainer ran on this host;
+    ``cache``: the time-model folder (default ``host.time_model_cache()``); ``recipe``: the
+    plan's (default: the shipped recipe it names). Returns the line to log, or None when nothing
+    was kept."""
+    from factory.planner import host
+    from factory.recipes import RecipeError, load_recipe
+
+    values, estimates = plan.get("values") or {}, plan.get("estimates") or {}
+    if values.get("time_model") != "calibrated" or not estimates.get("step_seconds"):
+        return None
+    seen = observed_step_seconds(events)
+    folder = cache if cache is not None else host.time_model_cache()
+    if seen is None or folder is None:
+        return None
+    if recipe is None:
+        try:
+            recipe = load_recipe(str(plan.get("recipe")))
+        except RecipeError:
+            return None
+    steps, step_s = seen
+    factor = float(estimates.get("step_factor") or 1.0)
+    ratio = step_s * factor / float(estimates["step_seconds"])
+    kept = host.record_pace(folder, recipe, str(values.get("precision", "bf16-autocast")),
+                            ratio=ratio, steps=steps, run_id=run_id)
+    if kept is None:
+        return None
+    return (f"this host's pace kept for its next plans: {step_s:.3g} s a step over {steps} "
+            f"steps, x{ratio:.2f} of the calibrated rates' prediction ({kept})")

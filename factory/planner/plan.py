@@ -975,7 +975,8 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
                   num_evals=num_evals, num_devices=devices, eval_devices=eval_devices,
                   final_eval_s=final_eval_s)
     plan.estimates = {
-        "step_seconds": round(step_s, 3), "steps": float(total),
+        "step_seconds": round(step_s, 3), "step_factor": round(c.step_factor, 4),
+        "steps": float(total),
         "tokens_per_step": round(tokens_per_step), "targets_per_step": round(targets_per_step),
         "train_seconds": round(rt.train_s, 1), "num_evals": float(num_evals),
         "first_eval_seconds": round(first_s, 1), "eval_seconds": round(eval_s, 1),

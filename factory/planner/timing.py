@@ -9,7 +9,8 @@ where and how they were measured; every other pair gets conservative defaults de
 hardware table's FLOPs and memory bandwidth (``default_constants``), slower than every
 measurement so far, and the plan's reasons say so. A missing measurement never fails a plan.
 A CPU plan made on the host that trains takes this host's rates instead
-(``factory.planner.host``: measured once per host, cached), and ``factory.planner.pace``
+(``factory.planner.host``: measured once per host, cached, and its steps corrected by the
+pace of the host's finished runs, ``TimeConstants.step_factor``), and ``factory.planner.pace``
 corrects a running plan's prediction from its own steps.
 
 What the model counts (BENCHMARKS.md, "Planner time model", compares it with real runs):
@@ -109,6 +110,9 @@ class TimeConstants:
     train_precision: str = "bf16-autocast"
     """The precision ``train_tflops`` was measured in (a CPU without bf16 instructions trains
     ``bf16-autocast`` plans in fp32)."""
+    step_factor: float = 1.0
+    """A step's measured seconds over what the rates above give it: the median pace of the
+    host's last finished runs (``factory.planner.host.record_pace``); 1.0 before any."""
 
     @property
     def source(self) -> str:
@@ -275,7 +279,7 @@ def step_seconds(c: TimeConstants, arch: Architecture, *, tokens_per_step: float
         calls = samples_per_step * c.shared_prefix_sample_s
     flops = training_flops(arch, tokens=tokens_per_step, targets=targets_per_step, span=span,
                            recompute=recompute)
-    return (flops / (rate * 1e12) + calls) / num_devices
+    return (flops / (rate * 1e12) + calls) / num_devices * c.step_factor
 
 
 def generation_seconds(c: TimeConstants, arch: Architecture, *, num_samples: int, batch: int,

@@ -17,6 +17,7 @@ from factory.planner.pace import (
     corrected,
     observed_step_seconds,
     pace_line,
+    record_run_pace,
 )
 from factory.planner.timing import MEASURED, step_seconds, time_constants
 from factory.recipes import Architecture, Recipe, load_recipe
@@ -256,3 +257,80 @@ def test_a_running_plan_says_its_pace_once_known_and_again_when_it_moves() -> No
     assert md["measured_train_s"] == 36.0  # first event at 100 s, last at 136 s
     assert md["train_s_ratio"] == round(36.0 / 116.0, 3)
     assert md["pace"].startswith("observed over 6 steps: 3.33 s a step")
+
+
+def _steady(steps: int, step_s: float) -> list[dict[str, object]]:
+    """Trainer events of a run of ``steps`` steps of ``step_s`` seconds after a slow first."""
+    return [{"type": "started", "step": 0, "time": 0.0}, progress(1, 10.0),
+            *(progress(s, 10.0 + (s - 1) * step_s) for s in range(2, steps + 2))]
+
+
+def test_finished_runs_correct_the_hosts_next_plans(tmp_path: Path) -> None:
+    """Each run's pace against the calibrated rates is kept per host and size; the next plans'
+    steps take the median of the newest ``PACE_RUNS``, and the plan says so."""
+    recipe, cpu = tiny_recipe(), HARDWARE["CPU"]
+    first = host_constants(recipe, cpu, cache=tmp_path, key=HOST_A)
+    assert first.constants.step_factor == 1.0
+    # Too short a run teaches nothing; another host's or size's cache is not touched.
+    assert host.record_pace(tmp_path, recipe, "bf16-autocast", ratio=0.5,
+                            steps=host.PACE_MIN_STEPS - 1, run_id="r0", key=HOST_A) is None
+    assert host.record_pace(tmp_path, recipe, "bf16-autocast", ratio=0.5, steps=50,
+                            run_id="r0", key=HOST_B) is None
+    for i, ratio in enumerate([0.8, 0.9, 2.0]):
+        assert host.record_pace(tmp_path, recipe, "bf16-autocast", ratio=ratio, steps=50,
+                                run_id=f"r{i}", key=HOST_A) == first.cache
+    got = host_constants(recipe, cpu, cache=tmp_path, key=HOST_A).constants
+    assert got.step_factor == 0.9  # the median: one slow run does not move it far
+    assert "x0.90: the median pace of this host's last 3 finished runs against these rates " \
+           "(0.80, 0.90, 2.00)" in got.provenance
+    assert step_seconds(got, TINY, tokens_per_step=1000, targets_per_step=100, span=100,
+                        recompute=False, num_devices=1, precision="bf16-autocast") \
+        == pytest.approx(0.9 * step_seconds(first.constants, TINY, tokens_per_step=1000,
+                                            targets_per_step=100, span=100, recompute=False,
+                                            num_devices=1, precision="bf16-autocast"))
+    # The newest PACE_RUNS are kept; a run recorded again replaces its pace.
+    for i in range(3, 3 + host.PACE_RUNS):
+        host.record_pace(tmp_path, recipe, "bf16-autocast", ratio=1.0 + i / 100, steps=50,
+                         run_id=f"r{i}", key=HOST_A)
+    host.record_pace(tmp_path, recipe, "bf16-autocast", ratio=1.5, steps=50,
+                     run_id=f"r{2 + host.PACE_RUNS}", key=HOST_A)
+    kept = json.loads(first.cache.read_text())["paces"][f"{size_class(TINY)}|"
+                                                        f"{got.train_precision}"]
+    assert [p["run_id"] for p in kept] == [f"r{i}" for i in range(3, 3 + host.PACE_RUNS)]
+    assert kept[-1]["ratio"] == 1.5
+    # A new calibration (the cache's entry measured again) starts without the old paces.
+    cached = json.loads(first.cache.read_text())
+    for entry in cached["entries"].values():
+        entry["measured_at"] = "2030-01-01T00:00:00+00:00"
+    first.cache.write_text(json.dumps(cached))
+    assert host_constants(recipe, cpu, cache=tmp_path, key=HOST_A).constants.step_factor == 1.0
+
+
+def test_a_finished_runs_pace_is_kept_against_the_calibrated_rates(tmp_path: Path) -> None:
+    """``record_run_pace`` divides out the factor the plan already used: a plan that predicted
+    1.8 s a step with x0.9 and ran at 2.0 s a step was x1.0 of the calibrated rates' 2.0 s."""
+    recipe = replace(tiny_recipe(), name="smollm2-135m-lora")
+    made = make_plan(experiment(), profile(), recipe=recipe, time_cache=tmp_path)
+    assert made.estimates["step_factor"] == 1.0
+    plan = made.to_dict()
+    plan["estimates"] = {**plan["estimates"], "step_seconds": 1.8, "step_factor": 0.9}
+    line = record_run_pace(plan, _steady(30, 2.0), run_id="run-1", cache=tmp_path,
+                           recipe=recipe)
+    assert line is not None and "2 s a step over 30 steps, x1.00 of the calibrated" in line
+    again = make_plan(experiment(), profile(), recipe=recipe, time_cache=tmp_path)
+    assert again.estimates["step_factor"] == 1.0
+    assert "the median pace of this host's last 1 finished run against these rates (1.00)" \
+        in again.decisions["time_model"].reason
+    record_run_pace(plan, _steady(30, 1.0), run_id="run-2", cache=tmp_path, recipe=recipe)
+    faster = make_plan(experiment(), profile(), recipe=recipe, time_cache=tmp_path)
+    assert faster.estimates["step_factor"] == 0.75  # median of 1.0 and 0.5
+    assert faster.estimates["step_seconds"] == pytest.approx(
+        0.75 * again.estimates["step_seconds"], rel=0.01)
+    # A plan on the reference constants, too few steps, or another size (SmolLM2's own shape,
+    # never calibrated here) keeps nothing.
+    reference = {**plan, "values": {**plan["values"], "time_model": "measured"}}
+    assert record_run_pace(reference, _steady(30, 2.0), run_id="run-3", cache=tmp_path,
+                           recipe=recipe) is None
+    assert record_run_pace(plan, _steady(5, 2.0), run_id="run-4", cache=tmp_path,
+                           recipe=recipe) is None
+    assert record_run_pace(plan, _steady(30, 2.0), run_id="run-5", cache=tmp_path) is None
