@@ -4,7 +4,9 @@
 (``factory.control.plane.ControlPlane``: the same functions the tests drive), which is
 idempotent over the lake: a continuation or recovery is recorded as a segment before any later
 tick looks again, so a re-evaluated tick launches nothing twice. Their cursors hold the last
-tick's report. ``checkpoint_sensor`` turns each new verified row of ``checkpoints`` into a
+report that did something; ``rollover_sensor``, which places queued runs, looks every daemon
+pass and acts as soon as a run is submitted or a trainer exits (``_control_sensor``'s
+``prompt``), ``recovery_sensor`` every third. ``checkpoint_sensor`` turns each new verified row of ``checkpoints`` into a
 ``checkpoints`` materialization and a run of ``checkpoint_evals`` for partition
 ``<run_id>:<step>`` (a checkpoint already scored in ``eval_scores``, e.g. seen again by a fresh
 Dagster instance over an existing lake, is not evaluated again); ``traffic_sensor``
@@ -14,6 +16,7 @@ selection since its last profile (an experiment never built is left to its first
 """
 
 import json
+import time
 from datetime import datetime
 from typing import Any
 
@@ -38,7 +41,7 @@ def _ts(value: datetime) -> str:
 
 
 @dg.sensor(name="checkpoint_sensor", asset_selection=[CHECKPOINT_EVALS],
-           minimum_interval_seconds=every_passes(2), default_status=dg.DefaultSensorStatus.RUNNING,
+           minimum_interval_seconds=every_passes(1), default_status=dg.DefaultSensorStatus.RUNNING,
            description="Each new verified checkpoint requests checkpoint_evals for it, unless "
                        "it is already scored.")
 def checkpoint_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
@@ -51,7 +54,12 @@ def _request_checkpoint_evals(context: dg.SensorEvaluationContext,
                                                                                  "keys": []}
     if not lake.exists("checkpoints"):
         return dg.SkipReason("no checkpoints yet")
-    rows = [r for r in lake.read("checkpoints").to_pylist() if r["verified"]]
+    # Every daemon pass: the table is read only when a commit changed it since the last look.
+    snapshot = lake.snapshot_id("checkpoints")
+    if snapshot is not None and cursor.get("snapshot") == snapshot:
+        return dg.SkipReason("no new verified checkpoints")
+    rows = [r for r in lake.read("checkpoints", snapshot_id=snapshot).to_pylist()
+            if r["verified"]]
     fresh = [r for r in rows if _ts(r["received_at"]) > cursor["t"] or (
         _ts(r["received_at"]) == cursor["t"]
         and checkpoint_partition_key(r["run_id"], r["step"]) not in cursor["keys"])]
@@ -61,7 +69,8 @@ def _request_checkpoint_evals(context: dg.SensorEvaluationContext,
             "SELECT DISTINCT run_id, step FROM eval_scores WHERE kind = 'checkpoint'"
         ).to_pylist()}
     if not fresh:
-        return dg.SkipReason("no new verified checkpoints")
+        return dg.SensorResult(cursor=json.dumps({**cursor, "snapshot": snapshot}),
+                               skip_reason="no new verified checkpoints")
     fresh.sort(key=lambda r: (r["received_at"], r["run_id"], r["step"]))
     keys = sorted({checkpoint_partition_key(r["run_id"], r["step"]) for r in fresh})
     context.instance.add_dynamic_partitions(CHECKPOINT_PARTITIONS, keys)
@@ -85,24 +94,44 @@ def _request_checkpoint_evals(context: dg.SensorEvaluationContext,
                                       tags={"factory/run-id": r["run_id"],
                                             "factory/step": str(r["step"]), EVAL_TAG: "1"}))
     if not requests:
-        return dg.SensorResult(cursor=_cursor_after(fresh, rows),
+        return dg.SensorResult(cursor=_cursor_after(fresh, rows, snapshot),
                                skip_reason="new checkpoints are already scored")
-    return dg.SensorResult(run_requests=requests, cursor=_cursor_after(fresh, rows))
+    return dg.SensorResult(run_requests=requests, cursor=_cursor_after(fresh, rows, snapshot))
 
 
-def _cursor_after(fresh: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+def _cursor_after(fresh: list[dict[str, Any]], rows: list[dict[str, Any]],
+                  snapshot: int | None) -> str:
     last = fresh[-1]["received_at"]
     at_last = [checkpoint_partition_key(r["run_id"], r["step"]) for r in rows
                if r["received_at"] == last]
-    return json.dumps({"t": _ts(last), "keys": sorted(at_last)})
+    return json.dumps({"t": _ts(last), "keys": sorted(at_last), "snapshot": snapshot})
 
 
-def _control_sensor(name: str, steps: tuple[str, ...], description: str) -> Any:
-    @dg.sensor(name=name, minimum_interval_seconds=every_passes(3),
+FULL_PASS_S = every_passes(3)
+"""Seconds between a control sensor's full passes when nothing changed (a ``prompt`` one)."""
+
+
+def _control_sensor(name: str, steps: tuple[str, ...], description: str, *,
+                    prompt: bool = False) -> Any:
+    """A sensor ticking the control loop's ``steps`` after syncing events and observing.
+
+    ``prompt``: it is evaluated every daemon pass, and makes its full pass when the plane's
+    ``pulse`` changed since its last (a run submitted, a trainer exited) or ``FULL_PASS_S``
+    went by; other passes skip after reading two snapshot ids and the live trainers' states.
+    A queued run then starts within a pass, and a finished trainer's last checkpoint reaches
+    the lake within one, where a 15-s sensor waited 7 s on average for each. Without it, a full
+    pass every ``FULL_PASS_S``."""
+
+    @dg.sensor(name=name, minimum_interval_seconds=every_passes(1) if prompt else FULL_PASS_S,
                default_status=dg.DefaultSensorStatus.RUNNING, description=description)
     def control(context: dg.SensorEvaluationContext, lake: LakeResource,
                 provider: ProviderResource):
         plane = provider.plane(lake.lake())
+        state: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
+        now = time.time()
+        if prompt and state.get("pulse") == plane.pulse() \
+                and now - float(state.get("full_at", 0.0)) < FULL_PASS_S:
+            return dg.SkipReason(f"{name}: nothing changed")
         plane.sync_events()
         plane.observe()
         report: dict[str, list[str]] = {}
@@ -111,9 +140,15 @@ def _control_sensor(name: str, steps: tuple[str, ...], description: str) -> Any:
             report[step] = [x if isinstance(x, str) else
                             str(getattr(x, "segment_id", None) or getattr(x, "job_id", ""))
                             for x in done if getattr(x, "provider", True)]
-        if not any(report.values()):
-            return dg.SkipReason(f"{name}: nothing to do")
-        return dg.SensorResult(cursor=json.dumps(report, sort_keys=True))
+        acted = any(report.values())
+        if not prompt:
+            return dg.SensorResult(cursor=json.dumps(report, sort_keys=True)) if acted \
+                else dg.SkipReason(f"{name}: nothing to do")
+        # The last report that did something stays in the cursor beside the pulse.
+        last = report if acted else {k: state.get(k, []) for k in steps}
+        cursor = json.dumps({**last, "pulse": plane.pulse(), "full_at": now}, sort_keys=True)
+        return dg.SensorResult(cursor=cursor) if acted \
+            else dg.SensorResult(cursor=cursor, skip_reason=f"{name}: nothing to do")
 
     return control
 
@@ -121,7 +156,8 @@ def _control_sensor(name: str, steps: tuple[str, ...], description: str) -> Any:
 rollover_sensor = _control_sensor(
     ROLLOVER_SENSOR, ("dispatch", "rollover"),
     "Places queued runs on the provider ladder; gives a sandbox near its deadline a "
-    "continuation from the latest verified checkpoint and stops it once that one started.")
+    "continuation from the latest verified checkpoint and stops it once that one started.",
+    prompt=True)
 recovery_sensor = _control_sensor(
     RECOVERY_SENSOR, ("early_stop", "recover"),
     "Resumes failed, NaN or silent training segments from the last good checkpoint, with "

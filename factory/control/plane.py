@@ -359,6 +359,20 @@ class ControlPlane:
         store_events(self.lake, rows)
         return len(rows)
 
+    def pulse(self) -> str:
+        """A cheap fingerprint of what a tick acts on at once: the run and segment tables'
+        snapshots (a run submitted, a segment written) and whether each live segment's trainer
+        still runs (one that exited has events to sync and a segment to end). Unchanged, a tick
+        would find nothing new but what time alone brings (a sandbox nearing its deadline, a
+        backoff ending, capacity freed elsewhere)."""
+        parts = [str(self.lake.snapshot_id("training_runs")),
+                 str(self.lake.snapshot_id("training_segments"))]
+        for seg in self.segments():
+            provider = self.by_name.get(seg.provider)
+            if seg.live and provider is not None:
+                parts.append(f"{seg.segment_id}:{int(provider.status(seg.handle).done)}")
+        return "|".join(parts)
+
     # -- observe -------------------------------------------------------------------------------
     def provider_states(self) -> dict[str, Any]:
         """The provider's status of each live segment, by segment id."""

@@ -119,25 +119,48 @@ def test_checkpoint_sensor_skips_checkpoints_already_scored(factory_home) -> Non
         assert not again.run_requests and "already scored" in str(again.skip_reason)
 
 
-def test_rollover_sensor_dispatches_a_queued_run(factory_home, make_job) -> None:
+def test_rollover_sensor_dispatches_a_queued_run_at_once(factory_home, make_job,
+                                                         monkeypatch) -> None:
+    """Evaluated every daemon pass, it acts when a run is submitted or a trainer exits, and
+    otherwise skips until a full pass is due (``FULL_PASS_S``)."""
     from factory.control.plane import ControlPlane
+    from factory.sensors import training
 
     provider = ProviderResource(local=LocalConfig(max_gpus=1))
     plane = ControlPlane(Lake(), provider.ladder(), provider.control_config())
     plane.submit(make_job("queued-run", debug={"sleep_per_step_s": 5.0}))
+    clock = [1_000_000.0]
+    monkeypatch.setattr(training.time, "time", lambda: clock[0])
     try:
         with dg.instance_for_test() as instance:
-            ctx = dg.build_sensor_context(instance=instance, resources={
-                "lake": LakeResource(), "provider": provider})
-            result = rollover_sensor(ctx)
-            assert json.loads(result.cursor) == {"dispatch": ["queued-run"], "rollover": []}
-            again = rollover_sensor(dg.build_sensor_context(
-                instance=instance, cursor=result.cursor,
-                resources={"lake": LakeResource(), "provider": provider}))
+            def tick(sensor, cursor: str | None):
+                return sensor(dg.build_sensor_context(
+                    instance=instance, cursor=cursor,
+                    resources={"lake": LakeResource(), "provider": provider}))
+
+            result = tick(rollover_sensor, None)
+            cursor = json.loads(result.cursor)
+            assert (cursor["dispatch"], cursor["rollover"]) == (["queued-run"], [])
+            assert cursor["full_at"] == clock[0] and cursor["pulse"] == plane.pulse()
+            clock[0] += training.FULL_PASS_S / 2
+            again = tick(rollover_sensor, result.cursor)
             assert isinstance(again, dg.SkipReason)  # launched once, never twice
-            assert isinstance(recovery_sensor(dg.build_sensor_context(
-                instance=instance, resources={"lake": LakeResource(),
-                                              "provider": provider})), dg.SkipReason)
+            assert "nothing changed" in str(again.skip_message)
+            # A second run submitted: the next pass places it (the ladder is full: it waits).
+            plane.submit(make_job("second-run", debug={"sleep_per_step_s": 5.0}))
+            waiting = tick(rollover_sensor, result.cursor)
+            assert isinstance(waiting, dg.SensorResult) and waiting.skip_reason is not None
+            kept = json.loads(waiting.cursor)
+            assert kept["dispatch"] == ["queued-run"]  # the last report that did something
+            assert [r.status for r in (plane.runs()["second-run"],)] == ["queued"]
+            # The first trainer stopped: its exit changes the pulse, and the same pass frees
+            # the slot and starts the waiting run.
+            plane.stop_run("queued-run")
+            assert plane.pulse() != kept["pulse"]
+            started = tick(rollover_sensor, waiting.cursor)
+            assert json.loads(started.cursor)["dispatch"] == ["second-run"]
+            assert isinstance(tick(recovery_sensor, None), dg.SkipReason)
         assert [s.provider for s in plane.segments("queued-run")] == ["local"]
     finally:
         plane.stop_run("queued-run")
+        plane.stop_run("second-run")
