@@ -86,7 +86,8 @@ def loadavg() -> list[float]:
 def run_cli(args: list[str], env: dict[str, str], *, log: Path | None = None,
          echo: bool = False) -> tuple[int, str, float]:
     """Run ``factory ARGS`` (the environment's console script, as a user would); returns (exit
-    code, stdout, seconds). stderr goes to ``log`` (and to this process's stderr with ``echo``)."""
+    code, stdout, seconds). stderr goes to ``log`` (and to this process's stderr with ``echo``,
+    each line after the seconds since the start)."""
     started = time.monotonic()
     factory = Path(sys.executable).with_name("factory")
     proc = subprocess.Popen([str(factory), *args], env=env, cwd=ROOT,
@@ -97,8 +98,9 @@ def run_cli(args: list[str], env: dict[str, str], *, log: Path | None = None,
         assert proc.stderr is not None
         for line in proc.stderr:
             err_lines.append(line)
-            if echo:
-                print("    " + line.rstrip(), file=sys.stderr, flush=True)
+            if echo:  # with the seconds since the command started: where a run's time goes
+                print(f"{time.monotonic() - started:7.1f} s  {line.rstrip()}", file=sys.stderr,
+                      flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
