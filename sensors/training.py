@@ -44,8 +44,14 @@ def _ts(value: datetime) -> str:
            minimum_interval_seconds=every_passes(1), default_status=dg.DefaultSensorStatus.RUNNING,
            description="Each new verified checkpoint requests checkpoint_evals for it, unless "
                        "it is already scored.")
-def checkpoint_sensor(context: dg.SensorEvaluationContext, lake: LakeResource):
-    return _request_checkpoint_evals(context, lake.lake())
+def checkpoint_sensor(context: dg.SensorEvaluationContext, lake: LakeResource,
+                      provider: ProviderResource):
+    # A trainer that exited wrote its last checkpoint event: synced here, it is evaluated this
+    # pass, not after the control sensor's next one (which may come later in the same pass).
+    plane = provider.plane(lake.lake())
+    if plane.exited():
+        plane.sync_events()
+    return _request_checkpoint_evals(context, plane.lake)
 
 
 def _request_checkpoint_evals(context: dg.SensorEvaluationContext,

@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,10 +185,18 @@ def daemon_command(workspace: Path) -> list[str]:
 
 
 @contextmanager
-def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | None]:
+def ensure_daemon(inst: Any, progress: Any = None, *,
+                  before_daemon: Callable[[], object] | None = None
+                  ) -> Iterator[StartedDaemon | None]:
     """A daemon for ``inst`` while the block runs: yields None when one was already running,
-    else the processes started here (stopped when the block ends, also on an error)."""
+    else the processes started here (stopped when the block ends, also on an error).
+
+    ``before_daemon`` is called once before the block, after the code server started (while it
+    booted, the caller's work in another thread could go on) and before the daemon does, whose
+    sensors then see what it did: ``factory run`` queues its chain's first run there."""
     if daemon_running(inst):
+        if before_daemon is not None:
+            before_daemon()
         yield None
         return
     settings = get_settings().ensure()
@@ -199,7 +207,7 @@ def ensure_daemon(inst: Any, progress: Any = None) -> Iterator[StartedDaemon | N
     if progress:
         progress(f"  starting the Dagster daemon (logs {daemon_log}, {server_log})")
     try:
-        with _daemon(inst, env, server_log, daemon_log) as started:
+        with _daemon(inst, env, server_log, daemon_log, before_daemon) as started:
             yield started
     finally:
         # The stopped daemon's sensors no longer observe the control plane: a run whose step
@@ -221,12 +229,14 @@ def _end_ownerless_runs() -> None:
 
 
 @contextmanager
-def _daemon(inst: Any, env: dict[str, str], server_log: Path,
-            daemon_log: Path) -> Iterator[StartedDaemon]:
+def _daemon(inst: Any, env: dict[str, str], server_log: Path, daemon_log: Path,
+            before_daemon: Callable[[], object] | None = None) -> Iterator[StartedDaemon]:
     settings = get_settings().ensure()
     with ExitStack() as stack:
         # Stopped in reverse: the daemon first (no run is launched through a stopped server).
         server, port = stack.enter_context(code_server(server_log, env))
+        if before_daemon is not None:
+            before_daemon()
         workspace = settings.home / WORKSPACE_FILE
         workspace.write_text(workspace_yaml(port))
         daemon = stack.enter_context(_process(daemon_command(workspace), daemon_log, env))

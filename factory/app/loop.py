@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -74,26 +75,30 @@ def run_experiment(name: str, *, progress: Progress = _print, deploy: bool = Tru
     if not inst.has_dynamic_partition("experiments", experiment.name):
         inst.add_dynamic_partitions("experiments", [experiment.name])
     started = time.monotonic()
-    # Queued before the daemon starts: its experiments sensor then sees this file's chain
-    # as started and does not start a second one.
+    # Queued before the daemon starts (below): its experiments sensor then sees this file's
+    # chain as started and does not start a second one.
     tags = {"factory/experiment": experiment.name, "factory/trigger": "factory run",
             "factory/reason": "factory run", "factory/experiment-sha": experiment_sha(experiment)}
     if not deploy:
         tags["factory/deploy"] = "manual"
-    start = submit("start_experiment_job", experiment.name, tags)
-    progress(f"[{experiment.name}] chain {start}: dataset -> plan -> training (evals as "
-             f"checkpoints land) -> best checkpoint"
-             + (" -> deployment" if deploy and experiment.deploy == "auto" else ""))
-    with ensure_daemon(inst, progress):
-        try:
-            outcome = follow(inst, start, progress, poll_s=poll_s)
-        except KeyboardInterrupt:
-            interrupt_handled()
-            progress("  interrupted: cancelling the chain ...")
+    # `dagster job launch` in a process of its own (seconds: Dagster and the definitions) while
+    # the code server boots; the daemon starts once it returned, and its sensors see the chain.
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(submit, "start_experiment_job", experiment.name, tags)
+        with ensure_daemon(inst, progress, before_daemon=queued.result):
+            start = queued.result()
+            progress(f"[{experiment.name}] chain {start}: dataset -> plan -> training (evals "
+                     f"as checkpoints land) -> best checkpoint"
+                     + (" -> deployment" if deploy and experiment.deploy == "auto" else ""))
+            try:
+                outcome = follow(inst, start, progress, poll_s=poll_s)
+            except KeyboardInterrupt:
+                interrupt_handled()
+                progress("  interrupted: cancelling the chain ...")
 
-            with signals_ignored():  # a second Ctrl-C must not leave the trainer running
-                _stop(inst, start, progress)
-            raise
+                with signals_ignored():  # a second Ctrl-C must not leave the trainer running
+                    _stop(inst, start, progress)
+                raise
     progress(f"[{experiment.name}] {outcome}")
     out = summary(Lake(), experiment.name)
     if out["best_score_interval"]:

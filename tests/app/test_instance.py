@@ -25,12 +25,13 @@ from factory.app.instance import (
     CODE_LOCATION,
     code_server,
     code_server_command,
+    daemon_running,
     ensure_daemon,
     instance,
     listening_sockets,
 )
 from factory.dagster_runs import SENSOR_STALE_S, sensors_ticking
-from factory.process import is_alive
+from factory.process import LISTEN, is_alive, tcp_sockets
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -63,8 +64,17 @@ def test_the_started_daemon_works_on_the_code_server_started_beside_it(
         factory_home: Path) -> None:
     inst = instance()
     assert not sensors_ticking(inst)
-    with pytest.raises(Boom), ensure_daemon(inst) as started:
+    # What `factory run` queues before the daemon starts: called once the code server answers,
+    # before the daemon runs.
+    seen: list[tuple[bool, set[int]]] = []
+
+    def before_daemon() -> None:
+        listening = {port for port, state, _ in tcp_sockets() or [] if state == LISTEN}
+        seen.append((daemon_running(inst), listening))
+
+    with pytest.raises(Boom), ensure_daemon(inst, before_daemon=before_daemon) as started:
         assert started is not None
+        assert len(seen) == 1 and seen[0][0] is False and started.port in seen[0][1]
         assert started.workspace == factory_home / "daemon-workspace.yaml"
         assert yaml.safe_load(started.workspace.read_text()) == {"load_from": [{"grpc_server": {
             "host": "127.0.0.1", "port": started.port, "location_name": CODE_LOCATION}}]}
@@ -77,8 +87,8 @@ def test_the_started_daemon_works_on_the_code_server_started_beside_it(
         # The sensors were evaluated, and the daemon's session holds the daemon alone: it
         # started no code server of its own.
         assert _group(started.pid) == [started.pid]
-        with ensure_daemon(inst) as again:
-            assert again is None
+        with ensure_daemon(inst, before_daemon=lambda: seen.append((True, set()))) as again:
+            assert again is None and len(seen) == 2  # one running: called before the block
         raise Boom
     for pid in (started.pid, started.code_server_pid):
         assert not is_alive(pid) and not _group(pid)

@@ -18,6 +18,8 @@ from factory.sensors.training import (
     traffic_sensor,
 )
 
+CHECKPOINT_RESOURCES = {"lake": LakeResource(), "provider": ProviderResource()}
+
 
 def _row(run_id: str, step: int, t: int, verified: bool = True) -> dict:
     return {"run_id": run_id, "experiment": "demo", "step": step, "path": f"/c/{step}",
@@ -29,7 +31,7 @@ def test_checkpoint_sensor_requests_evals_once_per_checkpoint(factory_home) -> N
     lake = Lake()
     lake.append("checkpoints", [_row("r1", 2, 1), _row("r1", 4, 2), _row("r1", 6, 3, False)])
     with dg.instance_for_test() as instance:
-        ctx = dg.build_sensor_context(instance=instance, resources={"lake": LakeResource()})
+        ctx = dg.build_sensor_context(instance=instance, resources=CHECKPOINT_RESOURCES)
         result = checkpoint_sensor(ctx)
         assert [r.partition_key for r in result.run_requests] == ["r1:2", "r1:4"]
         assert all(r.asset_selection == [CHECKPOINT_EVALS] for r in result.run_requests)
@@ -41,11 +43,11 @@ def test_checkpoint_sensor_requests_evals_once_per_checkpoint(factory_home) -> N
         assert len(mats) == 2
 
         again = checkpoint_sensor(dg.build_sensor_context(
-            instance=instance, cursor=result.cursor, resources={"lake": LakeResource()}))
+            instance=instance, cursor=result.cursor, resources=CHECKPOINT_RESOURCES))
         assert isinstance(again, dg.SkipReason)
         lake.append("checkpoints", [_row("r1", 8, 4)])
         third = checkpoint_sensor(dg.build_sensor_context(
-            instance=instance, cursor=result.cursor, resources={"lake": LakeResource()}))
+            instance=instance, cursor=result.cursor, resources=CHECKPOINT_RESOURCES))
         assert [r.partition_key for r in third.run_requests] == ["r1:8"]
 
 
@@ -108,14 +110,14 @@ def test_checkpoint_sensor_skips_checkpoints_already_scored(factory_home) -> Non
                                  "kind": "checkpoint", "score": 0.5, "status": "ok"}])
     with dg.instance_for_test() as instance:
         result = checkpoint_sensor(dg.build_sensor_context(
-            instance=instance, resources={"lake": LakeResource()}))
+            instance=instance, resources=CHECKPOINT_RESOURCES))
         assert [r.partition_key for r in result.run_requests] == ["r1:4"]
         assert result.run_requests[0].tags["factory/eval"] == "1"
         lake.append("eval_scores", [{"run_id": "r1", "experiment": "demo", "step": 4,
                                      "kind": "checkpoint", "score": 0.5, "status": "ok"}])
     with dg.instance_for_test() as fresh:
         again = checkpoint_sensor(dg.build_sensor_context(
-            instance=fresh, resources={"lake": LakeResource()}))
+            instance=fresh, resources=CHECKPOINT_RESOURCES))
         assert not again.run_requests and "already scored" in str(again.skip_reason)
 
 
@@ -164,3 +166,25 @@ def test_rollover_sensor_dispatches_a_queued_run_at_once(factory_home, make_job,
     finally:
         plane.stop_run("queued-run")
         plane.stop_run("second-run")
+
+
+def test_checkpoint_sensor_syncs_a_trainer_that_exited(factory_home, make_job) -> None:
+    """A trainer's last checkpoint is evaluated on the checkpoint sensor's first look after the
+    trainer exited, without waiting for a control sensor to sync its events."""
+    import time
+
+    from factory.control.plane import ControlPlane
+
+    provider = ProviderResource(local=LocalConfig(max_gpus=1))
+    plane = ControlPlane(Lake(), provider.ladder(), provider.control_config())
+    plane.submit(make_job("short-run", num_steps=4, checkpoint_every_steps=4))
+    plane.dispatch()
+    deadline = time.monotonic() + 300
+    while not plane.exited():  # the trainer's exit is the event waited on
+        assert time.monotonic() < deadline, "the tiny trainer did not exit in 300 s"
+        time.sleep(0.2)
+    assert not Lake().exists("checkpoints") or not Lake().read("checkpoints").num_rows
+    with dg.instance_for_test() as instance:
+        result = checkpoint_sensor(dg.build_sensor_context(
+            instance=instance, resources={"lake": LakeResource(), "provider": provider}))
+        assert [r.partition_key for r in result.run_requests] == ["short-run:4"]
