@@ -15,9 +15,9 @@ and dropped, by reason (``num_dropped_too_long_for_plan``...), and the plan's pr
 seconds beside the measured ones. While the run trains, the step's log says the pace it observes
 against the plan's (``factory.planner.pace``: the prediction corrected by the run's own steps)
 as soon as three steps show it, and again when it moves; a run that ended well on this machine
-leaves its pace for the host's next plans (``factory.planner.pace.record_run_pace``). A run that fails (a data error of
-the trainer's, say) fails the step with the run's reason; a run the evals stopped early ends the
-step once the trainer's stop checkpoint is in the lake. Interrupted (Ctrl-C, or the Dagster run
+leaves its pace for the host's next plans (``factory.planner.pace.record_run_pace``). A run
+that fails (a data error of the trainer's, say) fails the step with the run's reason; a run the
+evals stopped early ends the step once the trainer's stop checkpoint is in the lake. Interrupted (Ctrl-C, or the Dagster run
 terminated), the step cancels the trainer run before it ends.
 """
 

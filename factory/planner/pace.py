@@ -171,11 +171,12 @@ def record_run_pace(plan: Mapping[str, Any], events: Iterable[Mapping[str, Any]]
                     ) -> str | None:
     """Keep a finished run's pace for this host's next plans (``factory.planner.host.
     record_pace``): its observed seconds a step over what the plan's calibrated rates predicted
-    (the plan's ``step_seconds`` less its ``step_factor``). Only for a CPU plan made with this
-    host's calibrated constants (``time_model`` ``calibrated``) whose trainer ran on this host;
-    ``cache``: the time-model folder (default ``host.time_model_cache()``); ``recipe``: the
+    (the plan's ``step_seconds`` divided by its ``step_factor``). Only for a CPU plan made with
+    this host's calibrated constants (``time_model`` ``calibrated``) whose trainer ran on this
+    host; ``cache``: the time-model folder (default ``host.time_model_cache()``); ``recipe``: the
     plan's (default: the shipped recipe it names). Returns the line to log, or None when nothing
-    was kept."""
+    was kept; a cache that cannot be read or written is said in the line, and the run it
+    follows stands."""
     from factory.planner import host
     from factory.recipes import RecipeError, load_recipe
 
@@ -194,8 +195,11 @@ def record_run_pace(plan: Mapping[str, Any], events: Iterable[Mapping[str, Any]]
     steps, step_s = seen
     factor = float(estimates.get("step_factor") or 1.0)
     ratio = step_s * factor / float(estimates["step_seconds"])
-    kept = host.record_pace(folder, recipe, str(values.get("precision", "bf16-autocast")),
-                            ratio=ratio, steps=steps, run_id=run_id)
+    try:
+        kept = host.record_pace(folder, recipe, str(values.get("precision", "bf16-autocast")),
+                                ratio=ratio, steps=steps, run_id=run_id)
+    except (OSError, ValueError) as exc:
+        return f"this host's pace (x{ratio:.2f}) not kept: {exc}"
     if kept is None:
         return None
     return (f"this host's pace kept for its next plans: {step_s:.3g} s a step over {steps} "

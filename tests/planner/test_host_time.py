@@ -334,3 +334,13 @@ def test_a_finished_runs_pace_is_kept_against_the_calibrated_rates(tmp_path: Pat
     assert record_run_pace(plan, _steady(5, 2.0), run_id="run-4", cache=tmp_path,
                            recipe=recipe) is None
     assert record_run_pace(plan, _steady(30, 2.0), run_id="run-5", cache=tmp_path) is None
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_run_standing(tmp_path: Path) -> None:
+    recipe = replace(tiny_recipe(), name="smollm2-135m-lora")
+    plan = make_plan(experiment(), profile(), recipe=recipe, time_cache=tmp_path).to_dict()
+    cache_path(tmp_path, host_key()).write_text("{not json")
+    line = record_run_pace(plan, _steady(30, 2.0), run_id="run-1", cache=tmp_path,
+                           recipe=recipe)
+    assert line is not None and line.startswith("this host's pace (x")
+    assert "not kept" in line and "delete it" in line
