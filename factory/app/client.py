@@ -145,8 +145,9 @@ def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0
     the chain stops short (a failed run: its step's message), or when no daemon moves it on
     any more (``factory ui``'s, say, stopped: its heartbeats older than ``DAEMON_STALE_S``).
 
-    Looks every ``poll_s`` seconds after a run's status changed, up to every ``quiet_poll_s``
-    while none does (``sleep`` waits). ``chain_sensor`` records the outcome once the chain's
+    Looks every ``poll_s`` seconds after a run's status changed and while every run of the
+    chain has ended (the next step or the outcome is a sensor pass away), up to every
+    ``quiet_poll_s`` while one runs and none changes (``sleep`` waits). ``chain_sensor`` records the outcome once the chain's
     runs have ended, so its cursors are read then, and every ``DAEMON_CHECK_S`` while one still
     runs."""
     statuses: dict[str, str] = {}
@@ -181,16 +182,18 @@ def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0
         if start.status in FAILED:
             raise ChainFailed(f"{_label(start)} failed: {failure_message(inst, start_run)}")
         outcome = None
-        if start.status.value == "SUCCESS" and (
-                all(r.status in FINISHED for r in runs)
-                or time.monotonic() - outcome_checked >= DAEMON_CHECK_S):
+        ended = start.status.value == "SUCCESS" and all(r.status in FINISHED for r in runs)
+        if ended or (start.status.value == "SUCCESS"
+                     and time.monotonic() - outcome_checked >= DAEMON_CHECK_S):
             outcome_checked = time.monotonic()
             outcome = loop_outcome(inst, start_run)
         if outcome is not None:
             if outcome == "deployed" or outcome.startswith("best checkpoint selected"):
                 return outcome
             raise ChainFailed(outcome)
-        wait = poll_s if changed else min(wait * 1.5, max(quiet_poll_s, poll_s))
+        # Every run ended: chain_sensor's next pass starts the next one or records the outcome,
+        # seconds away, so the looks keep the poll interval.
+        wait = poll_s if changed or ended else min(wait * 1.5, max(quiet_poll_s, poll_s))
         sleep(wait)
         raise_pending()  # a SIGTERM whose exception a finalizer swallowed
 

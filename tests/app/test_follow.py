@@ -78,3 +78,18 @@ def test_a_change_brings_the_looks_back_to_the_poll_interval(
         assert client.follow(inst, start.run_id, lambda _line: None, poll_s=1.0,
                              quiet_poll_s=4.0, sleep=sleep) == "deployed"
     assert waits == [1.0, 1.5, 2.25, 1.0, 1.5, 2.25]
+
+
+def test_once_every_run_ended_the_looks_keep_the_poll_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain's runs all ended and chain_sensor has not recorded the outcome yet: it will
+    within a pass, and each look waits ``poll_s``, not longer and longer."""
+    with dg.DagsterInstance.ephemeral() as inst:
+        start, train = _training_chain(inst)
+        _succeed(inst, train)
+        waits: list[float] = []
+        monkeypatch.setattr(client, "loop_outcome", lambda _i, _c: (
+            "deployed" if len(waits) >= 4 else None))
+        assert client.follow(inst, start.run_id, lambda _line: None, poll_s=1.0,
+                             quiet_poll_s=4.0, sleep=waits.append) == "deployed"
+    assert waits == [1.0, 1.0, 1.0, 1.0]
