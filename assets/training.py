@@ -17,8 +17,9 @@ against the plan's (``factory.planner.pace``: the prediction corrected by the ru
 as soon as three steps show it, and again when it moves; a run that ended well on this machine
 leaves its pace for the host's next plans (``factory.planner.pace.record_run_pace``). A run
 that fails (a data error of the trainer's, say) fails the step with the run's reason; a run the
-evals stopped early ends the step once the trainer's stop checkpoint is in the lake. Interrupted (Ctrl-C, or the Dagster run
-terminated), the step cancels the trainer run before it ends.
+evals stopped early ends the step once the trainer's stop checkpoint is in the lake.
+Interrupted (Ctrl-C, or the Dagster run terminated), the step cancels the trainer run before it
+ends.
 """
 
 import dataclasses

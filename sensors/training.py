@@ -6,7 +6,8 @@ idempotent over the lake: a continuation or recovery is recorded as a segment be
 tick looks again, so a re-evaluated tick launches nothing twice. Their cursors hold the last
 report that did something; ``rollover_sensor``, which places queued runs, looks every daemon
 pass and acts as soon as a run is submitted or a trainer exits (``_control_sensor``'s
-``prompt``), ``recovery_sensor`` every third. ``checkpoint_sensor`` turns each new verified row of ``checkpoints`` into a
+``prompt``), ``recovery_sensor`` every third. ``checkpoint_sensor`` (every pass; it syncs the
+events of a trainer that exited) turns each new verified row of ``checkpoints`` into a
 ``checkpoints`` materialization and a run of ``checkpoint_evals`` for partition
 ``<run_id>:<step>`` (a checkpoint already scored in ``eval_scores``, e.g. seen again by a fresh
 Dagster instance over an existing lake, is not evaluated again); ``traffic_sensor``

@@ -147,9 +147,9 @@ def follow(inst: Any, start_run: str, progress: Progress, *, poll_s: float = 1.0
 
     Looks every ``poll_s`` seconds after a run's status changed and while every run of the
     chain has ended (the next step or the outcome is a sensor pass away), up to every
-    ``quiet_poll_s`` while one runs and none changes (``sleep`` waits). ``chain_sensor`` records the outcome once the chain's
-    runs have ended, so its cursors are read then, and every ``DAEMON_CHECK_S`` while one still
-    runs."""
+    ``quiet_poll_s`` while one runs and none changes (``sleep`` waits). ``chain_sensor``
+    records the outcome once the chain's runs have ended, so its cursors are read then, and
+    every ``DAEMON_CHECK_S`` while one still runs."""
     statuses: dict[str, str] = {}
     checked = outcome_checked = time.monotonic()
     wait = poll_s
