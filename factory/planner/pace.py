@@ -25,12 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from factory.planner.host import record_pace, time_model_cache
 from factory.planner.timing import duration
-
-if TYPE_CHECKING:
-    from factory.recipes import Recipe
+from factory.recipes import Recipe, RecipeError, load_recipe
 
 MIN_STEPS = 3
 """Steps (past the first logged one) before the observed pace replaces the plan's."""
@@ -173,18 +172,15 @@ def record_run_pace(plan: Mapping[str, Any], events: Iterable[Mapping[str, Any]]
     record_pace``): its observed seconds a step over what the plan's calibrated rates predicted
     (the plan's ``step_seconds`` divided by its ``step_factor``). Only for a CPU plan made with
     this host's calibrated constants (``time_model`` ``calibrated``) whose trainer ran on this
-    host; ``cache``: the time-model folder (default ``host.time_model_cache()``); ``recipe``: the
+    host; ``cache``: the time-model folder (default ``time_model_cache()``); ``recipe``: the
     plan's (default: the shipped recipe it names). Returns the line to log, or None when nothing
     was kept; a cache that cannot be read or written is said in the line, and the run it
     follows stands."""
-    from factory.planner import host
-    from factory.recipes import RecipeError, load_recipe
-
     values, estimates = plan.get("values") or {}, plan.get("estimates") or {}
     if values.get("time_model") != "calibrated" or not estimates.get("step_seconds"):
         return None
     seen = observed_step_seconds(events)
-    folder = cache if cache is not None else host.time_model_cache()
+    folder = cache if cache is not None else time_model_cache()
     if seen is None or folder is None:
         return None
     if recipe is None:
@@ -196,7 +192,7 @@ def record_run_pace(plan: Mapping[str, Any], events: Iterable[Mapping[str, Any]]
     factor = float(estimates.get("step_factor") or 1.0)
     ratio = step_s * factor / float(estimates["step_seconds"])
     try:
-        kept = host.record_pace(folder, recipe, str(values.get("precision", "bf16-autocast")),
+        kept = record_pace(folder, recipe, str(values.get("precision", "bf16-autocast")),
                                 ratio=ratio, steps=steps, run_id=run_id)
     except (OSError, ValueError) as exc:
         return f"this host's pace (x{ratio:.2f}) not kept: {exc}"
