@@ -367,22 +367,14 @@ class ControlPlane:
         backoff ending, capacity freed elsewhere)."""
         parts = [str(self.lake.snapshot_id("training_runs")),
                  str(self.lake.snapshot_id("training_segments"))]
-        parts += [f"{seg.segment_id}:{int(done)}" for seg, done in self._live_trainers()]
+        parts += [f"{seg_id}:{int(status.done)}"
+                  for seg_id, status in sorted(self.provider_states().items())]
         return "|".join(parts)
 
-    def exited(self) -> list[Segment]:
-        """Live segments whose trainer has exited: their last events (a final checkpoint)
-        are in their files, and no ``observe`` has ended them yet."""
-        return [seg for seg, done in self._live_trainers() if done]
-
-    def _live_trainers(self) -> list[tuple[Segment, bool]]:
-        """Each live segment of a provider on the ladder, and whether its trainer is done."""
-        out = []
-        for seg in self.segments():
-            provider = self.by_name.get(seg.provider)
-            if seg.live and provider is not None:
-                out.append((seg, provider.status(seg.handle).done))
-        return out
+    def exited(self) -> list[str]:
+        """Live segments (their ids) whose trainer has exited: their last events (a final
+        checkpoint) are in their files, and no ``observe`` has ended them yet."""
+        return [seg_id for seg_id, status in self.provider_states().items() if status.done]
 
     # -- observe -------------------------------------------------------------------------------
     def provider_states(self) -> dict[str, Any]:

@@ -193,7 +193,7 @@ def record_run_pace(plan: Mapping[str, Any], events: Iterable[Mapping[str, Any]]
     ratio = step_s * factor / float(estimates["step_seconds"])
     try:
         kept = record_pace(folder, recipe, str(values.get("precision", "bf16-autocast")),
-                                ratio=ratio, steps=steps, run_id=run_id)
+                           ratio=ratio, steps=steps, run_id=run_id)
     except (OSError, ValueError) as exc:
         return f"this host's pace (x{ratio:.2f}) not kept: {exc}"
     if kept is None:
