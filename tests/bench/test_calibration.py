@@ -30,15 +30,51 @@ def test_experiment_file_has_planner_defaults_and_the_seed(task: str) -> None:
 def test_clinc_test_set_has_every_intent_and_no_training_query() -> None:
     training = cal.training_examples("clinc150", 0, 0, 10)
     assert len(training) == 1500
-    test = cal.clinc_test(300, 1, training)
+    test = cal.public_test("clinc150", 300, 1, training)
     by_label = Counter(r["label"] for r in test)
     assert len(test) == 300 and set(by_label) == set(pd.labels("clinc150"))
     assert set(by_label.values()) == {2}
     train_texts = {e["text"].lower() for e in training}
     assert not {r["messages"][-1]["content"].lower() for r in test} & train_texts
-    assert test == cal.clinc_test(300, 1, training)
-    assert test != cal.clinc_test(300, 2, training)
-    assert len(cal.clinc_test(200, 1, training)) == 200
+    assert test == cal.public_test("clinc150", 300, 1, training)
+    assert test != cal.public_test("clinc150", 300, 2, training)
+    assert len(cal.public_test("clinc150", 200, 1, training)) == 200
+    # the whole official test split, less the two queries that are training texts here too
+    whole = cal.public_test("clinc150", 4500, 1, cal.training_examples("clinc150", 0, 0, 0))
+    assert len(whole) == 4498 and len(pd.load("clinc150", "test")) == 4500
+
+
+def test_snips_trains_per_intent_and_tests_on_the_whole_official_split() -> None:
+    training = cal.training_examples("snips", 0, 0, 10)
+    assert len(training) == 70 and set(Counter(e["label"] for e in training).values()) == {10}
+    assert len(cal.training_examples("snips", 0, 0, 0)) == 13084  # 0: the whole train split
+    test = cal.test_sets("snips", cal.DEFAULT_TEST["snips"], 0, training)["test"]
+    official = pd.load("snips", "test")
+    assert [r["messages"][1]["content"] for r in test] == [e["text"] for e in official]
+    assert test[0]["slots"] == official[0]["slots"] and test[0]["label"] == official[0]["label"]
+    assert test[0]["messages"][0]["content"] == pd.system_prompt("snips")
+    records = cal.training_records("snips", 0, 0, 10)
+    assert len(records) == 70
+    assert records[0]["response"]["choices"][0]["message"]["content"] == pd.gold_answer(
+        "snips", training[0])
+
+
+def test_snips_scores_exact_json_intent_and_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    requests = [{"messages": [], "label": "GetWeather", "slots": {"city": "paris"}},
+                {"messages": [], "label": "PlayMusic", "slots": {"artist": "adele"}},
+                {"messages": [], "label": "RateBook", "slots": {}}]
+    answers = ['{"intent":"GetWeather","slots":{"city":"Paris"}}',   # right (case-blind)
+               '{"intent":"PlayMusic","slots":{"artist":"adel"}}',   # intent right, slot wrong
+               "RateBook"]                                            # does not parse
+    monkeypatch.setattr(cal, "ask_all", lambda *a, **k: (answers, 1.0))
+    got = cal.score_snips("http://x", "m", requests, 1)
+    assert got["scores"] == [1.0, 0.0, 0.0] and got["exact"] == pytest.approx(1 / 3)
+    assert got["intent_accuracy"] == pytest.approx(2 / 3)
+    assert got["slot_f1"] == pytest.approx(2 * 1 / (2 * 1 + 1 + 1))  # tp 1, fp 1, fn 1
+    acc = cal.accuracy(got)
+    assert acc["intent_accuracy"] == got["intent_accuracy"] and acc["slot_f1"] == got["slot_f1"]
+    note = cal.ledger_note("snips", {"deployed": acc, "base": acc})
+    assert "deployed: intent accuracy 66.7, slot F1 50.0" in note
 
 
 def test_fresh_extractions_are_unlike_every_training_message() -> None:
