@@ -81,12 +81,15 @@ def items_from_samples(rows: Sequence[dict[str, Any]]) -> list[EvalItem]:
 
 
 def build_rubric(items: Sequence[EvalItem], *, judge: Any = None,
-                 max_examples: int = 200) -> Rubric:
-    """Code-checkable criteria inferred from the references; for free text with an
-    ``LLMJudge``, plus the task-specific criteria it writes from a handful of examples (labels,
-    JSON and tool calls are checked exactly, and an opinion would only blur that)."""
+                 max_examples: int = 200, references: Sequence[Answer] = ()) -> Rubric:
+    """Code-checkable criteria inferred from the references (the first ``max_examples`` items'
+    and ``references``, more answers of the task such as its training set's); for free text
+    with an ``LLMJudge``, plus the task-specific criteria it writes from a handful of the
+    items (labels, JSON and tool calls are checked exactly, and an opinion would only blur
+    that)."""
     sample = list(items)[:max_examples]
-    rubric = infer_rubric([i.reference for i in sample], tools=[i.tools for i in sample])
+    rubric = infer_rubric([*(i.reference for i in sample), *references],
+                          tools=[i.tools for i in sample])
     if isinstance(judge, LLMJudge) and rubric.kind == "free_text":
         extra = judge.propose_criteria(sample)
         taken = {c.name for c in rubric.criteria}

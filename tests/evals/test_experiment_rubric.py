@@ -69,3 +69,31 @@ def test_a_named_rubric_is_refused_with_the_fix(factory_home: Path,
                                         "use 'auto' or an inline mapping"):
         experiment_rubric(_session(), load_experiment("support"), judge=_no_judge)
     assert not Lake().exists("rubrics")
+
+
+def test_labels_that_repeat_only_across_the_training_set_are_labels(
+        factory_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A phrasing split of a many-label task can hold each label once in the eval set
+    (CLINC150 at 10 a intent); the training answers make them repeat, so the rubric checks the
+    exact label, offers every one (also a label the eval set lacks) and constrains to them."""
+    from factory.evals.rubric import structured_outputs
+
+    write_experiment(factory_home, monkeypatch, HEAD + "eval: {rubric: auto}\n")
+    labels = [f"intent_{i:02d}" for i in range(30)]
+
+    def rows(table: str, answers: list[str]) -> list[dict[str, Any]]:
+        return [{"experiment": "support", "sample_id": f"{table}-{i:03d}",
+                 "messages": json.dumps([{"role": "user", "content": f"q{i}"},
+                                         {"role": "assistant", "content": a}]),
+                 "tools": "[]", "split": table, "split_group": f"{table}{i}"}
+                for i, a in enumerate(answers)]
+
+    Lake().append("dataset_eval", rows("eval", labels[:20]))  # once each, 10 labels missing
+    alone = experiment_rubric(_session(), load_experiment("support"), judge=EmbeddedJudge)
+    assert alone.kind == "free_text"  # what the eval set alone reads as
+    Lake().append("dataset_train", rows("train", [label for label in labels for _ in range(9)]))
+    rubric = experiment_rubric(_session(), load_experiment("support"), judge=EmbeddedJudge)
+    assert rubric.kind == "labels" and rubric.num_examples == 20 + 270
+    assert rubric.criteria[0].params["labels"] == labels
+    constraint = structured_outputs(rubric)
+    assert constraint is not None and "intent_29" in constraint["choice"]
