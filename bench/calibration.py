@@ -63,7 +63,8 @@ per run, for the deployment and the base model: nothing is chosen on it. The set
 test split of ``bench/splits.py`` (the seeds above; the public datasets' official test splits) and every
 score is appended to its ledger (``--ledger``, default ``bench/test_ledger.jsonl``); ``--split
 dev`` draws them from the dev split instead (seeds + ``DEV_OFFSET``; the public datasets' dev splits),
-for choosing planner defaults, and records nothing. ``--plumbing`` runs a tiny plan
+for choosing planner defaults, and records nothing; there ``--overrides`` (plan values as JSON)
+measures a lever against the planner's defaults. ``--plumbing`` runs a tiny plan
 (``--overrides``, default ``{"num_steps": 4, "eval_every_steps": 2}``) on 60 records and 20 dev
 requests by default, to check the path end to end; its figures are not a measurement, and the
 output says so.
@@ -176,8 +177,8 @@ TEST_SETS = {
 
 def experiment_yaml(task: Task, seed: int, overrides: dict[str, Any]) -> str:
     """The experiment file: the task's samples, ``data.seed``, the SmolLM2 recipe, ``deploy:
-    auto``; no overrides unless plumbing (every plan value the planner's), eval settings the
-    defaults."""
+    auto``; no overrides unless plumbing or a dev lever (else every plan value the
+    planner's), eval settings the defaults."""
     import yaml
 
     body: dict[str, Any] = {
@@ -191,7 +192,7 @@ def experiment_yaml(task: Task, seed: int, overrides: dict[str, Any]) -> str:
         body["overrides"] = overrides
     head = ("# Written by bench/calibration.py: "
             + ("planner defaults, no overrides.\n" if not overrides
-               else "PLUMBING overrides, not a measurement.\n"))
+               else "overrides (plumbing, or a lever on the dev split), not a test figure.\n"))
     return head + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
 
 
@@ -652,7 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plumbing", action="store_true",
                         help="a tiny plan (--overrides) to check the path: NOT a measurement")
     parser.add_argument("--overrides", type=json.loads, default=None,
-                        help="plan overrides as JSON, with --plumbing only (default "
+                        help="plan overrides as JSON, with --plumbing or --split dev (a lever "
+                             "measured on dev; default with --plumbing "
                              f"{json.dumps(PLUMBING_OVERRIDES)})")
     parser.add_argument("--sets", default=None,
                         type=lambda v: [x for x in v.split(",") if x],
@@ -674,16 +676,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sets is not None and set(args.sets) - set(TEST_SETS):
         parser.error(f"--sets: unknown {', '.join(sorted(set(args.sets) - set(TEST_SETS)))} "
                      f"(known: {', '.join(TEST_SETS)})")
-    if args.overrides is not None and not args.plumbing:
-        parser.error("--overrides: only with --plumbing (the measurement uses planner defaults)")
-    if args.plumbing:
-        args.overrides = PLUMBING_OVERRIDES if args.overrides is None else args.overrides
-        if not isinstance(args.overrides, dict):
-            parser.error("--overrides: a JSON object")
-    else:
-        args.overrides = {}
     if args.split is None:
         args.split = "dev" if args.plumbing else "test"
+    if args.overrides is not None and not args.plumbing and args.split != "dev":
+        parser.error("--overrides: only with --plumbing or --split dev (a test score is of "
+                     "planner defaults)")
+    if args.plumbing:
+        args.overrides = PLUMBING_OVERRIDES if args.overrides is None else args.overrides
+    elif args.overrides is None:
+        args.overrides = {}
+    if not isinstance(args.overrides, dict):
+        parser.error("--overrides: a JSON object")
     if args.plumbing and args.split == "test":
         parser.error("--split test: not with --plumbing (a plumbing check is no test score)")
     # A SIGTERM (timeout, kill) unwinds like Ctrl-C, so the deployments are stopped.
@@ -691,7 +694,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     root = (args.home or Path(tempfile.mkdtemp(prefix="factory-bench-calibration-"))).absolute()
     mode = ("PLUMBING: tiny plan " + json.dumps(args.overrides) + ", NOT a measurement"
-            if args.plumbing else "planner defaults: no overrides; nothing chosen on the test "
+            if args.plumbing else
+            "DEV: plan overrides " + json.dumps(args.overrides) + " (a lever measured on the dev "
+            "split; nothing recorded)" if args.overrides else
+            "planner defaults: no overrides; nothing chosen on the test "
             "sets, each scored once per run for the deployment and the base model")
     header = {"bench": "calibration", "mode": mode, "split": args.split,
               "ledger": str(args.ledger) if args.split == "test" else None,

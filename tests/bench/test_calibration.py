@@ -147,6 +147,8 @@ def test_dev_split_draws_other_requests_and_clinc_uses_its_validation_split() ->
 
 @pytest.mark.parametrize("argv", [["--plumbing", "--split", "test"],
                                   ["--overrides", '{"num_steps": 4}'],
+                                  ["--overrides", '{"num_steps": 4}', "--split", "test"],
+                                  ["--overrides", "[4]", "--split", "dev"],
                                   ["--tasks", "triage,nope"],
                                   ["--sets", "disjoint,nope"]])
 def test_refuses_a_plumbing_test_score_overrides_and_unknown_tasks_or_sets(argv: list[str]) -> None:
