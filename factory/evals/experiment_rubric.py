@@ -13,13 +13,11 @@ eval or serve time. With the training answers the labels repeat and every label 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from factory.evals.answers import build_rubric, items_from_samples
-from factory.evals.judges import answer_from_message
 from factory.evals.judging import EvalError, eval_rows
 from factory.evals.rubric import Answer, Rubric
 from factory.experiments import Experiment
@@ -32,20 +30,13 @@ for each label of a task of hundreds to repeat, without reading a large dataset 
 
 def training_references(session: LakeSession, experiment: str,
                         limit: int = TRAIN_REFERENCES) -> list[Answer]:
-    """The last assistant answer of up to ``limit`` of ``experiment``'s ``dataset_train`` rows
-    (none when the table does not exist)."""
+    """The reference answers (``items_from_samples``, as the eval set's) of up to ``limit`` of
+    ``experiment``'s ``dataset_train`` rows (none when the table does not exist)."""
     if not session.lake.exists("dataset_train"):
         return []
-    rows = session.sql("SELECT messages FROM dataset_train WHERE experiment = ? "
+    rows = session.sql("SELECT sample_id, messages, tools FROM dataset_train WHERE experiment = ? "
                        f"ORDER BY sample_id LIMIT {int(limit)}", [experiment]).to_pylist()
-    out = []
-    for row in rows:
-        messages = json.loads(row["messages"]) if isinstance(row["messages"], str | bytes) \
-            else row["messages"]
-        last = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
-        if last is not None:
-            out.append(answer_from_message(last))
-    return out
+    return [item.reference for item in items_from_samples(rows)]
 
 
 def experiment_rubric(session: LakeSession, experiment: Experiment, *,
