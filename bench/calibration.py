@@ -344,7 +344,7 @@ def score_extraction(base_url: str, model: str, requests: list[Request],
                             constraint)
     scores = [field_accuracy(a, r["reference"]) for a, r in zip(answers, requests, strict=True)]
     return {"model": model, "scores": scores, "exact": sum(s == 1.0 for s in scores) / len(scores),
-            "num": len(scores), "seconds": round(secs, 1)}
+            "num": len(scores), "seconds": round(secs, 1), "answers": answers}
 
 
 def score_clinc(base_url: str, model: str, requests: list[Request],
@@ -355,7 +355,7 @@ def score_clinc(base_url: str, model: str, requests: list[Request],
     scores = [float(public_data.score("clinc150", {"label": r["label"]}, a))
               for a, r in zip(answers, requests, strict=True)]
     return {"model": model, "scores": scores, "exact": sum(scores) / len(scores),
-            "num": len(scores), "seconds": round(secs, 1)}
+            "num": len(scores), "seconds": round(secs, 1), "answers": answers}
 
 
 def score_snips(base_url: str, model: str, requests: list[Request],
@@ -370,7 +370,7 @@ def score_snips(base_url: str, model: str, requests: list[Request],
     intents = [float((parsed := public_data.parse_snips(a)) is not None
                      and parsed[0] == r["label"]) for r, a in pairs]
     return {"model": model, "scores": scores, "exact": sum(scores) / len(scores),
-            "num": len(scores), "seconds": round(secs, 1),
+            "num": len(scores), "seconds": round(secs, 1), "answers": answers,
             "intent_accuracy": sum(intents) / len(intents),
             "slot_f1": public_data.slot_f1(pairs)}
 
@@ -390,6 +390,20 @@ def scorer(task: str) -> Scorer:
         return lambda url, model, reqs, conc, _constraint: _score(url, model, reqs, TOOLS, conc)
     return {"extraction": score_extraction, "clinc150": score_clinc,
             "snips": score_snips}[task]
+
+
+def keep_answers(path: Path, requests: list[Request], result: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """Write each test request's answer and score to ``path`` (JSON lines: the request's
+    fields, ``answer``, ``score``), where the scorer returns its answers, for reading the misses
+    after a run; the result unchanged."""
+    answers = result.get("answers")
+    if answers is not None:
+        scores = result.get("scores") or [None] * len(answers)
+        path.write_text("".join(
+            json.dumps({**r, "answer": a, "score": s}, ensure_ascii=False) + "\n"
+            for r, a, s in zip(requests, answers, scores, strict=True)), encoding="utf-8")
+    return result
 
 
 def accuracy(result: dict[str, Any]) -> dict[str, Any]:
@@ -527,8 +541,10 @@ def run_one(task: Task, seed: int, args: argparse.Namespace, home: Path) -> dict
         constraint = route_constraint(lake, task.experiment)
         row["constraint"] = constraint
         started = time.monotonic()
-        row["test"] = {kind: {label: accuracy(score(base_url, model, requests,
-                                                    args.concurrency, constraint))
+        row["test"] = {kind: {label: accuracy(keep_answers(
+                                  home / f"answers-{kind}-{label}.jsonl", requests,
+                                  score(base_url, model, requests, args.concurrency,
+                                        constraint)))
                               for label, model in models.items()}
                        for kind, requests in tests.items()}
         row["score_s"] = round(time.monotonic() - started, 1)

@@ -4,6 +4,7 @@ tables' gap, interval check and goal on fixed rows. The runs themselves are the 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,21 @@ def test_snips_scores_exact_json_intent_and_slots(monkeypatch: pytest.MonkeyPatc
     assert acc["intent_accuracy"] == got["intent_accuracy"] and acc["slot_f1"] == got["slot_f1"]
     note = cal.ledger_note("snips", {"deployed": acc, "base": acc})
     assert "deployed: intent accuracy 66.7, slot F1 50.0" in note
+
+
+def test_keeps_each_answer_with_its_request_and_score(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    requests = [{"messages": [], "label": "balance"}, {"messages": [], "label": "pto_used"}]
+    monkeypatch.setattr(cal, "ask_all", lambda *a, **k: (["balance", "pto_balance"], 1.0))
+    path = tmp_path / "answers-test-deployed.jsonl"
+    got = cal.keep_answers(path, requests, cal.score_clinc("http://x", "m", requests, 1))
+    assert got["exact"] == 0.5
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [(r["label"], r["answer"], r["score"]) for r in rows] == [
+        ("balance", "balance", 1.0), ("pto_used", "pto_balance", 0.0)]
+    other = tmp_path / "none.jsonl"   # a scorer that returns no answers writes nothing
+    assert cal.keep_answers(other, requests, {"exact": 1.0, "num": 2}) == {"exact": 1.0, "num": 2}
+    assert not other.exists()
 
 
 def test_fresh_extractions_are_unlike_every_training_message() -> None:
