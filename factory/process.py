@@ -211,28 +211,31 @@ def holds_port(pid: int, port: int) -> bool:
     return port_taken("0.0.0.0", port)
 
 
-def stop_group(pid: int, *, timeout_s: float = 60.0) -> str:
-    """SIGTERM the process group ``pid`` (servers finish in-flight requests on it), SIGKILL
-    after ``timeout_s``. Returns ``terminated``, ``killed`` or ``gone``."""
+def stop_group(pid: int, *, timeout_s: float = 60.0, first: int = signal.SIGTERM) -> str:
+    """Stop the process group ``pid``: ``first`` to it (SIGTERM: servers finish in-flight
+    requests; SIGINT: Dagster's daemon stops its threads, its code server its runs), SIGKILL
+    after ``timeout_s`` if its leader still runs, then SIGKILL to whatever of the group outlived
+    its leader: nothing started in the group outlives it. Returns ``terminated``, ``killed``,
+    or ``gone`` (no leader to signal: nothing is sent, since the pid may name another group by
+    now). The leader of a child of this process stays a zombie for its ``Popen`` to reap."""
     if not is_alive(pid):
         return "gone"
     try:
-        os.killpg(pid, signal.SIGTERM)
+        os.killpg(pid, first)
     except ProcessLookupError:
         return "gone"
+    outcome = "terminated"
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not is_alive(pid):
-            return "terminated"
+    while is_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    try:
+    if is_alive(pid):
+        outcome = "killed"
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return "terminated"
     deadline = time.monotonic() + 10.0
     while is_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return "killed"
+    return outcome
 
 
 _pending: list[type[BaseException]] = []

@@ -31,6 +31,7 @@ same way (``_open_server_process_on_dynamic_port``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -46,7 +47,7 @@ import yaml
 
 from factory.errors import FactoryError
 from factory.lifeline import guard, on_death, release
-from factory.process import LISTEN, sigint_default, tcp_sockets
+from factory.process import LISTEN, sigint_default, stop_group, tcp_sockets
 from factory.settings import Settings, get_settings
 
 CODE_LOCATION = "factory.definitions"
@@ -315,7 +316,11 @@ def _process(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subproc
     try:
         yield proc
     finally:
-        stop_group(proc)
+        stop_group(proc.pid, first=signal.SIGINT, timeout_s=STOP_GRACE_S)
+        # a leader that died before: its group's stragglers (the unreaped child holds the id)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=STOP_GRACE_S)
         release(proc.pid)
 
 
@@ -350,18 +355,3 @@ def _check_started(proc: subprocess.Popen[bytes], what: str, log: Path,
         raise FactoryError(f"the Dagster {what} did not start in {DAEMON_START_S:.0f} s; "
                            f"log {log}")
 
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGINT to ``proc``'s process group (the daemon stops its threads, the code server its
-    runs), then SIGKILL of the group: nothing started in it may outlive it."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=STOP_GRACE_S)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -3,6 +3,7 @@ over real processes that each hold a known amount."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,6 +51,48 @@ def test_group_rss_sums_the_resident_memory_of_every_process_of_the_group(
     # Once its processes are gone (the child exits on its own signal, after the parent), the
     # group holds nothing.
     wait_until(lambda: group_rss(proc.pid) == 0, timeout_s=30, what="the group to be gone")
+
+
+STUBBORN = """
+import signal, subprocess, sys
+
+if sys.argv[1] == "parent":
+    child = subprocess.Popen([sys.executable, __file__, "child"], stdout=subprocess.PIPE)
+    print(child.stdout.readline().decode().strip(), flush=True)  # the child's pid
+    signal.pause()  # until a signal's default action ends it
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import os
+    print(os.getpid(), flush=True)
+    signal.pause()
+"""
+
+
+@pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGINT])
+def test_stop_group_leaves_nothing_of_the_group_when_its_leader_exits_first(
+        tmp_path: Path, first: int) -> None:
+    """The leader exits on the first signal, its child ignores it: the child goes too (the
+    leader's exit is no reason to leave its group running), and the call says ``terminated``
+    without waiting out its timeout."""
+    from factory.process import is_alive
+
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    proc = subprocess.Popen([sys.executable, str(script), "parent"], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    try:
+        started = time.monotonic()
+        assert stop_group(proc.pid, timeout_s=60, first=first) == "terminated"
+        assert time.monotonic() - started < 30
+        proc.wait(timeout=30)
+        wait_until(lambda: not is_alive(child), timeout_s=30, what="the child to be gone")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert stop_group(proc.pid, timeout_s=1) == "gone"
 
 
 def test_a_sigterm_dropped_by_a_finalizer_is_raised_again() -> None:
