@@ -344,7 +344,7 @@ def score_extraction(base_url: str, model: str, requests: list[Request],
                             constraint)
     scores = [field_accuracy(a, r["reference"]) for a, r in zip(answers, requests, strict=True)]
     return {"model": model, "scores": scores, "exact": sum(s == 1.0 for s in scores) / len(scores),
-            "num": len(scores), "seconds": round(secs, 1), "answers": answers}
+            "num": len(scores), "seconds": round(secs, 1), "replies": answers}
 
 
 def score_clinc(base_url: str, model: str, requests: list[Request],
@@ -355,7 +355,7 @@ def score_clinc(base_url: str, model: str, requests: list[Request],
     scores = [float(public_data.score("clinc150", {"label": r["label"]}, a))
               for a, r in zip(answers, requests, strict=True)]
     return {"model": model, "scores": scores, "exact": sum(scores) / len(scores),
-            "num": len(scores), "seconds": round(secs, 1), "answers": answers}
+            "num": len(scores), "seconds": round(secs, 1), "replies": answers}
 
 
 def score_snips(base_url: str, model: str, requests: list[Request],
@@ -370,7 +370,7 @@ def score_snips(base_url: str, model: str, requests: list[Request],
     intents = [float((parsed := public_data.parse_snips(a)) is not None
                      and parsed[0] == r["label"]) for r, a in pairs]
     return {"model": model, "scores": scores, "exact": sum(scores) / len(scores),
-            "num": len(scores), "seconds": round(secs, 1), "answers": answers,
+            "num": len(scores), "seconds": round(secs, 1), "replies": answers,
             "intent_accuracy": sum(intents) / len(intents),
             "slot_f1": public_data.slot_f1(pairs)}
 
@@ -395,9 +395,10 @@ def scorer(task: str) -> Scorer:
 def keep_answers(path: Path, requests: list[Request], result: dict[str, Any]
                  ) -> dict[str, Any]:
     """Write each test request's answer and score to ``path`` (JSON lines: the request's
-    fields, ``answer``, ``score``), where the scorer returns its answers, for reading the misses
-    after a run; the result unchanged."""
-    answers = result.get("answers")
+    fields, ``answer``, ``score``), where the scorer returns its answers (``replies``, one per
+    request: the public tasks and extraction), for reading the misses after a run; the result
+    unchanged."""
+    answers = result.get("replies")
     if answers is not None:
         scores = result.get("scores") or [None] * len(answers)
         path.write_text("".join(
