@@ -66,8 +66,10 @@ def test_tiny_dataset() -> None:
     assert p["effective_batch_size"] == 4
     assert p.decisions["effective_batch_size"].rule == "batch.tiny_dataset"
     assert "60 samples" in p.decisions["effective_batch_size"].reason
-    assert p["num_epochs"] == 3.0
-    assert p.decisions["num_epochs"].rule == "epochs.tiny_dataset"
+    # 3 passes of 15 steps would be 45 steps: the step floor makes them 11 (165 steps).
+    assert p["num_epochs"] == 11.0
+    assert p.decisions["num_epochs"].rule == "epochs.step_floor"
+    assert "3 pass(es) would be ~45 steps, so 11 passes" in p.decisions["num_epochs"].reason
     # On a CPU no dropout (a third of a step); on a GPU, 0.1 against overfitting.
     assert p["lora_dropout"] == 0.0
     assert p.decisions["lora_dropout"].rule == "lora.no_dropout_cpu"
@@ -75,6 +77,19 @@ def test_tiny_dataset() -> None:
     gpu = make_plan(experiment(overrides={"gpu": "L4"}), profile(num_samples=200))
     assert gpu["lora_dropout"] == 0.1
     assert gpu.decisions["lora_dropout"].rule == "lora.dropout_small_dataset"
+
+
+def test_step_floor_repeats_a_small_dataset_to_160_steps_at_most_20_times() -> None:
+    few = make_plan(experiment(), profile(num_samples=20, **UNPACKED))  # 5 steps a pass
+    assert few["num_epochs"] == 20.0 and few.decisions["num_epochs"].rule == "epochs.step_floor"
+    # 500 samples: 3 passes of 63 steps of 8 pass the floor on their own.
+    enough = make_plan(experiment(), profile(num_samples=500, **UNPACKED))
+    assert enough["num_epochs"] == 3.0
+    assert enough.decisions["num_epochs"].rule == "epochs.tiny_dataset"
+    # The experiment's own epochs stand, the floor named as what the planner would pick.
+    told = make_plan(experiment(overrides={"num_epochs": 2}), profile(num_samples=60, **UNPACKED))
+    assert told["num_epochs"] == 2 and told.decisions["num_epochs"].overridden
+    assert "would pick 11" in told.decisions["num_epochs"].reason
 
 
 def test_large_dataset() -> None:

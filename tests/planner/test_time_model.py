@@ -136,7 +136,8 @@ def test_evals_take_at_most_a_fifth_of_a_cpu_run(num_samples: int) -> None:
 def test_a_short_cpu_run_gives_way_in_order_samples_then_evals() -> None:
     """Over budget: the sample count falls to what four evals afford, then the evals fall to
     one; the final checkpoint is always judged, and the note says the budget is exceeded."""
-    p = make_plan(experiment(), DatasetProfile.from_row(DEMO_PROFILE))  # 63 steps, ~5 min
+    # 3 passes, 63 steps, ~5 min (the planner's step floor would make it 8 passes)
+    p = make_plan(experiment(overrides={"num_epochs": 3}), DatasetProfile.from_row(DEMO_PROFILE))
     samples, cadence = p.decisions["eval_num_samples"], p.decisions["eval_every_steps"]
     # 27 eval samples are fewer than the budget may cut to: all are kept.
     assert samples.value == 27 < MIN_EVAL_SAMPLES and samples.rule == "eval.budget"
