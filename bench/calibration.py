@@ -398,12 +398,11 @@ def keep_answers(path: Path, requests: list[Request], result: dict[str, Any]
     fields, ``answer``, ``score``), where the scorer returns its answers (``replies``, one per
     request: the public tasks and extraction), for reading the misses after a run; the result
     unchanged."""
-    answers = result.get("replies")
-    if answers is not None:
-        scores = result.get("scores") or [None] * len(answers)
+    if "replies" in result:
         path.write_text("".join(
             json.dumps({**r, "answer": a, "score": s}, ensure_ascii=False) + "\n"
-            for r, a, s in zip(requests, answers, scores, strict=True)), encoding="utf-8")
+            for r, a, s in zip(requests, result["replies"], result["scores"], strict=True)),
+            encoding="utf-8")
     return result
 
 

@@ -316,10 +316,10 @@ def _process(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subproc
     try:
         yield proc
     finally:
-        stop_group(proc.pid, first=signal.SIGINT, timeout_s=STOP_GRACE_S)
-        # a leader that died before: its group's stragglers (the unreaped child holds the id)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        if stop_group(proc.pid, first=signal.SIGINT, timeout_s=STOP_GRACE_S) == "gone":
+            # the leader died before: its group's stragglers (the unreaped child holds the id)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=STOP_GRACE_S)
         release(proc.pid)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.process import group_rss, stop_group
+from factory.process import group_rss, is_alive, stop_group
 from tests.waiting import wait_until
 
 MIB = 1 << 20
@@ -75,8 +75,6 @@ def test_stop_group_leaves_nothing_of_the_group_when_its_leader_exits_first(
     """The leader exits on the first signal, its child ignores it: the child goes too (the
     leader's exit is no reason to leave its group running), and the call says ``terminated``
     without waiting out its timeout."""
-    from factory.process import is_alive
-
     script = tmp_path / "stubborn.py"
     script.write_text(STUBBORN)
     proc = subprocess.Popen([sys.executable, str(script), "parent"], stdout=subprocess.PIPE,
