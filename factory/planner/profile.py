@@ -69,6 +69,19 @@ class DatasetProfile:
     (``factory.curation.phrasing``); None for a dataset curated before the column existed."""
     eval_split_reason: str | None = None
     """That split's one-sentence account, with its numbers."""
+    label_counts: dict[str, int] = field(default_factory=dict)
+    """Train samples per answer label, when the answers are a closed label set (the ``label``
+    slices of ``factory.curation.slices``, traffic and synthetic); empty otherwise."""
+
+    @property
+    def samples_per_label(self) -> float | None:
+        """Median train samples per answer label; None without a label set, or where labelled
+        answers are under half the train set (an agent's few text replies beside its calls)."""
+        counts = sorted(self.label_counts.values())
+        if len(counts) < 2 or 2 * sum(counts) < self.num_samples:
+            return None
+        mid = len(counts) // 2
+        return float(counts[mid]) if len(counts) % 2 else (counts[mid - 1] + counts[mid]) / 2
 
     @property
     def length_p50(self) -> int:
@@ -96,20 +109,33 @@ class DatasetProfile:
     def from_row(cls, row: Mapping[str, Any]) -> DatasetProfile:
         """Build from a ``dataset_profile`` row, reading columns by name."""
         kwargs: dict[str, Any] = {}
-        row = {**{ALIASES[k]: v for k, v in row.items() if k in ALIASES
-                  and row.get(ALIASES[k]) is None}, **row}
+        data = {**{ALIASES[k]: v for k, v in row.items() if k in ALIASES
+                   and row.get(ALIASES[k]) is None}, **row}
+        if data.get("label_counts") is None and data.get("slices"):
+            data["label_counts"] = _label_counts(data["slices"])
+        row = data
         for f in fields(cls):
             if f.name not in row or row[f.name] is None:
                 continue
             value = row[f.name]
             if f.name == "languages":
                 value = _languages(value)
+            if f.name == "label_counts" and isinstance(value, Mapping):
+                value = {str(k): int(v) for k, v in value.items()}
             kwargs[f.name] = value
         missing = [f.name for f in fields(cls) if f.name not in kwargs
                    and f.default is MISSING and f.default_factory is MISSING]
         if missing:
             raise FactoryError(f"dataset_profile row lacks {', '.join(missing)}")
         return cls(**kwargs)
+
+
+def _label_counts(slices: Any) -> dict[str, int]:
+    """Samples per ``label`` slice, from the profile's ``slices`` (JSON text or a list)."""
+    if isinstance(slices, str):
+        slices = json.loads(slices)
+    return {str(s["value"]): int(s.get("num_traffic") or 0) + int(s.get("num_synthetic") or 0)
+            for s in slices or [] if isinstance(s, Mapping) and s.get("dimension") == "label"}
 
 
 def _languages(value: Any) -> dict[str, float]:

@@ -24,6 +24,7 @@ from factory.curation.slices import Labeler, length_bucket, profile_slices
 from factory.experiments import ExperimentError, parse_experiment
 from factory.lake import Lake
 from factory.normalize.canon import canonical_json, sample_id
+from factory.planner import DatasetProfile
 from factory.tables import TABLES
 from factory.tasks import ticket_triage
 from factory.tasks.planted import chat
@@ -200,6 +201,15 @@ def test_thin_slices_by_label_tool_and_length() -> None:
              "tool_calls": [{"id": "call_0", "name": "lookup", "arguments": "{}"}]}]
     row = {**_rows(1, keep_thin=0)[0], "messages": canonical_json(call)}
     assert "tool:lookup" in {s.key for s in profile_slices(_train([row]))}
+    # The planner reads samples per label from the profile's slices (its epochs rule).
+    stats = {k: 1 for k in ("prompt_tokens_p50", "prompt_tokens_p95", "prompt_tokens_p99",
+                            "prompt_tokens_max", "completion_tokens_p50", "completion_tokens_p95",
+                            "completion_tokens_p99", "completion_tokens_max")}
+    profile = DatasetProfile.from_row({"num_train": 200, **stats, "slices": json.dumps(
+        [s.to_dict() for s in slices.values()])})
+    assert set(profile.label_counts) == set(ticket_triage.LABELS)
+    assert profile.label_counts[THIN] == 3
+    assert sum(profile.label_counts.values()) == 163
 
 
 def test_every_seed_leads_an_attempt_and_companions_vary() -> None:

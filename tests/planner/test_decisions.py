@@ -92,6 +92,31 @@ def test_step_floor_repeats_a_small_dataset_to_160_steps_at_most_20_times() -> N
     assert "would pick 11" in told.decisions["num_epochs"].reason
 
 
+def test_few_samples_a_label_get_passes_until_each_label_is_seen_36_times() -> None:
+    # CLINC150 at 10 an intent: 1,349 samples over 150 labels, ~9 a label; 2 passes by size
+    # would show each label 18 times.
+    labels = {f"intent_{i}": 9 for i in range(149)} | {"intent_149": 8}
+    few = make_plan(experiment(), profile(num_samples=1_349, label_counts=labels, **UNPACKED))
+    assert few["num_epochs"] == 4.0
+    assert few.decisions["num_epochs"].rule == "epochs.label_exposures"
+    assert "150 labels, ~9 samples each (median): 2 pass(es) show a label ~18 times" in \
+        few.decisions["num_epochs"].reason
+    # At 30 a label, 2 passes already show each one 60 times; without labels, size decides.
+    many = make_plan(experiment(), profile(num_samples=4_500, label_counts={
+        f"intent_{i}": 30 for i in range(150)}, **UNPACKED))
+    assert many["num_epochs"] == 2.0 and many.decisions["num_epochs"].rule == "epochs.small_dataset"
+    free = make_plan(experiment(), profile(num_samples=1_349, **UNPACKED))
+    assert free["num_epochs"] == 2.0 and free.decisions["num_epochs"].rule == "epochs.small_dataset"
+    # Labels on under half the samples (text replies beside tool calls) are no label set.
+    calls = make_plan(experiment(), profile(num_samples=1_349, label_counts={
+        f"reply_{i}": 2 for i in range(300)}, **UNPACKED))
+    assert calls["num_epochs"] == 2.0
+    # Most labels seen once (a long tail): the raise stops at 20 passes.
+    tail = {f"rare_{i}": 1 for i in range(400)} | {f"common_{i}": 4 for i in range(200)}
+    rare = make_plan(experiment(), profile(num_samples=1_200, label_counts=tail, **UNPACKED))
+    assert rare["num_epochs"] == 20.0
+
+
 def test_large_dataset() -> None:
     p = make_plan(experiment("qwen3-8b-lora"), profile(num_samples=2_000_000, **UNPACKED))
     assert p["effective_batch_size"] == 32
