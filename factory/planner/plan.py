@@ -356,15 +356,15 @@ def make_plan(experiment: Experiment, profile: DatasetProfile, *,
             f"{n} samples: {epochs:g} pass(es) ({'few samples need repeats' if epochs > 1 else 'enough data for one pass'})")
     per_label = profile.samples_per_label
     if per_label is not None and per_label * epochs < MIN_LABEL_EXPOSURES:
+        # per_label * epochs < MIN_LABEL_EXPOSURES makes this more than epochs (at most 3)
         raised = float(min(MAX_FLOOR_EPOCHS, math.ceil(MIN_LABEL_EXPOSURES / per_label)))
-        if raised > epochs:
-            dec.set("num_epochs", raised, "epochs.label_exposures",
-                    f"the answers are {len(profile.label_counts)} labels, ~{per_label:g} "
-                    f"samples each (median): {epochs:g} pass(es) show a label "
-                    f"~{per_label * epochs:g} times, so {raised:g} passes for at least "
-                    f"{MIN_LABEL_EXPOSURES} (at most {MAX_FLOOR_EPOCHS} passes): on dev "
-                    "requests, CLINC150 at 10 an intent went from 64% right at 2 passes "
-                    "to 83% at 4")
+        dec.set("num_epochs", raised, "epochs.label_exposures",
+                f"the answers are {len(profile.label_counts)} labels, ~{per_label:g} "
+                f"samples each (median): {epochs:g} pass(es) show a label "
+                f"~{per_label * epochs:g} times, so {raised:g} passes for at least "
+                f"{MIN_LABEL_EXPOSURES} (at most {MAX_FLOOR_EPOCHS} passes): on dev "
+                "requests, CLINC150 at 10 an intent went from 64% right at 2 passes "
+                "to 83% at 4")
 
     # --- LoRA topology ----------------------------------------------------------------------
     if n >= 50_000:

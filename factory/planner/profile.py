@@ -8,6 +8,7 @@ added later are ignored and missing optional ones keep their defaults.
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -77,11 +78,10 @@ class DatasetProfile:
     def samples_per_label(self) -> float | None:
         """Median train samples per answer label; None without a label set, or where labelled
         answers are under half the train set (an agent's few text replies beside its calls)."""
-        counts = sorted(self.label_counts.values())
+        counts = list(self.label_counts.values())
         if len(counts) < 2 or 2 * sum(counts) < self.num_samples:
             return None
-        mid = len(counts) // 2
-        return float(counts[mid]) if len(counts) % 2 else (counts[mid - 1] + counts[mid]) / 2
+        return float(statistics.median(counts))
 
     @property
     def length_p50(self) -> int:
@@ -111,17 +111,14 @@ class DatasetProfile:
         kwargs: dict[str, Any] = {}
         data = {**{ALIASES[k]: v for k, v in row.items() if k in ALIASES
                    and row.get(ALIASES[k]) is None}, **row}
-        if data.get("label_counts") is None and data.get("slices"):
+        if data.get("slices"):
             data["label_counts"] = _label_counts(data["slices"])
-        row = data
         for f in fields(cls):
-            if f.name not in row or row[f.name] is None:
+            if f.name not in data or data[f.name] is None:
                 continue
-            value = row[f.name]
+            value = data[f.name]
             if f.name == "languages":
                 value = _languages(value)
-            if f.name == "label_counts" and isinstance(value, Mapping):
-                value = {str(k): int(v) for k, v in value.items()}
             kwargs[f.name] = value
         missing = [f.name for f in fields(cls) if f.name not in kwargs
                    and f.default is MISSING and f.default_factory is MISSING]
