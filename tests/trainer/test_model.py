@@ -240,7 +240,9 @@ def _triage(n: int, *, system: str = SYSTEM) -> list[dict]:
     return out
 
 
-def test_a_shared_prefix_computed_once_gives_each_sample_its_own_loss_and_gradient(tiny) -> None:
+@pytest.mark.parametrize("one_call", [True, False], ids=["rests-in-one-call", "a-call-a-rest"])
+def test_a_shared_prefix_computed_once_gives_each_sample_its_own_loss_and_gradient(
+        tiny, one_call: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from factory.trainer.config import MIN_SHARED_PREFIX
     from factory.trainer.data import collate_shared, shared_prefix_length
 
@@ -257,6 +259,11 @@ def test_a_shared_prefix_computed_once_gives_each_sample_its_own_loss_and_gradie
     assert shared.num_row_tokens == shared.num_real_tokens - prefix * (n - 1)
     assert shared.num_real_tokens == unpacked.num_real_tokens
     assert shared.num_label_tokens == unpacked.num_label_tokens
+    if not one_call:
+        monkeypatch.setattr(model_mod, "REST_CALL_WORK", 0.0)
+    segments = segment_lengths(shared.position_ids)
+    starts = model_mod.segment_starts(shared.position_ids, segments)
+    assert model_mod._rests_in_one_call(tuple(segments[0]), tuple(starts[0])) is one_call
 
     ls = loss_module.token_losses(shared.input_ids, shared.position_ids, None, shared.labels)
     lu = loss_module.token_losses(unpacked.input_ids, unpacked.position_ids,
