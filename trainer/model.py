@@ -278,7 +278,7 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     return out.transpose(1, 2).contiguous(), None
 
 
-REST_CALL_WORK = 2.0
+REST_CALL_WORK = 4.0
 """A shared-prefix row's rests attend in one call where that call's query x key pairs are at
 most this many times the pairs they need (each rest: its prefix and itself); else one call a
 rest (``_rests_in_one_call``)."""
@@ -289,9 +289,13 @@ def _rests_in_one_call(lengths: tuple[int, ...], firsts: tuple[int, ...]) -> boo
     shared prefix (a segment after the first starts at a position > 0) and the one call's pairs
     (the rests' tokens x the row's) stay within ``REST_CALL_WORK`` times the pairs needed.
 
-    Measured on SmolLM2's attention (9 heads, 3 key-value heads), a 650-token prefix and 8 rests
-    of ~25 tokens, forward and backward, one thread: one call a rest 1.4-2.0 s over 30 layers,
-    one call for all 0.75-1.2 s; the prefix's causal call ~1.2 s either way."""
+    Measured on SmolLM2's attention (9 heads, 3 key-value heads, bf16), forward and backward,
+    8 rests, milliseconds a layer, one call for all against one call a rest: beside a training
+    run, a 593-token prefix and rests of 60-130 tokens (the agent task, 2.0x the pairs needed)
+    214-268 against 690-1,142; a 686-token prefix and rests of ~25 (CLINC150, 1.2x) 109-112
+    against 450-567; a 54-token prefix and rests of 39 (triage, 3.9x) 29-94 against 220-350;
+    alone, CLINC150's shape over 30 layers 0.75-1.2 s against 1.4-2.0 s. The bound keeps a row
+    of long rests behind a short prefix from computing many times the pairs it needs."""
     if len(lengths) < 2 or not any(firsts[1:]):
         return False
     rest = sum(lengths[1:])

@@ -15,7 +15,13 @@ them, ``CALIBRATION_ROWS`` rows of ``CALIBRATION_TOKENS``. It runs in the precis
 would run on this CPU (``factory.trainer.precision.effective_precision``). Three rates come out,
 each as the planner's FLOP count over the best of ``CALIBRATION_REPEATS`` timings:
 
-- ``train_tflops``: forward and backward of a training step;
+- ``train_tflops``: forward and backward of a training step, less its attention's seconds at
+  the rate below;
+- ``attention_tflops``: one layer's causal attention (SDPA, the model's heads, key-value heads
+  and head size) over ``ATTENTION_TOKENS`` tokens, forward and backward, in the trainer's
+  precision: on the bf16 host ~0.026 TFLOP/s against a training rate of ~0.2, so a
+  700-token system prompt's attention is a third of its step (CLINC150's plan:
+  ``bench/shared_prefix.py --task clinc150``, profiled);
 - ``forward_tflops``: the held-out loss pass (forward, no gradients);
 - ``prefill_tflops``: forward in fp32 on one thread, as the CPU eval server runs.
 
@@ -73,6 +79,8 @@ from factory.errors import SettingsError
 from factory.planner.hardware import Hardware
 from factory.planner.timing import (
     TimeConstants,
+    attention_flops,
+    causal_pairs,
     forward_flops,
     time_constants,
     training_flops,
@@ -97,6 +105,9 @@ per-layer overhead is a small part of it, short enough to time each rate twice i
 CALIBRATION_TARGETS = 64
 """Trained tokens of a calibration row (its last quarter, an answer after its prompt): the
 trainer's loss runs the LM head on those only, as a real step does."""
+ATTENTION_TOKENS = 512
+"""Tokens of the calibration's attention call: a system prompt's length, long enough that the
+call's arithmetic, not its launch, is timed."""
 CALIBRATION_REPEATS = 2
 """Timed steps after one warm-up; the best is kept (another process's burst only slows one)."""
 PACE_RUNS = 5
@@ -183,6 +194,9 @@ class Calibration:
     cpu_share: float = 1.0
     """CPU seconds the timed training and forward steps got over their wall seconds times
     ``torch_threads`` (below ``MIN_CPU_SHARE``: another process held the cores)."""
+    attention_tflops: float | None = None
+    """Attention's rate, forward and backward (``timing.attention_flops`` over its seconds); a
+    cached calibration without it predates the rate and is measured again."""
 
     @property
     def contended(self) -> bool:
@@ -260,17 +274,25 @@ def calibrate(recipe: Recipe, *, method: str = "model", precision: str = "bf16-a
     arch = recipe.architecture
     tokens = CALIBRATION_ROWS * CALIBRATION_TOKENS
     targets = CALIBRATION_ROWS * CALIBRATION_TARGETS
-    train_flops = training_flops(arch, tokens=tokens, targets=targets, span=CALIBRATION_TOKENS,
-                                 recompute=False)
+    train_flops = training_flops(arch, tokens=tokens, targets=targets, recompute=False)
     fwd_flops = forward_flops(arch, tokens=tokens, targets=targets, span=CALIBRATION_TOKENS)
     threads = torch.get_num_threads()
     meter = _Meter()
+    attention_s = _time_attention(arch, autocast, ran, repeats, meter)
+    attention_rate = attention_flops(arch, pairs=causal_pairs(ATTENTION_TOKENS),
+                                     recompute=False) / arch.num_layers / attention_s
     if method == "model":
         train_s, fwd_s, prefill_s = _time_model(recipe, autocast, ran, repeats, meter)
+        # The step's own causal attention, at the rate just measured (at most half the step:
+        # a bound against a burst of load during the attention's timing).
+        train_s -= min(train_s / 2, attention_flops(
+            arch, pairs=CALIBRATION_ROWS * causal_pairs(CALIBRATION_TOKENS),
+            recompute=False) / attention_rate)
     else:
         train_s, fwd_s, prefill_s = _time_matmuls(arch, autocast, ran, repeats, meter)
     return Calibration(
         method=method, precision=ran, train_tflops=train_flops / train_s / 1e12,
+        attention_tflops=attention_rate / 1e12,
         forward_tflops=fwd_flops / fwd_s / 1e12,
         prefill_tflops=tokens * 2 * arch.num_parameters / prefill_s / 1e12,
         seconds=time.perf_counter() - start, load=load,
@@ -345,6 +367,31 @@ def _time_model(recipe: Recipe, autocast: Any, ran: str, repeats: int, meter: _M
     return train_s, fwd_s, _one_thread(prefill, max(1, repeats - 1))
 
 
+def _time_attention(arch: Architecture, autocast: Any, ran: str, repeats: int, meter: _Meter
+                    ) -> float:
+    """Seconds of one layer's causal attention over ``ATTENTION_TOKENS`` tokens, forward and
+    backward, as the trainer calls it (SDPA, grouped key-value heads, in the precision autocast
+    gives the projections' outputs)."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if ran == "bf16-autocast" else torch.float32
+    torch.manual_seed(0)
+    q = torch.randn(1, arch.num_heads, ATTENTION_TOKENS, arch.head_dim, dtype=dtype,
+                    requires_grad=True)
+    k, v = (torch.randn(1, arch.num_kv_heads, ATTENTION_TOKENS, arch.head_dim, dtype=dtype,
+                        requires_grad=True) for _ in range(2))
+    grad = torch.randn_like(q)
+
+    def step() -> None:
+        with autocast:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=arch.num_heads != arch.num_kv_heads)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    return meter.best(step, repeats)
+
+
 def _time_matmuls(arch: Architecture, autocast: Any, ran: str, repeats: int, meter: _Meter
                   ) -> tuple[float, float, float]:
     """The model's linear layers' products alone (one layer's, times the layer count, and the
@@ -399,6 +446,7 @@ def constants_from(calibration: Calibration, key: HostKey, base: TimeConstants
                  if calibration.contended else "")
     return replace(
         base, train_tflops=calibration.train_tflops, forward_tflops=calibration.forward_tflops,
+        attention_tflops=calibration.attention_tflops,
         prefill_tflops=calibration.prefill_tflops, decode_step_s=base.decode_step_s * slower,
         decode_seq_s=base.decode_seq_s * slower, measured=True, calibrated=True,
         train_precision=calibration.precision,
@@ -406,7 +454,9 @@ def constants_from(calibration: Calibration, key: HostKey, base: TimeConstants
                     f"by a {calibration.method} step in {calibration.precision} "
                     f"({calibration.seconds:.0f} s, load {calibration.load:.1f}, CPU share "
                     f"{calibration.cpu_share:.2f}{contended}): train "
-                    f"{calibration.train_tflops:.3g}, forward {calibration.forward_tflops:.3g}, "
+                    f"{calibration.train_tflops:.3g}, attention "
+                    f"{calibration.attention_tflops or 0:.3g}, forward "
+                    f"{calibration.forward_tflops:.3g}, "
                     f"prefill {calibration.prefill_tflops:.3g} TFLOP/s; fixed costs, judge and "
                     f"overlap as {source}"))
 
@@ -445,6 +495,8 @@ def host_constants(recipe: Recipe, hw: Hardware, *, cache: Path,
     entry, size, dtype = _entry(recipe, precision)
     cached = _read(path)
     found: dict[str, Any] | None = (cached.get("entries") or {}).get(entry)
+    if found is not None and not found.get("attention_tflops"):
+        found = None  # measured before attention had a rate of its own: measured again
     fresh = found is None
     if fresh:
         # Said before it starts: a plan's first call on a host otherwise pauses without a word.

@@ -39,6 +39,7 @@ from factory.planner.timing import (
     MIN_EVAL_SAMPLES,
     MIN_EVALS,
     EvalShape,
+    attention_pairs,
     duration,
     eval_budget,
     eval_cost,
@@ -756,21 +757,26 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
     # longest row of their micro-batch (taken as the p99 sample).
     packing = plan["packing"]
     row = int(seq_len * 0.95) if packing else min(seq_len, profile.length_p99)
-    span = min(profile.length_p50, seq_len) if packing else row
     tokens_per_step = real_batch * row
     # Samples a step trains: a packed row holds ~95% of its tokens' worth of mean samples.
     mean = profile.length_mean
     samples_per_row = seq_len * 0.95 / mean if packing else 1.0
     targets_per_step = real_batch * samples_per_row * profile.completion_tokens_p50
+    pairs = attention_pairs(rows=real_batch, row=row, packing=packing,
+                            sample=min(profile.length_p50, seq_len),
+                            samples_per_row=samples_per_row)
     if plan["share_prefix"]:
         # A micro-batch is one unpadded row: its shared prefix once, then every sample's rest.
         shared = min(profile.shared_prefix_tokens, int(mean))
         micro_batches = real_batch // plan["micro_batch_size"]
         tokens_per_step = round(real_batch * samples_per_row * (mean - shared)
                                 + micro_batches * shared)
+        pairs = attention_pairs(rows=micro_batches, row=row, packing=packing, sample=mean,
+                                samples_per_row=plan["micro_batch_size"] * samples_per_row,
+                                shared=shared)
     step_s = step_seconds(c, arch, tokens_per_step=tokens_per_step,
                           targets_per_step=targets_per_step,
-                          samples_per_step=real_batch * samples_per_row, span=span,
+                          samples_per_step=real_batch * samples_per_row, pairs=pairs,
                           recompute=plan["gradient_checkpointing"], num_devices=devices,
                           precision=plan["precision"], share_prefix=plan["share_prefix"])
     budget_train_s = c.train_fixed_s + total * step_s
@@ -1015,6 +1021,7 @@ def _plan_time(plan: Plan, dec: _Decider, experiment: Experiment, profile: Datas
         "step_seconds": round(step_s, 3), "step_factor": round(c.step_factor, 4),
         "steps": float(total),
         "tokens_per_step": round(tokens_per_step), "targets_per_step": round(targets_per_step),
+        "attention_pairs": round(pairs),
         "train_seconds": round(rt.train_s, 1), "num_evals": float(num_evals),
         "first_eval_seconds": round(first_s, 1), "eval_seconds": round(eval_s, 1),
         "final_evals_seconds": round(rt.final_eval_s, 1), "evals_seconds": round(rt.evals_s, 1), "wall_seconds": round(rt.wall_s, 1),

@@ -16,9 +16,12 @@ corrects a running plan's prediction from its own steps.
 What the model counts (BENCHMARKS.md, "Planner time model", compares it with real runs):
 - a training step: the planner's FLOP count of the rows it trains (unpacked rows pad to the
   longest row of their micro-batch, taken as the p99 sample) at the achieved rate: every token
-  through the decoder, the LM head only on the trained (assistant) tokens, as the trainer's loss
-  computes it (``factory.trainer.model.CausalLMLoss``); the run adds a fixed launch-and-load
-  cost and the trainer's held-out loss pass at each eval step;
+  through the decoder's linear layers, the LM head only on the trained (assistant) tokens, as
+  the trainer's loss computes it (``factory.trainer.model.CausalLMLoss``); plus the attention's
+  query-key pairs as the trainer's calls compute them (``attention_pairs``) at attention's own
+  rate (``TimeConstants.attention_tflops``: SDPA's backward on a CPU runs at a fraction of the
+  linear layers' rate, so a long system prompt's attention is a third of its step); the run
+  adds a fixed launch-and-load cost and the trainer's held-out loss pass at each eval step;
 - an eval (``checkpoint_evals``): a fixed cost (run launch, server boot, adapter, the trainer-side
   model of the equivalence check), the equivalence check's two samples scored on both sides, then
   per batch of ``eval_batch_size`` answers a prefill of the batch's prompts (left-padded to the
@@ -98,6 +101,11 @@ class TimeConstants:
     """Whether these were measured (else derived defaults)."""
     provenance: str
     """Where and how they were measured, or how the defaults were derived."""
+    attention_tflops: float | None = None
+    """Achieved rate of attention, forward and backward, per device: TFLOP/s of
+    ``attention_flops`` over the query-key pairs the trainer's calls compute. A host's
+    calibration measures it (SDPA on the model's head shape); None: ``train_tflops``, how the
+    reference constants were fitted (their runs' attention at the training rate)."""
     shared_prefix_rate: float = 0.5
     """The share of ``train_tflops`` a step reaches on ``share_prefix`` rows (one row per
     micro-batch: smaller matmuls); the defaults' conservative guess, 1.0 where measured."""
@@ -113,6 +121,11 @@ class TimeConstants:
     step_factor: float = 1.0
     """A step's measured seconds over what the rates above give it: the median pace of the
     host's last finished runs (``factory.planner.host.record_pace``); 1.0 before any."""
+
+    @property
+    def attention_rate(self) -> float:
+        """``attention_tflops``, else ``train_tflops``."""
+        return self.attention_tflops or self.train_tflops
 
     @property
     def source(self) -> str:
@@ -139,11 +152,12 @@ MEASURED: dict[tuple[str, str], TimeConstants] = {
         # The demo's eval at step 4 ran beside the trainer's last step: 88.9 s of wall for
         # 50.4 s of eval and 9.1 s of training as the model gives them alone: (88.9 - 9.1) / 50.4.
         overlap_factor=1.58, measured=True,
-        # bench/shared_prefix.py (the triage plan, 366 tokens a step): 1.539 s per step where
-        # train_tflops gives 1.062 s: 0.477 s more for its 8 samples. (On an AVX2 host in fp32,
-        # 2026-12-06, the same plan's steps cost the calibrated FLOP rate's time plus 0.08 s, not
-        # the 1.45x a rate factor would give: the excess is per call.)
-        shared_prefix_rate=1.0, shared_prefix_sample_s=0.0596,
+        # bench/shared_prefix.py (the triage plan, 366 tokens a step, its rests then attending
+        # a call each): 1.539 s per step where the rates give 1.111 s: 0.428 s more for its 8
+        # samples. (On an AVX2 host in fp32, 2026-12-06, the same plan's steps cost the
+        # calibrated FLOP rate's time plus 0.08 s, not the 1.45x a rate factor would give: the
+        # excess is per call.)
+        shared_prefix_rate=1.0, shared_prefix_sample_s=0.0535,
         provenance="measured on dev-cpu (2 cores): the steps, evals and run launches of the "
                    "`make demo` and agent-task runs in BENCHMARKS.md (idle machine), the "
                    "generation rates with the CPU server's engine on one thread"),
@@ -245,16 +259,51 @@ def body_parameters(arch: Architecture) -> int:
     return arch.num_parameters - arch.vision_parameters - embeddings
 
 
-def training_flops(arch: Architecture, *, tokens: float, targets: float, span: int,
+def training_flops(arch: Architecture, *, tokens: float, targets: float,
                    recompute: bool) -> float:
-    """FLOPs of a LoRA step over ``tokens`` tokens of which ``targets`` are trained: through the
-    decoder forward 2N, backward through the frozen weights 2N (no weight gradients),
-    recomputation another 2N, causal attention over ``span`` tokens; the frozen LM head on the
-    targets only, its logits and their gradient with respect to the hidden states (4 x its
-    parameters: the trainer's fused loss computes both in forward, and never recomputes them)."""
-    attention = 6 * arch.num_layers * span * arch.num_heads * arch.head_dim
-    per_token = (6 if recompute else 4) * body_parameters(arch) + attention
+    """FLOPs of a LoRA step's matrix products over ``tokens`` tokens of which ``targets`` are
+    trained, attention apart (``attention_flops``): through the decoder forward 2N, backward
+    through the frozen weights 2N (no weight gradients), recomputation another 2N; the frozen LM
+    head on the targets only, its logits and their gradient with respect to the hidden states (4
+    x its parameters: the trainer's fused loss computes both in forward, and never recomputes
+    them)."""
+    per_token = (6 if recompute else 4) * body_parameters(arch)
     return tokens * per_token + targets * 4 * head_parameters(arch)
+
+
+def attention_flops(arch: Architecture, *, pairs: float, recompute: bool) -> float:
+    """FLOPs of attention over ``pairs`` query-key pairs in every layer, forward and backward
+    (another forward where recomputed): 2 a pair and head dimension forward, 4 backward."""
+    return (8 if recompute else 6) * arch.num_layers * pairs * arch.num_heads * arch.head_dim
+
+
+REST_CALL_WORK = 4.0
+"""As ``factory.trainer.model.REST_CALL_WORK``: rests in one call where its pairs are at most
+this many times the needed ones, else a call a rest."""
+
+
+def causal_pairs(length: float) -> float:
+    """Query-key pairs a causal call over ``length`` tokens computes (SDPA skips the masked
+    half)."""
+    return length * (length + 1) / 2
+
+
+def attention_pairs(*, rows: float, row: float, packing: bool, sample: float,
+                    samples_per_row: float, shared: float = 0.0) -> float:
+    """Query-key pairs a step's attention computes, as the trainer's calls do
+    (``factory.trainer.model.packed_sdpa_attention``): an unpacked row of ``row`` tokens, one
+    masked call over all its pairs (padding included); a packed row, one causal call a sample
+    of ``sample`` tokens; a shared-prefix row (``shared`` > 0, the ``rows`` its micro-batches),
+    the prefix causally, then its ``samples_per_row`` rests in one masked call over the row."""
+    if shared:
+        rests = samples_per_row * (sample - shared)
+        needed = rests * (shared + sample - shared)
+        one_call = rests * (shared + rests)
+        return rows * (causal_pairs(shared)
+                       + (one_call if one_call <= REST_CALL_WORK * needed else needed))
+    if packing:
+        return rows * samples_per_row * causal_pairs(sample)
+    return rows * row * row
 
 
 def forward_flops(arch: Architecture, *, tokens: float, targets: float, span: int) -> float:
@@ -266,20 +315,24 @@ def forward_flops(arch: Architecture, *, tokens: float, targets: float, span: in
 
 
 def step_seconds(c: TimeConstants, arch: Architecture, *, tokens_per_step: float,
-                 targets_per_step: float, span: int, recompute: bool, num_devices: int,
+                 targets_per_step: float, pairs: float, recompute: bool, num_devices: int,
                  precision: str, share_prefix: bool = False,
                  samples_per_step: float = 0.0) -> float:
     """Seconds of one optimizer step (``tokens_per_step``: the tokens its rows compute,
-    ``targets_per_step`` of them trained, ``samples_per_step`` samples)."""
+    ``targets_per_step`` of them trained, ``pairs`` the query-key pairs its attention computes
+    (``attention_pairs``), ``samples_per_step`` samples)."""
     slower = precision == "fp32" and c.measured and c.train_precision != "fp32"
-    rate = c.train_tflops * (CPU_FP32_SLOWDOWN if slower else 1.0)
+    factor = CPU_FP32_SLOWDOWN if slower else 1.0
+    rate = c.train_tflops * factor
     calls = 0.0
     if share_prefix:
         rate *= c.shared_prefix_rate
         calls = samples_per_step * c.shared_prefix_sample_s
-    flops = training_flops(arch, tokens=tokens_per_step, targets=targets_per_step, span=span,
+    flops = training_flops(arch, tokens=tokens_per_step, targets=targets_per_step,
                            recompute=recompute)
-    return (flops / (rate * 1e12) + calls) / num_devices * c.step_factor
+    attention = attention_flops(arch, pairs=pairs, recompute=recompute) \
+        / (c.attention_rate * factor * 1e12)
+    return (flops / (rate * 1e12) + attention + calls) / num_devices * c.step_factor
 
 
 def generation_seconds(c: TimeConstants, arch: Architecture, *, num_samples: int, batch: int,

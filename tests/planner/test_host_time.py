@@ -110,7 +110,8 @@ def test_calibrated_rates_are_this_hosts_and_the_rest_uncalibrated(tmp_path: Pat
     assert ref.measured == (name in {r for r, _ in MEASURED})
     assert ("as measured on dev-cpu" in got.provenance) == ref.measured
     assert got.calibrated and got.measured and got.source == "calibrated"
-    assert all(getattr(got, r) > 0 for r in ("train_tflops", "forward_tflops", "prefill_tflops"))
+    assert all(getattr(got, r) > 0 for r in ("train_tflops", "attention_tflops", "forward_tflops",
+                                             "prefill_tflops"))
     for fixed in ("train_fixed_s", "eval_fixed_s", "judge_s", "overlap_factor",
                   "shared_prefix_rate", "shared_prefix_sample_s"):
         assert getattr(got, fixed) == getattr(ref, fixed), fixed
@@ -130,11 +131,11 @@ def test_a_cpu_plan_names_its_constants_source(tmp_path: Path) -> None:
     assert cache_path(tmp_path, key).exists()
     # The step is the calibrated rate's: the same model, fed the cached constants.
     c = host_constants(recipe, HARDWARE["CPU"], cache=tmp_path).constants
-    span = min(profile().length_p50, plan["max_seq_len"])
     tokens = plan.estimates["tokens_per_step"]
     assert plan.estimates["step_seconds"] == pytest.approx(step_seconds(
         c, TINY, tokens_per_step=tokens, targets_per_step=plan.estimates["targets_per_step"],
-        span=span, recompute=plan["gradient_checkpointing"], num_devices=1,
+        pairs=plan.estimates["attention_pairs"], recompute=plan["gradient_checkpointing"],
+        num_devices=1,
         precision=plan["precision"]), rel=0.01)
     # Without a home the plan is the reference's, the same whatever machine renders it.
     reference = make_plan(experiment(), profile(), recipe=recipe).decisions["time_model"]
@@ -165,7 +166,7 @@ def test_fp32_measured_rates_are_not_slowed_again() -> None:
 
     def step(c: object, precision: str) -> float:
         return step_seconds(c, arch, tokens_per_step=1000,  # type: ignore[arg-type]
-                            targets_per_step=100, span=200, recompute=False, num_devices=1,
+                            targets_per_step=100, pairs=40_000, recompute=False, num_devices=1,
                             precision=precision)
 
     fp32_host = replace(ref, calibrated=True, train_precision="fp32")
@@ -283,10 +284,10 @@ def test_finished_runs_correct_the_hosts_next_plans(tmp_path: Path) -> None:
     assert got.step_factor == 0.9  # the median: one slow run does not move it far
     assert "x0.90: the median pace of this host's last 3 finished runs against these rates " \
            "(0.80, 0.90, 2.00)" in got.provenance
-    assert step_seconds(got, TINY, tokens_per_step=1000, targets_per_step=100, span=100,
+    assert step_seconds(got, TINY, tokens_per_step=1000, targets_per_step=100, pairs=10_000,
                         recompute=False, num_devices=1, precision="bf16-autocast") \
         == pytest.approx(0.9 * step_seconds(first.constants, TINY, tokens_per_step=1000,
-                                            targets_per_step=100, span=100, recompute=False,
+                                            targets_per_step=100, pairs=10_000, recompute=False,
                                             num_devices=1, precision="bf16-autocast"))
     # The newest PACE_RUNS are kept; a run recorded again replaces its pace.
     for i in range(3, 3 + host.PACE_RUNS):

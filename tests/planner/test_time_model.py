@@ -283,3 +283,63 @@ def test_plan_shows_the_predicted_wall_time(factory_home: Path, tmp_path: Path,
     out = capsys.readouterr().out
     assert out.startswith("## e: predicted wall 1.5 h: training 73.3 min + evals 17.7 min")
     assert "Predicted wall time: **1.5 h**" in out
+
+
+def test_attention_pairs_are_the_trainers_calls() -> None:
+    """The pairs the planner prices are those the trainer's attention computes: an unpacked row
+    all its pairs (one masked call), a packed row each sample's causal half, a shared-prefix row
+    the prefix's causal half and its rests in one call where the trainer makes one."""
+    from factory.planner.timing import REST_CALL_WORK, attention_pairs, causal_pairs
+    from factory.trainer import model as trainer_model
+
+    assert REST_CALL_WORK == trainer_model.REST_CALL_WORK
+    assert attention_pairs(rows=8, row=200, packing=False, sample=150, samples_per_row=1) \
+        == 8 * 200 * 200
+    assert attention_pairs(rows=2, row=950, packing=True, sample=100, samples_per_row=9.5) \
+        == 2 * 9.5 * causal_pairs(100)
+    # (prefix, rest): CLINC150's plan, the agent task's, triage's, and long rests.
+    for prefix, rest in ((686, 25), (593, 94), (54, 39), (60, 400)):
+        lengths, firsts = (prefix, *[rest] * 8), (0, *[prefix] * 8)
+        one_call = trainer_model._rests_in_one_call(lengths, firsts)
+        assert one_call == ((prefix, rest) != (60, 400))
+        got = attention_pairs(rows=1, row=0, packing=False, sample=prefix + rest,
+                              samples_per_row=8, shared=prefix)
+        rests = 8 * rest
+        assert got == causal_pairs(prefix) + (rests * (prefix + rests) if one_call
+                                              else rests * (prefix + rest))
+
+
+def test_a_long_system_prompt_prices_its_attention_at_attentions_rate() -> None:
+    """CLINC150 at 10 an intent (a 686-token system prompt, answers of ~5 tokens): where
+    attention runs at an eighth of the linear layers' rate, as SDPA's CPU backward does on the
+    bf16 host, its share of the step is priced at that rate; the reference (attention at the
+    training rate) prices it at the training rate."""
+    from factory.planner.timing import attention_flops, training_flops
+
+    arch = load_recipe("smollm2-135m-lora").architecture
+    ref = MEASURED[("smollm2-135m-lora", "CPU")]
+    slow = replace(ref, attention_tflops=ref.train_tflops / 8)
+    clinc = DatasetProfile.from_row({
+        "num_train": 1349, "num_eval": 150, "prompt_tokens_p50": 701, "prompt_tokens_p95": 708,
+        "prompt_tokens_p99": 715, "prompt_tokens_max": 729, "completion_tokens_p50": 5,
+        "completion_tokens_p95": 9, "completion_tokens_p99": 11, "completion_tokens_max": 11,
+        "total_tokens_p50": 706, "total_tokens_p99": 720, "total_tokens_max": 734,
+        "num_train_tokens": 953380, "shared_prefix_tokens": 686})
+    plans = {}
+    for name, c in (("ref", ref), ("slow", slow)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(MEASURED, ("smollm2-135m-lora", "CPU"), c)
+            plans[name] = make_plan(experiment(), clinc)
+    est = plans["slow"].estimates
+    assert plans["slow"]["share_prefix"] and est["attention_pairs"] > 300_000
+    attention = attention_flops(arch, pairs=est["attention_pairs"], recompute=False)
+    linear = training_flops(arch, tokens=est["tokens_per_step"],
+                            targets=est["targets_per_step"], recompute=False)
+    calls = 8 * ref.shared_prefix_sample_s
+    assert est["step_seconds"] == pytest.approx(
+        (linear + 8 * attention) / (ref.train_tflops * 1e12) + calls, rel=0.01)
+    assert plans["ref"].estimates["step_seconds"] == pytest.approx(
+        (linear + attention) / (ref.train_tflops * 1e12) + calls, rel=0.01)
+    # A tenth of the FLOPs, nearly half the step's arithmetic seconds at an eighth of the rate.
+    assert attention / (linear + attention) == pytest.approx(0.1, abs=0.02)
+    assert 8 * attention / (linear + 8 * attention) > 0.4
