@@ -16,6 +16,15 @@ run, and every prediction is compared with it:
 It prints the command, the CPU's flags and the load before and after the run, a Markdown table
 and one JSON line; it exits 1 if the best calibrated plan's steps' total is off by over 25%.
 
+``--runs HOME...``: no new run; each HOME is the factory home of a finished ``factory run``
+(``bench/calibration.py``'s ``TASK-sSEED`` folders, ``bench/loop.py``'s ``--home``): its latest
+``dataset_profile`` is planned again with its experiment file (``HOME/experiments``) and this
+host's constants, calibrated now in a fresh cache (no pace correction: today's model alone),
+and the plan's seconds a step are compared with that run's (the median step, held-out passes
+left out) and with what its own plan predicted then:
+
+    .venv/bin/python bench/time_model.py --runs /tmp/calib/clinc150-s0 /tmp/calib/agent-s0
+
     .venv/bin/python bench/time_model.py       # 10 steps of 4 x 256, 2 threads (~2 min idle)
     OMP_NUM_THREADS=1 .venv/bin/python bench/time_model.py --steps 6 --micro-batch 2 \
         --seq-len 128 --threads 1          # a shared host: ~2.5 min at load 9
@@ -52,6 +61,7 @@ from factory.planner.hardware import HARDWARE  # noqa: E402
 from factory.planner.host import host_constants, host_key  # noqa: E402
 from factory.planner.pace import MIN_STEPS, corrected, observed_step_seconds, pace_line  # noqa: E402
 from factory.planner.plan import Plan  # noqa: E402
+from factory.recipes import load_recipe  # noqa: E402
 
 
 def load() -> str:
@@ -59,8 +69,69 @@ def load() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min) on {os.cpu_count()} cores"
 
 
+def _latest(home: Path, table: str) -> dict[str, Any]:
+    import duckdb
+
+    files = str(home / "warehouse" / "factory" / table / "data" / "*.parquet")
+    rows = duckdb.connect().execute(f"SELECT * FROM read_parquet('{files}') ORDER BY "
+                                    "created_at DESC LIMIT 1").fetchdf().to_dict("records")
+    assert rows, f"{home}: no {table}"
+    return rows[0]
+
+
+def _run_steps(home: Path) -> tuple[str, float, int]:
+    """(run id, median seconds a step, steps) of the home's training run, steps that ran the
+    held-out pass left out."""
+    import statistics
+
+    (events,) = sorted(home.glob("checkpoints/*/events/metrics.jsonl"))[-1:]
+    rows = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if r.get("kind") == "metrics"]
+    gaps = [b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False)
+            if "eval_loss" not in b["metrics"]][1:]
+    return events.parent.parent.name, statistics.median(gaps), len(steps)
+
+
+def replan_runs(homes: list[Path]) -> int:
+    """``--runs``: each finished run's data planned with this host's constants of today."""
+    from factory.experiments import parse_experiment
+    from factory.planner import DatasetProfile, make_plan
+
+    recipe = recipe_for("smollm2-135m", model_dir("smollm2-135m"))
+    with tempfile.TemporaryDirectory(prefix="time-model-") as tmp:
+        t0 = time.perf_counter()
+        host_constants(recipe, HARDWARE["CPU"], cache=Path(tmp), precision="bf16-autocast")
+        print(f"calibrated in {time.perf_counter() - t0:.0f} s; load {load()}")
+        print("| run | shared prefix / p50 tokens | step then predicted | step now predicted | "
+              "step measured (median) | now / measured |")
+        print("|---|---|---|---|---|---|")
+        out = []
+        for home in homes:
+            profile = DatasetProfile.from_row(_latest(home, "dataset_profile"))
+            then = json.loads(_latest(home, "training_plans")["plan"])["estimates"]
+            (path,) = sorted((home / "experiments").glob("*.yaml"))[:1]
+            experiment = parse_experiment(path.read_text(), path)
+            plan = make_plan(experiment, profile, recipe=load_recipe(experiment.recipe),
+                             time_cache=Path(tmp))
+            run_id, measured, n = _run_steps(home)
+            now = plan.estimates["step_seconds"]
+            out.append({"home": str(home), "run_id": run_id, "steps": n,
+                        "then": then["step_seconds"], "now": now, "measured": round(measured, 3),
+                        "ratio": round(now / measured, 3), "reason": plan.decisions[
+                            "time_model"].reason})
+            print(f"| {home.name} ({run_id}, {n} steps) | {profile.shared_prefix_tokens} / "
+                  f"{profile.total_tokens_p50} | {then['step_seconds']:.2f} s | {now:.2f} s | "
+                  f"{measured:.2f} s | {now / measured:.2f} |")
+        print(f"- time model: {out[0]['reason']}" if out else "")
+        print(json.dumps({"host": host_key().label, "runs": out}))
+    return 0 if all(abs(r["ratio"] - 1) <= 0.25 for r in out) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, nargs="+", default=None,
+                        help="factory homes of finished runs: plan their data again and "
+                             "compare with their steps (no new run)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps of the run")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per packed row")
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per step")
@@ -69,6 +140,8 @@ def main() -> int:
     key = host_key()
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"host: {key.label}")
+    if args.runs:
+        return replan_runs(args.runs)
     from factory.trainer.precision import cpu_bf16
 
     print(f"bf16: {cpu_bf16()}")

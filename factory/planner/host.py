@@ -27,8 +27,13 @@ each as the planner's FLOP count over the best of ``CALIBRATION_REPEATS`` timing
 
 The decode constants scale with the prefill rate (both fp32 on one thread); fixed costs, the
 judge, the overlap factor and the ``share_prefix`` rate keep the recipe's uncalibrated values
-(``timing.time_constants``: none of them is a rate of this CPU's arithmetic). ``method="matmul"`` times the same linear layers' matrix
-products alone (no attention, norms, LoRA or loss): cheaper to run, and an upper bound on the
+(``timing.time_constants``: none of them is a rate of this CPU's arithmetic). The reference's
+per-sample seconds of a ``share_prefix`` step do not: they stood for its rests' attention
+calls at the training rate, which a calibrated host prices at its measured attention rate
+(re-planned with this host's constants, the steps of CLINC150's, the agent task's, SNIPS's and
+triage's finished runs on the bf16 host came within 0.83-1.14 of measured with them left out,
+1.06-1.47 with them: ``bench/time_model.py --runs``). ``method="matmul"`` times the same
+linear layers' matrix products alone (no attention, norms, LoRA or loss): cheaper to run, and an upper bound on the
 rate. ``model`` is the default because it comes nearer a real step than the proxy
 (``bench/time_model.py``, bf16 host, one thread, SmolLM2-135M, 6 steps of 2 x 128; predicted
 over measured seconds a step: at load 9-10, ``model`` 0.88 (38 s to calibrate), ``matmul``
@@ -108,8 +113,11 @@ trainer's loss runs the LM head on those only, as a real step does."""
 ATTENTION_TOKENS = 512
 """Tokens of the calibration's attention call: a system prompt's length, long enough that the
 call's arithmetic, not its launch, is timed."""
-CALIBRATION_REPEATS = 2
-"""Timed steps after one warm-up; the best is kept (another process's burst only slows one)."""
+CALIBRATION_REPEATS = 4
+"""Timed steps after one warm-up; the best is kept (another process's burst only slows one).
+Best of 2 gave training rates of 0.16-0.24 TFLOP/s in consecutive calibrations on the bf16
+host, the seven runs above re-planned 0.72-1.14 of measured; best of 4, 0.83-1.22 in three
+calibrations (15-22 s each)."""
 PACE_RUNS = 5
 """Finished runs whose pace a host's entry keeps (the newest); their median corrects a step."""
 PACE_MIN_STEPS = 20
@@ -446,7 +454,7 @@ def constants_from(calibration: Calibration, key: HostKey, base: TimeConstants
                  if calibration.contended else "")
     return replace(
         base, train_tflops=calibration.train_tflops, forward_tflops=calibration.forward_tflops,
-        attention_tflops=calibration.attention_tflops,
+        attention_tflops=calibration.attention_tflops, shared_prefix_sample_s=0.0,
         prefill_tflops=calibration.prefill_tflops, decode_step_s=base.decode_step_s * slower,
         decode_seq_s=base.decode_seq_s * slower, measured=True, calibrated=True,
         train_precision=calibration.precision,
