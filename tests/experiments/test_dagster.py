@@ -88,6 +88,7 @@ def test_the_asset_plans_with_the_hosts_time_model_by_default(
     def seed(train_tflops: float) -> None:
         path.write_text(json.dumps({"host": {}, "entries": {entry: {
             "method": "model", "precision": entry.split("|")[1], "train_tflops": train_tflops,
+            "attention_tflops": train_tflops / 8,
             "forward_tflops": 0.5, "prefill_tflops": 0.1, "seconds": 3.0, "load": 0.5,
             "measured_at": "2026-12-06T00:00:00+00:00", "torch_threads": 2}}}))
 
@@ -112,6 +113,7 @@ def test_the_asset_plans_with_the_hosts_time_model_by_default(
     assert fast["values"]["time_model"] == "calibrated"
     assert fast["reasons"]["time_model"]["reason"].startswith(
         f"calibrated on this host ({key.label}) at 2026-12-06")
+    assert "train 1, attention 0.125," in fast["reasons"]["time_model"]["reason"]
     seed(0.25)  # a host a quarter as fast: the same plan's steps take longer
     slow = plan_of(keys[0])
     assert slow["estimates"]["step_seconds"] > 2 * fast["estimates"]["step_seconds"]
