@@ -27,6 +27,11 @@ packed segment, or to a shared prefix, is exactly what their own mask does."""
 MIN_SHARED_PREFIX = 16
 """Shorter common beginnings are left in their rows (``share_prefix``): the saving would not
 pay for the extra attention calls."""
+REST_CALL_WORK = 4.0
+"""A shared-prefix row's rests attend in one call where that call's query x key pairs are at
+most this many times the pairs they need (each rest: its prefix and itself); else one call a
+rest (``factory.trainer.model._rests_in_one_call``; the planner's ``timing.attention_pairs``
+counts the same)."""
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PARALLELISMS = ("single", "fsdp2")
 TRACKERS = ("jsonl", "mlflow", "neptune", "none")

@@ -9,10 +9,11 @@ and gradient: for SmolLM2 (vocab 49152) at 4 x 1536 tokens that is ~3.6 GB, the 
 run's peak memory. Here the peak is one chunk: 1024 x 49152 x 4 B = 200 MB.
 
 On CPU, packed rows attend per sample (``packed_sdpa_attention``): one causal SDPA call per
-segment instead of one masked call over the whole row (a shared-prefix row: the prefix's causal
-call, then one masked call for all its samples' rests, ``_rests_in_one_call``). The result is the block-diagonal mask's,
-but the cost is the sum of the squared sample lengths instead of the squared row length, and
-the unmasked causal kernel is ~2x faster than the masked one (bench/trainer.py).
+segment instead of one masked call over the whole row (a shared-prefix row: the prefix's
+causal call, then one masked call for all its samples' rests, ``_rests_in_one_call``). The
+result is the block-diagonal mask's, but the cost is the sum of the squared sample lengths
+instead of the squared row length, and the unmasked causal kernel is ~2x faster than the masked
+one (bench/trainer.py).
 
 A batch with images (a vision-language model: ``Batch.pixel_values``) runs through the model's
 multimodal body instead of its decoder alone: the frozen vision tower encodes the images and
@@ -38,7 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .chat import IGNORE_INDEX
-from .config import PLAIN_ATTENTION_MODELS, TrainConfig
+from .config import PLAIN_ATTENTION_MODELS, REST_CALL_WORK, TrainConfig
 from .progress import quiet_progress_bars
 from .token_rows import fast_token_rows, head_rows
 
@@ -276,12 +277,6 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
-
-
-REST_CALL_WORK = 4.0
-"""A shared-prefix row's rests attend in one call where that call's query x key pairs are at
-most this many times the pairs they need (each rest: its prefix and itself); else one call a
-rest (``_rests_in_one_call``)."""
 
 
 def _rests_in_one_call(lengths: tuple[int, ...], firsts: tuple[int, ...]) -> bool:

@@ -31,12 +31,12 @@ judge, the overlap factor and the ``share_prefix`` rate keep the recipe's uncali
 per-sample seconds of a ``share_prefix`` step do not: they stood for its rests' attention
 calls at the training rate, which a calibrated host prices at its measured attention rate
 (re-planned with this host's constants, the steps of CLINC150's, the agent task's, SNIPS's and
-triage's finished runs on the bf16 host came within 0.83-1.14 of measured with them left out,
-1.06-1.47 with them: ``bench/time_model.py --runs``). ``method="matmul"`` times the same
-linear layers' matrix products alone (no attention, norms, LoRA or loss): cheaper to run, and an upper bound on the
-rate. ``model`` is the default because it comes nearer a real step than the proxy
-(``bench/time_model.py``, bf16 host, one thread, SmolLM2-135M, 6 steps of 2 x 128; predicted
-over measured seconds a step: at load 9-10, ``model`` 0.88 (38 s to calibrate), ``matmul``
+triage's finished runs on the bf16 host came within 0.83-1.22 of measured with them left out,
+three calibrations; 0.94-1.47 with them, one: ``bench/time_model.py --runs``).
+``method="matmul"`` times the same linear layers' matrix products alone (no attention, norms,
+LoRA or loss): cheaper to run, and an upper bound on the rate. ``model`` is the default
+because it comes nearer a real step than the proxy (``bench/time_model.py``, bf16 host, one
+thread, SmolLM2-135M, 6 steps of 2 x 128; predicted over measured seconds a step: at load 9-10, ``model`` 0.88 (38 s to calibrate), ``matmul``
 0.23 (3 s), the reference constants 0.15; at load 3, 0.48 (14 s), 0.18 (1 s) and 0.25): with
 AMX the matrix products are a quarter to a third of a step, and the rest (attention, norms,
 LoRA, the loss, autograd) does not scale with them from one CPU to another. Neither reaches a
@@ -116,8 +116,8 @@ call's arithmetic, not its launch, is timed."""
 CALIBRATION_REPEATS = 4
 """Timed steps after one warm-up; the best is kept (another process's burst only slows one).
 Best of 2 gave training rates of 0.16-0.24 TFLOP/s in consecutive calibrations on the bf16
-host, the seven runs above re-planned 0.72-1.14 of measured; best of 4, 0.83-1.22 in three
-calibrations (15-22 s each)."""
+host, the seven runs above re-planned 0.72-1.33 of measured in three; best of 4, 0.83-1.22
+in three calibrations (15-22 s each)."""
 PACE_RUNS = 5
 """Finished runs whose pace a host's entry keeps (the newest); their median corrects a step."""
 PACE_MIN_STEPS = 20

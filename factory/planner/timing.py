@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from factory.evals.selection import CLEAR_MARGIN, PLATEAU_PATIENCE
 from factory.planner.hardware import Hardware
 from factory.recipes import Architecture
+from factory.trainer.config import REST_CALL_WORK
 
 EVAL_SHARE = 0.20
 """Most of a run's cost evals may take. On CPU the cost is wall time (evals share the cores: at
@@ -277,11 +278,6 @@ def attention_flops(arch: Architecture, *, pairs: float, recompute: bool) -> flo
     return (8 if recompute else 6) * arch.num_layers * pairs * arch.num_heads * arch.head_dim
 
 
-REST_CALL_WORK = 4.0
-"""As ``factory.trainer.model.REST_CALL_WORK``: rests in one call where its pairs are at most
-this many times the needed ones, else a call a rest."""
-
-
 def causal_pairs(length: float) -> float:
     """Query-key pairs a causal call over ``length`` tokens computes (SDPA skips the masked
     half)."""
@@ -297,7 +293,7 @@ def attention_pairs(*, rows: float, row: float, packing: bool, sample: float,
     the prefix causally, then its ``samples_per_row`` rests in one masked call over the row."""
     if shared:
         rests = samples_per_row * (sample - shared)
-        needed = rests * (shared + sample - shared)
+        needed = rests * sample  # each rest's token: the prefix and its own rest
         one_call = rests * (shared + rests)
         return rows * (causal_pairs(shared)
                        + (one_call if one_call <= REST_CALL_WORK * needed else needed))
