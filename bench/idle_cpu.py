@@ -28,6 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._worktree import baseline_tree  # noqa: E402
 from bench.agent import cpu, loadavg  # noqa: E402
 from factory.process import stop_group  # noqa: E402
 
@@ -55,12 +56,6 @@ def _home_cpu(home: Path) -> dict[str, float]:
                 out[kind] += (int(stat[11]) + int(stat[12])) / tick
     return out
 
-
-def natives(tree: Path) -> list[str]:
-    """The tree's built, git-ignored native files (``factory/**/*.so`` and their manifests)."""
-    listed = subprocess.run(["git", "ls-files", "-o", "-i", "--exclude-standard", "factory"],
-                            cwd=tree, capture_output=True, text=True, check=True).stdout
-    return [p for p in listed.split() if p.endswith((".so", "_native.json"))]
 
 
 def measure(tree: Path, *, settle_s: float, seconds: float) -> dict[str, Any]:
@@ -94,20 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(json.dumps({"command": " ".join([sys.executable, *sys.argv]), "cpu": cpu(),
                       "loadavg_before": loadavg()}), flush=True)
-    worktree = Path(tempfile.mkdtemp(prefix="factory-bench-baseline-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline],
-                   cwd=ROOT, check=True, capture_output=True)
-    try:
-        for rel in natives(ROOT):
-            (worktree / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, worktree / rel)
+    with baseline_tree(args.baseline) as worktree:
         base = measure(worktree, settle_s=args.settle, seconds=args.seconds)
         base["rev"] = args.baseline
         print(json.dumps({"baseline": base}), flush=True)
         this = measure(ROOT, settle_s=args.settle, seconds=args.seconds)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
-                       capture_output=True)
     ratios = {k: round(this["cpu_s_per_30s"][k] / base["cpu_s_per_30s"][k], 2)
               for k in KINDS if base["cpu_s_per_30s"][k]}
     print(json.dumps({"this_tree": this, "ratio_to_baseline": ratios,

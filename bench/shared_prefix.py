@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _train import canonical, write_triage  # noqa: E402 - bench/ is the script's folder
+from _worktree import baseline_tree  # noqa: E402
 
 
 def write_clinc(path: Path, seed: int) -> Path:
@@ -118,22 +118,6 @@ def run_side(args: argparse.Namespace, work: Path, data: Path, base_model: str, 
             "final_loss": progress[-1]["loss"]}
 
 
-@contextlib.contextmanager
-def baseline_tree(rev: str | None) -> Iterator[Path | None]:
-    """A detached git worktree of ``rev`` (removed after), or None without one."""
-    if rev is None:
-        yield None
-        return
-    tree = Path(tempfile.mkdtemp(prefix="bench-shared-baseline-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True,
-                   capture_output=True)
-    try:
-        yield tree
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                       capture_output=True)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=24, help="steps per run (default 24)")
@@ -161,7 +145,8 @@ def main() -> int:
                       "task": args.task, "samples": args.samples, "steps": args.steps,
                       "threads": args.threads, "baseline": args.baseline}))
     with tempfile.TemporaryDirectory(prefix="bench-shared-") as tmp, \
-            baseline_tree(args.baseline) as old:
+            (baseline_tree(args.baseline, prefix="bench-shared-baseline-") if args.baseline
+             else contextlib.nullcontext()) as old:
         work = Path(tmp)
         data = work / "train.parquet"
         if args.task == "clinc150":
