@@ -101,7 +101,7 @@ def main() -> int:
         before = _counters(server.url, model)
         for i, r in enumerate(timed):
             httpx.post(server.url + "/reset_prefix_cache", timeout=60).raise_for_status()
-            seconds, n = ask(server.url, model, r["messages"], args.max_tokens,
+            seconds, n, _ = ask(server.url, model, r["messages"], args.max_tokens,
                              usage="prompt_tokens")
             off.append(seconds)
             prompt_tokens.append(n)

@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 
 from factory.inference import InferenceServer, ServeSizing  # noqa: E402
 from factory.process import group_rss  # noqa: E402
-from factory.tasks.agent_orders import TOOLS, generate_heldout  # noqa: E402
+from factory.tasks.agent_orders import TOOLS, exact_tool_call, generate_heldout  # noqa: E402
 
 MODELS = ROOT / ".cache" / "test-models"
 ADAPTER = "smollm2-tool-caller-lora-v1"
@@ -81,14 +81,16 @@ class _Peak:
 
 
 def ask(url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
-        usage: str = "completion_tokens") -> tuple[float, int]:
-    """Seconds of one greedy tool-calling request and its ``usage[usage]`` count."""
+        usage: str = "completion_tokens") -> tuple[float, int, dict[str, Any]]:
+    """Seconds of one greedy tool-calling request, its ``usage[usage]`` count and its
+    message."""
     body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0,
             "max_tokens": max_tokens}
     t = time.perf_counter()
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     r.raise_for_status()
-    return time.perf_counter() - t, int(r.json()["usage"][usage])
+    reply = r.json()
+    return time.perf_counter() - t, int(reply["usage"][usage]), reply["choices"][0]["message"]
 
 
 def _server(spec: str, base: Path, adapter: Path, threads: int) -> InferenceServer:
@@ -127,11 +129,12 @@ def measure(spec: str, base: Path, adapter: Path, requests: list[dict[str, Any]]
         ask(server.url, "caller", requests[0]["messages"], max_tokens)
         startup = time.perf_counter() - t0
         ask(server.url, "caller", requests[1]["messages"], max_tokens)
-        single = [ask(server.url, "caller", r["messages"], max_tokens)[0] for r in requests]
+        answered = [ask(server.url, "caller", r["messages"], max_tokens) for r in requests]
+        single = [seconds for seconds, _, _ in answered]
         t = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
             done = list(pool.map(lambda r: ask(server.url, "caller", r["messages"],
-                                                max_tokens), requests))
+                                                max_tokens)[:2], requests))
         wall = time.perf_counter() - t
     finally:
         rss = peak.stop()
@@ -140,7 +143,19 @@ def measure(spec: str, base: Path, adapter: Path, requests: list[dict[str, Any]]
     return {"engine": spec, "startup_s": round(startup, 1),
             "p50_s": round(statistics.median(single), 3), "p95_s": round(q[18], 3),
             "tokens_per_s": round(sum(n for _, n in done) / wall, 1),
-            "answers_per_s": round(len(done) / wall, 2), "peak_rss_gib": round(rss / 2**30, 2)}
+            "answers_per_s": round(len(done) / wall, 2), "peak_rss_gib": round(rss / 2**30, 2),
+            "exact": round(sum(exact_tool_call(r["expected"], m)
+                               for r, (_, _, m) in zip(requests, answered, strict=True))
+                           / len(requests), 3),
+            "answers": [_shown(m) for _, _, m in answered]}
+
+
+def _shown(message: dict[str, Any]) -> str:
+    """A reply as text to compare engines by: its tool calls, else its content."""
+    calls = message.get("tool_calls") or []
+    if calls:
+        return "; ".join(f"{c['function']['name']}({c['function']['arguments']})" for c in calls)
+    return "text: " + (message.get("content") or "")
 
 
 def main() -> int:
@@ -150,28 +165,34 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--adapter", type=Path, default=None,
+                    help="a trained adapter directory to serve (default: the tool-calling LoRA "
+                         "of the vLLM tests, trained on one sample: its exact rate means nothing)")
     args = ap.parse_args()
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split()
                     if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")})
     print(f"command: {' '.join(sys.argv)}\ncpu flags: {' '.join(flags)}; cores: "
           f"{os.cpu_count()}; load before: {os.getloadavg()[0]:.2f}", flush=True)
     base = MODELS / "smollm2-135m-instruct"
-    adapter = tool_adapter(base)
+    adapter = args.adapter or tool_adapter(base)
     requests = generate_heldout(args.requests, seed=7)
     rows = []
     for spec in args.engines:
         row = measure(spec, base, adapter, requests, clients=args.clients,
                       max_tokens=args.max_tokens, threads=args.threads)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "answers"}), flush=True)
     first = rows[0]
     print(f"\n| engine | start-up s | p50 s | p95 s | tokens/s at {args.clients} | peak RSS GiB |"
-          f" p50 vs {first['engine']} | tokens/s vs {first['engine']} |")
-    print("|---|---|---|---|---|---|---|---|")
+          f" p50 vs {first['engine']} | tokens/s vs {first['engine']} | exact calls | "
+          f"answers as {first['engine']}'s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        same = sum(a == b for a, b in zip(r["answers"], first["answers"], strict=True))
         print(f"| {r['engine']} | {r['startup_s']} | {r['p50_s']} | {r['p95_s']} | "
               f"{r['tokens_per_s']} | {r['peak_rss_gib']} | {r['p50_s'] / first['p50_s']:.2f}x | "
-              f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x |")
+              f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x | {r['exact']:.1%} | "
+              f"{same} of {len(r['answers'])} |")
     print(f"load after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge-adapters", action=argparse.BooleanOptionalAction, default=True,
                         help="add the served adapter's weights into the base's while its "
                              "requests follow each other (float32; on by default)")
+    parser.add_argument("--bf16-linears", default="auto", choices=["auto", "on", "off"],
+                        help="generate with the linear layers' weights packed in bf16 (float32 "
+                             "only; auto: where the CPU computes bf16 natively)")
     args = parser.parse_args(argv)
 
     try:
@@ -80,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     # torch and the server (~2 s) load after the port is reported: the caller waits on the port
     import torch
 
-    from factory.inference.engine import PROMPT_LOOKUP_TOKENS, Engine, EngineError
+    from factory.inference.engine import (
+        PROMPT_LOOKUP_TOKENS,
+        Engine,
+        EngineError,
+        bf16_linears_available,
+    )
     from factory.inference.server import create_app, serve
 
     if args.threads:
@@ -99,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                     prefix_cache_bytes=args.prefix_cache_mib * 2**20,
                     prompt_lookup_tokens=(PROMPT_LOOKUP_TOKENS if args.prompt_lookup_tokens is None
                                           else args.prompt_lookup_tokens),
-                    merge_adapters=args.merge_adapters)
+                    merge_adapters=args.merge_adapters,
+                    bf16_linears=args.bf16_linears == "on" or (
+                        args.bf16_linears == "auto" and args.dtype == "float32"
+                        and bf16_linears_available()[0]))
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")
         if not sep:
