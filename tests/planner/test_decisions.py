@@ -160,10 +160,10 @@ def test_packing_keeps_the_samples_per_step() -> None:
 
 def test_learning_rate_scales_with_batch_and_rank() -> None:
     small = make_plan(experiment(), profile(num_samples=60, **UNPACKED))
-    assert small["learning_rate"] == pytest.approx(2e-4 * (4 / 16) ** 0.5)
+    assert small["learning_rate"] == pytest.approx(1.4e-3 * (4 / 16) ** 0.5)
     ranked = make_plan(experiment(overrides={"lora_rank": 64}),
                        profile(num_samples=60, **UNPACKED))
-    assert ranked["learning_rate"] == pytest.approx(2e-4 * (4 / 16) ** 0.5 * (16 / 64) ** 0.5)
+    assert ranked["learning_rate"] == pytest.approx(1.4e-3 * (4 / 16) ** 0.5 * (16 / 64) ** 0.5)
     assert "sqrt(16/64)" in ranked.decisions["learning_rate"].reason
 
 
