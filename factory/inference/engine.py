@@ -37,8 +37,8 @@ less than as many passes of one (reading the weights once). The outputs are the 
 one-a-pass decoding chooses (tests/inference/test_prompt_lookup.py).
 
 A decode pass reads every weight for a handful of tokens: with ``bf16_linears`` (the server's
-default where the CPU has bf16 instructions) generation runs the linear layers from bf16 copies
-of their weights packed for oneDNN (``Bf16Linears``), half the bytes a pass.
+``--bf16-linears``, off by default) generation runs the linear layers from bf16 copies of their
+weights packed for oneDNN (``Bf16Linears``), half the bytes a pass.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Generation with the linear layers packed in bf16 (``Engine(bf16_linears=True)``, the CPU
-server's default where bf16 is native): the packs follow the weights through adapter merges and
+server's ``--bf16-linears``): the packs follow the weights through adapter merges and
 switches, the log-probs the equivalence check reads stay float32, and an engine refuses the
 option where it would not be native."""
 
