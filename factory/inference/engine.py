@@ -43,6 +43,7 @@ weights packed for oneDNN (``Bf16Linears``), half the bytes a pass.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import warnings
@@ -60,6 +61,7 @@ from factory.blobs import BlobStore
 from factory.trainer.chat import chat_format, chat_template
 from factory.trainer.cores import CoreShare
 from factory.trainer.model import auto_model_class
+from factory.trainer.precision import cpu_bf16
 from factory.trainer.progress import quiet_progress_bars
 from factory.trainer.token_rows import fast_token_rows
 from factory.trainer.vision import ImageInput, Vision, blob_reader, has_vision, stack
@@ -231,8 +233,6 @@ class LookupStats:
 
 def bf16_linears_available() -> tuple[bool, str]:
     """(whether generation may run the linear layers in oneDNN's packed bf16 here, why)."""
-    from factory.trainer.precision import cpu_bf16
-
     native, what = cpu_bf16()
     if not native:
         return False, f"bf16 is not native on this CPU ({what})"
@@ -582,8 +582,6 @@ class Engine:
     def _forward_model(self, model: str) -> Any:
         """Context manager that makes ``self.model`` compute as ``model`` (with ``self.lock``
         held: it may merge or unmerge an adapter)."""
-        import contextlib
-
         if model == self.served_model_name:
             self._unmerge()
             return self.model.disable_adapter() if self.adapters else contextlib.nullcontext()
@@ -602,8 +600,6 @@ class Engine:
     def _generation_linears(self, model: str) -> Any:
         """Context manager: ``model``'s linear layers in packed bf16 while it generates, where
         the engine has them (not for an adapter with trained token rows)."""
-        import contextlib
-
         packed = self.bf16_linears
         if packed is None or self._token_rows.get(model, False):
             return contextlib.nullcontext()
