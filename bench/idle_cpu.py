@@ -57,7 +57,6 @@ def _home_cpu(home: Path) -> dict[str, float]:
     return out
 
 
-
 def measure(tree: Path, *, settle_s: float, seconds: float) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="factory-bench-idle-"))
     env = {**os.environ, "FACTORY_HOME": str(home), "PYTHONPATH": str(tree)}

@@ -48,7 +48,7 @@ import hashlib
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -249,7 +249,7 @@ class Bf16Linears:
     reads all 540 MB of them for one to four tokens, and its time is that read. Packed bf16
     halves the bytes and runs on the CPU's bf16 units (AMX, AVX512-BF16): 30 layers and the
     head, 2 threads of the bf16 host, 18 ms a pass for 1 or 4 tokens against 25.5 and 49 ms in
-    float32, a 600-token prefill ~10x faster. Each layer's pack is made the first time the layer
+    float32; one 1536x576 layer's product for a 600-token prefill ~10x faster. Each layer's pack is made the first time the layer
     runs after ``changed()`` (an adapter merged or taken out rewrites the weights): ~270 MB for
     SmolLM2-135M beside its float32 weights. The answers are the model's in bf16, the precision
     the trainer's matrix products ran in (bf16 autocast); the log-probs the train/serve
@@ -260,13 +260,21 @@ class Bf16Linears:
         self.active = False
         self._version = 0
         self._packs: dict[int, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
-        self.layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-        for layer in self.layers:
+        for layer in [m for m in model.modules() if type(m) is torch.nn.Linear]:
             layer.forward = self._forward_of(layer)  # type: ignore[method-assign]
 
     def changed(self) -> None:
         """The weights were rewritten: every layer packs again when it next runs."""
         self._version += 1
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """The layers compute from their packs inside the block."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
 
     def _forward_of(self, layer: torch.nn.Linear) -> Callable[..., torch.Tensor]:
         plain = layer.forward
@@ -600,19 +608,9 @@ class Engine:
     def _generation_linears(self, model: str) -> Any:
         """Context manager: ``model``'s linear layers in packed bf16 while it generates, where
         the engine has them (not for an adapter with trained token rows)."""
-        packed = self.bf16_linears
-        if packed is None or self._token_rows.get(model, False):
+        if self.bf16_linears is None or self._token_rows.get(model, False):
             return contextlib.nullcontext()
-
-        @contextlib.contextmanager
-        def active() -> Any:
-            packed.active = True
-            try:
-                yield
-            finally:
-                packed.active = False
-
-        return active()
+        return self.bf16_linears.generating()
 
     # --- prompts ------------------------------------------------------------------------------
 
