@@ -103,16 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     if template not in ("trainer", "tokenizer"):
         with open(template) as f:
             template = f.read()
-    engine = Engine(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-                    max_model_len=args.max_model_len, base_chat_template=template,
-                    prefix_cache_entries=8 if args.enable_prefix_caching else 0,
-                    prefix_cache_bytes=args.prefix_cache_mib * 2**20,
-                    prompt_lookup_tokens=(PROMPT_LOOKUP_TOKENS if args.prompt_lookup_tokens is None
-                                          else args.prompt_lookup_tokens),
-                    merge_adapters=args.merge_adapters,
-                    bf16_linears=args.bf16_linears == "on" or (
-                        args.bf16_linears == "auto" and args.dtype == "float32"
-                        and bf16_linears_available()[0]))
+    try:
+        engine = Engine(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+                        max_model_len=args.max_model_len, base_chat_template=template,
+                        prefix_cache_entries=8 if args.enable_prefix_caching else 0,
+                        prefix_cache_bytes=args.prefix_cache_mib * 2**20,
+                        prompt_lookup_tokens=(PROMPT_LOOKUP_TOKENS
+                                              if args.prompt_lookup_tokens is None
+                                              else args.prompt_lookup_tokens),
+                        merge_adapters=args.merge_adapters,
+                        bf16_linears=args.bf16_linears == "on" or (
+                            args.bf16_linears == "auto" and args.dtype == "float32"
+                            and bf16_linears_available()[0]))
+    except ValueError as e:  # an option the engine refuses (--bf16-linears on where not native)
+        print(f"cannot serve {args.model}: {e}", file=sys.stderr)
+        return 2
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")
         if not sep:

@@ -107,3 +107,17 @@ def test_refused_where_bf16_is_not_native(tiny_model_dir: Path,
     assert plain.bf16_linears is None
     assert not any("forward" in vars(m) for m in plain.base.modules()
                    if isinstance(m, torch.nn.Linear))
+
+
+def test_the_server_refuses_the_option_with_a_clear_error(tiny_model_dir: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "factory.inference", str(tiny_model_dir),
+                          "--port", "0", "--bf16-linears", "on"],
+                         env={**os.environ, "FACTORY_CPU_BF16": "emulated"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "bf16_linears: needs dtype float32 and native bf16" in run.stderr
+    assert "Traceback" not in run.stderr
