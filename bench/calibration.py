@@ -64,7 +64,8 @@ test split of ``bench/splits.py`` (the seeds above; the public datasets' officia
 score is appended to its ledger (``--ledger``, default ``bench/test_ledger.jsonl``); ``--split
 dev`` draws them from the dev split instead (seeds + ``DEV_OFFSET``; the public datasets' dev splits),
 for choosing planner defaults, and records nothing; there ``--overrides`` (plan values as JSON)
-measures a lever against the planner's defaults. ``--plumbing`` runs a tiny plan
+and ``--data`` (experiment data settings, e.g. ``{"balance": "language"}``) measure a lever
+against the planner's defaults. ``--plumbing`` runs a tiny plan
 (``--overrides``, default ``{"num_steps": 4, "eval_every_steps": 2}``) on 60 records and 20 dev
 requests by default, to check the path end to end; its figures are not a measurement, and the
 output says so.
@@ -175,23 +176,24 @@ TEST_SETS = {
 }
 
 
-def experiment_yaml(task: Task, seed: int, overrides: dict[str, Any]) -> str:
+def experiment_yaml(task: Task, seed: int, overrides: dict[str, Any],
+                    data: dict[str, Any] | None = None) -> str:
     """The experiment file: the task's samples, ``data.seed``, the SmolLM2 recipe, ``deploy:
-    auto``; no overrides unless plumbing or a dev lever (else every plan value the
-    planner's), eval settings the defaults."""
+    auto``; no overrides and no other ``data`` settings unless plumbing or a dev lever (else
+    every plan value the planner's), eval settings the defaults."""
     import yaml
 
     body: dict[str, Any] = {
         "name": task.experiment,
         "description": task.description,
-        "data": {"where": f"tags['project'] = '{task.project}'", "seed": seed},
+        "data": {"where": f"tags['project'] = '{task.project}'", "seed": seed, **(data or {})},
         "recipe": RECIPE,
         "deploy": "auto",
     }
     if overrides:
         body["overrides"] = overrides
     head = ("# Written by bench/calibration.py: "
-            + ("planner defaults, no overrides.\n" if not overrides
+            + ("planner defaults, no overrides.\n" if not overrides and not data
                else "overrides (plumbing, or a lever on the dev split), not a test figure.\n"))
     return head + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
 
@@ -519,7 +521,7 @@ def run_one(task: Task, seed: int, args: argparse.Namespace, home: Path) -> dict
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in logged),
                     encoding="utf-8")
     (experiments / f"{task.experiment}.yaml").write_text(
-        experiment_yaml(task, seed, args.overrides), encoding="utf-8")
+        experiment_yaml(task, seed, args.overrides, args.data), encoding="utf-8")
 
     code, out, secs = run_cli(["ingest", str(path), "--tag", f"project={task.project}"], env)
     row["ingest"] = {**last_json(out), "seconds": round(secs, 1)}
@@ -672,6 +674,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="plan overrides as JSON, with --plumbing or --split dev (a lever "
                              "measured on dev; default with --plumbing "
                              f"{json.dumps(PLUMBING_OVERRIDES)})")
+    parser.add_argument("--data", type=json.loads, default=None,
+                        help="experiment data settings as JSON merged into its data section, "
+                             "with --plumbing or --split dev (a lever measured on dev, e.g. "
+                             "'{\"balance\": \"language\"}')")
     parser.add_argument("--sets", default=None,
                         type=lambda v: [x for x in v.split(",") if x],
                         help="held-out sets to score besides each task's primary one (default: "
@@ -697,6 +703,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overrides is not None and not args.plumbing and args.split != "dev":
         parser.error("--overrides: only with --plumbing or --split dev (a test score is of "
                      "planner defaults)")
+    if args.data is not None and not args.plumbing and args.split != "dev":
+        parser.error("--data: only with --plumbing or --split dev (a test score is of "
+                     "planner defaults)")
+    if args.data is not None and (not isinstance(args.data, dict)
+                                  or {"where", "seed"} & set(args.data)):
+        parser.error("--data: a JSON object of data settings other than where and seed")
     if args.plumbing:
         args.overrides = PLUMBING_OVERRIDES if args.overrides is None else args.overrides
     elif args.overrides is None:
@@ -711,8 +723,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = (args.home or Path(tempfile.mkdtemp(prefix="factory-bench-calibration-"))).absolute()
     mode = ("PLUMBING: tiny plan " + json.dumps(args.overrides) + ", NOT a measurement"
             if args.plumbing else
-            "DEV: plan overrides " + json.dumps(args.overrides) + " (a lever measured on the dev "
-            "split; nothing recorded)" if args.overrides else
+            "DEV: plan overrides " + json.dumps(args.overrides) + ", data "
+            + json.dumps(args.data or {}) + " (a lever measured on the dev split; nothing "
+            "recorded)" if args.overrides or args.data else
             "planner defaults: no overrides; nothing chosen on the test "
             "sets, each scored once per run for the deployment and the base model")
     header = {"bench": "calibration", "mode": mode, "split": args.split,

@@ -26,6 +26,10 @@ def test_experiment_file_has_planner_defaults_and_the_seed(task: str) -> None:
     plumbing = parse_experiment(cal.experiment_yaml(spec, 0, cal.PLUMBING_OVERRIDES),
                                 Path("p.yaml"))
     assert plumbing.overrides == cal.PLUMBING_OVERRIDES
+    lever = parse_experiment(cal.experiment_yaml(spec, 1, {}, {"balance": "language"}),
+                             Path("l.yaml"))
+    assert lever.data.balance is not None and lever.data.balance.by == "language"
+    assert lever.data.seed == 1 and lever.data.where == exp.data.where
 
 
 def test_clinc_test_set_has_every_intent_and_no_training_query() -> None:
@@ -166,6 +170,8 @@ def test_dev_split_draws_other_requests_and_clinc_uses_its_validation_split() ->
                                   ["--overrides", '{"num_steps": 4}'],
                                   ["--overrides", '{"num_steps": 4}', "--split", "test"],
                                   ["--overrides", "[4]", "--split", "dev"],
+                                  ["--data", '{"balance": "language"}'],
+                                  ["--data", '{"seed": 3}', "--split", "dev"],
                                   ["--tasks", "triage,nope"],
                                   ["--sets", "disjoint,nope"]])
 def test_refuses_a_plumbing_test_score_overrides_and_unknown_tasks_or_sets(argv: list[str]) -> None:
