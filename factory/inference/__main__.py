@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lookup-tokens", type=int, default=None, metavar="N",
                         help="draft tokens a greedy request served alone checks a forward pass "
                              "(prompt lookup; 0: one token a pass; default 3)")
+    parser.add_argument("--recent-lookup-tokens", type=int, default=None, metavar="N",
+                        help="draft tokens a greedy request served alone takes from the "
+                             "model's recent completions first (0: the prompt's only; "
+                             "default 8)")
     parser.add_argument("--merge-adapters", action=argparse.BooleanOptionalAction, default=True,
                         help="add the served adapter's weights into the base's while its "
                              "requests follow each other (float32; on by default)")
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from factory.inference.engine import (
         PROMPT_LOOKUP_TOKENS,
+        RECENT_LOOKUP_TOKENS,
         Engine,
         EngineError,
         bf16_linears_available,
@@ -111,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                         prompt_lookup_tokens=(PROMPT_LOOKUP_TOKENS
                                               if args.prompt_lookup_tokens is None
                                               else args.prompt_lookup_tokens),
+                        recent_lookup_tokens=(RECENT_LOOKUP_TOKENS
+                                              if args.recent_lookup_tokens is None
+                                              else args.recent_lookup_tokens),
                         merge_adapters=args.merge_adapters,
                         bf16_linears=args.bf16_linears == "on" or (
                             args.bf16_linears == "auto" and args.dtype == "float32"

@@ -1,6 +1,7 @@
 """Prompt lookup decoding in the CPU engine: a greedy request served alone checks drafted tokens
-several a forward pass and answers the tokens one-a-pass decoding gives, through constraints,
-log-probs, stop strings and budgets; sampled requests and batches decode one token a pass."""
+(from the model's recent completions, else from its own text) several a forward pass and
+answers the tokens one-a-pass decoding gives, through constraints, log-probs, stop strings and
+budgets; sampled requests and batches decode one token a pass."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ import pytest
 from factory.inference import InferenceServer
 from factory.inference import engine as engine_module
 from factory.inference.constrain import ChoiceConstraint
-from factory.inference.engine import Engine, GenerationRequest, LookupStats, _lookup
+from factory.inference.engine import (
+    RECENT_LOOKUP_TOKENS,
+    Engine,
+    GenerationRequest,
+    LookupStats,
+    _lookup,
+    _recent_lookup,
+)
 from factory.tasks.agent_orders import TOOLS, generate_heldout
 from tests.inference.conftest import train_adapter
 from tests.inference.test_prefix_cache import _metric
@@ -36,6 +44,21 @@ def test_the_draft_follows_the_latest_earlier_occurrence_of_the_last_tokens() ->
     assert _lookup([4, 4], 3) == [4, 4, 4]
     assert _lookup([1, 2, 1], 0) == []
     assert _lookup([7], 5) == []
+
+
+def test_recent_completions_draft_what_followed_the_answer_s_last_tokens() -> None:
+    older, newer = [1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8]
+    # the newest completion holding the last two tokens (2 3) drafts what followed them there
+    assert _recent_lookup([5, 2, 3], [older, newer], 4) == [7, 8]
+    # a longer run of last tokens held by a completion, at its first occurrence there
+    assert _recent_lookup([1, 2, 3], [older], 2) == [4, 5]
+    assert _recent_lookup([8, 1, 2], [[1, 2, 7, 8, 1, 2, 9]], 3) == [9]  # 8 1 2: the longer
+    assert _recent_lookup([0, 1, 2], [[1, 2, 7, 8, 1, 2, 9]], 3) == [7, 8, 1]  # the first
+    assert _recent_lookup([4, 5], [older, newer], 8) == [6]  # only the older one holds 4 5
+    assert _recent_lookup([0, 3], [older, newer], 4) == []  # one token alone (3) drafts nothing
+    assert _recent_lookup([2, 3], [older, newer], 0) == []
+    assert _recent_lookup([3], [older], 4) == [] and _recent_lookup([2, 3], [], 4) == []
+    assert _recent_lookup([5, 6], [older], 4) == []  # nothing followed it
 
 
 class _Passes:
@@ -115,6 +138,7 @@ def test_drafts_cut_short_leave_the_answer_as_it_was(tiny: tuple[Engine, Engine]
         return [*want[done:done + 2], wrong, wrong][:most]
 
     monkeypatch.setattr(engine_module, "_lookup", oracle)
+    monkeypatch.setattr(engine_module, "_recent_lookup", lambda *_: [])
     before = replace(lookup.lookup_stats)
     counter = _Passes(lookup)
     try:
@@ -159,6 +183,40 @@ def test_stops_budgets_constraints_and_streams_are_kept(tiny: tuple[Engine, Engi
                                     constraint=ChoiceConstraint(choices, plain.tokenizer_for("base"),
                                                                 plain.stop_token_ids("base")))])[0]
     assert got.token_ids == want.token_ids and got.text in choices
+
+
+def test_an_answer_given_before_is_drafted_from_it_until_the_model_is_reloaded(
+        tiny_model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """The same request again: its first answer drafts RECENT_LOOKUP_TOKENS a pass, every one
+    taken; the same tokens. Loading another adapter under the name forgets its completions."""
+    lookup = Engine(tiny_model_dir, served_model_name="base", prompt_lookup_tokens=3)
+    first = lookup.generate([_request(lookup, "base", "Where is order 1042?",
+                                      max_tokens=40)])[0].token_ids
+    assert len(first) == 40  # the random model does not stop
+    before = replace(lookup.lookup_stats)
+    counter = _Passes(lookup)
+    try:
+        again = lookup.generate([_request(lookup, "base", "Where is order 1042?",
+                                          max_tokens=40)])[0].token_ids
+    finally:
+        counter.close()
+    assert again == first
+    # the prompt's pass gives the first token; the second token has no run of 2 yet to match,
+    # then each pass takes 8 drafted tokens and chooses one more
+    assert lookup.lookup_stats.accepted_tokens - before.accepted_tokens >= 40 - 2 - 4
+    assert counter.calls <= 2 + -(-(40 - 2) // (RECENT_LOOKUP_TOKENS + 1)) + 1
+    assert lookup._recent["base"][-1] == again
+    lookup.load_adapter("a", adapter_dirs["good"])
+    lookup.generate([_request(lookup, "a", "Where is order 1042?", max_tokens=5)])
+    assert len(lookup._recent["a"]) == 1
+    lookup.unload_adapter("a")
+    assert "a" not in lookup._recent and len(lookup._recent["base"]) == 2
+    for off in (Engine(tiny_model_dir, served_model_name="base", prompt_lookup_tokens=0),
+                Engine(tiny_model_dir, served_model_name="base", recent_lookup_tokens=0)):
+        off.generate([_request(off, "base", "Where is order 1042?", max_tokens=5)])
+        assert off._recent == {}  # no drafts from completions: nothing kept
+    with pytest.raises(ValueError, match="recent_lookup_tokens: must be >= 0"):
+        Engine(tiny_model_dir, recent_lookup_tokens=-1)
 
 
 def test_sampled_requests_and_batches_decode_a_token_a_pass(
