@@ -48,7 +48,7 @@ import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -137,13 +137,17 @@ class DataSpec:
     ``num_epochs`` counts passes over it); empty: the experiment's training set alone."""
     synthesize: SynthesizeSpec | None = None
     """Synthetic samples for the thin slices from a teacher; None: traffic only."""
-    balance: BalanceSpec | None = None
-    """Draw the traffic's groups (its languages) closer to even than their counts; None: as
-    the traffic has them."""
+    balance: BalanceSpec | None = field(default_factory=lambda: BalanceSpec(auto=True))
+    """Draw the traffic's groups (its languages) closer to even than their counts. Left out:
+    the planner's default (``BalanceSpec.auto``: by language where the traffic's languages are
+    skewed); ``balance: none``: as the traffic has them (None)."""
 
 
 BALANCE_BY: tuple[str, ...] = ("language",)
 """Dataset columns ``data.balance`` can group the traffic by."""
+
+BALANCE_OFF: tuple[Any, ...] = ("none", False)
+"""``data.balance`` values that turn the planner's default balance off."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +163,10 @@ class BalanceSpec:
     ``und`` when unsure)."""
     alpha: float = 0.5
     """Exponent of the group's count, in [0, 1]."""
+    auto: bool = False
+    """The planner's default, not the file's: balance only where the traffic's groups are
+    skewed (``factory.planner.plan.balanced_mix``: at least two languages of some size, the
+    largest at least ``AUTO_BALANCE_SKEW`` times the smallest); else as the traffic has them."""
 
 
 MIX_KINDS: tuple[str, ...] = ("traffic", "synthetic", "experiment:<name>", "file:<path>")
@@ -515,12 +523,15 @@ _SYNTHESIZE = _spec(SynthesizeSpec, {
 
 _BALANCE_EXAMPLE = "a column such as language, or {by: language, alpha: 0.5}"
 _BALANCE = {
-    "if": {"type": "string"},
-    "then": {"enum": list(BALANCE_BY), "x-allowed": ", ".join(BALANCE_BY)},
+    "if": {"type": ["string", "boolean"]},
+    "then": {"enum": [*BALANCE_BY, *BALANCE_OFF],
+             "x-allowed": ", ".join(BALANCE_BY) + ", or none (as the traffic has them)"},
     "else": _spec(BalanceSpec, {
         "by": {"enum": list(BALANCE_BY), "x-allowed": ", ".join(BALANCE_BY)},
         "alpha": _num("minimum", 0, "maximum", 1, allowed="a number in [0, 1] (1 keeps the "
                       "traffic's shares, 0 draws every group equally)"),
+        "auto": {"enum": [False], "x-allowed": "false (leave balance out for the planner's "
+                                               "default)"},
     }, allowed=_BALANCE_EXAMPLE),
 }
 
@@ -806,7 +817,9 @@ def _parse_data(ctx: _Ctx, raw: Mapping[str, Any] | None) -> DataSpec:
         kw["drop"] = tuple(dict.fromkeys(kw["drop"]))
     if "mix" in raw:
         kw["mix"] = _parse_mix(ctx, raw["mix"])
-    if raw.get("balance") is not None:
+    if raw.get("balance") in BALANCE_OFF:
+        kw["balance"] = None
+    elif raw.get("balance") is not None:
         balance = raw["balance"]
         kw["balance"] = BalanceSpec(**_floats(BalanceSpec, {"by": balance}
                                               if isinstance(balance, str) else balance))

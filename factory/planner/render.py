@@ -132,7 +132,10 @@ def experiment_card(experiment: Experiment, recipe: Recipe, plans: Sequence[Plan
     if data.mix:
         out.append("- Mixture (relative weights): "
                    + ", ".join(f"`{m.source}` {m.weight:g}" for m in data.mix))
-    if data.balance is not None:
+    if data.balance is not None and data.balance.auto:
+        out.append(f"- Traffic balanced by {data.balance.by} where skewed (the planner's "
+                   f"default; `balance: none` draws it as it is)")
+    elif data.balance is not None:
         out.append(f"- Traffic balanced by {data.balance.by}: each drawn by count ** "
                    f"{data.balance.alpha:g} (samples of no known {data.balance.by} at their "
                    f"own share)")

@@ -81,7 +81,7 @@ def profile_version(lake: Any, experiment: str) -> str | None:
 
 def mix_rows(experiment: Experiment, lake: Any) -> dict[str, int]:
     """Rows of each ``data.mix`` source of ``experiment``, and of each group of its traffic
-    under ``data.balance`` (empty with neither)."""
+    under ``data.balance`` (the planner's default included; empty with neither)."""
     data = experiment.data
     if not data.mix and data.balance is None:
         return {}

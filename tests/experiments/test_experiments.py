@@ -221,7 +221,10 @@ def test_data_balance_groups_the_traffic(tmp_path: Path) -> None:
     assert short.data.balance == BalanceSpec(by="language", alpha=0.5)
     full = load_experiment(_write(tmp_path, head + "  balance: {by: language, alpha: 0.3}\n"))
     assert full.data.balance == BalanceSpec(by="language", alpha=0.3)
-    assert load_experiment(_write(tmp_path, GOOD)).data.balance is None
+    # Left out: the planner's default (balanced where the languages are skewed); none: off.
+    assert load_experiment(_write(tmp_path, GOOD)).data.balance == BalanceSpec(auto=True)
+    assert load_experiment(_write(tmp_path, head + "  balance: none\n")).data.balance is None
+    assert load_experiment(_write(tmp_path, head + "  balance: false\n")).data.balance is None
 
 
 @pytest.mark.parametrize(("bad", "expected"), [
@@ -230,6 +233,8 @@ def test_data_balance_groups_the_traffic(tmp_path: Path) -> None:
                                               r"number in \[0, 1\]"),
     ("  balance: {by: language, temprature: 2}\n", r"data.balance.temprature"),
     ("  balance: [language]\n", r":4: data.balance: got \['language'\]; allowed: a column"),
+    ("  balance: never\n", r":4: data.balance: got 'never'; allowed: language, or none"),
+    ("  balance: {by: language, auto: true}\n", r":4: data.balance.auto: got True"),
     ("  balance: language\n  mix: {synthetic: 1, \"experiment:other\": 1}\n",
      r"data.balance: balance splits the traffic into groups, and data.mix does not name"),
 ])

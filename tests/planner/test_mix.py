@@ -86,3 +86,46 @@ def test_balance_leaves_samples_of_no_known_language_at_their_share() -> None:
     # 50 of 800 rows stay 6.25% of the draws; the languages split the rest evenly.
     assert shares == {"traffic[language=en]": 0.4688, "traffic[language=fr]": 0.4688,
                       "traffic[language=und]": 0.0625}
+
+
+AGENT_ROWS = {"traffic[language=en]": 384, "traffic[language=es]": 72,
+              "traffic[language=de]": 72, "traffic[language=fr]": 72}
+"""The agent task's training traffic: 64% English, 12% each Spanish, German and French."""
+
+
+def test_the_planner_balances_skewed_languages_unless_the_file_says_none() -> None:
+    auto = make_plan(experiment(), profile(), source_rows=AGENT_ROWS)
+    explicit = make_plan(experiment(data={"balance": "language"}), profile(),
+                         source_rows=AGENT_ROWS)
+    shares = {m["source"]: m["share"] for m in auto.mix}
+    assert shares == {m["source"]: m["share"] for m in explicit.mix}
+    assert shares["traffic[language=en]"] == pytest.approx(0.435, abs=0.001)
+    note = next(n for n in auto.notes if n.startswith("traffic balanced by language"))
+    assert "en 384, de 72, es 72, fr 72 rows" in note and "data.balance: none" in note
+    off = make_plan(experiment(data={"balance": "none"}), profile(), source_rows=AGENT_ROWS)
+    assert off.mix == [] and not any("balanced" in n for n in off.notes)
+    assert make_plan(experiment(data={"balance": False}), profile(),
+                     source_rows=AGENT_ROWS).mix == []
+
+
+@pytest.mark.parametrize("rows", [
+    # English with a few queries guessed as other languages (CLINC150: 16 of 15,000 French).
+    {"traffic[language=en]": 1450, "traffic[language=fr]": 30, "traffic[language=und]": 40},
+    # Two languages, less than 2x apart.
+    {"traffic[language=en]": 300, "traffic[language=fr]": 200},
+    # One language; no counts at all (a plan before the dataset exists).
+    {"traffic[language=en]": 500}, {}])
+def test_the_planner_leaves_traffic_as_it_is_where_languages_are_not_skewed(
+        rows: dict[str, int]) -> None:
+    plan = make_plan(experiment(), profile(), source_rows=rows)
+    assert plan.mix == [] and not any("balance" in n for n in plan.notes)
+
+
+def test_the_default_balance_keeps_small_languages_at_their_share() -> None:
+    rows = {**AGENT_ROWS, "traffic[language=nl]": 6, "traffic[language=und]": 20}
+    shares = {m["source"]: m["share"]
+              for m in make_plan(experiment(), profile(), source_rows=rows).mix}
+    total = sum(rows.values())
+    assert shares["traffic[language=nl]"] == pytest.approx(6 / total, abs=1e-4)
+    assert shares["traffic[language=und]"] == pytest.approx(20 / total, abs=1e-4)
+    assert shares["traffic[language=fr]"] == shares["traffic[language=de]"] > 0.17
