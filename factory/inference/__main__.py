@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16-linears", default="off", choices=["auto", "on", "off"],
                         help="generate with the linear layers' weights packed in bf16 (float32 "
                              "only; auto: where the CPU computes bf16 natively; off by default: "
-                             "bench/serving.py measured p50 0.87x, throughput at 4 clients "
-                             "0.90x, +0.35 GiB)")
+                             "bench/serving.py measured p50 0.78-0.87x, throughput at 4 "
+                             "clients 0.90-1.19x in two runs, +0.35-0.44 GiB)")
     args = parser.parse_args(argv)
 
     try:
