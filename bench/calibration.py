@@ -700,12 +700,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"(known: {', '.join(TEST_SETS)})")
     if args.split is None:
         args.split = "dev" if args.plumbing else "test"
-    if args.overrides is not None and not args.plumbing and args.split != "dev":
-        parser.error("--overrides: only with --plumbing or --split dev (a test score is of "
-                     "planner defaults)")
-    if args.data is not None and not args.plumbing and args.split != "dev":
-        parser.error("--data: only with --plumbing or --split dev (a test score is of "
-                     "planner defaults)")
+    for flag, lever in (("--overrides", args.overrides), ("--data", args.data)):
+        if lever is not None and not args.plumbing and args.split != "dev":
+            parser.error(f"{flag}: only with --plumbing or --split dev (a test score is of "
+                         "planner defaults)")
     if args.data is not None and (not isinstance(args.data, dict)
                                   or {"where", "seed"} & set(args.data)):
         parser.error("--data: a JSON object of data settings other than where and seed")

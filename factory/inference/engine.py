@@ -580,8 +580,7 @@ class Engine:
             self.adapters[name] = str(p)
             self.adapter_tokenizers[name] = tok
             self._tokenizer_digests[name] = digest
-            self.prefix_cache.drop(name)  # a name served before computed other keys and values
-            self._recent.pop(name, None)
+            self._forget(name)  # a name served before computed other keys and answers
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
@@ -601,8 +600,13 @@ class Engine:
             del self._token_rows[name]
             del self.adapter_tokenizers[name]
             del self._tokenizer_digests[name]
-            self.prefix_cache.drop(name)
-            self._recent.pop(name, None)
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        """Drop what was computed for the model served as ``name``: its cached prompts' keys
+        and values and its recent completions (the drafts)."""
+        self.prefix_cache.drop(name)
+        self._recent.pop(name, None)
 
     def _new_cache(self) -> DynamicCache:
         """An empty KV cache of the layer kinds the model's config names."""
